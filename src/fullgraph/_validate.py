@@ -1,0 +1,94 @@
+"""Shared input checks. Each raises before any kernel runs, naming the argument,
+what was expected and what came."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    return f"{type(value).__name__} {value!r}"
+
+
+def tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {_describe(value)}")
+    return value
+
+
+def floating(name: str, value) -> torch.Tensor:
+    """A floating-point tensor (float16, bfloat16, float32 or float64)."""
+    tensor(name, value)
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating-point tensor, got {value.dtype}")
+    return value
+
+
+def rank(name: str, value: torch.Tensor, ranks: tuple[int, ...], layout: str) -> torch.Tensor:
+    if value.dim() not in ranks:
+        raise ValueError(
+            f"{name}: expected shape {layout}, got {value.dim()} dimensions {tuple(value.shape)}"
+        )
+    return value
+
+
+def same_dtype_and_device(name: str, value: torch.Tensor, other_name: str, other: torch.Tensor):
+    if value.device != other.device:
+        raise ValueError(
+            f"{name}: expected a tensor on {other.device} like {other_name}, got {value.device}"
+        )
+    if value.dtype != other.dtype:
+        raise TypeError(f"{name}: expected {other.dtype} like {other_name}, got {value.dtype}")
+
+
+def integer(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int, got {_describe(value)}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    return int(value)
+
+
+def real(name: str, value, *, minimum: float, strict: bool) -> float:
+    """A finite Python number, > minimum when ``strict`` else >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float, got {_describe(value)}")
+    value = float(value)
+    below = value <= minimum if strict else value < minimum
+    if not math.isfinite(value) or below:
+        bound = ">" if strict else ">="
+        raise ValueError(f"{name}: expected a finite float {bound} {minimum}, got {value}")
+    return value
+
+
+def choice(name: str, value, options) -> str:
+    if value not in options:
+        raise ValueError(f"{name}: expected one of {sorted(options)}, got {value!r}")
+    return value
+
+
+def lengths(name: str, value, batch: int, maximum: int, device: torch.device) -> torch.Tensor:
+    """Valid-prefix lengths: an int64 tensor of shape (batch,) with values in [0, maximum].
+
+    The value range is checked in eager mode only: reading values would force a host
+    synchronization (and a graph break) under torch.compile. Kernels clamp regardless.
+    """
+    tensor(name, value)
+    if value.dtype != torch.int64:
+        raise TypeError(f"{name}: expected an int64 tensor, got {value.dtype}")
+    if value.shape != (batch,):
+        raise ValueError(f"{name}: expected shape ({batch},), got {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
+    if not torch.compiler.is_compiling() and value.numel() > 0:
+        low, high = int(value.min()), int(value.max())
+        if low < 0 or high > maximum:
+            raise ValueError(
+                f"{name}: expected values in [0, {maximum}], got values in [{low}, {high}]"
+            )
+    return value

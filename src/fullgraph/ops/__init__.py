@@ -1,0 +1,1 @@
+"""Operator families, one package or module each; importing registers torch.ops.fullgraph."""

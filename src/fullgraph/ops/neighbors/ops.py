@@ -1,0 +1,260 @@
+"""The neighbour operators under ``torch.ops.fullgraph``: schemas, fake kernels, autograd.
+
+Each op takes a resolved backend name and runs that backend's search; the maths that
+turns neighbours into aggregated features and gradients lives in ``reference`` and is
+shared. Backward functions are themselves operators, so they compile too.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import cpu, reference
+
+BACKENDS = {"torch": reference, "cpu": cpu}
+
+Tensor = torch.Tensor
+OptionalTensor = torch.Tensor | None
+
+
+def _flat(points: Tensor) -> Tensor:
+    return points.reshape(-1, points.shape[-1])
+
+
+# --------------------------------------------------------------------------- search
+
+
+@torch.library.custom_op("fullgraph::knn", mutates_args=())
+def knn_op(
+    query: Tensor, ref: Tensor, k: int, query_lengths: OptionalTensor, ref_lengths: OptionalTensor,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    dists, idx, _ = BACKENDS[backend].nearest(
+        query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths
+    )
+    return dists, idx
+
+
+@knn_op.register_fake
+def _(query, ref, k, query_lengths, ref_lengths, backend):
+    batch, rows = query.shape[:2]
+    return query.new_empty((batch, rows, k)), query.new_empty((batch, rows, k), dtype=torch.int64)
+
+
+@torch.library.custom_op("fullgraph::radius", mutates_args=())
+def radius_op(
+    query: Tensor, ref: Tensor, radius: float, max_neighbors: int, query_lengths: OptionalTensor,
+    ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return BACKENDS[backend].nearest(
+        query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths
+    )
+
+
+@radius_op.register_fake
+def _(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend):
+    batch, rows = query.shape[:2]
+    shape = (batch, rows, max_neighbors)
+    return (
+        query.new_empty(shape),
+        query.new_empty(shape, dtype=torch.int64),
+        query.new_empty((batch, rows), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("fullgraph::distances_backward", mutates_args=())
+def distances_backward_op(
+    grad_dists: Tensor, query: Tensor, ref: Tensor, idx: Tensor, dists: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Gradient of neighbour distances [B, M, k] with respect to query and ref."""
+    batch, rows, columns = query.shape[0], query.shape[1], ref.shape[1]
+    qi, rj, slot = reference.neighbor_pairs(idx)
+    rj = reference.flat_ref_rows(rj, qi, rows, columns)
+    acc = reference.accumulation_dtype(query.dtype)
+    d = dists.reshape(-1)[slot].to(acc)
+    # Recomputed in full precision: the saved distances may be rounded to bf16/fp16.
+    exact = reference.pair_distances(_flat(query)[qi], _flat(ref)[rj])
+    d = torch.where(torch.isfinite(d), exact, d)
+    grad_query, grad_ref = reference.distances_backward_pairs(
+        grad_dists.reshape(-1)[slot], _flat(query), _flat(ref), qi, rj, d
+    )
+    return grad_query.reshape(query.shape).to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
+
+
+@distances_backward_op.register_fake
+def _(grad_dists, query, ref, idx, dists):
+    return torch.empty_like(query), torch.empty_like(ref)
+
+
+def _save_search(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
+
+
+def _search_backward(ctx, grad_dists, *unused):
+    query, ref, idx, dists = ctx.saved_tensors
+    if grad_dists is None:
+        return (None,) * 7
+    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists)
+    return (grad_query, grad_ref) + (None,) * 5
+
+
+knn_op.register_autograd(lambda ctx, g_dists, g_idx: _search_backward(ctx, g_dists)[:6],
+                         setup_context=_save_search)
+radius_op.register_autograd(lambda ctx, g_dists, g_idx, g_counts: _search_backward(ctx, g_dists),
+                            setup_context=_save_search)
+
+
+# ----------------------------------------------------------------------- aggregation
+
+
+def _knn_chunks(idx: Tensor, columns: int, width: int):
+    """Bounded chunks of the [B*M] query rows of neighbour lists idx [B, M, k].
+
+    Yields (rows, qi, rj, slot): qi local to the chunk, rj rows of the flat [B*N]
+    reference, slot entries of the flat [B*M*k] lists; padded entries are dropped.
+    """
+    batch, rows, k = idx.shape
+    flat = idx.reshape(batch * rows, k)
+    item = torch.arange(batch * rows, device=idx.device) // rows
+    for chunk in reference.query_chunks(batch * rows, k, width):
+        qi, rj, slot = reference.neighbor_pairs(flat[None, chunk])
+        yield chunk, qi, rj + item[chunk][qi] * columns, slot + chunk.start * k
+
+
+@torch.library.custom_op("fullgraph::knn_aggregate", mutates_args=())
+def knn_aggregate_op(
+    query: Tensor, ref: Tensor, features: Tensor, k: int, sigma: float, query_lengths: OptionalTensor,
+    ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward."""
+    dists, idx, _ = BACKENDS[backend].nearest(
+        query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths
+    )
+    acc = reference.accumulation_dtype(query.dtype)
+    flat_features, flat_dists = _flat(features), dists.reshape(-1).to(acc)
+    out = torch.empty((idx.shape[0] * idx.shape[1], features.shape[-1]), dtype=acc, device=query.device)
+    for rows, qi, rj, slot in _knn_chunks(idx, ref.shape[1], features.shape[-1]):
+        out[rows] = reference.aggregate_pairs(
+            flat_features, qi, rj, flat_dists[slot], sigma, rows.stop - rows.start
+        )
+    return out.reshape(*query.shape[:2], features.shape[-1]).to(features.dtype), dists, idx
+
+
+@knn_aggregate_op.register_fake
+def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend):
+    batch, rows = query.shape[:2]
+    return (
+        features.new_empty((batch, rows, features.shape[-1])),
+        query.new_empty((batch, rows, k)),
+        query.new_empty((batch, rows, k), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("fullgraph::knn_aggregate_backward", mutates_args=())
+def knn_aggregate_backward_op(
+    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float
+) -> tuple[Tensor, Tensor]:
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    acc = reference.accumulation_dtype(features.dtype)
+    flat_features, flat_dists = _flat(features), dists.reshape(-1).to(acc)
+    flat_grad, flat_out = _flat(grad_out), _flat(out)
+    grad_dists = torch.zeros(dists.numel(), dtype=acc, device=dists.device)
+    grad_features = torch.zeros(flat_features.shape, dtype=acc, device=features.device)
+    for rows, qi, rj, slot in _knn_chunks(idx, features.shape[1], features.shape[-1]):
+        grad_d, grad_f = reference.aggregate_pairs_backward(
+            flat_grad[rows], flat_features, flat_out[rows], qi, rj, flat_dists[slot], sigma
+        )
+        grad_dists[slot] = grad_d
+        grad_features += grad_f
+    return grad_dists.reshape(dists.shape).to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
+
+
+@knn_aggregate_backward_op.register_fake
+def _(grad_out, features, out, dists, idx, sigma):
+    return torch.empty_like(dists), torch.empty_like(features)
+
+
+def _knn_aggregate_setup(ctx, inputs, output):
+    query, ref, features, k, sigma = inputs[:5]
+    out, dists, idx = output
+    ctx.sigma = sigma
+    ctx.save_for_backward(query, ref, features, out, dists, idx)
+
+
+def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
+    query, ref, features, out, dists, idx = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 8
+    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma)
+    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists)
+    return grad_query, grad_ref, grad_features, None, None, None, None, None
+
+
+knn_aggregate_op.register_autograd(_knn_aggregate_backward, setup_context=_knn_aggregate_setup)
+
+
+@torch.library.custom_op("fullgraph::radius_aggregate", mutates_args=())
+def radius_aggregate_op(
+    query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
+    query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+) -> Tensor:
+    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
+    acc = reference.accumulation_dtype(query.dtype)
+    out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc, device=query.device)
+    pairs = BACKENDS[backend].radius_pairs(query, ref, radius, query_lengths, ref_lengths)
+    for b, rows, qi, rj, d in pairs:
+        block = out[b, rows]
+        block += reference.aggregate_pairs(features[b], qi, rj, d, sigma, block.shape[0])
+    return out.to(features.dtype)
+
+
+@radius_aggregate_op.register_fake
+def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend):
+    return features.new_empty((*query.shape[:2], features.shape[-1]))
+
+
+@torch.library.custom_op("fullgraph::radius_aggregate_backward", mutates_args=())
+def radius_aggregate_backward_op(
+    grad_out: Tensor, query: Tensor, ref: Tensor, features: Tensor, out: Tensor, radius: float,
+    sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk."""
+    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
+    acc = reference.accumulation_dtype(query.dtype)
+    grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (query, ref, features)]
+    grad_query, grad_ref, grad_features = grads
+    pairs = BACKENDS[backend].radius_pairs(query, ref, radius, query_lengths, ref_lengths)
+    for b, rows, qi, rj, d in pairs:
+        grad_d, grad_f = reference.aggregate_pairs_backward(
+            grad_out[b, rows], features[b], out[b, rows], qi, rj, d, sigma
+        )
+        grad_features[b] += grad_f
+        grad_q, grad_r = reference.distances_backward_pairs(grad_d, query[b, rows], ref[b], qi, rj, d)
+        grad_query[b, rows] += grad_q
+        grad_ref[b] += grad_r
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (query, ref, features)))
+
+
+@radius_aggregate_backward_op.register_fake
+def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend):
+    return torch.empty_like(query), torch.empty_like(ref), torch.empty_like(features)
+
+
+def _radius_aggregate_setup(ctx, inputs, output):
+    query, ref, features, radius, sigma, query_lengths, ref_lengths, backend = inputs
+    ctx.params = (radius, sigma)
+    ctx.backend = backend
+    ctx.save_for_backward(query, ref, features, output, query_lengths, ref_lengths)
+
+
+def _radius_aggregate_backward(ctx, grad_out):
+    query, ref, features, out, query_lengths, ref_lengths = ctx.saved_tensors
+    grads = radius_aggregate_backward_op(
+        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend
+    )
+    return (*grads, None, None, None, None, None)
+
+
+radius_aggregate_op.register_autograd(_radius_aggregate_backward, setup_context=_radius_aggregate_setup)

@@ -1,0 +1,202 @@
+"""Plain-PyTorch reference for the neighbour operators, memory-bounded.
+
+Every backend is tested against these functions. They work on any device, process the
+queries in chunks so that no block holds more than ``BLOCK_BYTES``, and never build the
+full M x N distance matrix of a large problem.
+
+Conventions shared by all backends (batched layout, after ``api`` added the batch dim):
+    query: [B, M, D], ref: [B, N, D], lengths: [B] int64 (valid prefix of each item).
+A point with a non-finite coordinate, or beyond its item's length, is invalid: an invalid
+reference is never a neighbour, an invalid query has none. Distances are computed as
+``sqrt(sum((q - r)**2))`` in float32 (float64 for float64 inputs), ties broken by index.
+The aggregation helpers work on *pairs*: flat query rows ``qi``, flat reference rows
+``rj`` and their distances ``d``, so that kNN lists and radius balls share one maths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+BLOCK_BYTES = 64 * 2**20
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def query_chunks(rows: int, columns: int, row_width: int) -> Iterator[slice]:
+    """Slices of ``rows`` such that a [chunk, columns, row_width] float64 block fits the budget."""
+    per_row = max(1, columns) * (row_width + 4) * 8
+    step = max(1, BLOCK_BYTES // per_row)
+    for start in range(0, rows, step):
+        yield slice(start, min(start + step, rows))
+
+
+def full_lengths(lengths: torch.Tensor | None, batch: int, size: int, device) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((batch,), size, dtype=torch.int64, device=device)
+    return lengths.clamp(0, size)
+
+
+def valid_points(points: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """[B, L] bool: inside the valid prefix and finite in every coordinate."""
+    batch, size = points.shape[:2]
+    lengths = full_lengths(lengths, batch, size, points.device)
+    inside = torch.arange(size, device=points.device)[None, :] < lengths[:, None]
+    return inside & torch.isfinite(points).all(dim=-1)
+
+
+def pairwise_distances(query: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype."""
+    acc = accumulation_dtype(query.dtype)
+    return torch.linalg.vector_norm(query.to(acc)[:, None, :] - ref.to(acc)[None, :, :], dim=-1)
+
+
+def pair_distances(query: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[P] distances between matching rows of query [P, D] and ref [P, D]; same arithmetic."""
+    acc = accumulation_dtype(query.dtype)
+    return torch.linalg.vector_norm(query.to(acc) - ref.to(acc), dim=-1)
+
+
+def nearest(
+    query: torch.Tensor,
+    ref: torch.Tensor,
+    k: int,
+    radius: float,
+    query_lengths: torch.Tensor | None,
+    ref_lengths: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The k nearest valid references with distance <= radius (inf for plain kNN).
+
+    Returns dists [B, M, k] (input dtype, +inf padded), idx [B, M, k] int64 (-1 padded)
+    and counts [B, M] int64, the number of valid references within the radius.
+    """
+    batch, rows, dim = query.shape
+    columns = ref.shape[1]
+    acc = accumulation_dtype(query.dtype)
+    dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
+    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
+    counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    query_ok = valid_points(query, query_lengths)
+    ref_ok = valid_points(ref, ref_lengths)
+    take = min(k, columns)
+    for b in range(batch):
+        for chunk in query_chunks(rows, columns, dim):
+            d = pairwise_distances(query[b, chunk], ref[b])
+            ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
+            # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
+            d = d.masked_fill(~ok, math.nan)
+            values, order = torch.sort(d, dim=1, stable=True)
+            found = ok.gather(1, order[:, :take])
+            dists[b, chunk, :take] = values[:, :take].masked_fill(~found, math.inf)
+            idx[b, chunk, :take] = order[:, :take].masked_fill(~found, -1)
+            counts[b, chunk] = ok.sum(dim=1)
+    return dists.to(query.dtype), idx, counts
+
+
+def radius_pairs(
+    query: torch.Tensor,
+    ref: torch.Tensor,
+    radius: float,
+    query_lengths: torch.Tensor | None,
+    ref_lengths: torch.Tensor | None,
+) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """All valid pairs within the radius, chunk by chunk of queries.
+
+    Yields (b, rows, qi, rj, d): qi indexes rows of ``query[b, rows]``, rj rows of
+    ``ref[b]``, d [P] their distances in the accumulation dtype.
+    """
+    batch, rows, dim = query.shape
+    columns = ref.shape[1]
+    query_ok = valid_points(query, query_lengths)
+    ref_ok = valid_points(ref, ref_lengths)
+    for b in range(batch):
+        for chunk in query_chunks(rows, columns, dim):
+            d = pairwise_distances(query[b, chunk], ref[b])
+            ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
+            qi, rj = ok.nonzero(as_tuple=True)
+            yield b, chunk, qi, rj, d[qi, rj]
+
+
+def aggregate_pairs(
+    features: torch.Tensor, qi: torch.Tensor, rj: torch.Tensor, d: torch.Tensor, sigma: float, rows: int
+) -> torch.Tensor:
+    """[rows, C]: sum_j w_ij features[j] / sum_j w_ij with w = exp(-(d - min_j d) / sigma).
+
+    Shifting by each row's smallest distance keeps the largest weight at 1, so nothing
+    underflows to 0/0; a row with no pair gets 0.
+    """
+    weights = pair_weights(qi, d, sigma, rows)
+    out = features.new_zeros((rows, features.shape[1]), dtype=d.dtype)
+    out.index_add_(0, qi, weights[:, None] * features[rj].to(d.dtype))
+    return out
+
+
+def pair_weights(qi: torch.Tensor, d: torch.Tensor, sigma: float, rows: int) -> torch.Tensor:
+    """[P] normalized weights p_ij = softmax_j(-d_ij / sigma) within each query row."""
+    shift = d.new_full((rows,), math.inf).scatter_reduce(0, qi, d, "amin")
+    weights = torch.exp(-(d - shift[qi]) / sigma)
+    total = d.new_zeros(rows).index_add_(0, qi, weights)
+    return weights / total[qi]
+
+
+def aggregate_pairs_backward(
+    grad_out: torch.Tensor,
+    features: torch.Tensor,
+    out: torch.Tensor,
+    qi: torch.Tensor,
+    rj: torch.Tensor,
+    d: torch.Tensor,
+    sigma: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``aggregate_pairs``: (grad_d [P], grad_features [N, C] in acc dtype).
+
+    With p the normalized weights and o the output row:
+    d o_i / d F_j = p_ij,  d L / d d_ij = -(p_ij / sigma) * (g_i . F_j - g_i . o_i).
+    """
+    acc = d.dtype
+    grad_out = grad_out.to(acc)
+    weights = pair_weights(qi, d, sigma, grad_out.shape[0])
+    grad_features = torch.zeros(features.shape, dtype=acc, device=features.device)
+    grad_features.index_add_(0, rj, weights[:, None] * grad_out[qi])
+    projected = (grad_out[qi] * features[rj].to(acc)).sum(-1)
+    baseline = (grad_out * out.to(acc)).sum(-1)[qi]
+    grad_d = -(weights / sigma) * (projected - baseline)
+    return grad_d, grad_features
+
+
+def distances_backward_pairs(
+    grad_d: torch.Tensor, query: torch.Tensor, ref: torch.Tensor, qi, rj, d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain d_ij = |q_i - r_j| back to positions: (grad_query [Mq, D], grad_ref [Nr, D]).
+
+    The gradient of a zero or infinite distance is 0 (the norm has no unique direction).
+    """
+    acc = d.dtype
+    usable = (d > 0) & torch.isfinite(d)
+    scale = torch.where(usable, grad_d.to(acc) / torch.where(usable, d, 1), 0)
+    direction = query[qi].to(acc) - ref[rj].to(acc)
+    pull = scale[:, None] * direction
+    grad_query = torch.zeros(query.shape, dtype=acc, device=query.device).index_add_(0, qi, pull)
+    grad_ref = torch.zeros(ref.shape, dtype=acc, device=ref.device).index_add_(0, rj, -pull)
+    return grad_query, grad_ref
+
+
+def neighbor_pairs(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flatten [B, M, k] neighbour lists to pairs over flat rows: (qi, rj, slot).
+
+    qi indexes [B*M] query rows, rj [B*N] reference rows given N via the caller, slot the
+    flat [B*M*k] entry; padded entries (-1) are dropped.
+    """
+    batch, rows, k = idx.shape
+    slot = (idx.reshape(-1) >= 0).nonzero(as_tuple=True)[0]
+    qi = slot // k
+    return qi, idx.reshape(-1)[slot], slot
+
+
+def flat_ref_rows(rj: torch.Tensor, qi: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """Reference indices local to a batch item -> rows of the flattened [B*N] reference."""
+    return rj + (qi // rows) * columns

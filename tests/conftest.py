@@ -1,0 +1,130 @@
+"""Shared fixtures: tolerances, devices, point-cloud distributions, a float64 oracle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+# One table of tolerances per dtype: (rtol, atol) for distances and aggregated features.
+TOLERANCES = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+DISTRIBUTIONS = ["uniform", "normal", "clustered", "duplicates", "planar", "far", "grid"]
+
+
+def tolerance(dtype: torch.dtype) -> dict:
+    rtol, atol = TOLERANCES[dtype]
+    return {"rtol": rtol, "atol": atol}
+
+
+def points(distribution: str, count: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """[count, dim] float64 points of a named distribution; never all zeros."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    def randint(high, *shape):
+        return torch.randint(0, high, shape, generator=generator)
+
+    if distribution == "uniform":
+        return torch.rand(count, dim, generator=generator, dtype=torch.float64)
+    if distribution == "normal":
+        return randn(count, dim)
+    if distribution == "clustered":
+        centers = 3 * randn(4, dim)
+        return centers[randint(4, count)] + 0.05 * randn(count, dim)
+    if distribution == "duplicates":
+        pool = randn(max(1, count // 4), dim)
+        return pool[randint(pool.shape[0], count)]
+    if distribution == "planar":
+        out = randn(count, dim)
+        out[:, -1] = 0.25
+        return out
+    if distribution == "far":
+        out = randn(count, dim)
+        out[randint(2, count).bool()] += 1e4
+        return out
+    if distribution == "grid":
+        return randint(4, count, dim).to(torch.float64) * 0.5
+    raise ValueError(distribution)
+
+
+@pytest.fixture
+def generator() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+def _valid(points: np.ndarray, length: int) -> np.ndarray:
+    ok = np.isfinite(points).all(-1)
+    ok[length:] = False
+    return ok
+
+
+def oracle_distances(query, ref, query_length=None, ref_length=None) -> np.ndarray:
+    """[M, N] float64 brute-force distances, +inf for any invalid pair."""
+    q = query.detach().cpu().double().numpy()
+    r = ref.detach().cpu().double().numpy()
+    d = np.sqrt(((q[:, None, :] - r[None, :, :]) ** 2).sum(-1)) if q.size and r.size else np.zeros((len(q), len(r)))
+    ok = _valid(q, len(q) if query_length is None else query_length)[:, None] & _valid(
+        r, len(r) if ref_length is None else ref_length)[None, :]
+    return np.where(ok, d, np.inf)
+
+
+def oracle_nearest(d: np.ndarray, k: int, radius: float = np.inf):
+    """(dists [M, k], idx [M, k], counts [M]) by (distance, index) order, float64."""
+    within = d <= radius
+    key = np.where(within, d, np.inf)
+    order = np.lexsort((np.broadcast_to(np.arange(d.shape[1]), d.shape), key), axis=-1)[:, :k]
+    dists = np.full((d.shape[0], k), np.inf)
+    idx = np.full((d.shape[0], k), -1, dtype=np.int64)
+    take = order.shape[1]
+    dists[:, :take] = np.take_along_axis(key, order, -1)
+    idx[:, :take] = np.where(np.isfinite(dists[:, :take]), order, -1)
+    return dists, idx, within.sum(-1)
+
+
+def oracle_aggregate(d: np.ndarray, features, mask: np.ndarray, sigma: float) -> np.ndarray:
+    """[M, C]: softmax(-d / sigma) over ``mask`` applied to features, 0 for empty rows."""
+    f = features.detach().cpu().double().numpy()
+    shifted = np.where(mask, d, np.inf)
+    low = np.where(mask.any(-1), shifted.min(-1, initial=np.inf), 0)
+    w = np.where(mask, np.exp(-(np.where(mask, d, 0) - low[:, None]) / sigma), 0)
+    total = w.sum(-1, keepdims=True)
+    return np.where(total > 0, (w @ f) / np.where(total > 0, total, 1), 0)
+
+
+def assert_neighbors(dists, idx, expected_dists, expected_idx, true_d, dtype):
+    """Backend output against the oracle, up to float rounding of near-ties.
+
+    dists match the oracle's; each returned index really lies at the returned distance;
+    indices match wherever the oracle's neighbouring distances are not within rounding
+    of each other (exact ties included: they must go to the smaller index).
+    """
+    tol = tolerance(dtype)
+    dists = dists.detach().cpu().double().numpy()
+    idx = idx.cpu().numpy()
+    np.testing.assert_allclose(dists, expected_dists, **tol)
+    assert ((idx >= 0) == (expected_idx >= 0)).all()
+    found = idx >= 0
+    rows = np.broadcast_to(np.arange(idx.shape[0])[:, None], idx.shape)
+    np.testing.assert_allclose(true_d[rows[found], idx[found]], dists[found], **tol)
+    for row in range(idx.shape[0]):
+        chosen = idx[row][idx[row] >= 0]
+        assert len(set(chosen.tolist())) == len(chosen), "an index repeats within a row"
+    gap_scale = tol["atol"] + tol["rtol"] * np.abs(np.nan_to_num(expected_dists, posinf=0))
+    padded = np.concatenate([expected_dists, np.full((len(expected_dists), 1), np.inf)], -1)
+    full_sorted = np.sort(np.where(np.isfinite(true_d), true_d, np.inf), -1)
+    if full_sorted.shape[1] > expected_dists.shape[1]:
+        padded[:, -1] = full_sorted[:, expected_dists.shape[1]]
+    with np.errstate(invalid="ignore"):
+        gap_after = np.diff(padded, axis=-1)
+        gap_before = np.concatenate([np.full((len(padded), 1), np.inf), gap_after[:, :-1]], -1)
+    near_tie = ((gap_after > 0) & (gap_after <= 4 * gap_scale)) | ((gap_before > 0) & (gap_before <= 4 * gap_scale))
+    decided = found & ~near_tie
+    np.testing.assert_array_equal(idx[decided], expected_idx[decided])

@@ -1,0 +1,217 @@
+"""knn and radius: every backend against the float64 brute-force oracle."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fullgraph
+from conftest import DEVICES, DISTRIBUTIONS, assert_neighbors, oracle_distances, oracle_nearest, points
+
+BACKENDS = ["torch", "cpu"]
+
+
+def _backends(device):
+    return [b for b in BACKENDS if not (b == "cpu" and device != "cpu")]
+
+
+def _cloud(distribution, count, dim, generator, dtype, device):
+    return points(distribution, count, dim, generator).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+@pytest.mark.parametrize("dim", [1, 2, 3, 8])
+def test_knn_matches_oracle(backend, distribution, dim, generator):
+    cloud = _cloud(distribution, 264, dim, generator, torch.float32, "cpu")
+    query, ref = cloud[:61], cloud[61:]
+    dists, idx = fullgraph.knn(query, ref, 9, backend=backend)
+    d = oracle_distances(query, ref)
+    expected_dists, expected_idx, _ = oracle_nearest(d, 9)
+    assert dists.dtype == torch.float32 and idx.dtype == torch.int64
+    assert_neighbors(dists, idx, expected_dists, expected_idx, d, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_knn_dtypes(device, dtype, generator):
+    query = _cloud("normal", 40, 3, generator, dtype, device)
+    ref = _cloud("normal", 150, 3, generator, dtype, device)
+    d = oracle_distances(query, ref)
+    expected_dists, expected_idx, _ = oracle_nearest(d, 5)
+    for backend in _backends(device):
+        dists, idx = fullgraph.knn(query, ref, 5, backend=backend)
+        assert dists.dtype == dtype and dists.device.type == device
+        assert_neighbors(dists, idx, expected_dists, expected_idx, d, dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("distribution", ["uniform", "duplicates", "grid", "clustered"])
+@pytest.mark.parametrize("dim", [2, 3])
+def test_radius_matches_oracle(backend, distribution, dim, generator):
+    cloud = _cloud(distribution, 370, dim, generator, torch.float32, "cpu")
+    query, ref = cloud[:70], cloud[70:]
+    r = 0.3 if distribution != "grid" else 0.75  # grid spacing 0.5: 0.75 is not a tie
+    dists, idx, counts = fullgraph.radius(query, ref, r, 6, backend=backend)
+    d = oracle_distances(query, ref)
+    expected_dists, expected_idx, expected_counts = oracle_nearest(d, 6, r)
+    assert_neighbors(dists, idx, expected_dists, expected_idx, np.where(d <= r, d, np.inf), torch.float32)
+    np.testing.assert_array_equal(counts.numpy(), expected_counts)
+    assert (counts > 6).any(), "the cap must be exercised"
+
+
+def test_radius_keeps_the_nearest_not_the_first(generator):
+    ref = torch.tensor([[0.9], [0.5], [0.1], [0.2]])
+    for backend in BACKENDS:
+        dists, idx, counts = fullgraph.radius(torch.zeros(1, 1) + 0.05, ref, 1.0, 2, backend=backend)
+        assert idx.tolist() == [[2, 3]] and counts.tolist() == [4]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ties_go_to_smaller_index(backend):
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0], [1.0, 0.0], [2.0, 0.0]])
+    dists, idx = fullgraph.knn(torch.zeros(1, 2), ref, 3, backend=backend)
+    assert idx.tolist() == [[0, 1, 2]]
+    torch.testing.assert_close(dists, torch.ones(1, 3))
+    dists, idx, counts = fullgraph.radius(torch.zeros(1, 2), ref, 1.0, 2, backend=backend)
+    assert idx.tolist() == [[0, 1]] and counts.tolist() == [5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_and_empty(backend):
+    one = torch.tensor([[0.5, 0.5]])
+    dists, idx = fullgraph.knn(one, one + 1, 3, backend=backend)
+    assert idx.tolist() == [[0, -1, -1]]
+    assert dists[0, 0].item() == pytest.approx(math.sqrt(2)) and torch.isinf(dists[0, 1:]).all()
+    dists, idx = fullgraph.knn(torch.empty(0, 2), one, 2, backend=backend)
+    assert dists.shape == (0, 2) and idx.shape == (0, 2)
+    dists, idx = fullgraph.knn(one, torch.empty(0, 2), 2, backend=backend)
+    assert idx.tolist() == [[-1, -1]] and torch.isinf(dists).all()
+    dists, idx, counts = fullgraph.radius(one, torch.empty(0, 2), 1.0, 2, backend=backend)
+    assert idx.tolist() == [[-1, -1]] and counts.tolist() == [0]
+    dists, idx, counts = fullgraph.radius(one, one, 0.0, 1, backend=backend)
+    assert idx.tolist() == [[0]] and dists.tolist() == [[0.0]] and counts.tolist() == [1]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_finite_points_are_isolated(backend, generator):
+    query = points("normal", 30, 3, generator).float()
+    ref = points("normal", 80, 3, generator).float()
+    expected_dists, expected_idx = fullgraph.knn(query, ref, 4, backend=backend)
+    query[3, 1] = math.nan
+    query[7, 0] = math.inf
+    ref_bad = ref.clone()
+    ref_bad[5] = math.nan
+    ref_bad[9, 2] = -math.inf
+    dists, idx = fullgraph.knn(query, ref_bad, 4, backend=backend)
+    assert (idx[[3, 7]] == -1).all() and torch.isinf(dists[[3, 7]]).all()
+    assert not ((idx == 5) | (idx == 9)).any()
+    d = oracle_distances(query, ref_bad)
+    want_dists, want_idx, _ = oracle_nearest(d, 4)
+    assert_neighbors(dists, idx, want_dists, want_idx, d, torch.float32)
+    untouched = [i for i in range(30) if i not in (3, 7) and not set(expected_idx[i].tolist()) & {5, 9}]
+    assert torch.equal(idx[untouched], expected_idx[untouched])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_and_ragged(backend, generator):
+    query = torch.stack([points("normal", 25, 3, generator) for _ in range(3)]).float()
+    ref = torch.stack([points("uniform", 60, 3, generator) for _ in range(3)]).float()
+    query_lengths = torch.tensor([25, 10, 0])
+    ref_lengths = torch.tensor([60, 3, 40])
+    dists, idx = fullgraph.knn(query, ref, 5, query_lengths=query_lengths, ref_lengths=ref_lengths,
+                               backend=backend)
+    rdists, ridx, counts = fullgraph.radius(query, ref, 0.8, 4, query_lengths=query_lengths,
+                                            ref_lengths=ref_lengths, backend=backend)
+    assert dists.shape == (3, 25, 5) and counts.shape == (3, 25)
+    for b in range(3):
+        d = oracle_distances(query[b], ref[b], int(query_lengths[b]), int(ref_lengths[b]))
+        want_dists, want_idx, _ = oracle_nearest(d, 5)
+        assert_neighbors(dists[b], idx[b], want_dists, want_idx, d, torch.float32)
+        want_dists, want_idx, want_counts = oracle_nearest(d, 4, 0.8)
+        assert_neighbors(rdists[b], ridx[b], want_dists, want_idx, np.where(d <= 0.8, d, np.inf), torch.float32)
+        np.testing.assert_array_equal(counts[b].numpy(), want_counts)
+    assert (idx[1, :10, 3:] == -1).all() and (idx[1, 10:] == -1).all() and (idx[2] == -1).all()
+    assert (idx < ref_lengths[:, None, None]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_inputs(backend, generator):
+    base = points("normal", 200, 6, generator).float()
+    query, ref = base[:40, ::2], base[40:, 1::2]
+    assert not query.is_contiguous()
+    dists, idx = fullgraph.knn(query, ref, 3, backend=backend)
+    want_dists, want_idx = fullgraph.knn(query.contiguous(), ref.contiguous(), 3, backend=backend)
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
+def test_reference_never_builds_the_full_matrix(monkeypatch, generator):
+    from fullgraph.ops.neighbors import reference
+
+    monkeypatch.setattr(reference, "BLOCK_BYTES", 200 * 1000 * 8 * 7)
+    seen = []
+    original = reference.pairwise_distances
+    monkeypatch.setattr(reference, "pairwise_distances", lambda q, r: seen.append(q.shape[0]) or original(q, r))
+    query = points("normal", 2000, 3, generator).float()
+    ref = points("normal", 1000, 3, generator).float()
+    dists, idx = fullgraph.knn(query, ref, 4, backend="torch")
+    assert max(seen) < 2000 and sum(seen) == 2000
+    cpu_dists, cpu_idx = fullgraph.knn(query, ref, 4, backend="cpu")
+    assert torch.equal(idx, cpu_idx)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradient_at_coincident_points_is_zero(backend):
+    query = torch.tensor([[0.0, 0.0], [1.0, 1.0]], requires_grad=True)
+    ref = torch.tensor([[0.0, 0.0], [1.0, 0.0]], requires_grad=True)
+    dists, _ = fullgraph.knn(query, ref, 2, backend=backend)
+    dists.sum().backward()
+    assert torch.isfinite(query.grad).all() and torch.isfinite(ref.grad).all()
+    assert query.grad[0, 0].item() == pytest.approx(-1.0)  # only the (1, 0) neighbour pulls
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_distances(backend, generator):
+    query = points("uniform", 12, 3, generator).requires_grad_()
+    ref = points("uniform", 30, 3, generator).requires_grad_()
+    assert torch.autograd.gradcheck(lambda q, r: fullgraph.knn(q, r, 4, backend=backend)[0], (query, ref))
+
+    def capped(q, r):
+        dists, idx, _ = fullgraph.radius(q, r, 0.4, 3, backend=backend)
+        assert (idx < 0).any() and (idx >= 0).any()
+        return dists.masked_fill(idx < 0, 0)  # +inf padding has no finite difference
+
+    assert torch.autograd.gradcheck(capped, (query, ref))
+
+
+def test_auto_picks_the_tree_on_cpu(monkeypatch):
+    from fullgraph.ops.neighbors import cpu
+
+    calls = []
+    original = cpu.nearest
+    monkeypatch.setattr(cpu, "nearest", lambda *a: calls.append(1) or original(*a))
+    fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
+    assert calls
+
+
+def test_large_knn_is_fast_and_lean():
+    """The issue's acceptance size: 30k x 300k, k=8, on the 2-core machine."""
+    import resource
+    import time
+
+    generator = torch.Generator().manual_seed(7)
+    query = torch.rand(30_000, 3, generator=generator)
+    ref = torch.rand(300_000, 3, generator=generator)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    dists, idx = fullgraph.knn(query, ref, 8)
+    elapsed = time.perf_counter() - start
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert elapsed < 20 and grown_kib < 2 * 2**20
+    sample = torch.arange(0, 30_000, 997)
+    d = oracle_distances(query[sample], ref)
+    want_dists, want_idx, _ = oracle_nearest(d, 8)
+    assert_neighbors(dists[sample], idx[sample], want_dists, want_idx, d, torch.float32)
