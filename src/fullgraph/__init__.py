@@ -3,8 +3,9 @@
 Importing the package registers its operators under ``torch.ops.fullgraph``.
 """
 
+from . import models
 from .ops.neighbors import knn, knn_aggregate, radius, radius_aggregate
 
 __version__ = "0.1.0"
 
-__all__ = ["knn", "knn_aggregate", "radius", "radius_aggregate", "__version__"]
+__all__ = ["models", "knn", "knn_aggregate", "radius", "radius_aggregate", "__version__"]

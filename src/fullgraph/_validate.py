@@ -60,7 +60,9 @@ def real(name: str, value, *, minimum: float, strict: bool) -> float:
         raise TypeError(f"{name}: expected a float, got {_describe(value)}")
     value = float(value)
     below = value <= minimum if strict else value < minimum
-    if not math.isfinite(value) or below:
+    # Comparisons rather than math.isfinite: under dynamic=True the float may be symbolic.
+    finite = value == value and abs(value) != math.inf
+    if not finite or below:
         bound = ">" if strict else ">="
         raise ValueError(f"{name}: expected a finite float {bound} {minimum}, got {value}")
     return value

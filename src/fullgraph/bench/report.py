@@ -1,0 +1,65 @@
+"""Tables, JSON and plots drawn from benchmark rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def table(rows: list[dict]):
+    """A rich Table: one line per variant and phase."""
+    from rich.table import Table
+
+    first = rows[0]
+    title = f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}, torch {first['torch']}"
+    out = Table(title=title)
+    for column in ("variant", "phase", "median ms", "p10-p90 ms", "x eager", "peak MiB", "first call s"):
+        out.add_column(column, justify="left" if column in ("variant", "phase") else "right")
+    for r in rows:
+        if "error" in r:
+            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", "", "", "", "")
+            continue
+        peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
+        out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}",
+                    _fmt(r["speedup_vs_eager"], "{:.1f}"), _fmt(peak, "{:.1f}"), f"{r['first_call_s']:.2f}")
+    return out
+
+
+def write_json(rows: list[dict], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+def read_json(path: Path) -> list[dict]:
+    return json.loads(Path(path).read_text())
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Horizontal bars of the median time per variant, forward and train, log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if "error" not in r]
+    variants = list(dict.fromkeys(r["variant"] for r in ok))
+    phases = list(dict.fromkeys(r["phase"] for r in ok))
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(variants) * len(phases) + 1.5))
+    height = 0.8 / len(phases)
+    for p, phase in enumerate(phases):
+        times = {r["variant"]: r["median_ms"] for r in ok if r["phase"] == phase}
+        ys = [v + p * height for v in range(len(variants))]
+        ax.barh(ys, [times.get(v, 0) for v in variants], height=height, label=phase)
+    ax.set_yticks([v + 0.4 - height / 2 for v in range(len(variants))], variants)
+    ax.set_xscale("log")
+    ax.set_xlabel("median time per call (ms, log scale)")
+    ax.set_title(f"{rows[0]['workload']} on {rows[0]['device']}")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

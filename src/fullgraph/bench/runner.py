@@ -1,0 +1,79 @@
+"""Run a workload's variants in one process and collect JSON-ready rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import subprocess
+
+import torch
+
+from .timing import PeakMemory, first_call_seconds, time_call
+from .workloads import BASELINE, WORKLOADS
+
+
+def environment(device: torch.device) -> dict:
+    """Device name and software versions recorded with every row."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+    triton = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        triton = triton.__version__
+    return {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "commit": _commit(),
+    }
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(__file__))
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: int, on_step=None) -> list[dict]:
+    """Time every variant's forward and train step; ``on_step(description)`` reports progress."""
+    workload = WORKLOADS[name]
+    params = workload.sizes[size]
+    env = environment(device)
+    rows = []
+    for case in workload.build(params, device):
+        for phase, fn in (("forward", case.forward), ("train", case.train_step)):
+            if fn is None:
+                continue
+            if on_step:
+                on_step(f"{case.variant} / {phase}")
+            row = {"workload": name, "size": size, "params": params, "variant": case.variant, "phase": phase, **env}
+            try:
+                row["first_call_s"] = first_call_seconds(fn, device)
+                with PeakMemory(device) as memory:
+                    timing = time_call(fn, device, warmup, runs)
+                row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
+                           runs=timing.runs, peak_memory_bytes=memory.bytes)
+            except Exception as error:  # a failing variant is reported, not fatal
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+            rows.append(row)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    _add_ratios(rows)
+    return rows
+
+
+def _add_ratios(rows: list[dict]) -> None:
+    """speedup = baseline median / variant median, per phase (> 1 is faster than eager)."""
+    baseline = {r["phase"]: r.get("median_ms") for r in rows if r["variant"] == BASELINE}
+    for row in rows:
+        base = baseline.get(row["phase"])
+        row["speedup_vs_eager"] = base / row["median_ms"] if base and row.get("median_ms") else None

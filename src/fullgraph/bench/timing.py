@@ -1,0 +1,97 @@
+"""Timing and memory measurement: CUDA events on GPUs, perf_counter on CPUs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_PROC = Path("/proc/self")
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    runs: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn, device: torch.device, warmup: int, runs: int) -> Timing:
+    """Per-call times of ``fn()`` after ``warmup`` calls: median and 10th/90th percentiles."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(runs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
+    deciles = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+    return Timing(statistics.median(times), deciles[0], deciles[-1], len(times))
+
+
+def first_call_seconds(fn, device: torch.device) -> float:
+    """Wall time of the first call, compilation included."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+class PeakMemory:
+    """Peak memory above the level at entry, in bytes: the CUDA allocator's peak on GPUs,
+    the process's resident high-water mark on Linux CPUs (None where unavailable)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.bytes: int | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._base = _resident_kib("VmRSS")
+            try:  # "5" resets the kernel's high-water mark of this process (Linux).
+                (_PROC / "clear_refs").write_text("5")
+            except OSError:
+                self._base = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            synchronize(self.device)
+            self.bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self._base is not None:
+            peak = _resident_kib("VmHWM")
+            self.bytes = None if peak is None else max(0, peak - self._base) * 1024
+        return False
+
+
+def _resident_kib(field: str) -> int | None:
+    try:
+        for line in (_PROC / "status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None

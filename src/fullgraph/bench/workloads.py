@@ -1,0 +1,122 @@
+"""The benchmark workloads: each builds its variants, the callables to time.
+
+A workload is registered under a CLI name with its sizes; ``build(size, device)``
+returns ``Case`` objects, one per variant. Later workloads (lltm, kmeans,
+diffusion-policy) register here the same way.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models import KNNProjector, RadiusProjector
+
+BASELINE = "document eager"
+
+
+@dataclass
+class Case:
+    """One variant: a forward callable and, where it trains, a train-step callable."""
+
+    variant: str
+    forward: Callable[[], object]
+    train_step: Callable[[], object] | None = None
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    sizes: dict[str, dict]
+    build: Callable[[dict, torch.device], list[Case]]
+    notes: list[str] = field(default_factory=list)
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def register(workload: Workload) -> Workload:
+    WORKLOADS[workload.name] = workload
+    return workload
+
+
+def seed_point_clouds(n_cloud: int, grid_side: int, target_features: int, device, dtype=torch.float32):
+    """The document's data: a normal cloud [n_cloud, 3], a [-1, 1]^3 grid [grid_side^3, 3],
+    and random targets [grid_side^3, target_features]."""
+    generator = torch.Generator(device="cpu").manual_seed(42)
+    cloud = torch.randn(n_cloud, 3, generator=generator, dtype=dtype)
+    axis = torch.linspace(-1, 1, grid_side, dtype=dtype)
+    grid = torch.stack([c.flatten() for c in torch.meshgrid(axis, axis, axis, indexing="ij")], dim=1)
+    targets = torch.randn(grid.shape[0], target_features, generator=generator, dtype=dtype)
+    return cloud.to(device), grid.to(device), targets.to(device)
+
+
+def _variants(device: torch.device):
+    """(name, aggregation, torch.compile options or None for eager)."""
+    variants = [
+        ("document eager", "document", None),
+        ("document compiled", "document", {}),
+        ("fullgraph eager", "fullgraph", None),
+        ("fullgraph compiled", "fullgraph", {"fullgraph": True}),
+    ]
+    if device.type == "cuda":
+        variants += [
+            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}),
+            ("fullgraph compiled+graphs", "fullgraph", {"fullgraph": True, "mode": "reduce-overhead"}),
+        ]
+    return variants
+
+
+def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device) -> list[Case]:
+    cloud, grid, targets = seed_point_clouds(params["cloud"], params["grid"], 1, device)
+    cases = []
+    for name, aggregation, options in _variants(device):
+        variant_model = copy.deepcopy(model).to(device)
+        variant_model.aggregation = aggregation
+        run = variant_model if options is None else torch.compile(variant_model, **options)
+        optimizer = torch.optim.Adam(variant_model.parameters(), lr=1e-3)
+
+        def forward(run=run):
+            with torch.no_grad():
+                return run(grid, cloud)
+
+        def train_step(run=run, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss = torch.mean((run(grid, cloud) - targets) ** 2)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        cases.append(Case(name, forward, train_step))
+    return cases
+
+
+def _knn_projector(params, device):
+    torch.manual_seed(42)
+    return _projector_cases(KNNProjector(k=params["k"], hidden_dim=25, sigma=0.1), params, device)
+
+
+def _radius_projector(params, device):
+    torch.manual_seed(42)
+    model = RadiusProjector(radius=params["radius"], hidden_dim=25, sigma=0.1)
+    return _projector_cases(model, params, device)
+
+
+register(Workload(
+    name="knn-projector",
+    description="seed 000: MLP -> kNN-weighted aggregation -> MLP, forward and Adam train step",
+    sizes={"seed": {"grid": 30, "cloud": 100_000, "k": 7}, "small": {"grid": 12, "cloud": 8_000, "k": 7}},
+    build=_knn_projector,
+))
+
+register(Workload(
+    name="radius-projector",
+    description="seed 000: MLP -> radius-bounded aggregation -> MLP, forward and Adam train step",
+    sizes={"seed": {"grid": 30, "cloud": 25_000, "radius": 0.1},
+           "small": {"grid": 12, "cloud": 4_000, "radius": 0.1}},
+    build=_radius_projector,
+))

@@ -1,0 +1,69 @@
+"""The ``fullgraph`` command line: ``fullgraph bench WORKLOAD``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _parser() -> argparse.ArgumentParser:
+    from .bench import WORKLOADS
+
+    parser = argparse.ArgumentParser(prog="fullgraph", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
+    bench.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
+    bench.add_argument("--size", choices=["seed", "small"], default=None,
+                       help="problem size: seed (the document's) is the default on CUDA, small on CPU")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
+    bench.add_argument("--runs", type=int, default=None, help="timed calls; the median is reported (default 30 GPU, 10 CPU)")
+    bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
+    return parser
+
+
+def _bench(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from . import bench
+    from .bench import report
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    gpu = device.type == "cuda"
+    size = args.size or ("seed" if gpu else "small")
+    warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
+    runs = args.runs if args.runs is not None else (30 if gpu else 10)
+    if warmup < 0 or runs < 1:
+        raise SystemExit("--warmup must be >= 0 and --runs >= 1")
+    console = Console(width=None if sys.stdout.isatty() else 132)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=console, transient=True) as progress:
+        task = progress.add_task(f"{args.workload} ({size}) on {device}", total=None)
+        rows = bench.run_workload(args.workload, size, device, warmup, runs,
+                                  on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
+    console.print(report.table(rows))
+    if args.json:
+        report.write_json(rows, args.json)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        report.plot(rows, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 1 if all("error" in r for r in rows) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""The source documents' models."""
+
+from .projector import KNNProjector, RadiusProjector
+
+__all__ = ["KNNProjector", "RadiusProjector"]

@@ -1,0 +1,122 @@
+"""knn_aggregate and radius_aggregate: oracle agreement, gradients, edge cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import fullgraph
+from conftest import DEVICES, oracle_aggregate, oracle_distances, oracle_nearest, points, tolerance
+
+BACKENDS = ["torch", "cpu"]
+
+
+def _knn_mask(d: np.ndarray, k: int) -> np.ndarray:
+    _, idx, _ = oracle_nearest(d, k)
+    mask = np.zeros_like(d, dtype=bool)
+    for row, chosen in enumerate(idx):
+        mask[row, chosen[chosen >= 0]] = True
+    return mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("distribution", ["uniform", "normal", "clustered", "far", "planar"])
+@pytest.mark.parametrize("dim", [1, 3, 8])
+def test_aggregates_match_oracle(backend, distribution, dim, generator):
+    cloud = points(distribution, 250, dim, generator).float()
+    query, ref = cloud[:50], cloud[50:]
+    features = torch.randn(200, 5, generator=generator)
+    d = oracle_distances(query, ref)
+    out = fullgraph.knn_aggregate(query, ref, features, 7, sigma=0.1, backend=backend)
+    np.testing.assert_allclose(out.double().numpy(), oracle_aggregate(d, features, _knn_mask(d, 7), 0.1),
+                               **tolerance(torch.float32))
+    r = {1: 0.05, 3: 0.4, 8: 1.5}[dim]
+    out = fullgraph.radius_aggregate(query, ref, features, r, sigma=0.1, backend=backend)
+    expected = oracle_aggregate(d, features, d <= r, 0.1)
+    np.testing.assert_allclose(out.double().numpy(), expected, **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_aggregate_dtypes(device, dtype, generator):
+    cloud = points("uniform", 160, 3, generator).to(dtype)
+    query, ref = cloud[:40].to(device), cloud[40:].to(device)
+    features = torch.randn(120, 4, generator=generator).to(dtype).to(device)
+    d = oracle_distances(query, ref)
+    for backend in [b for b in BACKENDS if device == "cpu" or b != "cpu"]:
+        out = fullgraph.knn_aggregate(query, ref, features, 5, sigma=0.5, backend=backend)
+        assert out.dtype == dtype
+        np.testing.assert_allclose(out.cpu().double().numpy(),
+                                   oracle_aggregate(d, features, _knn_mask(d, 5), 0.5), **tolerance(dtype))
+        out = fullgraph.radius_aggregate(query, ref, features, 0.3, sigma=0.5, backend=backend)
+        np.testing.assert_allclose(out.cpu().double().numpy(),
+                                   oracle_aggregate(d, features, d <= 0.3, 0.5), **tolerance(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_aggregate_is_stable_for_tiny_sigma_and_far_points(backend, generator):
+    query = points("uniform", 20, 3, generator).float() + 100
+    ref = torch.cat([query + 0.01 * torch.randn(20, 3, generator=generator).float(), query + 0.5])
+    features = torch.randn(40, 3, generator=generator)
+    for out in (fullgraph.radius_aggregate(query, ref, features, 1.0, sigma=1e-4, backend=backend),
+                fullgraph.knn_aggregate(query, ref, features, 4, sigma=1e-4, backend=backend)):
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, features[:20], rtol=1e-4, atol=1e-4)  # the nearest dominates
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_neighbours_give_zero(backend, generator):
+    query = torch.tensor([[10.0, 10.0], [0.0, 0.1]])
+    ref = torch.tensor([[0.0, 0.0], [0.0, 0.2]])
+    features = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    out = fullgraph.radius_aggregate(query, ref, features, 0.5, backend=backend)
+    assert out[0].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(out[1], torch.tensor([2.0, 3.0]))  # equidistant: the mean
+    out = fullgraph.knn_aggregate(query, torch.empty(0, 2), torch.empty(0, 2), 3, backend=backend)
+    assert out.shape == (2, 2) and (out == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_ragged_aggregates(backend, generator):
+    query = torch.stack([points("uniform", 15, 3, generator) for _ in range(2)]).float()
+    ref = torch.stack([points("uniform", 40, 3, generator) for _ in range(2)]).float()
+    features = torch.randn(2, 40, 6, generator=generator)
+    query_lengths, ref_lengths = torch.tensor([15, 7]), torch.tensor([12, 40])
+    knn_out = fullgraph.knn_aggregate(query, ref, features, 3, query_lengths=query_lengths,
+                                      ref_lengths=ref_lengths, backend=backend)
+    radius_out = fullgraph.radius_aggregate(query, ref, features, 0.5, query_lengths=query_lengths,
+                                            ref_lengths=ref_lengths, backend=backend)
+    for b in range(2):
+        d = oracle_distances(query[b], ref[b], int(query_lengths[b]), int(ref_lengths[b]))
+        np.testing.assert_allclose(knn_out[b].double().numpy(),
+                                   oracle_aggregate(d, features[b], _knn_mask(d, 3), 0.1), **tolerance(torch.float32))
+        np.testing.assert_allclose(radius_out[b].double().numpy(),
+                                   oracle_aggregate(d, features[b], d <= 0.5, 0.1), **tolerance(torch.float32))
+    assert (knn_out[1, 7:] == 0).all() and (radius_out[1, 7:] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_aggregates(backend, generator):
+    query = points("uniform", 10, 3, generator).requires_grad_()
+    ref = points("uniform", 25, 3, generator).requires_grad_()
+    features = torch.randn(25, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 4, sigma=0.2, backend=backend), (query, ref, features))
+    assert torch.autograd.gradcheck(
+        lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.45, sigma=0.2, backend=backend),
+        (query, ref, features))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_batched_ragged(backend, generator):
+    query = torch.stack([points("uniform", 6, 2, generator) for _ in range(2)]).requires_grad_()
+    ref = torch.stack([points("uniform", 12, 2, generator) for _ in range(2)]).requires_grad_()
+    features = torch.randn(2, 12, 3, generator=generator, dtype=torch.float64, requires_grad=True)
+    lengths = {"query_lengths": torch.tensor([6, 4]), "ref_lengths": torch.tensor([9, 12])}
+    assert torch.autograd.gradcheck(
+        lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 3, sigma=0.3, backend=backend, **lengths),
+        (query, ref, features))
+    assert torch.autograd.gradcheck(
+        lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.5, sigma=0.3, backend=backend, **lengths),
+        (query, ref, features))
