@@ -118,7 +118,7 @@ def _knn_chunks(idx: Tensor, columns: int, width: int):
     batch, rows, k = idx.shape
     flat = idx.reshape(batch * rows, k)
     item = torch.arange(batch * rows, device=idx.device) // rows
-    for chunk in reference.query_chunks(batch * rows, k, width):
+    for chunk in reference.query_chunks(batch * rows, k, width, idx.device):
         qi, rj, slot = reference.neighbor_pairs(flat[None, chunk])
         yield chunk, qi, rj + item[chunk][qi] * columns, slot + chunk.start * k
 

@@ -21,16 +21,19 @@ from collections.abc import Iterator
 import torch
 
 BLOCK_BYTES = 64 * 2**20
+# GPUs have the memory for larger blocks, and each chunk costs a round of kernel launches.
+CUDA_BLOCK_BYTES = 1024 * 2**20
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def query_chunks(rows: int, columns: int, row_width: int) -> Iterator[slice]:
+def query_chunks(rows: int, columns: int, row_width: int, device=None) -> Iterator[slice]:
     """Slices of ``rows`` such that a [chunk, columns, row_width] float64 block fits the budget."""
     per_row = max(1, columns) * (row_width + 4) * 8
-    step = max(1, BLOCK_BYTES // per_row)
+    budget = CUDA_BLOCK_BYTES if torch.device(device or "cpu").type == "cuda" else BLOCK_BYTES
+    step = max(1, budget // per_row)
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 
@@ -84,7 +87,7 @@ def nearest(
     ref_ok = valid_points(ref, ref_lengths)
     take = min(k, columns)
     for b in range(batch):
-        for chunk in query_chunks(rows, columns, dim):
+        for chunk in query_chunks(rows, columns, dim, query.device):
             d = pairwise_distances(query[b, chunk], ref[b])
             ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
             # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
@@ -114,7 +117,7 @@ def radius_pairs(
     query_ok = valid_points(query, query_lengths)
     ref_ok = valid_points(ref, ref_lengths)
     for b in range(batch):
-        for chunk in query_chunks(rows, columns, dim):
+        for chunk in query_chunks(rows, columns, dim, query.device):
             d = pairwise_distances(query[b, chunk], ref[b])
             ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
             qi, rj = ok.nonzero(as_tuple=True)
