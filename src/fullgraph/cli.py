@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=None, help="timed calls; the median is reported (default 30 GPU, 10 CPU)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
+    show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
+    show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
     return parser
 
 
@@ -62,6 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "report":
+        from .bench import report
+
+        print("\n\n".join(report.markdown(report.read_json(path)) for path in args.files))
+        return 0
     return 2
 
 

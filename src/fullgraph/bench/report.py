@@ -63,3 +63,23 @@ def plot(rows: list[dict], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def markdown(rows: list[dict]) -> str:
+    """A Markdown table of the rows, for the README."""
+    first = rows[0]
+    lines = [
+        f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}, "
+        f"torch {first['torch']}, triton {first['triton']}, commit {first['commit']}",
+        "",
+        "| variant | phase | median ms | x eager | peak MiB | first call s |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['variant']} | {r['phase']} | failed: {r['error'][:70]} | | | |")
+            continue
+        peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
+        lines.append(f"| {r['variant']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['speedup_vs_eager'], '{:.2f}')} "
+                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |")
+    return "\n".join(lines)

@@ -35,6 +35,9 @@ def environment(device: torch.device) -> dict:
 
 
 def _commit() -> str | None:
+    """The git commit measured; FULLGRAPH_COMMIT names it where the tree has no .git."""
+    if os.environ.get("FULLGRAPH_COMMIT"):
+        return os.environ["FULLGRAPH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
                              cwd=os.path.dirname(__file__))

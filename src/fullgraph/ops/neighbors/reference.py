@@ -92,12 +92,34 @@ def nearest(
             ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
             # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
             d = d.masked_fill(~ok, math.nan)
-            values, order = torch.sort(d, dim=1, stable=True)
-            found = ok.gather(1, order[:, :take])
-            dists[b, chunk, :take] = values[:, :take].masked_fill(~found, math.inf)
-            idx[b, chunk, :take] = order[:, :take].masked_fill(~found, -1)
+            values, order = smallest(d, take)
+            found = ok.gather(1, order)
+            dists[b, chunk, :take] = values.masked_fill(~found, math.inf)
+            idx[b, chunk, :take] = order.masked_fill(~found, -1)
             counts[b, chunk] = ok.sum(dim=1)
     return dists.to(query.dtype), idx, counts
+
+
+def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``take`` smallest entries of each row of d [m, n], ordered by (value, column).
+
+    NaN counts as largest. topk is much faster than a full sort but picks arbitrarily
+    among values tied at the cut; rows where more columns equal the cut value than were
+    taken are redone with a stable sort, so that ties always go to the smaller column.
+    """
+    if take == 0:
+        return d[:, :0], torch.zeros((d.shape[0], 0), dtype=torch.int64, device=d.device)
+    values, order = torch.topk(d, take, dim=1, largest=False, sorted=True)
+    cut = values[:, -1:]
+    ambiguous = (d == cut).sum(1) > (values == cut).sum(1)
+    order = order.sort(dim=1).values
+    values, permutation = d.gather(1, order).sort(dim=1, stable=True)
+    order = order.gather(1, permutation)
+    if ambiguous.any():
+        rows = ambiguous.nonzero()[:, 0]
+        tied_values, tied_order = torch.sort(d[rows], dim=1, stable=True)
+        values[rows], order[rows] = tied_values[:, :take], tied_order[:, :take]
+    return values, order
 
 
 def radius_pairs(
