@@ -16,8 +16,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
     bench.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
-    bench.add_argument("--size", choices=["seed", "small"], default=None,
-                       help="problem size: seed (the document's) is the default on CUDA, small on CPU")
+    bench.add_argument("--size", choices=["seed", "small", "tiny"], default=None,
+                       help="problem size: seed (the document's) is the default on CUDA, small on CPU; "
+                            "tiny is a smoke test")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
     bench.add_argument("--runs", type=int, default=None, help="timed calls; the median is reported (default 30 GPU, 10 CPU)")

@@ -109,7 +109,8 @@ def _radius_projector(params, device):
 register(Workload(
     name="knn-projector",
     description="seed 000: MLP -> kNN-weighted aggregation -> MLP, forward and Adam train step",
-    sizes={"seed": {"grid": 30, "cloud": 100_000, "k": 7}, "small": {"grid": 12, "cloud": 8_000, "k": 7}},
+    sizes={"seed": {"grid": 30, "cloud": 100_000, "k": 7}, "small": {"grid": 12, "cloud": 8_000, "k": 7},
+           "tiny": {"grid": 5, "cloud": 500, "k": 7}},
     build=_knn_projector,
 ))
 
@@ -117,6 +118,7 @@ register(Workload(
     name="radius-projector",
     description="seed 000: MLP -> radius-bounded aggregation -> MLP, forward and Adam train step",
     sizes={"seed": {"grid": 30, "cloud": 25_000, "radius": 0.1},
-           "small": {"grid": 12, "cloud": 4_000, "radius": 0.1}},
+           "small": {"grid": 12, "cloud": 4_000, "radius": 0.1},
+           "tiny": {"grid": 5, "cloud": 500, "radius": 0.5}},
     build=_radius_projector,
 ))

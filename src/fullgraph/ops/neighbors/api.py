@@ -66,6 +66,14 @@ def _features(features, ref: torch.Tensor, unbatched: bool) -> torch.Tensor:
     return features
 
 
+def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend):
+    """Checks shared by the aggregations; returns batched tensors and resolved options."""
+    query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
+    features = _features(features, ref, unbatched)
+    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    return query, ref, features, sigma, _backend(backend, query.device), unbatched
+
+
 def _unbatch(tensors, unbatched: bool):
     return tuple(t[0] for t in tensors) if unbatched else tuple(tensors)
 
@@ -160,11 +168,9 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         >>> fullgraph.knn_aggregate(torch.randn(20, 3), ref, feats, k=7).shape
         torch.Size([20, 8])
     """
-    query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    features = _features(features, ref, unbatched)
+    query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
+        query, ref, features, sigma, query_lengths, ref_lengths, backend)
     k = _validate.integer("k", k, minimum=1)
-    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    backend = _backend(backend, query.device)
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
         query, ref, features, k, sigma, query_lengths, ref_lengths, backend
     )
@@ -193,11 +199,9 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
         >>> fullgraph.radius_aggregate(torch.rand(20, 3), ref, feats, radius=0.2).shape
         torch.Size([20, 8])
     """
-    query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    features = _features(features, ref, unbatched)
+    query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
+        query, ref, features, sigma, query_lengths, ref_lengths, backend)
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
-    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    backend = _backend(backend, query.device)
     out = torch.ops.fullgraph.radius_aggregate(
         query, ref, features, radius, sigma, query_lengths, ref_lengths, backend
     )

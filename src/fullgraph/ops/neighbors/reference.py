@@ -77,27 +77,33 @@ def nearest(
     Returns dists [B, M, k] (input dtype, +inf padded), idx [B, M, k] int64 (-1 padded)
     and counts [B, M] int64, the number of valid references within the radius.
     """
-    batch, rows, dim = query.shape
+    batch, rows, _ = query.shape
     columns = ref.shape[1]
     acc = accumulation_dtype(query.dtype)
     dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    take = min(k, columns)
+    for b, chunk, d, ok in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+        # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
+        values, order = smallest(d.masked_fill(~ok, math.nan), take)
+        found = ok.gather(1, order)
+        dists[b, chunk, :take] = values.masked_fill(~found, math.inf)
+        idx[b, chunk, :take] = order.masked_fill(~found, -1)
+        counts[b, chunk] = ok.sum(dim=1)
+    return dists.to(query.dtype), idx, counts
+
+
+def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+    """Bounded blocks of the distance matrix: yields (b, rows, d [m, N], ok [m, N]) where
+    ok marks valid pairs within the radius."""
+    batch, rows, dim = query.shape
     query_ok = valid_points(query, query_lengths)
     ref_ok = valid_points(ref, ref_lengths)
-    take = min(k, columns)
     for b in range(batch):
-        for chunk in query_chunks(rows, columns, dim, query.device):
+        for chunk in query_chunks(rows, ref.shape[1], dim, query.device):
             d = pairwise_distances(query[b, chunk], ref[b])
-            ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
-            # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
-            d = d.masked_fill(~ok, math.nan)
-            values, order = smallest(d, take)
-            found = ok.gather(1, order)
-            dists[b, chunk, :take] = values.masked_fill(~found, math.inf)
-            idx[b, chunk, :take] = order.masked_fill(~found, -1)
-            counts[b, chunk] = ok.sum(dim=1)
-    return dists.to(query.dtype), idx, counts
+            yield b, chunk, d, query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
 
 
 def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,16 +140,9 @@ def radius_pairs(
     Yields (b, rows, qi, rj, d): qi indexes rows of ``query[b, rows]``, rj rows of
     ``ref[b]``, d [P] their distances in the accumulation dtype.
     """
-    batch, rows, dim = query.shape
-    columns = ref.shape[1]
-    query_ok = valid_points(query, query_lengths)
-    ref_ok = valid_points(ref, ref_lengths)
-    for b in range(batch):
-        for chunk in query_chunks(rows, columns, dim, query.device):
-            d = pairwise_distances(query[b, chunk], ref[b])
-            ok = query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
-            qi, rj = ok.nonzero(as_tuple=True)
-            yield b, chunk, qi, rj, d[qi, rj]
+    for b, chunk, d, ok in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+        qi, rj = ok.nonzero(as_tuple=True)
+        yield b, chunk, qi, rj, d[qi, rj]
 
 
 def aggregate_pairs(
