@@ -120,3 +120,18 @@ def test_gradcheck_batched_ragged(backend, generator):
     assert torch.autograd.gradcheck(
         lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.5, sigma=0.3, backend=backend, **lengths),
         (query, ref, features))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows, columns", [(0, 5), (4, 0), (0, 0)])
+def test_backward_through_empty_inputs(backend, rows, columns):
+    query = torch.rand(rows, 3, requires_grad=True)
+    ref = torch.rand(columns, 3, requires_grad=True)
+    features = torch.rand(columns, 2, requires_grad=True)
+    dists, _ = fullgraph.knn(query, ref, 2, backend=backend)
+    total = (dists.masked_fill(torch.isinf(dists), 0).sum()
+             + fullgraph.knn_aggregate(query, ref, features, 2, backend=backend).sum()
+             + fullgraph.radius_aggregate(query, ref, features, 0.5, backend=backend).sum())
+    total.backward()
+    for t in (query, ref, features):
+        assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()

@@ -20,7 +20,10 @@ OptionalTensor = torch.Tensor | None
 
 
 def _flat(points: Tensor) -> Tensor:
-    return points.reshape(-1, points.shape[-1])
+    """[B, L, W] -> [B*L, W], with one zero row when empty: missing neighbour slots point
+    at row 0 (with zero weight), so it must exist."""
+    flat = points.reshape(-1, points.shape[-1])
+    return flat if flat.shape[0] > 0 else points.new_zeros((1, points.shape[-1]))
 
 
 # --------------------------------------------------------------------------- search
@@ -69,17 +72,15 @@ def distances_backward_op(
     grad_dists: Tensor, query: Tensor, ref: Tensor, idx: Tensor, dists: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Gradient of neighbour distances [B, M, k] with respect to query and ref."""
-    batch, rows, columns = query.shape[0], query.shape[1], ref.shape[1]
-    qi, rj, slot = reference.neighbor_pairs(idx)
-    rj = reference.flat_ref_rows(rj, qi, rows, columns)
+    qi, rj, found = reference.neighbor_pairs(idx, ref.shape[1])
     acc = reference.accumulation_dtype(query.dtype)
-    d = dists.reshape(-1)[slot].to(acc)
     # Recomputed in full precision: the saved distances may be rounded to bf16/fp16.
     exact = reference.pair_distances(_flat(query)[qi], _flat(ref)[rj])
-    d = torch.where(torch.isfinite(d), exact, d)
+    d = torch.where(found & torch.isfinite(dists.reshape(-1)), exact, math.inf).to(acc)
     grad_query, grad_ref = reference.distances_backward_pairs(
-        grad_dists.reshape(-1)[slot], _flat(query), _flat(ref), qi, rj, d
+        grad_dists.reshape(-1), _flat(query), _flat(ref), qi, rj, d
     )
+    grad_query, grad_ref = grad_query[: query.shape[0] * query.shape[1]], grad_ref[: ref.shape[0] * ref.shape[1]]
     return grad_query.reshape(query.shape).to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
 
 
@@ -109,18 +110,18 @@ radius_op.register_autograd(lambda ctx, g_dists, g_idx, g_counts: _search_backwa
 # ----------------------------------------------------------------------- aggregation
 
 
-def _knn_chunks(idx: Tensor, columns: int, width: int):
+def _knn_chunks(idx: Tensor, dists: Tensor, columns: int, width: int):
     """Bounded chunks of the [B*M] query rows of neighbour lists idx [B, M, k].
 
-    Yields (rows, qi, rj, slot): qi local to the chunk, rj rows of the flat [B*N]
-    reference, slot entries of the flat [B*M*k] lists; padded entries are dropped.
+    Yields (rows, qi, rj, d, slots): qi local to the chunk, rj rows of the flat [B*N]
+    reference, d the slots' distances (+inf where missing), slots the flat entries.
     """
-    batch, rows, k = idx.shape
-    flat = idx.reshape(batch * rows, k)
-    item = torch.arange(batch * rows, device=idx.device) // rows
-    for chunk in reference.query_chunks(batch * rows, k, width, idx.device):
-        qi, rj, slot = reference.neighbor_pairs(flat[None, chunk])
-        yield chunk, qi, rj + item[chunk][qi] * columns, slot + chunk.start * k
+    k = idx.shape[-1]
+    qi, rj, found = reference.neighbor_pairs(idx, columns)
+    d = torch.where(found, dists.reshape(-1).to(reference.accumulation_dtype(dists.dtype)), math.inf)
+    for chunk in reference.query_chunks(qi.numel() // max(k, 1), k, width, idx.device):
+        slots = slice(chunk.start * k, chunk.stop * k)
+        yield chunk, qi[slots] - chunk.start, rj[slots], d[slots], slots
 
 
 @torch.library.custom_op("fullgraph::knn_aggregate", mutates_args=())
@@ -133,12 +134,9 @@ def knn_aggregate_op(
         query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths
     )
     acc = reference.accumulation_dtype(query.dtype)
-    flat_features, flat_dists = _flat(features), dists.reshape(-1).to(acc)
     out = torch.empty((idx.shape[0] * idx.shape[1], features.shape[-1]), dtype=acc, device=query.device)
-    for rows, qi, rj, slot in _knn_chunks(idx, ref.shape[1], features.shape[-1]):
-        out[rows] = reference.aggregate_pairs(
-            flat_features, qi, rj, flat_dists[slot], sigma, rows.stop - rows.start
-        )
+    for rows, qi, rj, d, _ in _knn_chunks(idx, dists, ref.shape[1], features.shape[-1]):
+        out[rows] = reference.aggregate_pairs(_flat(features), qi, rj, d, sigma, rows.stop - rows.start)
     return out.reshape(*query.shape[:2], features.shape[-1]).to(features.dtype), dists, idx
 
 
@@ -158,16 +156,16 @@ def knn_aggregate_backward_op(
 ) -> tuple[Tensor, Tensor]:
     """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
     acc = reference.accumulation_dtype(features.dtype)
-    flat_features, flat_dists = _flat(features), dists.reshape(-1).to(acc)
-    flat_grad, flat_out = _flat(grad_out), _flat(out)
+    flat_features, flat_grad, flat_out = _flat(features), _flat(grad_out), _flat(out)
     grad_dists = torch.zeros(dists.numel(), dtype=acc, device=dists.device)
     grad_features = torch.zeros(flat_features.shape, dtype=acc, device=features.device)
-    for rows, qi, rj, slot in _knn_chunks(idx, features.shape[1], features.shape[-1]):
+    for rows, qi, rj, d, slots in _knn_chunks(idx, dists, features.shape[1], features.shape[-1]):
         grad_d, grad_f = reference.aggregate_pairs_backward(
-            flat_grad[rows], flat_features, flat_out[rows], qi, rj, flat_dists[slot], sigma
+            flat_grad[rows], flat_features, flat_out[rows], qi, rj, d, sigma
         )
-        grad_dists[slot] = grad_d
+        grad_dists[slots] = grad_d
         grad_features += grad_f
+    grad_features = grad_features[: features.shape[0] * features.shape[1]]
     return grad_dists.reshape(dists.shape).to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
 
 

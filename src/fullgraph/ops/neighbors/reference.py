@@ -160,11 +160,13 @@ def aggregate_pairs(
 
 
 def pair_weights(qi: torch.Tensor, d: torch.Tensor, sigma: float, rows: int) -> torch.Tensor:
-    """[P] normalized weights p_ij = softmax_j(-d_ij / sigma) within each query row."""
+    """[P] normalized weights p_ij = softmax_j(-d_ij / sigma) within each query row; pairs
+    at +inf weigh 0, and a row without a finite pair has no weight."""
     shift = d.new_full((rows,), math.inf).scatter_reduce(0, qi, d, "amin")
-    weights = torch.exp(-(d - shift[qi]) / sigma)
+    shift = torch.where(torch.isfinite(shift), shift, 0)
+    weights = torch.exp(-(d - shift[qi]) / sigma)  # a pair at +inf (a missing slot) weighs 0
     total = d.new_zeros(rows).index_add_(0, qi, weights)
-    return weights / total[qi]
+    return weights / torch.where(total > 0, total, 1)[qi]
 
 
 def aggregate_pairs_backward(
@@ -209,18 +211,14 @@ def distances_backward_pairs(
     return grad_query, grad_ref
 
 
-def neighbor_pairs(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flatten [B, M, k] neighbour lists to pairs over flat rows: (qi, rj, slot).
-
-    qi indexes [B*M] query rows, rj [B*N] reference rows given N via the caller, slot the
-    flat [B*M*k] entry; padded entries (-1) are dropped.
-    """
+def neighbor_pairs(idx: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every slot of neighbour lists idx [B, M, k] as a pair over flat rows, without a
+    host synchronization: (qi [B*M*k] rows of the flat [B*M] queries, rj rows of the flat
+    [B*N] references (0 for a missing slot), found [B*M*k] bool)."""
     batch, rows, k = idx.shape
-    slot = (idx.reshape(-1) >= 0).nonzero(as_tuple=True)[0]
+    flat = idx.reshape(-1)
+    slot = torch.arange(flat.numel(), device=idx.device)
     qi = slot // k
-    return qi, idx.reshape(-1)[slot], slot
-
-
-def flat_ref_rows(rj: torch.Tensor, qi: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
-    """Reference indices local to a batch item -> rows of the flattened [B*N] reference."""
-    return rj + (qi // rows) * columns
+    found = flat >= 0
+    rj = torch.where(found, flat + (qi // rows) * columns, 0)
+    return qi, rj, found
