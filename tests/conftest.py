@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter (on CPU tensors). This must
+# be set before fullgraph (and its @triton.jit kernels) is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One table of tolerances per dtype: (rtol, atol) for distances and aggregated features.
 TOLERANCES = {
@@ -15,6 +22,30 @@ TOLERANCES = {
 }
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+# Backends that run on CPU tensors here: triton through its interpreter when no GPU.
+CPU_BACKENDS = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and not torch.cuda.is_available() else [])
+
+
+def backend_cases(*, float64: bool = False) -> list:
+    """(backend, device) pairs to test; float64=True keeps those that compute in float64."""
+    cases = [(b, "cpu") for b in CPU_BACKENDS]
+    if torch.cuda.is_available():
+        cases += [(b, "cuda") for b in backends_for("cuda")]
+    if float64:
+        cases = [c for c in cases if c[0] != "triton"]
+    return [pytest.param(*c, id=f"{c[0]}-{c[1]}") for c in cases]
+
+
+def backends_for(device: str, dtype: torch.dtype = torch.float32) -> list[str]:
+    """Backends for tensors of this device and dtype (Triton computes in float32 only)."""
+    names = CPU_BACKENDS if device == "cpu" else ["torch"] + (["triton"] if HAVE_TRITON else [])
+    return [b for b in names if not (b == "triton" and dtype == torch.float64)]
 
 DISTRIBUTIONS = ["uniform", "normal", "clustered", "duplicates", "planar", "far", "grid"]
 

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, oracle_aggregate, oracle_distances, oracle_nearest, points, tolerance
+from conftest import DEVICES, backend_cases, backends_for, oracle_aggregate, oracle_distances, oracle_nearest, points, tolerance
 
-BACKENDS = ["torch", "cpu"]
 
 
 def _knn_mask(d: np.ndarray, k: int) -> np.ndarray:
@@ -20,21 +19,21 @@ def _knn_mask(d: np.ndarray, k: int) -> np.ndarray:
     return mask
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", ["uniform", "normal", "clustered", "far", "planar"])
 @pytest.mark.parametrize("dim", [1, 3, 8])
-def test_aggregates_match_oracle(backend, distribution, dim, generator):
-    cloud = points(distribution, 250, dim, generator).float()
+def test_aggregates_match_oracle(backend, device, distribution, dim, generator):
+    cloud = points(distribution, 250, dim, generator).float().to(device)
     query, ref = cloud[:50], cloud[50:]
-    features = torch.randn(200, 5, generator=generator)
+    features = torch.randn(200, 5, generator=generator).to(device)
     d = oracle_distances(query, ref)
     out = fullgraph.knn_aggregate(query, ref, features, 7, sigma=0.1, backend=backend)
-    np.testing.assert_allclose(out.double().numpy(), oracle_aggregate(d, features, _knn_mask(d, 7), 0.1),
+    np.testing.assert_allclose(out.cpu().double().numpy(), oracle_aggregate(d, features, _knn_mask(d, 7), 0.1),
                                **tolerance(torch.float32))
     r = {1: 0.05, 3: 0.4, 8: 1.5}[dim]
     out = fullgraph.radius_aggregate(query, ref, features, r, sigma=0.1, backend=backend)
     expected = oracle_aggregate(d, features, d <= r, 0.1)
-    np.testing.assert_allclose(out.double().numpy(), expected, **tolerance(torch.float32))
+    np.testing.assert_allclose(out.cpu().double().numpy(), expected, **tolerance(torch.float32))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -44,7 +43,7 @@ def test_aggregate_dtypes(device, dtype, generator):
     query, ref = cloud[:40].to(device), cloud[40:].to(device)
     features = torch.randn(120, 4, generator=generator).to(dtype).to(device)
     d = oracle_distances(query, ref)
-    for backend in [b for b in BACKENDS if device == "cpu" or b != "cpu"]:
+    for backend in backends_for(device, dtype):
         out = fullgraph.knn_aggregate(query, ref, features, 5, sigma=0.5, backend=backend)
         assert out.dtype == dtype
         np.testing.assert_allclose(out.cpu().double().numpy(),
@@ -54,53 +53,54 @@ def test_aggregate_dtypes(device, dtype, generator):
                                    oracle_aggregate(d, features, d <= 0.3, 0.5), **tolerance(dtype))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_aggregate_is_stable_for_tiny_sigma_and_far_points(backend, generator):
-    query = points("uniform", 20, 3, generator).float() + 100
-    ref = torch.cat([query + 0.01 * torch.randn(20, 3, generator=generator).float(), query + 0.5])
-    features = torch.randn(40, 3, generator=generator)
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_aggregate_is_stable_for_tiny_sigma_and_far_points(backend, device, generator):
+    query = points("uniform", 20, 3, generator).float().to(device) + 100
+    ref = torch.cat([query + 0.01 * torch.randn(20, 3, generator=generator).float().to(device), query + 0.5])
+    features = torch.randn(40, 3, generator=generator).to(device)
     for out in (fullgraph.radius_aggregate(query, ref, features, 1.0, sigma=1e-4, backend=backend),
                 fullgraph.knn_aggregate(query, ref, features, 4, sigma=1e-4, backend=backend)):
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out, features[:20], rtol=1e-4, atol=1e-4)  # the nearest dominates
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_no_neighbours_give_zero(backend, generator):
-    query = torch.tensor([[10.0, 10.0], [0.0, 0.1]])
-    ref = torch.tensor([[0.0, 0.0], [0.0, 0.2]])
-    features = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_no_neighbours_give_zero(backend, device):
+    query = torch.tensor([[10.0, 10.0], [0.0, 0.1]], device=device)
+    ref = torch.tensor([[0.0, 0.0], [0.0, 0.2]], device=device)
+    features = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device)
     out = fullgraph.radius_aggregate(query, ref, features, 0.5, backend=backend)
     assert out[0].tolist() == [0.0, 0.0]
-    torch.testing.assert_close(out[1], torch.tensor([2.0, 3.0]))  # equidistant: the mean
-    out = fullgraph.knn_aggregate(query, torch.empty(0, 2), torch.empty(0, 2), 3, backend=backend)
+    torch.testing.assert_close(out[1].cpu(), torch.tensor([2.0, 3.0]))  # equidistant: the mean
+    empty = torch.empty(0, 2, device=device)
+    out = fullgraph.knn_aggregate(query, empty, empty, 3, backend=backend)
     assert out.shape == (2, 2) and (out == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_batched_ragged_aggregates(backend, generator):
-    query = torch.stack([points("uniform", 15, 3, generator) for _ in range(2)]).float()
-    ref = torch.stack([points("uniform", 40, 3, generator) for _ in range(2)]).float()
-    features = torch.randn(2, 40, 6, generator=generator)
-    query_lengths, ref_lengths = torch.tensor([15, 7]), torch.tensor([12, 40])
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_batched_ragged_aggregates(backend, device, generator):
+    query = torch.stack([points("uniform", 15, 3, generator) for _ in range(2)]).float().to(device)
+    ref = torch.stack([points("uniform", 40, 3, generator) for _ in range(2)]).float().to(device)
+    features = torch.randn(2, 40, 6, generator=generator).to(device)
+    query_lengths, ref_lengths = torch.tensor([15, 7], device=device), torch.tensor([12, 40], device=device)
     knn_out = fullgraph.knn_aggregate(query, ref, features, 3, query_lengths=query_lengths,
                                       ref_lengths=ref_lengths, backend=backend)
     radius_out = fullgraph.radius_aggregate(query, ref, features, 0.5, query_lengths=query_lengths,
                                             ref_lengths=ref_lengths, backend=backend)
     for b in range(2):
         d = oracle_distances(query[b], ref[b], int(query_lengths[b]), int(ref_lengths[b]))
-        np.testing.assert_allclose(knn_out[b].double().numpy(),
+        np.testing.assert_allclose(knn_out[b].cpu().double().numpy(),
                                    oracle_aggregate(d, features[b], _knn_mask(d, 3), 0.1), **tolerance(torch.float32))
-        np.testing.assert_allclose(radius_out[b].double().numpy(),
+        np.testing.assert_allclose(radius_out[b].cpu().double().numpy(),
                                    oracle_aggregate(d, features[b], d <= 0.5, 0.1), **tolerance(torch.float32))
     assert (knn_out[1, 7:] == 0).all() and (radius_out[1, 7:] == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_aggregates(backend, generator):
-    query = points("uniform", 10, 3, generator).requires_grad_()
-    ref = points("uniform", 25, 3, generator).requires_grad_()
-    features = torch.randn(25, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("backend, device", backend_cases(float64=True))
+def test_gradcheck_aggregates(backend, device, generator):
+    query = points("uniform", 10, 3, generator).to(device).requires_grad_()
+    ref = points("uniform", 25, 3, generator).to(device).requires_grad_()
+    features = torch.randn(25, 2, generator=generator, dtype=torch.float64).to(device).requires_grad_()
     assert torch.autograd.gradcheck(
         lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 4, sigma=0.2, backend=backend), (query, ref, features))
     assert torch.autograd.gradcheck(
@@ -108,12 +108,13 @@ def test_gradcheck_aggregates(backend, generator):
         (query, ref, features))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_batched_ragged(backend, generator):
-    query = torch.stack([points("uniform", 6, 2, generator) for _ in range(2)]).requires_grad_()
-    ref = torch.stack([points("uniform", 12, 2, generator) for _ in range(2)]).requires_grad_()
-    features = torch.randn(2, 12, 3, generator=generator, dtype=torch.float64, requires_grad=True)
-    lengths = {"query_lengths": torch.tensor([6, 4]), "ref_lengths": torch.tensor([9, 12])}
+@pytest.mark.parametrize("backend, device", backend_cases(float64=True))
+def test_gradcheck_batched_ragged(backend, device, generator):
+    query = torch.stack([points("uniform", 6, 2, generator) for _ in range(2)]).to(device).requires_grad_()
+    ref = torch.stack([points("uniform", 12, 2, generator) for _ in range(2)]).to(device).requires_grad_()
+    features = torch.randn(2, 12, 3, generator=generator, dtype=torch.float64).to(device).requires_grad_()
+    lengths = {"query_lengths": torch.tensor([6, 4], device=device),
+               "ref_lengths": torch.tensor([9, 12], device=device)}
     assert torch.autograd.gradcheck(
         lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 3, sigma=0.3, backend=backend, **lengths),
         (query, ref, features))
@@ -122,12 +123,12 @@ def test_gradcheck_batched_ragged(backend, generator):
         (query, ref, features))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("rows, columns", [(0, 5), (4, 0), (0, 0)])
-def test_backward_through_empty_inputs(backend, rows, columns):
-    query = torch.rand(rows, 3, requires_grad=True)
-    ref = torch.rand(columns, 3, requires_grad=True)
-    features = torch.rand(columns, 2, requires_grad=True)
+def test_backward_through_empty_inputs(backend, device, rows, columns):
+    query = torch.rand(rows, 3, device=device, requires_grad=True)
+    ref = torch.rand(columns, 3, device=device, requires_grad=True)
+    features = torch.rand(columns, 2, device=device, requires_grad=True)
     dists, _ = fullgraph.knn(query, ref, 2, backend=backend)
     total = (dists.masked_fill(torch.isinf(dists), 0).sum()
              + fullgraph.knn_aggregate(query, ref, features, 2, backend=backend).sum()
@@ -135,3 +136,32 @@ def test_backward_through_empty_inputs(backend, rows, columns):
     total.backward()
     for t in (query, ref, features):
         assert t.grad is not None and t.grad.shape == t.shape and (t.grad == 0).all()
+
+
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
+def test_triton_gradients_match_the_reference(backend, device, generator):
+    """The Triton kernels compute in float32: their gradients against float64 ones."""
+    query = torch.stack([points("uniform", 30, 3, generator) for _ in range(2)]).to(device)
+    ref = torch.stack([points("uniform", 70, 3, generator) for _ in range(2)]).to(device)
+    features = torch.randn(2, 70, 5, generator=generator, dtype=torch.float64).to(device)
+    lengths = {"query_lengths": torch.tensor([30, 21], device=device),
+               "ref_lengths": torch.tensor([64, 70], device=device)}
+    calls = {
+        "knn": lambda q, r, f, be: fullgraph.knn(q, r, 5, backend=be, **lengths)[0].masked_fill(
+            torch.arange(30, device=device)[None, :, None] >= lengths["query_lengths"][:, None, None], 0),
+        "knn_aggregate": lambda q, r, f, be: fullgraph.knn_aggregate(q, r, f, 5, sigma=0.2, backend=be, **lengths),
+        "radius_aggregate": lambda q, r, f, be: fullgraph.radius_aggregate(q, r, f, 0.4, sigma=0.2, backend=be,
+                                                                           **lengths),
+    }
+    for name, call in calls.items():
+        inputs64 = [t.clone().requires_grad_() for t in (query, ref, features)]
+        inputs32 = [t.float().requires_grad_() for t in (query, ref, features)]
+        want = call(*inputs64, "torch")
+        got = call(*inputs32, backend)
+        grad = torch.randn_like(want)
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=name)
+        expected = torch.autograd.grad(want, inputs64, grad, allow_unused=True)
+        actual = torch.autograd.grad(got, inputs32, grad.float(), allow_unused=True)
+        for e, a in zip(expected, actual):
+            if e is not None:
+                torch.testing.assert_close(a.double(), e, rtol=1e-3, atol=1e-3, msg=name)

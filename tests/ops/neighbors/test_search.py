@@ -9,24 +9,19 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, DISTRIBUTIONS, assert_neighbors, oracle_distances, oracle_nearest, points
+from conftest import DEVICES, backend_cases, backends_for, DISTRIBUTIONS, assert_neighbors, oracle_distances, oracle_nearest, points
 
-BACKENDS = ["torch", "cpu"]
-
-
-def _backends(device):
-    return [b for b in BACKENDS if not (b == "cpu" and device != "cpu")]
 
 
 def _cloud(distribution, count, dim, generator, dtype, device):
     return points(distribution, count, dim, generator).to(dtype).to(device)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 @pytest.mark.parametrize("dim", [1, 2, 3, 8])
-def test_knn_matches_oracle(backend, distribution, dim, generator):
-    cloud = _cloud(distribution, 264, dim, generator, torch.float32, "cpu")
+def test_knn_matches_oracle(backend, device, distribution, dim, generator):
+    cloud = _cloud(distribution, 264, dim, generator, torch.float32, device)
     query, ref = cloud[:61], cloud[61:]
     dists, idx = fullgraph.knn(query, ref, 9, backend=backend)
     d = oracle_distances(query, ref)
@@ -42,64 +37,66 @@ def test_knn_dtypes(device, dtype, generator):
     ref = _cloud("normal", 150, 3, generator, dtype, device)
     d = oracle_distances(query, ref)
     expected_dists, expected_idx, _ = oracle_nearest(d, 5)
-    for backend in _backends(device):
+    for backend in backends_for(device, dtype):
         dists, idx = fullgraph.knn(query, ref, 5, backend=backend)
         assert dists.dtype == dtype and dists.device.type == device
         assert_neighbors(dists, idx, expected_dists, expected_idx, d, dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", ["uniform", "duplicates", "grid", "clustered"])
 @pytest.mark.parametrize("dim", [2, 3])
-def test_radius_matches_oracle(backend, distribution, dim, generator):
-    cloud = _cloud(distribution, 370, dim, generator, torch.float32, "cpu")
+def test_radius_matches_oracle(backend, device, distribution, dim, generator):
+    cloud = _cloud(distribution, 370, dim, generator, torch.float32, device)
     query, ref = cloud[:70], cloud[70:]
     r = 0.3 if distribution != "grid" else 0.75  # grid spacing 0.5: 0.75 is not a tie
     dists, idx, counts = fullgraph.radius(query, ref, r, 6, backend=backend)
     d = oracle_distances(query, ref)
     expected_dists, expected_idx, expected_counts = oracle_nearest(d, 6, r)
     assert_neighbors(dists, idx, expected_dists, expected_idx, np.where(d <= r, d, np.inf), torch.float32)
-    np.testing.assert_array_equal(counts.numpy(), expected_counts)
+    np.testing.assert_array_equal(counts.cpu().numpy(), expected_counts)
     assert (counts > 6).any(), "the cap must be exercised"
 
 
-def test_radius_keeps_the_nearest_not_the_first(generator):
-    ref = torch.tensor([[0.9], [0.5], [0.1], [0.2]])
-    for backend in BACKENDS:
-        dists, idx, counts = fullgraph.radius(torch.zeros(1, 1) + 0.05, ref, 1.0, 2, backend=backend)
-        assert idx.tolist() == [[2, 3]] and counts.tolist() == [4]
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_radius_keeps_the_nearest_not_the_first(backend, device):
+    ref = torch.tensor([[0.9], [0.5], [0.1], [0.2]], device=device)
+    dists, idx, counts = fullgraph.radius(torch.zeros(1, 1, device=device) + 0.05, ref, 1.0, 2, backend=backend)
+    assert idx.tolist() == [[2, 3]] and counts.tolist() == [4]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ties_go_to_smaller_index(backend):
-    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0], [1.0, 0.0], [2.0, 0.0]])
-    dists, idx = fullgraph.knn(torch.zeros(1, 2), ref, 3, backend=backend)
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_ties_go_to_smaller_index(backend, device):
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0], [1.0, 0.0], [2.0, 0.0]], device=device)
+    origin = torch.zeros(1, 2, device=device)
+    dists, idx = fullgraph.knn(origin, ref, 3, backend=backend)
     assert idx.tolist() == [[0, 1, 2]]
-    torch.testing.assert_close(dists, torch.ones(1, 3))
-    dists, idx, counts = fullgraph.radius(torch.zeros(1, 2), ref, 1.0, 2, backend=backend)
+    torch.testing.assert_close(dists.cpu(), torch.ones(1, 3))
+    dists, idx, counts = fullgraph.radius(origin, ref, 1.0, 2, backend=backend)
     assert idx.tolist() == [[0, 1]] and counts.tolist() == [5]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tiny_and_empty(backend):
-    one = torch.tensor([[0.5, 0.5]])
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_tiny_and_empty(backend, device):
+    one = torch.tensor([[0.5, 0.5]], device=device)
+    empty = torch.empty(0, 2, device=device)
     dists, idx = fullgraph.knn(one, one + 1, 3, backend=backend)
     assert idx.tolist() == [[0, -1, -1]]
     assert dists[0, 0].item() == pytest.approx(math.sqrt(2)) and torch.isinf(dists[0, 1:]).all()
-    dists, idx = fullgraph.knn(torch.empty(0, 2), one, 2, backend=backend)
+    dists, idx = fullgraph.knn(empty, one, 2, backend=backend)
     assert dists.shape == (0, 2) and idx.shape == (0, 2)
-    dists, idx = fullgraph.knn(one, torch.empty(0, 2), 2, backend=backend)
+    dists, idx = fullgraph.knn(one, empty, 2, backend=backend)
     assert idx.tolist() == [[-1, -1]] and torch.isinf(dists).all()
-    dists, idx, counts = fullgraph.radius(one, torch.empty(0, 2), 1.0, 2, backend=backend)
+    dists, idx, counts = fullgraph.radius(one, empty, 1.0, 2, backend=backend)
     assert idx.tolist() == [[-1, -1]] and counts.tolist() == [0]
     dists, idx, counts = fullgraph.radius(one, one, 0.0, 1, backend=backend)
     assert idx.tolist() == [[0]] and dists.tolist() == [[0.0]] and counts.tolist() == [1]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_finite_points_are_isolated(backend, generator):
-    query = points("normal", 30, 3, generator).float()
-    ref = points("normal", 80, 3, generator).float()
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_non_finite_points_are_isolated(backend, device, generator):
+    query = points("normal", 30, 3, generator).float().to(device)
+    ref = points("normal", 80, 3, generator).float().to(device)
     expected_dists, expected_idx = fullgraph.knn(query, ref, 4, backend=backend)
     query[3, 1] = math.nan
     query[7, 0] = math.inf
@@ -116,12 +113,12 @@ def test_non_finite_points_are_isolated(backend, generator):
     assert torch.equal(idx[untouched], expected_idx[untouched])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_batched_and_ragged(backend, generator):
-    query = torch.stack([points("normal", 25, 3, generator) for _ in range(3)]).float()
-    ref = torch.stack([points("uniform", 60, 3, generator) for _ in range(3)]).float()
-    query_lengths = torch.tensor([25, 10, 0])
-    ref_lengths = torch.tensor([60, 3, 40])
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_batched_and_ragged(backend, device, generator):
+    query = torch.stack([points("normal", 25, 3, generator) for _ in range(3)]).float().to(device)
+    ref = torch.stack([points("uniform", 60, 3, generator) for _ in range(3)]).float().to(device)
+    query_lengths = torch.tensor([25, 10, 0], device=device)
+    ref_lengths = torch.tensor([60, 3, 40], device=device)
     dists, idx = fullgraph.knn(query, ref, 5, query_lengths=query_lengths, ref_lengths=ref_lengths,
                                backend=backend)
     rdists, ridx, counts = fullgraph.radius(query, ref, 0.8, 4, query_lengths=query_lengths,
@@ -133,14 +130,14 @@ def test_batched_and_ragged(backend, generator):
         assert_neighbors(dists[b], idx[b], want_dists, want_idx, d, torch.float32)
         want_dists, want_idx, want_counts = oracle_nearest(d, 4, 0.8)
         assert_neighbors(rdists[b], ridx[b], want_dists, want_idx, np.where(d <= 0.8, d, np.inf), torch.float32)
-        np.testing.assert_array_equal(counts[b].numpy(), want_counts)
+        np.testing.assert_array_equal(counts[b].cpu().numpy(), want_counts)
     assert (idx[1, :10, 3:] == -1).all() and (idx[1, 10:] == -1).all() and (idx[2] == -1).all()
     assert (idx < ref_lengths[:, None, None]).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_inputs(backend, generator):
-    base = points("normal", 200, 6, generator).float()
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_non_contiguous_inputs(backend, device, generator):
+    base = points("normal", 200, 6, generator).float().to(device)
     query, ref = base[:40, ::2], base[40:, 1::2]
     assert not query.is_contiguous()
     dists, idx = fullgraph.knn(query, ref, 3, backend=backend)
@@ -163,20 +160,20 @@ def test_reference_never_builds_the_full_matrix(monkeypatch, generator):
     assert torch.equal(idx, cpu_idx)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradient_at_coincident_points_is_zero(backend):
-    query = torch.tensor([[0.0, 0.0], [1.0, 1.0]], requires_grad=True)
-    ref = torch.tensor([[0.0, 0.0], [1.0, 0.0]], requires_grad=True)
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_gradient_at_coincident_points_is_zero(backend, device):
+    query = torch.tensor([[0.0, 0.0], [1.0, 1.0]], device=device, requires_grad=True)
+    ref = torch.tensor([[0.0, 0.0], [1.0, 0.0]], device=device, requires_grad=True)
     dists, _ = fullgraph.knn(query, ref, 2, backend=backend)
     dists.sum().backward()
     assert torch.isfinite(query.grad).all() and torch.isfinite(ref.grad).all()
     assert query.grad[0, 0].item() == pytest.approx(-1.0)  # only the (1, 0) neighbour pulls
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_gradcheck_distances(backend, generator):
-    query = points("uniform", 12, 3, generator).requires_grad_()
-    ref = points("uniform", 30, 3, generator).requires_grad_()
+@pytest.mark.parametrize("backend, device", backend_cases(float64=True))
+def test_gradcheck_distances(backend, device, generator):
+    query = points("uniform", 12, 3, generator).to(device).requires_grad_()
+    ref = points("uniform", 30, 3, generator).to(device).requires_grad_()
     assert torch.autograd.gradcheck(lambda q, r: fullgraph.knn(q, r, 4, backend=backend)[0], (query, ref))
 
     def capped(q, r):

@@ -3,27 +3,45 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
 from ... import _validate
 from . import ops
+from . import triton as triton_backend
 
-BACKEND_NAMES = ("auto", "torch", "cpu")
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
 # Probed once, without importing scipy, so that `import fullgraph` stays light and the
 # choice below needs no import machinery while torch.compile traces it.
 _HAVE_SCIPY = importlib.util.find_spec("scipy") is not None
+# Triton's interpreter runs the kernels on CPU tensors (slowly): used by the CPU tests.
+_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _backend(backend: str, device: torch.device) -> str:
+def _backend(backend: str, query: torch.Tensor, k: int = 1) -> str:
+    """Resolve ``backend`` for tensors like ``query``; k is the list length it must hold."""
     _validate.choice("backend", backend, BACKEND_NAMES)
+    device = query.device
     if backend == "auto":
-        return "cpu" if device.type == "cpu" and _HAVE_SCIPY else "torch"
+        if device.type == "cpu":
+            return "cpu" if _HAVE_SCIPY else "torch"
+        triton_fits = k <= triton_backend.MAX_K and query.dtype != torch.float64
+        return "triton" if device.type == "cuda" and triton_backend.available() and triton_fits else "torch"
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f'backend: "cpu" needs CPU tensors, got tensors on {device}')
         if not _HAVE_SCIPY:
             raise ImportError('backend="cpu" needs scipy: pip install "fullgraph[cpu]"')
+    if backend == "triton":
+        if not triton_backend.available():
+            raise ImportError('backend="triton" needs triton: pip install triton (it comes with CUDA builds of torch)')
+        if device.type != "cuda" and not (device.type == "cpu" and _TRITON_ON_CPU):
+            raise ValueError(f'backend: "triton" needs CUDA tensors, got tensors on {device}')
+        if k > triton_backend.MAX_K:
+            raise ValueError(f'k: backend="triton" supports up to {triton_backend.MAX_K} neighbours, got {k}')
+        if query.dtype == torch.float64:
+            raise TypeError('query: backend="triton" computes in float32, got torch.float64 (use backend="torch")')
     return backend
 
 
@@ -66,12 +84,12 @@ def _features(features, ref: torch.Tensor, unbatched: bool) -> torch.Tensor:
     return features
 
 
-def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend):
+def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, k=1):
     """Checks shared by the aggregations; returns batched tensors and resolved options."""
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     features = _features(features, ref, unbatched)
     sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    return query, ref, features, sigma, _backend(backend, query.device), unbatched
+    return query, ref, features, sigma, _backend(backend, query, k), unbatched
 
 
 def _unbatch(tensors, unbatched: bool):
@@ -110,7 +128,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
     """
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _validate.integer("k", k, minimum=1)
-    backend = _backend(backend, query.device)
+    backend = _backend(backend, query, k)
     dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
@@ -143,7 +161,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
     max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
-    backend = _backend(backend, query.device)
+    backend = _backend(backend, query, max_neighbors)
     result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend)
     return _unbatch(result, unbatched)
 
@@ -168,9 +186,9 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         >>> fullgraph.knn_aggregate(torch.randn(20, 3), ref, feats, k=7).shape
         torch.Size([20, 8])
     """
-    query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
-        query, ref, features, sigma, query_lengths, ref_lengths, backend)
     k = _validate.integer("k", k, minimum=1)
+    query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
+        query, ref, features, sigma, query_lengths, ref_lengths, backend, k)
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
         query, ref, features, k, sigma, query_lengths, ref_lengths, backend
     )

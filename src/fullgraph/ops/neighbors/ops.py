@@ -12,8 +12,11 @@ import math
 import torch
 
 from . import cpu, reference
+from . import triton as triton_backend
 
-BACKENDS = {"torch": reference, "cpu": cpu}
+# Each backend provides `nearest` (search) and either `radius_pairs` (the pair-based
+# aggregation below does the rest) or a fused `radius_aggregate` with its backward.
+BACKENDS = {"torch": reference, "cpu": cpu, "triton": triton_backend}
 
 Tensor = torch.Tensor
 OptionalTensor = torch.Tensor | None
@@ -198,6 +201,9 @@ def radius_aggregate_op(
     query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
     query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
 ) -> Tensor:
+    module = BACKENDS[backend]
+    if hasattr(module, "radius_aggregate"):
+        return module.radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths)
     query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     acc = reference.accumulation_dtype(query.dtype)
     out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc, device=query.device)
@@ -219,6 +225,10 @@ def radius_aggregate_backward_op(
     sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk."""
+    module = BACKENDS[backend]
+    if hasattr(module, "radius_aggregate_backward"):
+        return module.radius_aggregate_backward(
+            grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths)
     query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     acc = reference.accumulation_dtype(query.dtype)
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (query, ref, features)]

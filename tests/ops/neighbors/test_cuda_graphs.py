@@ -1,0 +1,82 @@
+"""On CUDA the Triton backend is capture-safe: manual graph capture, reduce-overhead, dynamic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullgraph
+from conftest import points
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _step(query, ref, features):
+    out = fullgraph.knn_aggregate(query, ref, features, 7) + fullgraph.radius_aggregate(query, ref, features, 0.3)
+    dists, idx, counts = fullgraph.radius(query, ref, 0.3, 8)
+    return out.sum(-1) + dists.masked_fill(idx < 0, 0).sum(-1) + counts
+
+
+def _data(generator, rows=500, columns=2000):
+    query = points("uniform", rows, 3, generator).float().cuda()
+    ref = points("uniform", columns, 3, generator).float().cuda()
+    features = torch.randn(columns, 6, generator=generator).cuda()
+    return query, ref, features
+
+
+def test_manual_capture_replays_on_new_data(generator):
+    static = [t.clone() for t in _data(generator)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            _step(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = _step(*static)
+    for _ in range(3):
+        fresh = _data(generator)
+        for target, source in zip(static, fresh):
+            target.copy_(source)
+        graph.replay()
+        torch.testing.assert_close(static_out, _step(*fresh))
+
+
+def test_reduce_overhead_train_step(generator):
+    query, ref, features = _data(generator)
+    model = fullgraph.models.RadiusProjector(radius=0.3, hidden_dim=16).cuda()
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    target = torch.randn(query.shape[0], 1, device="cuda")
+    eager = model(query, ref)
+    torch.testing.assert_close(compiled(query, ref), eager, rtol=1e-4, atol=1e-4)
+    losses = []
+    for _ in range(6):
+        optimizer.zero_grad()
+        loss = torch.mean((compiled(query, ref) - target) ** 2)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+def test_dynamic_compile_once_on_cuda(generator):
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(_step, backend=counter, fullgraph=True, dynamic=True)
+    for rows, columns in [(300, 1000), (411, 1777), (50, 3000)]:
+        data = _data(generator, rows, columns)
+        torch.testing.assert_close(compiled(*data), _step(*data))
+    assert counter.frame_count == 1
+
+
+def test_auto_picks_triton_on_cuda(monkeypatch, generator):
+    from fullgraph.ops.neighbors import triton as triton_backend
+
+    calls = []
+    original = triton_backend.nearest
+    monkeypatch.setattr(triton_backend, "nearest", lambda *a: calls.append(1) or original(*a))
+    fullgraph.knn(*_data(generator)[:2], 4)
+    assert calls
