@@ -31,7 +31,6 @@ except ImportError:  # pragma: no cover - the backend reports this when asked fo
     triton = None
 
 MAX_K = 64
-_KEY_NONE = 0x7FFFFFFFFFFFFFFF
 
 
 def available() -> bool:
@@ -45,6 +44,8 @@ def _lengths(lengths, batch, size, device):
 
 
 if triton is not None:
+    # The key of "no candidate": larger than every real (distance, index) key.
+    _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 
     @triton.jit
     def _load_points(base, offs, count, stride, D: tl.constexpr, dim: tl.constexpr):
@@ -150,23 +151,22 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
         for start in range(0, r_len, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            d2, q_bad, r_bad = _tile_d2(query + b * stride_qb, ref + b * stride_rb, offs_m, offs_n, q_len, r_len,
-                                        D, D, D)
-            ok = (offs_m < q_len)[:, None] & (offs_n < r_len)[None, :] & ~q_bad[:, None] & ~r_bad[None, :]
-            ok = ok & (d2 <= radius2)
-            d = tl.sqrt(d2)
-            new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
-            # Rescale what was summed against the old minimum; nothing was summed while it was
-            # inf. The inner selects keep inf - inf (NaN) out of the exponentials.
-            seen = row_min < float("inf")
-            alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
-            w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
-            row_sum = row_sum * alpha + tl.sum(w, 1)
-            if not STATS_ONLY:
-                f = _load_block(features + b * stride_fb, offs_n, r_len, channels, channels, CP)
-                f = tl.where(r_bad[:, None], 0.0, f)
-                acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
-            row_min = new_min
+            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
+            # Most tiles hold no pair within the radius: skip their exponentials and features.
+            if tl.max(ok.to(tl.int32)) > 0:
+                d = tl.sqrt(d2)
+                new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
+                # Rescale what was summed against the old minimum; nothing was summed while it
+                # was inf. The inner selects keep inf - inf (NaN) out of the exponentials.
+                seen = row_min < float("inf")
+                alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
+                w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
+                row_sum = row_sum * alpha + tl.sum(w, 1)
+                if not STATS_ONLY:
+                    f = _load_block(features + b * stride_fb, offs_n, r_len, channels, channels, CP)
+                    f = tl.where(r_bad[:, None], 0.0, f)
+                    acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
+                row_min = new_min
         stat_offs = b * rows + offs_m
         tl.store(out_min + stat_offs, row_min, mask=offs_m < rows)
         tl.store(out_sum + stat_offs, row_sum, mask=offs_m < rows)
@@ -177,14 +177,20 @@ if triton is not None:
             tl.store(out + stat_offs[:, None] * channels + cols[None, :], result.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _radius_pair_terms(query, ref, features, grad_out, row_min_ptr, row_sum_ptr, delta_ptr, b, offs_m, offs_n,
-                           q_len, r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
-                           D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr):
-        """For a [BM, BN] tile: weights p, the distance-gradient factor c = dL/dd / d,
-        and the loaded blocks (q [BM, DP], r [BN, DP], f [BN, CP], g [BM, CP])."""
+    def _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D: tl.constexpr):
+        """Squared distances [BM, BN], the pairs within the radius, and the bad references."""
         d2, q_bad, r_bad = _tile_d2(query + b * stride_qb, ref + b * stride_rb, offs_m, offs_n, q_len, r_len, D, D, D)
         ok = (offs_m < q_len)[:, None] & (offs_n < r_len)[None, :] & ~q_bad[:, None] & ~r_bad[None, :]
-        ok = ok & (d2 <= radius2)
+        return d2, ok & (d2 <= radius2), r_bad
+
+    @triton.jit
+    def _radius_pair_terms(d2, ok, r_bad, query, ref, features, grad_out, row_min_ptr, row_sum_ptr, delta_ptr, b,
+                           offs_m, offs_n,
+                           q_len, r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
+                           D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr):
+        """For a [BM, BN] tile with pairs ``ok`` at squared distances d2: weights p, the
+        distance-gradient factor c = dL/dd / d, and the loaded blocks (q [BM, DP],
+        r [BN, DP], f [BN, CP], g [BM, CP])."""
         stat = b * rows + offs_m
         row_min = tl.load(row_min_ptr + stat, mask=offs_m < rows, other=0.0)
         row_sum = tl.load(row_sum_ptr + stat, mask=offs_m < rows, other=0.0)
@@ -214,11 +220,13 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
         for start in range(0, r_len, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            p, c, q, r, f, g = _radius_pair_terms(
-                query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len, r_len, rows,
-                channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
-            # sum_j c_ij (q_i - r_j)
-            acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
+            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
+            if tl.max(ok.to(tl.int32)) > 0:
+                p, c, q, r, f, g = _radius_pair_terms(
+                    d2, ok, r_bad, query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len,
+                    r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
+                # sum_j c_ij (q_i - r_j)
+                acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
         cols = tl.arange(0, DP)
         mask = (offs_m < rows)[:, None] & (cols < D)[None, :]
         tl.store(grad_query + (b * rows + offs_m)[:, None] * D + cols[None, :], acc, mask=mask)
@@ -238,12 +246,14 @@ if triton is not None:
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
         for start in range(0, q_len, BLOCK_M):
             offs_m = start + tl.arange(0, BLOCK_M)
-            p, c, q, r, f, g = _radius_pair_terms(
-                query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len, r_len, rows,
-                channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
-            acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
-            # -sum_i c_ij (q_i - r_j)
-            acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
+            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
+            if tl.max(ok.to(tl.int32)) > 0:
+                p, c, q, r, f, g = _radius_pair_terms(
+                    d2, ok, r_bad, query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len,
+                    r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
+                acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
+                # -sum_i c_ij (q_i - r_j)
+                acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
         base = b * columns + offs_n
         cols = tl.arange(0, DP)
         tl.store(grad_ref + base[:, None] * D + cols[None, :], acc_r,
