@@ -159,3 +159,17 @@ def assert_neighbors(dists, idx, expected_dists, expected_idx, true_d, dtype):
     near_tie = ((gap_after > 0) & (gap_after <= 4 * gap_scale)) | ((gap_before > 0) & (gap_before <= 4 * gap_scale))
     decided = found & ~near_tie
     np.testing.assert_array_equal(idx[decided], expected_idx[decided])
+
+
+def assert_compiled_model_trains(model, compiled, query, ref, target, steps: int = 5, tol: float = 1e-5):
+    """The compiled model matches eager, and Adam steps through it lower the loss."""
+    torch.testing.assert_close(compiled(query, ref), model(query, ref), rtol=tol, atol=tol)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.mean((compiled(query, ref) - target) ** 2)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import points
+from conftest import assert_compiled_model_trains, points
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -47,18 +47,8 @@ def test_reduce_overhead_train_step(generator):
     query, ref, features = _data(generator)
     model = fullgraph.models.RadiusProjector(radius=0.3, hidden_dim=16).cuda()
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     target = torch.randn(query.shape[0], 1, device="cuda")
-    eager = model(query, ref)
-    torch.testing.assert_close(compiled(query, ref), eager, rtol=1e-4, atol=1e-4)
-    losses = []
-    for _ in range(6):
-        optimizer.zero_grad()
-        loss = torch.mean((compiled(query, ref) - target) ** 2)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    assert_compiled_model_trains(model, compiled, query, ref, target, steps=6, tol=1e-4)
 
 
 def test_dynamic_compile_once_on_cuda(generator):

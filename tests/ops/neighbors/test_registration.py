@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import backend_cases, points
+from conftest import assert_compiled_model_trains, backend_cases, points
 
 
 def _inputs(generator, batch=2, rows=9, columns=20, dim=3, channels=4, dtype=torch.float64):
@@ -76,17 +76,7 @@ def test_inductor_train_step(generator):
     """A real inductor compile of a train step through the operators."""
     model = fullgraph.models.KNNProjector(k=4, hidden_dim=8)
     compiled = torch.compile(model, fullgraph=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     query = points("uniform", 64, 3, generator).float()
     ref = points("normal", 200, 3, generator).float()
     target = torch.randn(64, 1, generator=generator)
-    eager_out = model(query, ref)
-    torch.testing.assert_close(compiled(query, ref), eager_out, rtol=1e-5, atol=1e-5)
-    losses = []
-    for _ in range(5):
-        optimizer.zero_grad()
-        loss = torch.mean((compiled(query, ref) - target) ** 2)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < losses[0]
+    assert_compiled_model_trains(model, compiled, query, ref, target)
