@@ -31,6 +31,8 @@ except ImportError:  # pragma: no cover - the backend reports this when asked fo
     triton = None
 
 MAX_K = 64
+# (BLOCK_M, BLOCK_N, num_warps) of the search kernel.
+SEARCH_BLOCKS = (32, 64, 4)
 
 
 def available() -> bool:
@@ -276,13 +278,14 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     if batch * rows == 0:
         return dists, idx, counts
-    block_m, block_n = 32, 64
+    block_m, block_n, warps = SEARCH_BLOCKS
     grid = (triton.cdiv(rows, block_m), batch)
     _nearest_kernel[grid](
         query, ref, _lengths(query_lengths, batch, rows, query.device), _lengths(ref_lengths, batch, columns, ref.device),
         dists, idx, counts, rows, columns, float(radius) ** 2 if use_radius else 0.0,
         rows * dim, dim, columns * dim, dim,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=warps,
     )
     if not use_radius:
         counts = (idx >= 0).sum(-1)
