@@ -42,9 +42,9 @@ def main() -> None:
     for op, kind, m, n, k, r in cases:
         query, ref = _cloud(kind, m, generator), _cloud(kind, n, generator)
         if op == "knn":
-            call = lambda: fullgraph.knn(query, ref, k)  # noqa: E731
+            call = lambda query=query, ref=ref, k=k: fullgraph.knn(query, ref, k)  # noqa: E731
         else:
-            call = lambda: fullgraph.radius(query, ref, r, k)  # noqa: E731
+            call = lambda query=query, ref=ref, r=r, k=k: fullgraph.radius(query, ref, r, k)  # noqa: E731
         runs = 3 if m >= 1_000_000 else 20
         with PeakMemory(device) as memory:
             timing = time_call(call, device, warmup=1, runs=runs)

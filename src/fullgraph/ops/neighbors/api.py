@@ -8,7 +8,7 @@ import os
 import torch
 
 from ... import _validate
-from . import ops
+from . import ops  # noqa: F401  (importing registers torch.ops.fullgraph.*)
 from . import triton as triton_backend
 
 BACKEND_NAMES = ("auto", "torch", "cpu", "triton")

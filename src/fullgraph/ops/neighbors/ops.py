@@ -29,6 +29,11 @@ def _flat(points: Tensor) -> Tensor:
     return flat if flat.shape[0] > 0 else points.new_zeros((1, points.shape[-1]))
 
 
+def _unflat(flat: Tensor, like: Tensor) -> Tensor:
+    """Inverse of ``_flat``: drop the padding row, take the shape and dtype of ``like``."""
+    return flat[: like.shape[0] * like.shape[1]].reshape(like.shape).to(like.dtype)
+
+
 # --------------------------------------------------------------------------- search
 
 
@@ -80,11 +85,11 @@ def distances_backward_op(
     # Recomputed in full precision: the saved distances may be rounded to bf16/fp16.
     exact = reference.pair_distances(_flat(query)[qi], _flat(ref)[rj])
     d = torch.where(found & torch.isfinite(dists.reshape(-1)), exact, math.inf).to(acc)
-    grad_query, grad_ref = reference.distances_backward_pairs(
-        grad_dists.reshape(-1), _flat(query), _flat(ref), qi, rj, d
-    )
-    grad_query, grad_ref = grad_query[: query.shape[0] * query.shape[1]], grad_ref[: ref.shape[0] * ref.shape[1]]
-    return grad_query.reshape(query.shape).to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
+    flat_query, flat_ref = _flat(query), _flat(ref)
+    grad_query = torch.zeros(flat_query.shape, dtype=acc, device=query.device)
+    grad_ref = torch.zeros(flat_ref.shape, dtype=acc, device=ref.device)
+    reference.distances_backward_pairs(grad_dists.reshape(-1), flat_query, flat_ref, qi, rj, d, grad_query, grad_ref)
+    return _unflat(grad_query, query), _unflat(grad_ref, ref)
 
 
 @distances_backward_op.register_fake
@@ -96,18 +101,19 @@ def _save_search(ctx, inputs, output):
     ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
 
 
-def _search_backward(ctx, grad_dists, *unused):
-    query, ref, idx, dists = ctx.saved_tensors
-    if grad_dists is None:
-        return (None,) * 7
-    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists)
-    return (grad_query, grad_ref) + (None,) * 5
+def _search_backward(input_count: int):
+    """Backward of a search op with ``input_count`` inputs; only dists carry a gradient."""
+
+    def backward(ctx, grad_dists, *non_differentiable):
+        query, ref, idx, dists = ctx.saved_tensors
+        grads = distances_backward_op(grad_dists, query, ref, idx, dists)
+        return (*grads, *(None,) * (input_count - 2))
+
+    return backward
 
 
-knn_op.register_autograd(lambda ctx, g_dists, g_idx: _search_backward(ctx, g_dists)[:6],
-                         setup_context=_save_search)
-radius_op.register_autograd(lambda ctx, g_dists, g_idx, g_counts: _search_backward(ctx, g_dists),
-                            setup_context=_save_search)
+knn_op.register_autograd(_search_backward(6), setup_context=_save_search)
+radius_op.register_autograd(_search_backward(7), setup_context=_save_search)
 
 
 # ----------------------------------------------------------------------- aggregation
@@ -137,9 +143,10 @@ def knn_aggregate_op(
         query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths
     )
     acc = reference.accumulation_dtype(query.dtype)
+    flat_features = _flat(features)
     out = torch.empty((idx.shape[0] * idx.shape[1], features.shape[-1]), dtype=acc, device=query.device)
     for rows, qi, rj, d, _ in _knn_chunks(idx, dists, ref.shape[1], features.shape[-1]):
-        out[rows] = reference.aggregate_pairs(_flat(features), qi, rj, d, sigma, rows.stop - rows.start)
+        out[rows] = reference.aggregate_pairs(flat_features, qi, rj, d, sigma, rows.stop - rows.start)
     return out.reshape(*query.shape[:2], features.shape[-1]).to(features.dtype), dists, idx
 
 
@@ -163,13 +170,10 @@ def knn_aggregate_backward_op(
     grad_dists = torch.zeros(dists.numel(), dtype=acc, device=dists.device)
     grad_features = torch.zeros(flat_features.shape, dtype=acc, device=features.device)
     for rows, qi, rj, d, slots in _knn_chunks(idx, dists, features.shape[1], features.shape[-1]):
-        grad_d, grad_f = reference.aggregate_pairs_backward(
-            flat_grad[rows], flat_features, flat_out[rows], qi, rj, d, sigma
+        grad_dists[slots] = reference.aggregate_pairs_backward(
+            flat_grad[rows], flat_features, flat_out[rows], qi, rj, d, sigma, grad_features
         )
-        grad_dists[slots] = grad_d
-        grad_features += grad_f
-    grad_features = grad_features[: features.shape[0] * features.shape[1]]
-    return grad_dists.reshape(dists.shape).to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
+    return grad_dists.reshape(dists.shape).to(dists.dtype), _unflat(grad_features, features)
 
 
 @knn_aggregate_backward_op.register_fake
@@ -201,13 +205,13 @@ def radius_aggregate_op(
     query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
     query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
 ) -> Tensor:
+    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     module = BACKENDS[backend]
     if hasattr(module, "radius_aggregate"):
         return module.radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths)
-    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     acc = reference.accumulation_dtype(query.dtype)
     out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc, device=query.device)
-    pairs = BACKENDS[backend].radius_pairs(query, ref, radius, query_lengths, ref_lengths)
+    pairs = module.radius_pairs(query, ref, radius, query_lengths, ref_lengths)
     for b, rows, qi, rj, d in pairs:
         block = out[b, rows]
         block += reference.aggregate_pairs(features[b], qi, rj, d, sigma, block.shape[0])
@@ -225,23 +229,19 @@ def radius_aggregate_backward_op(
     sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk."""
+    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     module = BACKENDS[backend]
     if hasattr(module, "radius_aggregate_backward"):
         return module.radius_aggregate_backward(
             grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths)
-    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
     acc = reference.accumulation_dtype(query.dtype)
     grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (query, ref, features)]
     grad_query, grad_ref, grad_features = grads
-    pairs = BACKENDS[backend].radius_pairs(query, ref, radius, query_lengths, ref_lengths)
-    for b, rows, qi, rj, d in pairs:
-        grad_d, grad_f = reference.aggregate_pairs_backward(
-            grad_out[b, rows], features[b], out[b, rows], qi, rj, d, sigma
+    for b, rows, qi, rj, d in module.radius_pairs(query, ref, radius, query_lengths, ref_lengths):
+        grad_d = reference.aggregate_pairs_backward(
+            grad_out[b, rows], features[b], out[b, rows], qi, rj, d, sigma, grad_features[b]
         )
-        grad_features[b] += grad_f
-        grad_q, grad_r = reference.distances_backward_pairs(grad_d, query[b, rows], ref[b], qi, rj, d)
-        grad_query[b, rows] += grad_q
-        grad_ref[b] += grad_r
+        reference.distances_backward_pairs(grad_d, query[b, rows], ref[b], qi, rj, d, grad_query[b, rows], grad_ref[b])
     return tuple(g.to(t.dtype) for g, t in zip(grads, (query, ref, features)))
 
 

@@ -177,8 +177,10 @@ def aggregate_pairs_backward(
     rj: torch.Tensor,
     d: torch.Tensor,
     sigma: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``aggregate_pairs``: (grad_d [P], grad_features [N, C] in acc dtype).
+    grad_features: torch.Tensor,
+) -> torch.Tensor:
+    """Gradients of ``aggregate_pairs``: returns grad_d [P] and adds into grad_features
+    [N, C] (acc dtype), so that chunked callers accumulate without a buffer per chunk.
 
     With p the normalized weights and o the output row:
     d o_i / d F_j = p_ij,  d L / d d_ij = -(p_ij / sigma) * (g_i . F_j - g_i . o_i).
@@ -186,29 +188,27 @@ def aggregate_pairs_backward(
     acc = d.dtype
     grad_out = grad_out.to(acc)
     weights = pair_weights(qi, d, sigma, grad_out.shape[0])
-    grad_features = torch.zeros(features.shape, dtype=acc, device=features.device)
     grad_features.index_add_(0, rj, weights[:, None] * grad_out[qi])
     projected = (grad_out[qi] * features[rj].to(acc)).sum(-1)
     baseline = (grad_out * out.to(acc)).sum(-1)[qi]
-    grad_d = -(weights / sigma) * (projected - baseline)
-    return grad_d, grad_features
+    return -(weights / sigma) * (projected - baseline)
 
 
 def distances_backward_pairs(
-    grad_d: torch.Tensor, query: torch.Tensor, ref: torch.Tensor, qi, rj, d: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chain d_ij = |q_i - r_j| back to positions: (grad_query [Mq, D], grad_ref [Nr, D]).
+    grad_d: torch.Tensor, query: torch.Tensor, ref: torch.Tensor, qi, rj, d: torch.Tensor,
+    grad_query: torch.Tensor, grad_ref: torch.Tensor,
+) -> None:
+    """Chain d_ij = |q_i - r_j| back to positions, adding into grad_query [Mq, D] and
+    grad_ref [Nr, D] (acc dtype).
 
     The gradient of a zero or infinite distance is 0 (the norm has no unique direction).
     """
     acc = d.dtype
     usable = (d > 0) & torch.isfinite(d)
     scale = torch.where(usable, grad_d.to(acc) / torch.where(usable, d, 1), 0)
-    direction = query[qi].to(acc) - ref[rj].to(acc)
-    pull = scale[:, None] * direction
-    grad_query = torch.zeros(query.shape, dtype=acc, device=query.device).index_add_(0, qi, pull)
-    grad_ref = torch.zeros(ref.shape, dtype=acc, device=ref.device).index_add_(0, rj, -pull)
-    return grad_query, grad_ref
+    pull = scale[:, None] * (query[qi].to(acc) - ref[rj].to(acc))
+    grad_query.index_add_(0, qi, pull)
+    grad_ref.index_add_(0, rj, -pull)
 
 
 def neighbor_pairs(idx: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from .reference import full_lengths
+
 try:
     import triton
     import triton.language as tl
@@ -38,12 +40,6 @@ SEARCH_BLOCKS = (4, 64, 1)  # swept by benchmarks/tune_search.py on the H100: 3.
 
 def available() -> bool:
     return triton is not None
-
-
-def _lengths(lengths, batch, size, device):
-    if lengths is None:
-        return torch.full((batch,), size, dtype=torch.int64, device=device)
-    return lengths.clamp(0, size).contiguous()
 
 
 if triton is not None:
@@ -267,12 +263,11 @@ if triton is not None:
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """Same contract as ``reference.nearest``; k <= MAX_K."""
+    """Same contract as ``reference.nearest``; k <= MAX_K; query and ref contiguous."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     if k > MAX_K:
         raise ValueError(f'k: backend="triton" supports k <= {MAX_K}, got {k}; use backend="torch"')
-    query, ref = query.contiguous(), ref.contiguous()
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
     idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
     use_radius = math.isfinite(radius)
@@ -282,7 +277,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     block_m, block_n, warps = SEARCH_BLOCKS
     grid = (triton.cdiv(rows, block_m), batch)
     _nearest_kernel[grid](
-        query, ref, _lengths(query_lengths, batch, rows, query.device), _lengths(ref_lengths, batch, columns, ref.device),
+        query, ref, full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device),
         dists, idx, counts, rows, columns, float(radius) ** 2 if use_radius else 0.0,
         rows * dim, dim, columns * dim, dim,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -303,7 +298,7 @@ def _aggregate_launch(query, ref, features, query_lengths, ref_lengths, radius, 
         rows=rows, columns=columns, channels=channels, radius2=float(radius) ** 2, inv_sigma=1.0 / sigma,
         stride_qb=rows * dim, stride_rb=columns * dim, stride_fb=columns * channels,
     )
-    lengths = (_lengths(query_lengths, batch, rows, query.device), _lengths(ref_lengths, batch, columns, ref.device))
+    lengths = (full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device))
     sizes = dict(D=dim, CP=max(16, triton.next_power_of_2(max(channels, 1))))
     return lengths, common, sizes
 
@@ -322,8 +317,7 @@ def _row_stats(query, ref, features, lengths, common, sizes, out=None):
 
 
 def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
-    """Same contract as the pair-based aggregation in ``ops``: out [B, M, C]."""
-    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
+    """Same contract as the pair-based aggregation in ``ops`` (contiguous inputs): out [B, M, C]."""
     out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
     if out.numel() == 0:
         return out
@@ -333,8 +327,7 @@ def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_len
 
 
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
-    """(grad_query, grad_ref, grad_features), deterministic: no atomics."""
-    query, ref, features = query.contiguous(), ref.contiguous(), features.contiguous()
+    """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
