@@ -1,21 +1,25 @@
-"""Triton backend: exact tiled neighbour search and a fused, flash-style radius aggregation.
+"""Triton backend: exact neighbour search and a fused, flash-style radius aggregation,
+both walking the uniform grid of ``grid.py``.
 
 No kernel here synchronizes with the host, allocates outside PyTorch or reads a value
-back, so the ops stay capturable in CUDA graphs. Every launch goes to the current stream
-(Triton launches on torch's current stream).
+back, so the ops stay capturable in CUDA graphs. Every launch goes to the current stream.
 
-Search. Each program owns BLOCK_M queries of one batch item and streams all references
-in tiles of BLOCK_N, keeping its k best candidates in registers. A candidate is the
-int64 key ``(bits(d^2) << 32) | index``: non-negative float32 bit patterns order like
-the floats, so one integer comparison orders by distance and then by index, which makes
-ties go to the smaller index and every key unique. Floor: M*N distance evaluations
-(3 FMAs per coordinate); insertions are rare once the k-th distance has settled.
+Search. A program owns BLOCK_M consecutive sorted queries (neighbours in space) and the
+box of cells they occupy. It visits that box grown by ring r = 1, 2, ..., one row of cells
+along x at a time (a contiguous range of sorted references), and keeps each query's k best
+candidates in registers as int64 keys ``(bits(d^2) << 32) | index``: non-negative float32
+bit patterns order like the floats, so one integer comparison orders by distance and then
+by index (ties go to the smaller index; keys are unique). It stops once every query's k-th
+distance is within the query's distance to the outside of the searched box (less a
+rounding slack), or the box covers the grid: exact for any distribution; points far from
+the rest only cost more rings. Radius search visits the box grown by the radius, once.
 
 Radius aggregation. Like flash attention: a running minimum distance per query rescales
 the running sums, so all references within the radius are aggregated in one pass without
-a cap and without storing pairs; the backward recomputes distances from the saved per-query
+a cap and without storing pairs. The backward recomputes distances from the saved per-query
 (minimum, weight sum) statistics, in one query-major kernel (query gradient) and one
-reference-major kernel (reference and feature gradients): deterministic, no atomics.
+reference-major kernel walking the queries' grid (reference and feature gradients):
+deterministic, no atomics.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import math
 
 import torch
 
+from . import grid
 from .reference import full_lengths
 
 try:
@@ -35,7 +40,8 @@ except ImportError:  # pragma: no cover - the backend reports this when asked fo
 MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
-SEARCH_BLOCKS = (4, 64, 1)  # swept by benchmarks/tune_search.py on the H100: 3.75 ms vs 9.4 ms for (32, 64, 4)
+SEARCH_BLOCKS = (4, 32, 1)
+AGGREGATE_BLOCKS = (32, 32, 4)
 
 
 def available() -> bool:
@@ -43,6 +49,8 @@ def available() -> bool:
 
 
 if triton is not None:
+    from .grid import INV_SIDE, SIDE, SLACK
+
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
 
@@ -52,79 +60,169 @@ if triton is not None:
         return tl.load(base + offs * stride + dim, mask=offs < count, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _tile_d2(q_base, r_base, offs_m, offs_n, rows, columns, stride_qm, stride_rn, D: tl.constexpr):
-        """Squared distances [BLOCK_M, BLOCK_N] and per-point finiteness of both sides."""
+    def _tile_d2(q_base, r_base, offs_m, offs_n, rows, columns, D: tl.constexpr):
+        """Squared distances [BLOCK_M, BLOCK_N] between rows of two [*, D] arrays."""
         d2 = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-        q_bad = tl.zeros((offs_m.shape[0],), dtype=tl.int1)
-        r_bad = tl.zeros((offs_n.shape[0],), dtype=tl.int1)
         for dim in tl.static_range(D):
-            qc = _load_points(q_base, offs_m, rows, stride_qm, D, dim)
-            rc = _load_points(r_base, offs_n, columns, stride_rn, D, dim)
-            q_bad = q_bad | (qc != qc) | (tl.abs(qc) == float("inf"))
-            r_bad = r_bad | (rc != rc) | (tl.abs(rc) == float("inf"))
-            diff = qc[:, None] - rc[None, :]
+            diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
+                r_base, offs_n, columns, D, D, dim)[None, :]
             d2 += diff * diff
-        return d2, q_bad, r_bad
+        return d2
 
     @triton.jit
-    def _nearest_kernel(
-        query, ref, query_len, ref_len, out_dist, out_idx, out_count,
-        rows, columns, radius2, stride_qb, stride_qm, stride_rb, stride_rn,
+    def _load_block(base, offs, count, width, WIDTH_P: tl.constexpr):
+        """A [len(offs), WIDTH_P] float32 block of a row-major [count, width] array, 0-padded."""
+        cols = tl.arange(0, WIDTH_P)
+        mask = (offs < count)[:, None] & (cols < width)[None, :]
+        return tl.load(base + offs[:, None] * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _store_rows(base, order, offs, count, item, block, width, WIDTH_P: tl.constexpr):
+        """Store a [len(offs), WIDTH_P] block of sorted rows at their original rows."""
+        rows = tl.load(order + item + offs, mask=offs < count, other=0)
+        cols = tl.arange(0, WIDTH_P)
+        mask = (offs < count)[:, None] & (cols < width)[None, :]
+        tl.store(base + rows[:, None] * width + cols[None, :], block.to(base.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _component(v, dims, i):
+        return tl.sum(tl.where(dims == i, v, 0), 0)
+
+    @triton.jit
+    def _cell_box(values, shape, b, points, offs, count, reach, D: tl.constexpr):
+        """Cells [lo, hi] (int32 [4] each, x y z and a unit 4th axis) that hold everything
+        within ``reach`` of the points ``offs < count`` of a sorted [*, D] array, and the frame."""
+        dims = tl.arange(0, 4)
+        origin = tl.load(values + b * 8 + dims, mask=dims < 3, other=0.0)
+        inv_side = tl.load(values + b * 8 + INV_SIDE)
+        axes = tl.load(shape + b * 4 + dims)
+        block = _load_block(points, offs, count, tl.minimum(D, 3), 4)
+        live = (offs < count)[:, None]
+        low = tl.min(tl.where(live, block, float("inf")), 0) - reach
+        high = tl.max(tl.where(live, block, -float("inf")), 0) + reach
+        top = (axes - 1).to(tl.float32)
+        lo = tl.minimum(tl.maximum(tl.floor((low - origin) * inv_side), 0.0), top).to(tl.int32)
+        hi = tl.minimum(tl.maximum(tl.floor((high - origin) * inv_side), 0.0), top).to(tl.int32)
+        return lo, hi, block, origin, axes, dims
+
+    @triton.jit
+    def _row(cell_start, slot, x0, x1):
+        """Sorted positions [start, end) of the cells x0..x1 (empty when x1 < x0) of a row."""
+        return tl.load(cell_start + slot + x0).to(tl.int64), tl.load(cell_start + slot + x1 + 1).to(tl.int64)
+
+    # ------------------------------------------------------------------ search
+
+    @triton.jit
+    def _insert(best, threshold, keys, slots):
+        """Merge candidate keys [BM, BN] into the k best [BM, KP] (the rest of the slots hold -1)."""
+        none = tl.full(keys.shape, _KEY_NONE, tl.int64)
+        wanted = keys < threshold[:, None]
+        pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
+        while pending > 0:
+            smallest = tl.min(tl.where(wanted, keys, none), 1)
+            worst_slot = tl.argmax(best, 1)
+            replace = (slots[None, :] == worst_slot[:, None]) & (smallest < threshold)[:, None]
+            best = tl.where(replace, smallest[:, None], best)
+            threshold = tl.max(best, 1)
+            keys = tl.where(keys == smallest[:, None], none, keys)
+            wanted = keys < threshold[:, None]
+            pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
+        return best, threshold
+
+    @triton.jit
+    def _search_cells(best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
+                      x0, x1, item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        start, end = _row(r_cell_start, slot, x0, x1)
+        for s in range(start, end, BLOCK_N):
+            offs_n = s + tl.arange(0, BLOCK_N)
+            d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+            ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :]
+            if USE_RADIUS:
+                ok = ok & (d2 <= radius2)
+                count += tl.sum(ok.to(tl.int64), 1)
+            index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
+            keys = (d2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
+            keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
+            best, threshold = _insert(best, threshold, keys, slots)
+        return best, threshold, count
+
+    @triton.jit
+    def _search_kernel(
+        q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, values, shape,
+        out_dist, out_idx, out_count, rows, columns, cells, radius2, reach,
         D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        q_len = tl.load(query_len + b)
-        r_len = tl.load(ref_len + b)
+        item_q, item_r = b * rows, b * columns
+        slot_base = b * (cells + 1)
+        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_base = q_points + item_q * D
+        clo, chi, block, origin, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        side = tl.load(values + b * 8 + SIDE)
+        slack = tl.load(values + b * 8 + SLACK)
+        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
         slots = tl.arange(0, KP)
-        none = tl.full((BLOCK_M, BLOCK_N), _KEY_NONE, tl.int64)
         # Padding slots (>= K) hold -1 so that the row maximum only sees real slots.
         best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), _KEY_NONE, tl.int64),
                         tl.full((BLOCK_M, KP), -1, tl.int64))
         threshold = tl.max(best, 1)
         count = tl.zeros((BLOCK_M,), dtype=tl.int64)
-        q_base = query + b * stride_qb
-        r_base = ref + b * stride_rb
-        for start in range(0, r_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            d2, q_bad, r_bad = _tile_d2(q_base, r_base, offs_m, offs_n, q_len, r_len, stride_qm, stride_rn, D)
-            ok = (offs_m < q_len)[:, None] & (offs_n < r_len)[None, :] & ~q_bad[:, None] & ~r_bad[None, :]
+        # The box searched so far (none yet), and the ring: radius search takes its box at once.
+        prev_lo, prev_hi = axes, axes * 0 - 1
+        ring = tl.zeros((), tl.int32) + (0 if USE_RADIUS else 1)
+        searching = tl.max((offs_m < q_live).to(tl.int32), 0)
+        while searching > 0:
+            lo, hi = tl.maximum(clo - ring, 0), tl.minimum(chi + ring, axes - 1)
+            lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
+            plo_x, phi_x = _component(prev_lo, dims, 0), _component(prev_hi, dims, 0)
+            plo_y, phi_y = _component(prev_lo, dims, 1), _component(prev_hi, dims, 1)
+            plo_z, phi_z = _component(prev_lo, dims, 2), _component(prev_hi, dims, 2)
+            for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
+                for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
+                    # Rows through the previous box only add its two ends along x.
+                    inner = (y >= plo_y) & (y <= phi_y) & (z >= plo_z) & (z <= phi_z)
+                    slot = slot_base + (z * ry + y) * rx
+                    best, threshold, count = _search_cells(
+                        best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
+                        lo_x, tl.where(inner, plo_x - 1, hi_x), item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
+                    best, threshold, count = _search_cells(
+                        best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
+                        tl.where(inner, phi_x + 1, hi_x + 1), hi_x, item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
             if USE_RADIUS:
-                ok = ok & (d2 <= radius2)
-                count += tl.sum(ok.to(tl.int64), 1)
-            keys = (d2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | offs_n[None, :].to(tl.int64)
-            keys = tl.where(ok, keys, none)
-            wanted = keys < threshold[:, None]
-            pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
-            while pending > 0:
-                smallest = tl.min(tl.where(wanted, keys, none), 1)
-                worst_slot = tl.argmax(best, 1)
-                replace = (slots[None, :] == worst_slot[:, None]) & (smallest < threshold)[:, None]
-                best = tl.where(replace, smallest[:, None], best)
-                threshold = tl.max(best, 1)
-                keys = tl.where(keys == smallest[:, None], none, keys)
-                wanted = keys < threshold[:, None]
-                pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
-        best = tl.where(slots[None, :] < K, best, tl.full((BLOCK_M, KP), _KEY_NONE, tl.int64))
+                searching = searching * 0
+            else:
+                # Distance from each query to the unsearched space (inf where the box
+                # reaches the grid's end); the k-th distance must lie within it.
+                below = tl.where((lo > 0)[None, :], block - (origin + lo.to(tl.float32) * side)[None, :],
+                                 float("inf"))
+                above = tl.where((hi < axes - 1)[None, :], (origin + (hi + 1).to(tl.float32) * side)[None, :] - block,
+                                 float("inf"))
+                margin = slack + 1e-6 * tl.max(tl.abs(block), 1)
+                bound = tl.min(tl.minimum(below, above), 1) - margin
+                kth = (threshold >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                settled = (threshold != _KEY_NONE) & (bound > 0) & (kth <= bound * bound)
+                done = (offs_m >= q_live) | (bound == float("inf")) | settled
+                searching = 1 - tl.min(done.to(tl.int32), 0)
+            prev_lo, prev_hi = lo, hi
+            ring += 1
+        best = tl.where(slots[None, :] < K, best, tl.full(best.shape, _KEY_NONE, tl.int64))
         best = tl.sort(best, 1)
         found = best != _KEY_NONE
         index = tl.where(found, best & 0xFFFFFFFF, -1)
         dist = tl.where(found, tl.sqrt((best >> 32).to(tl.int32).to(tl.float32, bitcast=True)), float("inf"))
-        out_offs = (b * rows + offs_m)[:, None] * K + slots[None, :]
+        out_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
+        out_offs = out_rows[:, None] * K + slots[None, :]
         mask = (offs_m < rows)[:, None] & (slots[None, :] < K)
         tl.store(out_dist + out_offs, dist.to(out_dist.dtype.element_ty), mask=mask)
         tl.store(out_idx + out_offs, index, mask=mask)
         if USE_RADIUS:
-            tl.store(out_count + b * rows + offs_m, count, mask=offs_m < rows)
+            tl.store(out_count + out_rows, count, mask=offs_m < rows)
 
-    @triton.jit
-    def _load_block(base, offs, count, stride, width, WIDTH_P: tl.constexpr):
-        """A [len(offs), WIDTH_P] float32 block of a row-major [count, width] array, 0-padded."""
-        cols = tl.arange(0, WIDTH_P)
-        mask = (offs < count)[:, None] & (cols < width)[None, :]
-        return tl.load(base + offs[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # ------------------------------------------------------------- aggregation
 
     @triton.jit
     def _radius_weights(d2, ok, row_min, row_sum, inv_sigma):
@@ -136,130 +234,145 @@ if triton is not None:
 
     @triton.jit
     def _radius_aggregate_kernel(
-        query, ref, features, query_len, ref_len, out, out_min, out_sum,
-        rows, columns, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
+        q_points, q_order, q_cell_start, r_points, r_cell_start, features, values, shape, out, out_min, out_sum,
+        rows, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, CP: tl.constexpr, STATS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
+        """Per sorted query: out (at its original row), minimum distance and weight sum (sorted)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        q_len = tl.load(query_len + b)
-        r_len = tl.load(ref_len + b)
+        item_q, slot_base = b * rows, b * (cells + 1)
+        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_base = q_points + item_q * D
+        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
+        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         row_min = tl.full((BLOCK_M,), float("inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
-        for start in range(0, r_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
-            # Most tiles hold no pair within the radius: skip their exponentials and features.
-            if tl.max(ok.to(tl.int32)) > 0:
-                d = tl.sqrt(d2)
-                new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
-                # Rescale what was summed against the old minimum; nothing was summed while it
-                # was inf. The inner selects keep inf - inf (NaN) out of the exponentials.
-                seen = row_min < float("inf")
-                alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
-                w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
-                row_sum = row_sum * alpha + tl.sum(w, 1)
-                if not STATS_ONLY:
-                    f = _load_block(features + b * stride_fb, offs_n, r_len, channels, channels, CP)
-                    f = tl.where(r_bad[:, None], 0.0, f)
-                    acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
-                row_min = new_min
-        stat_offs = b * rows + offs_m
-        tl.store(out_min + stat_offs, row_min, mask=offs_m < rows)
-        tl.store(out_sum + stat_offs, row_sum, mask=offs_m < rows)
+        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
+            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
+                start, end = _row(r_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+                for s in range(start, end, BLOCK_N):
+                    offs_n = s + tl.arange(0, BLOCK_N)
+                    d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                    ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
+                    if tl.max(ok.to(tl.int32)) > 0:
+                        d = tl.sqrt(d2)
+                        new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
+                        # Rescale what was summed against the old minimum; nothing was summed
+                        # while it was inf. The inner selects keep inf - inf out of the exps.
+                        seen = row_min < float("inf")
+                        alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
+                        w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
+                        row_sum = row_sum * alpha + tl.sum(w, 1)
+                        if not STATS_ONLY:
+                            f = _load_block(features, offs_n, end, channels, CP)
+                            acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
+                        row_min = new_min
+        tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
+        tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
         if not STATS_ONLY:
             result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
-            cols = tl.arange(0, CP)
-            mask = (offs_m < rows)[:, None] & (cols < channels)[None, :]
-            tl.store(out + stat_offs[:, None] * channels + cols[None, :], result.to(out.dtype.element_ty), mask=mask)
+            _store_rows(out, q_order, offs_m, rows, item_q, result, channels, CP)
 
     @triton.jit
-    def _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D: tl.constexpr):
-        """Squared distances [BM, BN], the pairs within the radius, and the bad references."""
-        d2, q_bad, r_bad = _tile_d2(query + b * stride_qb, ref + b * stride_rb, offs_m, offs_n, q_len, r_len, D, D, D)
-        ok = (offs_m < q_len)[:, None] & (offs_n < r_len)[None, :] & ~q_bad[:, None] & ~r_bad[None, :]
-        return d2, ok & (d2 <= radius2), r_bad
-
-    @triton.jit
-    def _radius_pair_terms(d2, ok, r_bad, query, ref, features, grad_out, row_min_ptr, row_sum_ptr, delta_ptr, b,
-                           offs_m, offs_n,
-                           q_len, r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
+    def _radius_pair_terms(d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features, grad_out,
+                           row_min_ptr, row_sum_ptr, delta_ptr, channels, inv_sigma,
                            D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr):
         """For a [BM, BN] tile with pairs ``ok`` at squared distances d2: weights p, the
         distance-gradient factor c = dL/dd / d, and the loaded blocks (q [BM, DP],
-        r [BN, DP], f [BN, CP], g [BM, CP])."""
-        stat = b * rows + offs_m
-        row_min = tl.load(row_min_ptr + stat, mask=offs_m < rows, other=0.0)
-        row_sum = tl.load(row_sum_ptr + stat, mask=offs_m < rows, other=0.0)
-        delta = tl.load(delta_ptr + stat, mask=offs_m < rows, other=0.0)
+        r [BN, DP], f [BN, CP], g [BM, CP]). Query-side arrays are indexed by offs_m,
+        reference-side ones by offs_n."""
+        row_min = tl.load(row_min_ptr + offs_m, mask=offs_m < q_count, other=0.0)
+        row_sum = tl.load(row_sum_ptr + offs_m, mask=offs_m < q_count, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < q_count, other=0.0)
         p, d = _radius_weights(d2, ok, row_min, row_sum, inv_sigma)
-        g = _load_block(grad_out + b * rows * channels, offs_m, rows, channels, channels, CP)
-        f = _load_block(features + b * stride_fb, offs_n, r_len, channels, channels, CP)
-        f = tl.where(r_bad[:, None], 0.0, f)
+        g = _load_block(grad_out, offs_m, q_count, channels, CP)
+        f = _load_block(features, offs_n, r_count, channels, CP)
         projected = tl.dot(g, tl.trans(f), input_precision="ieee")
         grad_d = -(p * inv_sigma) * (projected - delta[:, None])
         c = tl.where(ok & (d > 0), grad_d / tl.where(d > 0, d, 1.0), 0.0)
-        q = _load_block(query + b * stride_qb, offs_m, q_len, D, D, DP)
-        r = _load_block(ref + b * stride_rb, offs_n, r_len, D, D, DP)
+        q = _load_block(q_base, offs_m, q_count, D, DP)
+        r = _load_block(r_base, offs_n, r_count, D, DP)
         return p, c, q, r, f, g
 
     @triton.jit
     def _radius_grad_query_kernel(
-        query, ref, features, grad_out, row_min, row_sum, delta, query_len, ref_len, grad_query,
-        rows, columns, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
+        q_points, q_order, q_cell_start, r_points, r_cell_start, features, grad_out, row_min, row_sum, delta,
+        values, shape, grad_query, rows, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        q_len = tl.load(query_len + b)
-        r_len = tl.load(ref_len + b)
+        item_q, slot_base = b * rows, b * (cells + 1)
+        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_base = q_points + item_q * D
+        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
+        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
-        for start in range(0, r_len, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
-            if tl.max(ok.to(tl.int32)) > 0:
-                p, c, q, r, f, g = _radius_pair_terms(
-                    d2, ok, r_bad, query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len,
-                    r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
-                # sum_j c_ij (q_i - r_j)
-                acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
-        cols = tl.arange(0, DP)
-        mask = (offs_m < rows)[:, None] & (cols < D)[None, :]
-        tl.store(grad_query + (b * rows + offs_m)[:, None] * D + cols[None, :], acc, mask=mask)
+        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
+            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
+                start, end = _row(r_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+                for s in range(start, end, BLOCK_N):
+                    offs_n = s + tl.arange(0, BLOCK_N)
+                    d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                    ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
+                    if tl.max(ok.to(tl.int32)) > 0:
+                        p, c, q, r, f, g = _radius_pair_terms(
+                            d2, ok, q_base, offs_m, q_live, r_points, offs_n, end, features,
+                            grad_out + item_q * channels, row_min + item_q, row_sum + item_q, delta + item_q,
+                            channels, inv_sigma, D, DP, CP)
+                        # sum_j c_ij (q_i - r_j)
+                        acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
+        _store_rows(grad_query, q_order, offs_m, rows, item_q, acc, D, DP)
 
     @triton.jit
     def _radius_grad_ref_kernel(
-        query, ref, features, grad_out, row_min, row_sum, delta, query_len, ref_len, grad_ref, grad_features,
-        rows, columns, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb,
+        q_points, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
+        values, shape, grad_ref, grad_features, columns, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        q_len = tl.load(query_len + b)
-        r_len = tl.load(ref_len + b)
+        item_r, slot_base = b * columns, b * (cells + 1)
+        r_live = tl.load(r_cell_start + slot_base + cells) - item_r
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        r_base = r_points + item_r * D
+        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, r_base, offs_n, r_live, reach, D)
+        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
+        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
-        for start in range(0, q_len, BLOCK_M):
-            offs_m = start + tl.arange(0, BLOCK_M)
-            d2, ok, r_bad = _radius_tile(query, ref, b, offs_m, offs_n, q_len, r_len, radius2, stride_qb, stride_rb, D)
-            if tl.max(ok.to(tl.int32)) > 0:
-                p, c, q, r, f, g = _radius_pair_terms(
-                    d2, ok, r_bad, query, ref, features, grad_out, row_min, row_sum, delta, b, offs_m, offs_n, q_len,
-                    r_len, rows, channels, radius2, inv_sigma, stride_qb, stride_rb, stride_fb, D, DP, CP)
-                acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
-                # -sum_i c_ij (q_i - r_j)
-                acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
-        base = b * columns + offs_n
-        cols = tl.arange(0, DP)
-        tl.store(grad_ref + base[:, None] * D + cols[None, :], acc_r,
-                 mask=(offs_n < columns)[:, None] & (cols < D)[None, :])
-        cols = tl.arange(0, CP)
-        tl.store(grad_features + base[:, None] * channels + cols[None, :], acc_f,
-                 mask=(offs_n < columns)[:, None] & (cols < channels)[None, :])
+        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
+            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
+                start, end = _row(q_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+                for s in range(start, end, BLOCK_M):
+                    offs_m = s + tl.arange(0, BLOCK_M)
+                    d2 = _tile_d2(q_points, r_base, offs_m, offs_n, end, r_live, D)
+                    ok = (offs_m < end)[:, None] & (offs_n < r_live)[None, :] & (d2 <= radius2)
+                    if tl.max(ok.to(tl.int32)) > 0:
+                        p, c, q, r, f, g = _radius_pair_terms(
+                            d2, ok, q_points, offs_m, end, r_base, offs_n, r_live, features + item_r * channels,
+                            grad_out, row_min, row_sum, delta, channels, inv_sigma, D, DP, CP)
+                        acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
+                        # -sum_i c_ij (q_i - r_j)
+                        acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
+        _store_rows(grad_ref, r_order, offs_n, columns, item_r, acc_r, D, DP)
+        _store_rows(grad_features, r_order, offs_n, columns, item_r, acc_f, channels, CP)
+
+
+def _lengths(query, ref, query_lengths, ref_lengths):
+    batch, rows, columns = query.shape[0], query.shape[1], ref.shape[1]
+    return full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device)
+
+
+def _reach(radius: float) -> float:
+    """The radius the cell boxes cover: a little more, so that rounding never loses a pair."""
+    return float(radius) * (1 + 1e-5) + 1e-30
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
@@ -274,12 +387,12 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     if batch * rows == 0:
         return dists, idx, counts
+    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     block_m, block_n, warps = SEARCH_BLOCKS
-    grid = (triton.cdiv(rows, block_m), batch)
-    _nearest_kernel[grid](
-        query, ref, full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device),
-        dists, idx, counts, rows, columns, float(radius) ** 2 if use_radius else 0.0,
-        rows * dim, dim, columns * dim, dim,
+    _search_kernel[(triton.cdiv(rows, block_m), batch)](
+        queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
+        frame.values, frame.shape, dists, idx, counts, rows, columns, frame.cells,
+        float(radius) ** 2 if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
         num_warps=warps,
     )
@@ -288,61 +401,62 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     return dists, idx, counts
 
 
-_AGGREGATE_BLOCK_M, _AGGREGATE_BLOCK_N = 32, 32
+def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma):
+    """The sorted clouds, sorted features and the launch arguments they share."""
+    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+    channels = features.shape[-1]
+    sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
+    common = dict(cells=frame.cells, channels=channels, radius2=float(radius) ** 2, reach=_reach(radius),
+                  inv_sigma=1.0 / sigma)
+    sizes = dict(D=query.shape[-1], CP=max(16, triton.next_power_of_2(max(channels, 1))))
+    return frame, queries, refs, sorted_features, common, sizes
 
 
-def _aggregate_launch(query, ref, features, query_lengths, ref_lengths, radius, sigma):
-    batch, rows, dim = query.shape
-    columns, channels = ref.shape[1], features.shape[-1]
-    common = dict(
-        rows=rows, columns=columns, channels=channels, radius2=float(radius) ** 2, inv_sigma=1.0 / sigma,
-        stride_qb=rows * dim, stride_rb=columns * dim, stride_fb=columns * channels,
-    )
-    lengths = (full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device))
-    sizes = dict(D=dim, CP=max(16, triton.next_power_of_2(max(channels, 1))))
-    return lengths, common, sizes
-
-
-def _row_stats(query, ref, features, lengths, common, sizes, out=None):
-    """Per-query (minimum distance, weight sum) and, unless ``out`` is None, the output."""
+def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=None):
+    """Per sorted query (minimum distance, weight sum) and, unless ``out`` is None, the output."""
     batch, rows = query.shape[:2]
-    row_min = torch.empty((batch, rows), dtype=torch.float32, device=query.device)
+    row_min = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
     row_sum = torch.empty_like(row_min)
-    grid = (triton.cdiv(rows, _AGGREGATE_BLOCK_M), batch)
-    _radius_aggregate_kernel[grid](
-        query, ref, features, *lengths, row_min if out is None else out, row_min, row_sum, **common, **sizes,
-        STATS_ONLY=out is None, BLOCK_M=_AGGREGATE_BLOCK_M, BLOCK_N=_AGGREGATE_BLOCK_N,
+    block_m, block_n, warps = AGGREGATE_BLOCKS
+    _radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
+        queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
+        frame.values, frame.shape, row_min if out is None else out, row_min, row_sum, rows, **common, **sizes,
+        STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
     )
     return row_min, row_sum
 
 
 def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
     """Same contract as the pair-based aggregation in ``ops`` (contiguous inputs): out [B, M, C]."""
-    out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
+    out = torch.empty((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
     if out.numel() == 0:
         return out
-    lengths, common, sizes = _aggregate_launch(query, ref, features, query_lengths, ref_lengths, radius, sigma)
-    _row_stats(query, ref, features, lengths, common, sizes, out=out)
+    setup = _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma)
+    _row_stats(query, *setup, out=out)
     return out
 
 
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
     """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics."""
     batch, rows, dim = query.shape
-    columns = ref.shape[1]
+    columns, channels = ref.shape[1], features.shape[-1]
     grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
     grad_ref = torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)
     grad_features = torch.zeros(features.shape, dtype=torch.float32, device=features.device)
-    if batch * rows * columns * features.shape[-1] > 0:
-        lengths, common, sizes = _aggregate_launch(query, ref, features, query_lengths, ref_lengths, radius, sigma)
-        row_min, row_sum = _row_stats(query, ref, features, lengths, common, sizes)
-        grad_out = grad_out.contiguous().to(torch.float32)
-        delta = (grad_out * out.to(torch.float32)).sum(-1).contiguous()
-        tensors = (query, ref, features, grad_out, row_min, row_sum, delta, *lengths)
+    if batch * rows * columns * channels > 0:
+        frame, queries, refs, sorted_features, common, sizes = _aggregate_setup(
+            query, ref, features, query_lengths, ref_lengths, radius, sigma)
+        row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
+        sorted_grad = grad_out.reshape(-1, channels)[queries.order].to(torch.float32)
+        delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
+        stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
-        blocks = dict(BLOCK_M=_AGGREGATE_BLOCK_M, BLOCK_N=_AGGREGATE_BLOCK_N)
-        _radius_grad_query_kernel[(triton.cdiv(rows, _AGGREGATE_BLOCK_M), batch)](
-            *tensors, grad_query, **common, **sizes, **blocks)
-        _radius_grad_ref_kernel[(triton.cdiv(columns, _AGGREGATE_BLOCK_N), batch)](
-            *tensors, grad_ref, grad_features, **common, **sizes, **blocks)
+        block_m, block_n, warps = AGGREGATE_BLOCKS
+        launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        _radius_grad_query_kernel[(triton.cdiv(rows, block_m), batch)](
+            queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, *stats,
+            grad_query, rows, **common, **sizes, **launch)
+        _radius_grad_ref_kernel[(triton.cdiv(columns, block_n), batch)](
+            queries.points, queries.cell_start, refs.points, refs.order, refs.cell_start, *stats,
+            grad_ref, grad_features, columns, **common, **sizes, **launch)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)

@@ -1,0 +1,181 @@
+"""A uniform grid (cell list) over the first three coordinates, built on the GPU.
+
+Per batch item, the box around the valid references is cut into cubic cells of side h,
+about ``CELL_POINTS`` references per cell. References and queries are then sorted by
+(item, cell) key with one ``torch.sort`` each, and ``cell_start`` marks where each
+cell's points begin in that order, so the points of a row of cells along x are one
+contiguous range. Invalid points (beyond the item's length, or not finite) sort to the
+end of their item and are never visited.
+
+Nothing reads a value back to the host: the number of cells per item is a static budget
+derived from the shapes, and each item's grid (origin, cell side, cells per axis) stays in
+device tensors. Points with more than three coordinates get a grid of one cell, which
+turns the search kernels into tiled brute force.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .reference import full_lengths
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton.available() reports this
+    triton = None
+
+CELL_POINTS = 8
+# Layout of one item's row of ``Frame.values``.
+_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The grid of every batch item: values [B, 8] float32 (origin xyz, cell side, its
+    inverse, the rounding slack of a distance to a cell face), shape [B, 4] int32 (cells
+    along x, y, z, then 1), and ``cells``, the static budget of cells per item."""
+
+    values: torch.Tensor
+    shape: torch.Tensor
+    cells: int
+    grid_dims: int
+
+
+@dataclass(frozen=True)
+class SortedPoints:
+    """Points of a [B, L, D] cloud in (item, cell) order.
+
+    points: [B*L, D] float32, sorted; order: [B*L] int64, sorted position -> flat row b*L + j;
+    cell_start: [B*(cells+1) + 1] int32, the first sorted position of slot b*(cells+1) + cell,
+    where slot ``cells`` of each item holds its invalid points (so it also ends its live ones).
+    """
+
+    points: torch.Tensor
+    order: torch.Tensor
+    cell_start: torch.Tensor
+
+
+if triton is not None:
+    # Columns of ``Frame.values`` after the origin (x, y, z).
+    SIDE, INV_SIDE, SLACK = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+
+    @triton.jit
+    def _frame_kernel(lo, hi, counts, values, shape, cells, cell_points, G: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, 4)
+        n = tl.load(counts + b).to(tl.float32)
+        low = tl.load(lo + b * G + dims, mask=dims < G, other=0.0)
+        high = tl.load(hi + b * G + dims, mask=dims < G, other=0.0)
+        on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
+        low = tl.where(on, low, 0.0)
+        extent = tl.minimum(tl.where(on, high - low, 0.0), 1e38)
+        target = tl.maximum(n / cell_points, 1.0)
+        # Cubic cells of side h with prod(extent / h) = target over the axes longer than h;
+        # flat axes get one cell. G + 1 rounds settle which axes are longer.
+        longer = on & (extent > 0)
+        side = 1.0
+        for _ in tl.static_range(G + 1):
+            count = tl.sum(longer.to(tl.float32), 0)
+            log_volume = tl.sum(tl.where(longer, tl.log(tl.where(longer, extent, 1.0)), 0.0), 0)
+            side = tl.where(count > 0, tl.exp((log_volume - tl.log(target)) / tl.maximum(count, 1.0)), 1.0)
+            longer = longer & (extent >= side)
+        side = side * 1.00001
+        # Each axis holds at most 2 * extent / h cells, so the total stays within the budget
+        # of 2^G * target; the loop only guards against rounding.
+        per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
+        total = _product(per_axis, dims)
+        while total > cells:
+            side = side * 2.0
+            per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
+            total = _product(per_axis, dims)
+        slack = 1e-6 * (tl.max(tl.abs(low), 0) + tl.max(extent, 0) + side)
+        row = values + b * 8
+        tl.store(row + dims, low, mask=dims < 3)
+        tl.store(row + SIDE, side)
+        tl.store(row + INV_SIDE, 1.0 / side)
+        tl.store(row + SLACK, slack)
+        tl.store(shape + b * 4 + dims, per_axis.to(tl.int32))
+
+    @triton.jit
+    def _product(v, dims):
+        return (tl.sum(tl.where(dims == 0, v, 0), 0) * tl.sum(tl.where(dims == 1, v, 0), 0)
+                * tl.sum(tl.where(dims == 2, v, 0), 0))
+
+    @triton.jit
+    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, cells,
+                          D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < rows
+        valid = offs < tl.load(lengths + b)
+        base = points + (b * rows + offs) * D
+        for dim in tl.static_range(D):
+            c = tl.load(base + dim, mask=inside, other=0.0).to(tl.float32)
+            valid = valid & (c == c) & (tl.abs(c) != float("inf"))
+        cell = tl.zeros((BLOCK,), dtype=tl.int64)
+        stride = 1
+        for dim in tl.static_range(G):
+            c = tl.load(base + dim, mask=inside, other=0.0).to(tl.float32)
+            axis = tl.load(shape + b * 4 + dim)
+            scaled = (c - tl.load(values + b * 8 + dim)) * tl.load(values + b * 8 + INV_SIDE)
+            at = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), (axis - 1).to(tl.float32))
+            cell += at.to(tl.int64) * stride
+            stride = stride * axis
+        key = b * (cells + 1) + tl.where(valid, cell, cells)
+        tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=inside)
+
+
+def cell_budget(refs: int, grid_dims: int) -> int:
+    """Static number of cells per item for ``refs`` references."""
+    return 1 if grid_dims == 0 else 2**grid_dims * max(1, math.ceil(refs / CELL_POINTS))
+
+
+def frame(ref: torch.Tensor, ref_lengths: torch.Tensor) -> Frame:
+    """The grid of each item of ref [B, N, D] (lengths [B] int64) over its valid points."""
+    batch, columns, dim = ref.shape
+    grid_dims = dim if dim <= 3 else 0
+    cells = cell_budget(columns, grid_dims)
+    values = torch.zeros((batch, 8), dtype=torch.float32, device=ref.device)
+    values[:, 3:5] = 1.0  # a unit cell, until the kernel below sizes it
+    shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
+    if grid_dims and batch:
+        coords = ref.to(torch.float32)
+        valid = torch.arange(columns, device=ref.device)[None, :] < ref_lengths[:, None]
+        valid = valid & torch.isfinite(coords).all(-1)
+        inside = valid[..., None]
+        lo = torch.where(inside, coords, math.inf).amin(1) if columns else coords.new_zeros((batch, dim))
+        hi = torch.where(inside, coords, -math.inf).amax(1) if columns else coords.new_zeros((batch, dim))
+        _frame_kernel[(batch,)](lo.contiguous(), hi.contiguous(), valid.sum(1), values, shape, cells,
+                                float(CELL_POINTS), G=grid_dims)
+    return Frame(values, shape, cells, grid_dims)
+
+
+def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> SortedPoints:
+    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells."""
+    batch, rows, dim = points.shape
+    slots = batch * (grid.cells + 1)
+    key_dtype = torch.int32 if slots < 2**31 - 1 else torch.int64
+    keys = torch.empty((batch * rows,), dtype=key_dtype, device=points.device)
+    if keys.numel():
+        _cell_keys_kernel[(triton.cdiv(rows, _BLOCK), batch)](
+            points, lengths, grid.values, grid.shape, keys, rows, grid.cells,
+            D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    sorted_keys, order = torch.sort(keys)
+    bounds = torch.arange(slots + 1, dtype=key_dtype, device=points.device)
+    cell_start = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+    return SortedPoints(points.reshape(-1, dim)[order].to(torch.float32), order, cell_start)
+
+
+def build(query, ref, query_lengths, ref_lengths):
+    """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D]."""
+    batch, rows = query.shape[:2]
+    columns = ref.shape[1]
+    ref_lengths = full_lengths(ref_lengths, batch, columns, ref.device)
+    query_lengths = full_lengths(query_lengths, batch, rows, query.device)
+    grid = frame(ref, ref_lengths)
+    return grid, sort_points(query, query_lengths, grid), sort_points(ref, ref_lengths, grid)
