@@ -27,6 +27,16 @@ def _cloud(kind: str, count: int, generator) -> torch.Tensor:
     return torch.rand(count, 3, generator=generator, device="cuda")
 
 
+def _mismatches(op, query, ref, k, r, result, generator, samples=2000) -> int:
+    """Sampled queries whose neighbour lists differ from the torch reference's."""
+    rows = torch.randint(0, query.shape[0], (samples,), generator=generator, device=query.device)
+    if op == "knn":
+        want = fullgraph.knn(query[rows], ref, k, backend="torch")[1]
+    else:
+        want = fullgraph.radius(query[rows], ref, r, k, backend="torch")[1]
+    return int((result[1][rows] != want).any(-1).sum())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", type=Path, required=True)
@@ -48,7 +58,7 @@ def main() -> None:
         runs = 3 if m >= 1_000_000 else 20
         with PeakMemory(device) as memory:
             timing = time_call(call, device, warmup=1, runs=runs)
-        extra = {}
+        extra = {"mismatched_sampled_queries": _mismatches(op, query, ref, k, r, call(), generator)}
         if op == "radius":
             extra["mean_neighbors_within_radius"] = float(call()[2].float().mean())
         rows.append({"op": op, "distribution": kind, "queries": m, "refs": n, "k": k, "radius": r,
