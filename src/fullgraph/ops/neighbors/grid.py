@@ -1,7 +1,9 @@
 """A uniform grid (cell list) over the first three coordinates, built on the GPU.
 
 Per batch item, the box around the valid references is cut into cubic cells of side h,
-about ``CELL_POINTS`` references per cell. References and queries are then sorted by
+first sized as if the cloud were uniform, then resized (``REFINEMENTS`` rounds) so that the
+cell of a typical query holds about ``CELL_POINTS`` references. Points outside the box
+(queries) are clamped into its border cells, which keeps every search exact. References and queries are then sorted by
 (item, cell) key with one ``torch.sort`` each, and ``cell_start`` marks where each
 cell's points begin in that order, so the points of a row of cells along x are one
 contiguous range. Invalid points (beyond the item's length, or not finite) sort to the
@@ -29,14 +31,18 @@ except ImportError:  # pragma: no cover - triton.available() reports this
     triton = None
 
 CELL_POINTS = 8
+# Cells allowed per item, in units of CELL_POINTS references; and the rounds of resizing
+# the cells to the density that the queries see.
+BUDGET = 32
+REFINEMENTS = 2
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
 
 
 @dataclass(frozen=True)
 class Frame:
-    """The grid of every batch item: values [B, 8] float32 (origin xyz, cell side, its
-    inverse, the rounding slack of a distance to a cell face), shape [B, 4] int32 (cells
+    """The grid of every batch item: values [B, 12] float32 (origin xyz, extent xyz, cell
+    side, its inverse, the rounding slack of a distance to a cell face), shape [B, 4] int32 (cells
     along x, y, z, then 1), and ``cells``, the static budget of cells per item."""
 
     values: torch.Tensor
@@ -60,11 +66,12 @@ class SortedPoints:
 
 
 if triton is not None:
-    # Columns of ``Frame.values`` after the origin (x, y, z).
-    SIDE, INV_SIDE, SLACK = tl.constexpr(3), tl.constexpr(4), tl.constexpr(5)
+    # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
+    SIDE, INV_SIDE, SLACK, VALUES = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(12)
 
     @triton.jit
     def _frame_kernel(lo, hi, counts, values, shape, cells, cell_points, G: tl.constexpr):
+        """Cells over the box [lo, hi] of each item's valid references, cell_points per cell."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         n = tl.load(counts + b).to(tl.float32)
@@ -83,18 +90,37 @@ if triton is not None:
             log_volume = tl.sum(tl.where(longer, tl.log(tl.where(longer, extent, 1.0)), 0.0), 0)
             side = tl.where(count > 0, tl.exp((log_volume - tl.log(target)) / tl.maximum(count, 1.0)), 1.0)
             longer = longer & (extent >= side)
-        side = side * 1.00001
-        # Each axis holds at most 2 * extent / h cells, so the total stays within the budget
-        # of 2^G * target; the loop only guards against rounding.
+        _store_frame(values, shape, b, dims, low, extent, side * 1.00001, cells, G)
+
+    @triton.jit
+    def _refine_kernel(values, shape, load_sum, load_count, cells, cell_points, G: tl.constexpr):
+        """Rescale each item's cells so that a query's cell holds about cell_points references,
+        given the mean load (references in a live query's cell) under the current cells."""
+        b = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, 4)
+        row = values + b * VALUES
+        low = tl.load(row + dims, mask=dims < 3, other=0.0)
+        extent = tl.load(row + 3 + dims, mask=dims < 3, other=0.0)
+        split = tl.sum(((dims < G) & (tl.load(shape + b * 4 + dims) > 1)).to(tl.float32), 0)
+        load = tl.load(load_sum + b).to(tl.float32) / tl.maximum(tl.load(load_count + b).to(tl.float32), 1.0)
+        ratio = tl.where((split > 0) & (load > 0), tl.exp(tl.log(cell_points / tl.maximum(load, 1e-30))
+                                                         / tl.maximum(split, 1.0)), 1.0)
+        ratio = tl.minimum(tl.maximum(ratio, 1.0 / 16), 16.0)
+        _store_frame(values, shape, b, dims, low, extent, tl.load(row + SIDE) * ratio, cells, G)
+
+    @triton.jit
+    def _store_frame(values, shape, b, dims, low, extent, side, cells, G: tl.constexpr):
+        on = dims < G
         per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
         total = _product(per_axis, dims)
-        while total > cells:
-            side = side * 2.0
+        while total > cells:  # over the budget: grow the cells to fit it
+            side = side * tl.exp(tl.log(total.to(tl.float32) / cells) / G) * 1.001
             per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
             total = _product(per_axis, dims)
         slack = 1e-6 * (tl.max(tl.abs(low), 0) + tl.max(extent, 0) + side)
-        row = values + b * 8
+        row = values + b * VALUES
         tl.store(row + dims, low, mask=dims < 3)
+        tl.store(row + 3 + dims, extent, mask=dims < 3)
         tl.store(row + SIDE, side)
         tl.store(row + INV_SIDE, 1.0 / side)
         tl.store(row + SLACK, slack)
@@ -122,7 +148,7 @@ if triton is not None:
         for dim in tl.static_range(G):
             c = tl.load(base + dim, mask=inside, other=0.0).to(tl.float32)
             axis = tl.load(shape + b * 4 + dim)
-            scaled = (c - tl.load(values + b * 8 + dim)) * tl.load(values + b * 8 + INV_SIDE)
+            scaled = (c - tl.load(values + b * VALUES + dim)) * tl.load(values + b * VALUES + INV_SIDE)
             at = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), (axis - 1).to(tl.float32))
             cell += at.to(tl.int64) * stride
             stride = stride * axis
@@ -131,17 +157,19 @@ if triton is not None:
 
 
 def cell_budget(refs: int, grid_dims: int) -> int:
-    """Static number of cells per item for ``refs`` references."""
-    return 1 if grid_dims == 0 else 2**grid_dims * max(1, math.ceil(refs / CELL_POINTS))
+    """Static number of cells per item for ``refs`` references: room for cells
+    ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs."""
+    return 1 if grid_dims == 0 else BUDGET * max(1, math.ceil(refs / CELL_POINTS))
 
 
 def frame(ref: torch.Tensor, ref_lengths: torch.Tensor) -> Frame:
-    """The grid of each item of ref [B, N, D] (lengths [B] int64) over its valid points."""
+    """The grid of each item of ref [B, N, D] (lengths [B] int64) over the box of its valid
+    points, with cells sized for a uniform cloud."""
     batch, columns, dim = ref.shape
     grid_dims = dim if dim <= 3 else 0
     cells = cell_budget(columns, grid_dims)
-    values = torch.zeros((batch, 8), dtype=torch.float32, device=ref.device)
-    values[:, 3:5] = 1.0  # a unit cell, until the kernel below sizes it
+    values = torch.zeros((batch, 12), dtype=torch.float32, device=ref.device)
+    values[:, 6:8] = 1.0  # a unit cell, until the kernel below sizes it
     shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
     if grid_dims and batch:
         coords = ref.to(torch.float32)
@@ -155,20 +183,43 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor) -> Frame:
     return Frame(values, shape, cells, grid_dims)
 
 
-def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> SortedPoints:
-    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells."""
+def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> torch.Tensor:
+    """[B*L] int32 (int64 for huge grids) keys b * (cells + 1) + cell of points [B, L, D]
+    (contiguous; lengths [B] int64); invalid points get their item's slot ``cells``."""
     batch, rows, dim = points.shape
     slots = batch * (grid.cells + 1)
-    key_dtype = torch.int32 if slots < 2**31 - 1 else torch.int64
-    keys = torch.empty((batch * rows,), dtype=key_dtype, device=points.device)
+    keys = torch.empty((batch * rows,), dtype=torch.int32 if slots < 2**31 - 1 else torch.int64,
+                       device=points.device)
     if keys.numel():
         _cell_keys_kernel[(triton.cdiv(rows, _BLOCK), batch)](
             points, lengths, grid.values, grid.shape, keys, rows, grid.cells,
             D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    return keys
+
+
+def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
+    """Resize ``grid``'s cells (in place) so that a query's cell holds about CELL_POINTS
+    references: a cloud denser than its box's average (a normal cloud's core) gets finer cells."""
+    batch, rows = query.shape[:2]
+    slots = grid.cells + 1
+    ref_keys = cell_keys(ref, ref_lengths, grid)
+    per_cell = torch.zeros((batch * slots,), dtype=torch.int32, device=ref.device)
+    per_cell.index_add_(0, ref_keys, torch.ones_like(ref_keys, dtype=torch.int32))
+    per_cell.view(batch, slots)[:, -1] = 0  # invalid references
+    query_keys = cell_keys(query, query_lengths, grid)
+    load_sum = per_cell[query_keys].view(batch, rows).sum(1)
+    load_count = (query_keys.view(batch, rows) % slots != grid.cells).sum(1)
+    _refine_kernel[(batch,)](grid.values, grid.shape, load_sum, load_count, grid.cells, float(CELL_POINTS),
+                             G=grid.grid_dims)
+
+
+def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> SortedPoints:
+    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells."""
+    keys = cell_keys(points, lengths, grid)
     sorted_keys, order = torch.sort(keys)
-    bounds = torch.arange(slots + 1, dtype=key_dtype, device=points.device)
+    bounds = torch.arange(points.shape[0] * (grid.cells + 1) + 1, dtype=keys.dtype, device=points.device)
     cell_start = torch.searchsorted(sorted_keys, bounds, out_int32=True)
-    return SortedPoints(points.reshape(-1, dim)[order].to(torch.float32), order, cell_start)
+    return SortedPoints(points.reshape(-1, points.shape[-1])[order].to(torch.float32), order, cell_start)
 
 
 def build(query, ref, query_lengths, ref_lengths):
@@ -178,4 +229,7 @@ def build(query, ref, query_lengths, ref_lengths):
     ref_lengths = full_lengths(ref_lengths, batch, columns, ref.device)
     query_lengths = full_lengths(query_lengths, batch, rows, query.device)
     grid = frame(ref, ref_lengths)
+    if grid.grid_dims and batch * rows * columns:
+        for _ in range(REFINEMENTS):
+            refine(grid, query, query_lengths, ref, ref_lengths)
     return grid, sort_points(query, query_lengths, grid), sort_points(ref, ref_lengths, grid)

@@ -49,7 +49,7 @@ def available() -> bool:
 
 
 if triton is not None:
-    from .grid import INV_SIDE, SIDE, SLACK
+    from .grid import INV_SIDE, SIDE, SLACK, VALUES
 
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
@@ -93,8 +93,8 @@ if triton is not None:
         """Cells [lo, hi] (int32 [4] each, x y z and a unit 4th axis) that hold everything
         within ``reach`` of the points ``offs < count`` of a sorted [*, D] array, and the frame."""
         dims = tl.arange(0, 4)
-        origin = tl.load(values + b * 8 + dims, mask=dims < 3, other=0.0)
-        inv_side = tl.load(values + b * 8 + INV_SIDE)
+        origin = tl.load(values + b * VALUES + dims, mask=dims < 3, other=0.0)
+        inv_side = tl.load(values + b * VALUES + INV_SIDE)
         axes = tl.load(shape + b * 4 + dims)
         block = _load_block(points, offs, count, tl.minimum(D, 3), 4)
         live = (offs < count)[:, None]
@@ -162,8 +162,8 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         clo, chi, block, origin, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
-        side = tl.load(values + b * 8 + SIDE)
-        slack = tl.load(values + b * 8 + SLACK)
+        side = tl.load(values + b * VALUES + SIDE)
+        slack = tl.load(values + b * VALUES + SLACK)
         rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
         slots = tl.arange(0, KP)
         # Padding slots (>= K) hold -1 so that the row maximum only sees real slots.
