@@ -41,6 +41,8 @@ MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
 SEARCH_BLOCKS = (4, 32, 1)
+# Ranges of cells read at once (two per row of cells along x).
+SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 32, 4)
 
 
@@ -106,9 +108,43 @@ if triton is not None:
         return lo, hi, block, origin, axes, dims
 
     @triton.jit
-    def _row(cell_start, slot, x0, x1):
-        """Sorted positions [start, end) of the cells x0..x1 (empty when x1 < x0) of a row."""
-        return tl.load(cell_start + slot + x0).to(tl.int64), tl.load(cell_start + slot + x1 + 1).to(tl.int64)
+    def _rows_in_box(lo, hi, dims):
+        return (_component(hi, dims, 1) - _component(lo, dims, 1) + 1) * (
+            _component(hi, dims, 2) - _component(lo, dims, 2) + 1)
+
+    @triton.jit
+    def _row_segments(cell_start, axes, dims, lo, hi, prev_lo, prev_hi, first, LANES: tl.constexpr):
+        """Sorted-position ranges [starts, ends) of the cells of box [lo, hi] outside box
+        [prev_lo, prev_hi], for LANES // 2 rows along x from row ``first`` of the box: lane i
+        takes the row's cells below the previous box (or the whole row when it misses that
+        box), lane i + LANES // 2 those above it. ``pending`` marks the non-empty ranges.
+        One vector load reads many rows: far from the data, most rows are empty."""
+        lane = tl.arange(0, LANES)
+        row = first + lane % (LANES // 2)
+        above = lane >= LANES // 2
+        lo_y, lo_z = _component(lo, dims, 1), _component(lo, dims, 2)
+        span_y = _component(hi, dims, 1) - lo_y + 1
+        y, z = lo_y + row % span_y, lo_z + row // span_y
+        in_box = row < _rows_in_box(lo, hi, dims)
+        inner = (y >= _component(prev_lo, dims, 1)) & (y <= _component(prev_hi, dims, 1)) & (
+            z >= _component(prev_lo, dims, 2)) & (z <= _component(prev_hi, dims, 2))
+        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
+        x0 = tl.where(above, _component(prev_hi, dims, 0) + 1, lo_x)
+        x1 = tl.where(above | ~inner, hi_x, _component(prev_lo, dims, 0) - 1)
+        wanted = in_box & (~above | inner)
+        base = cell_start + (z * _component(axes, dims, 1) + y).to(tl.int64) * _component(axes, dims, 0)
+        starts = tl.load(base + x0, mask=wanted, other=0)
+        ends = tl.load(base + x1 + 1, mask=wanted, other=0)
+        return starts, ends, wanted & (ends > starts)
+
+    @triton.jit
+    def _next_segment(starts, ends, pending):
+        """The first pending range (start, end) and the ranges still pending after it."""
+        lanes = tl.arange(0, starts.shape[0])
+        lane = tl.min(tl.where(pending, lanes, starts.shape[0]), 0)
+        start = tl.sum(tl.where(lanes == lane, starts, 0), 0).to(tl.int64)
+        end = tl.sum(tl.where(lanes == lane, ends, 0), 0).to(tl.int64)
+        return start, end, pending & (lanes != lane)
 
     # ------------------------------------------------------------------ search
 
@@ -130,21 +166,22 @@ if triton is not None:
         return best, threshold
 
     @triton.jit
-    def _search_cells(best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
-                      x0, x1, item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-        start, end = _row(r_cell_start, slot, x0, x1)
-        for s in range(start, end, BLOCK_N):
-            offs_n = s + tl.arange(0, BLOCK_N)
-            d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-            ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :]
-            if USE_RADIUS:
-                ok = ok & (d2 <= radius2)
-                count += tl.sum(ok.to(tl.int64), 1)
-            index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
-            keys = (d2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
-            keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
-            best, threshold = _insert(best, threshold, keys, slots)
+    def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, r_points, r_order,
+                         item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``."""
+        while tl.max(pending.to(tl.int32), 0) > 0:
+            start, end, pending = _next_segment(starts, ends, pending)
+            for s in range(start, end, BLOCK_N):
+                offs_n = s + tl.arange(0, BLOCK_N)
+                d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :]
+                if USE_RADIUS:
+                    ok = ok & (d2 <= radius2)
+                    count += tl.sum(ok.to(tl.int64), 1)
+                index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
+                keys = (d2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
+                keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
+                best, threshold = _insert(best, threshold, keys, slots)
         return best, threshold, count
 
     @triton.jit
@@ -152,7 +189,7 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, values, shape,
         out_dist, out_idx, out_count, rows, columns, cells, radius2, reach,
         D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -177,21 +214,12 @@ if triton is not None:
         searching = tl.max((offs_m < q_live).to(tl.int32), 0)
         while searching > 0:
             lo, hi = tl.maximum(clo - ring, 0), tl.minimum(chi + ring, axes - 1)
-            lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
-            plo_x, phi_x = _component(prev_lo, dims, 0), _component(prev_hi, dims, 0)
-            plo_y, phi_y = _component(prev_lo, dims, 1), _component(prev_hi, dims, 1)
-            plo_z, phi_z = _component(prev_lo, dims, 2), _component(prev_hi, dims, 2)
-            for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
-                for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
-                    # Rows through the previous box only add its two ends along x.
-                    inner = (y >= plo_y) & (y <= phi_y) & (z >= plo_z) & (z <= phi_z)
-                    slot = slot_base + (z * ry + y) * rx
-                    best, threshold, count = _search_cells(
-                        best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
-                        lo_x, tl.where(inner, plo_x - 1, hi_x), item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
-                    best, threshold, count = _search_cells(
-                        best, threshold, count, q_base, offs_m, q_live, r_points, r_order, r_cell_start, slot,
-                        tl.where(inner, phi_x + 1, hi_x + 1), hi_x, item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
+            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, prev_lo, prev_hi,
+                                                      first, LANES)
+                best, threshold, count = _search_segments(
+                    best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, r_points, r_order, item_r,
+                    radius2, slots, D, USE_RADIUS, BLOCK_N)
             if USE_RADIUS:
                 searching = searching * 0
             else:
@@ -208,7 +236,7 @@ if triton is not None:
                 done = (offs_m >= q_live) | (bound == float("inf")) | settled
                 searching = 1 - tl.min(done.to(tl.int32), 0)
             prev_lo, prev_hi = lo, hi
-            ring += 1
+            ring += tl.maximum(ring // 2, 1)  # far from the others, a query needs many rings: grow by half
         best = tl.where(slots[None, :] < K, best, tl.full(best.shape, _KEY_NONE, tl.int64))
         best = tl.sort(best, 1)
         found = best != _KEY_NONE
@@ -237,6 +265,7 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_cell_start, features, values, shape, out, out_min, out_sum,
         rows, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, CP: tl.constexpr, STATS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        LANES: tl.constexpr,
     ):
         """Per sorted query: out (at its original row), minimum distance and weight sum (sorted)."""
         pid = tl.program_id(0)
@@ -246,14 +275,14 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
-        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
-        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         row_min = tl.full((BLOCK_M,), float("inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
-        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
-            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
-                start, end = _row(r_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+            starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
+                                                  LANES)
+            while tl.max(pending.to(tl.int32), 0) > 0:
+                start, end, pending = _next_segment(starts, ends, pending)
                 for s in range(start, end, BLOCK_N):
                     offs_n = s + tl.arange(0, BLOCK_N)
                     d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
@@ -303,6 +332,7 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_cell_start, features, grad_out, row_min, row_sum, delta,
         values, shape, grad_query, rows, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        LANES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -311,12 +341,12 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
-        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
-        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
-        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
-            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
-                start, end = _row(r_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+            starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
+                                                  LANES)
+            while tl.max(pending.to(tl.int32), 0) > 0:
+                start, end, pending = _next_segment(starts, ends, pending)
                 for s in range(start, end, BLOCK_N):
                     offs_n = s + tl.arange(0, BLOCK_N)
                     d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
@@ -335,6 +365,7 @@ if triton is not None:
         q_points, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
         values, shape, grad_ref, grad_features, columns, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        LANES: tl.constexpr,
     ):
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -343,13 +374,13 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         r_base = r_points + item_r * D
         lo, hi, _, _, axes, dims = _cell_box(values, shape, b, r_base, offs_n, r_live, reach, D)
-        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
-        lo_x, hi_x = _component(lo, dims, 0), _component(hi, dims, 0)
         acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
-        for z in range(_component(lo, dims, 2), _component(hi, dims, 2) + 1):
-            for y in range(_component(lo, dims, 1), _component(hi, dims, 1) + 1):
-                start, end = _row(q_cell_start, slot_base + (z * ry + y) * rx, lo_x, hi_x)
+        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+            starts, ends, pending = _row_segments(q_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
+                                                  LANES)
+            while tl.max(pending.to(tl.int32), 0) > 0:
+                start, end, pending = _next_segment(starts, ends, pending)
                 for s in range(start, end, BLOCK_M):
                     offs_m = s + tl.arange(0, BLOCK_M)
                     d2 = _tile_d2(q_points, r_base, offs_m, offs_n, end, r_live, D)
@@ -394,6 +425,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         frame.values, frame.shape, dists, idx, counts, rows, columns, frame.cells,
         float(radius) ** 2 if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
+        LANES=SEGMENT_LANES,
         num_warps=warps,
     )
     if not use_radius:
@@ -421,7 +453,7 @@ def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=
     _radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
         frame.values, frame.shape, row_min if out is None else out, row_min, row_sum, rows, **common, **sizes,
-        STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+        STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps,
     )
     return row_min, row_sum
 
@@ -452,7 +484,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
         block_m, block_n, warps = AGGREGATE_BLOCKS
-        launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps)
         _radius_grad_query_kernel[(triton.cdiv(rows, block_m), batch)](
             queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, *stats,
             grad_query, rows, **common, **sizes, **launch)
