@@ -34,7 +34,7 @@ CELL_POINTS = 8
 # Cells allowed per item, in units of CELL_POINTS references; and the rounds of resizing
 # the cells to the density that the queries see.
 BUDGET = 32
-REFINEMENTS = 2
+REFINEMENTS = 1
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
 
@@ -70,13 +70,35 @@ if triton is not None:
     SIDE, INV_SIDE, SLACK, VALUES = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(12)
 
     @triton.jit
-    def _frame_kernel(lo, hi, counts, values, shape, cells, cell_points, G: tl.constexpr):
-        """Cells over the box [lo, hi] of each item's valid references, cell_points per cell."""
+    def _bounds_kernel(points, lengths, bounds, rows, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        """Per block of BLOCK rows of item b: min and max of each grid axis over the valid
+        points, and their number, into bounds[b, block] = (lo xyz, 0, hi xyz, count)."""
+        pid = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        _, valid = _point_cells(points, lengths, bounds, bounds, b, offs, rows, D, 0)  # no grid yet: G = 0
+        dims = tl.arange(0, 4)
+        block = tl.load(points + (b * rows + offs)[:, None] * D + dims[None, :],
+                        mask=valid[:, None] & (dims < G)[None, :], other=0.0).to(tl.float32)
+        low = tl.min(tl.where(valid[:, None], block, float("inf")), 0)
+        high = tl.max(tl.where(valid[:, None], block, -float("inf")), 0)
+        out = bounds + (b * tl.num_programs(0) + pid) * 8
+        tl.store(out + dims, low)
+        tl.store(out + 4 + dims, tl.where(dims == 3, tl.sum(valid.to(tl.float32), 0), high))
+
+    @triton.jit
+    def _frame_kernel(bounds, blocks, values, shape, cells, cell_points, G: tl.constexpr):
+        """Cells over the box of each item's valid references, cell_points per cell."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
-        n = tl.load(counts + b).to(tl.float32)
-        low = tl.load(lo + b * G + dims, mask=dims < G, other=0.0)
-        high = tl.load(hi + b * G + dims, mask=dims < G, other=0.0)
+        low = tl.full((4,), float("inf"), tl.float32)
+        high = tl.full((4,), -float("inf"), tl.float32)
+        n = tl.zeros((), tl.float32)
+        for i in range(0, blocks):
+            row = bounds + (b * blocks + i) * 8
+            low = tl.minimum(low, tl.load(row + dims))
+            high = tl.maximum(high, tl.load(row + 4 + dims))
+            n += tl.load(row + 7)
         on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
         low = tl.where(on, low, 0.0)
         extent = tl.minimum(tl.where(on, high - low, 0.0), 1e38)
@@ -93,7 +115,7 @@ if triton is not None:
         _store_frame(values, shape, b, dims, low, extent, side * 1.00001, cells, G)
 
     @triton.jit
-    def _refine_kernel(values, shape, load_sum, load_count, cells, cell_points, G: tl.constexpr):
+    def _refine_kernel(values, shape, loads, cells, cell_points, G: tl.constexpr):
         """Rescale each item's cells so that a query's cell holds about cell_points references,
         given the mean load (references in a live query's cell) under the current cells."""
         b = tl.program_id(0).to(tl.int64)
@@ -102,7 +124,7 @@ if triton is not None:
         low = tl.load(row + dims, mask=dims < 3, other=0.0)
         extent = tl.load(row + 3 + dims, mask=dims < 3, other=0.0)
         split = tl.sum(((dims < G) & (tl.load(shape + b * 4 + dims) > 1)).to(tl.float32), 0)
-        load = tl.load(load_sum + b).to(tl.float32) / tl.maximum(tl.load(load_count + b).to(tl.float32), 1.0)
+        load = tl.load(loads + 2 * b).to(tl.float32) / tl.maximum(tl.load(loads + 2 * b + 1).to(tl.float32), 1.0)
         ratio = tl.where((split > 0) & (load > 0), tl.exp(tl.log(cell_points / tl.maximum(load, 1e-30))
                                                          / tl.maximum(split, 1.0)), 1.0)
         ratio = tl.minimum(tl.maximum(ratio, 1.0 / 16), 16.0)
@@ -127,23 +149,24 @@ if triton is not None:
         tl.store(shape + b * 4 + dims, per_axis.to(tl.int32))
 
     @triton.jit
+    def _component(v, dims, i):
+        return tl.sum(tl.where(dims == i, v, 0), 0)
+
+    @triton.jit
     def _product(v, dims):
         return (tl.sum(tl.where(dims == 0, v, 0), 0) * tl.sum(tl.where(dims == 1, v, 0), 0)
                 * tl.sum(tl.where(dims == 2, v, 0), 0))
 
     @triton.jit
-    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, cells,
-                          D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
+    def _point_cells(points, lengths, values, shape, b, offs, rows, D: tl.constexpr, G: tl.constexpr):
+        """(cell within the item [BLOCK] int64, valid [BLOCK]) of the rows ``offs`` of item b."""
         inside = offs < rows
         valid = offs < tl.load(lengths + b)
         base = points + (b * rows + offs) * D
         for dim in tl.static_range(D):
             c = tl.load(base + dim, mask=inside, other=0.0).to(tl.float32)
             valid = valid & (c == c) & (tl.abs(c) != float("inf"))
-        cell = tl.zeros((BLOCK,), dtype=tl.int64)
+        cell = tl.zeros(offs.shape, dtype=tl.int64)
         stride = 1
         for dim in tl.static_range(G):
             c = tl.load(base + dim, mask=inside, other=0.0).to(tl.float32)
@@ -152,8 +175,36 @@ if triton is not None:
             at = tl.minimum(tl.maximum(tl.floor(scaled), 0.0), (axis - 1).to(tl.float32))
             cell += at.to(tl.int64) * stride
             stride = stride * axis
+        return cell, valid
+
+    @triton.jit
+    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, cells,
+                          D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
         key = b * (cells + 1) + tl.where(valid, cell, cells)
-        tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=inside)
+        tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=offs < rows)
+
+    @triton.jit
+    def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
+                      D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        """per_cell[b * (cells + 1) + cell] += valid points in the cell (integer atomics: exact)."""
+        b = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
+        tl.atomic_add(per_cell + b * (cells + 1) + cell, tl.full(offs.shape, 1, tl.int32), mask=valid)
+
+    @triton.jit
+    def _load_kernel(points, lengths, values, shape, per_cell, load, rows, cells,
+                     D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        """load[b] += (references in the cells of item b's valid queries, their number)."""
+        b = tl.program_id(1).to(tl.int64)
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
+        seen = tl.load(per_cell + b * (cells + 1) + cell, mask=valid, other=0).to(tl.int64)
+        tl.atomic_add(load + 2 * b, tl.sum(seen, 0))
+        tl.atomic_add(load + 2 * b + 1, tl.sum(valid.to(tl.int64), 0))
 
 
 def cell_budget(refs: int, grid_dims: int) -> int:
@@ -171,15 +222,11 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor) -> Frame:
     values = torch.zeros((batch, 12), dtype=torch.float32, device=ref.device)
     values[:, 6:8] = 1.0  # a unit cell, until the kernel below sizes it
     shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
-    if grid_dims and batch:
-        coords = ref.to(torch.float32)
-        valid = torch.arange(columns, device=ref.device)[None, :] < ref_lengths[:, None]
-        valid = valid & torch.isfinite(coords).all(-1)
-        inside = valid[..., None]
-        lo = torch.where(inside, coords, math.inf).amin(1) if columns else coords.new_zeros((batch, dim))
-        hi = torch.where(inside, coords, -math.inf).amax(1) if columns else coords.new_zeros((batch, dim))
-        _frame_kernel[(batch,)](lo.contiguous(), hi.contiguous(), valid.sum(1), values, shape, cells,
-                                float(CELL_POINTS), G=grid_dims)
+    if grid_dims and batch and columns:
+        blocks = triton.cdiv(columns, _BLOCK)
+        bounds = torch.empty((batch, blocks, 8), dtype=torch.float32, device=ref.device)
+        _bounds_kernel[(blocks, batch)](ref, ref_lengths, bounds, columns, D=dim, G=grid_dims, BLOCK=_BLOCK)
+        _frame_kernel[(batch,)](bounds, blocks, values, shape, cells, float(CELL_POINTS), G=grid_dims)
     return Frame(values, shape, cells, grid_dims)
 
 
@@ -200,25 +247,22 @@ def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> torch
 def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
     """Resize ``grid``'s cells (in place) so that a query's cell holds about CELL_POINTS
     references: a cloud denser than its box's average (a normal cloud's core) gets finer cells."""
-    batch, rows = query.shape[:2]
-    slots = grid.cells + 1
-    ref_keys = cell_keys(ref, ref_lengths, grid)
-    per_cell = torch.zeros((batch * slots,), dtype=torch.int32, device=ref.device)
-    per_cell.index_add_(0, ref_keys, torch.ones_like(ref_keys, dtype=torch.int32))
-    per_cell.view(batch, slots)[:, -1] = 0  # invalid references
-    query_keys = cell_keys(query, query_lengths, grid)
-    load_sum = per_cell[query_keys].view(batch, rows).sum(1)
-    load_count = (query_keys.view(batch, rows) % slots != grid.cells).sum(1)
-    _refine_kernel[(batch,)](grid.values, grid.shape, load_sum, load_count, grid.cells, float(CELL_POINTS),
-                             G=grid.grid_dims)
+    (batch, rows, dim), columns = query.shape, ref.shape[1]
+    per_cell = torch.zeros((batch * (grid.cells + 1),), dtype=torch.int32, device=ref.device)
+    load = torch.zeros((batch, 2), dtype=torch.int64, device=ref.device)
+    sizes = dict(D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    _count_kernel[(triton.cdiv(columns, _BLOCK), batch)](
+        ref, ref_lengths, grid.values, grid.shape, per_cell, columns, grid.cells, **sizes)
+    _load_kernel[(triton.cdiv(rows, _BLOCK), batch)](
+        query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.cells, **sizes)
+    _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.cells, float(CELL_POINTS), G=grid.grid_dims)
 
 
-def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> SortedPoints:
-    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells."""
-    keys = cell_keys(points, lengths, grid)
-    sorted_keys, order = torch.sort(keys)
-    bounds = torch.arange(points.shape[0] * (grid.cells + 1) + 1, dtype=keys.dtype, device=points.device)
-    cell_start = torch.searchsorted(sorted_keys, bounds, out_int32=True)
+def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, slots: torch.Tensor) -> SortedPoints:
+    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells; slots is
+    arange(B * (cells + 1) + 1) in the keys' dtype."""
+    sorted_keys, order = torch.sort(cell_keys(points, lengths, grid))
+    cell_start = torch.searchsorted(sorted_keys, slots, out_int32=True)
     return SortedPoints(points.reshape(-1, points.shape[-1])[order].to(torch.float32), order, cell_start)
 
 
@@ -232,4 +276,6 @@ def build(query, ref, query_lengths, ref_lengths):
     if grid.grid_dims and batch * rows * columns:
         for _ in range(REFINEMENTS):
             refine(grid, query, query_lengths, ref, ref_lengths)
-    return grid, sort_points(query, query_lengths, grid), sort_points(ref, ref_lengths, grid)
+    count = batch * (grid.cells + 1) + 1
+    slots = torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=query.device)
+    return grid, sort_points(query, query_lengths, grid, slots), sort_points(ref, ref_lengths, grid, slots)
