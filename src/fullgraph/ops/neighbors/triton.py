@@ -55,6 +55,7 @@ if triton is not None:
 
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
+    SPREAD = tl.constexpr(2)
 
     @triton.jit
     def _load_points(base, offs, count, stride, D: tl.constexpr, dim: tl.constexpr):
@@ -91,21 +92,31 @@ if triton is not None:
         return tl.sum(tl.where(dims == i, v, 0), 0)
 
     @triton.jit
-    def _cell_box(values, shape, b, points, offs, count, reach, D: tl.constexpr):
+    def _cell_box(values, shape, b, points, offs, count, member, reach, D: tl.constexpr):
         """Cells [lo, hi] (int32 [4] each, x y z and a unit 4th axis) that hold everything
-        within ``reach`` of the points ``offs < count`` of a sorted [*, D] array, and the frame."""
+        within ``reach`` of the ``member`` points of rows ``offs < count`` of a sorted [*, D]
+        array; the block of their coordinates and the frame."""
         dims = tl.arange(0, 4)
         origin = tl.load(values + b * VALUES + dims, mask=dims < 3, other=0.0)
         inv_side = tl.load(values + b * VALUES + INV_SIDE)
         axes = tl.load(shape + b * 4 + dims)
         block = _load_block(points, offs, count, tl.minimum(D, 3), 4)
-        live = (offs < count)[:, None]
-        low = tl.min(tl.where(live, block, float("inf")), 0) - reach
-        high = tl.max(tl.where(live, block, -float("inf")), 0) + reach
+        low = tl.min(tl.where(member[:, None], block, float("inf")), 0) - reach
+        high = tl.max(tl.where(member[:, None], block, -float("inf")), 0) + reach
         top = (axes - 1).to(tl.float32)
         lo = tl.minimum(tl.maximum(tl.floor((low - origin) * inv_side), 0.0), top).to(tl.int32)
         hi = tl.minimum(tl.maximum(tl.floor((high - origin) * inv_side), 0.0), top).to(tl.int32)
         return lo, hi, block, origin, axes, dims
+
+    @triton.jit
+    def _groups(values, shape, b, points, offs, count, D: tl.constexpr):
+        """How a block's live points (offs < count) are searched: together when they lie
+        within SPREAD cells per axis, else one at a time (a block straddling distant cells,
+        far from the data, would search everything between them). Returns (groups, together, live)."""
+        live = offs < count
+        lo, hi, _, _, _, _ = _cell_box(values, shape, b, points, offs, count, live, 0.0, D)
+        together = tl.max(hi - lo, 0) <= SPREAD
+        return tl.where(together, 1, offs.shape[0]), together, live
 
     @triton.jit
     def _rows_in_box(lo, hi, dims):
@@ -166,15 +177,16 @@ if triton is not None:
         return best, threshold
 
     @triton.jit
-    def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, r_points, r_order,
-                         item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
+                         r_order, item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
         """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``."""
         while tl.max(pending.to(tl.int32), 0) > 0:
             start, end, pending = _next_segment(starts, ends, pending)
             for s in range(start, end, BLOCK_N):
                 offs_n = s + tl.arange(0, BLOCK_N)
                 d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-                ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :]
+                ok = member[:, None] & (offs_n < end)[None, :]
                 if USE_RADIUS:
                     ok = ok & (d2 <= radius2)
                     count += tl.sum(ok.to(tl.int64), 1)
@@ -198,45 +210,47 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        clo, chi, block, origin, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
         side = tl.load(values + b * VALUES + SIDE)
         slack = tl.load(values + b * VALUES + SLACK)
-        rx, ry = _component(axes, dims, 0), _component(axes, dims, 1)
         slots = tl.arange(0, KP)
         # Padding slots (>= K) hold -1 so that the row maximum only sees real slots.
         best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), _KEY_NONE, tl.int64),
                         tl.full((BLOCK_M, KP), -1, tl.int64))
         threshold = tl.max(best, 1)
         count = tl.zeros((BLOCK_M,), dtype=tl.int64)
-        # The box searched so far (none yet), and the ring: radius search takes its box at once.
-        prev_lo, prev_hi = axes, axes * 0 - 1
-        ring = tl.zeros((), tl.int32) + (0 if USE_RADIUS else 1)
-        searching = tl.max((offs_m < q_live).to(tl.int32), 0)
-        while searching > 0:
-            lo, hi = tl.maximum(clo - ring, 0), tl.minimum(chi + ring, axes - 1)
-            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, prev_lo, prev_hi,
-                                                      first, LANES)
-                best, threshold, count = _search_segments(
-                    best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, r_points, r_order, item_r,
-                    radius2, slots, D, USE_RADIUS, BLOCK_N)
-            if USE_RADIUS:
-                searching = searching * 0
-            else:
-                # Distance from each query to the unsearched space (inf where the box
-                # reaches the grid's end); the k-th distance must lie within it.
-                below = tl.where((lo > 0)[None, :], block - (origin + lo.to(tl.float32) * side)[None, :],
-                                 float("inf"))
-                above = tl.where((hi < axes - 1)[None, :], (origin + (hi + 1).to(tl.float32) * side)[None, :] - block,
-                                 float("inf"))
-                margin = slack + 1e-6 * tl.max(tl.abs(block), 1)
-                bound = tl.min(tl.minimum(below, above), 1) - margin
-                kth = (threshold >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                settled = (threshold != _KEY_NONE) & (bound > 0) & (kth <= bound * bound)
-                done = (offs_m >= q_live) | (bound == float("inf")) | settled
-                searching = 1 - tl.min(done.to(tl.int32), 0)
-            prev_lo, prev_hi = lo, hi
-            ring += tl.maximum(ring // 2, 1)  # far from the others, a query needs many rings: grow by half
+        for group in range(0, groups):
+            member = live & (together | (tl.arange(0, BLOCK_M) == group))
+            clo, chi, block, origin, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
+            # The box searched so far (none yet), and the ring: radius search takes its box at once.
+            prev_lo, prev_hi = axes, axes * 0 - 1
+            ring = tl.zeros((), tl.int32) + (0 if USE_RADIUS else 1)
+            searching = tl.max(member.to(tl.int32), 0)
+            while searching > 0:
+                lo, hi = tl.maximum(clo - ring, 0), tl.minimum(chi + ring, axes - 1)
+                for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+                    starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, prev_lo,
+                                                          prev_hi, first, LANES)
+                    best, threshold, count = _search_segments(
+                        best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
+                        r_order, item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
+                if USE_RADIUS:
+                    searching = searching * 0
+                else:
+                    # Distance from each query to the unsearched space (inf where the box
+                    # reaches the grid's end); the k-th distance must lie within it.
+                    below = tl.where((lo > 0)[None, :], block - (origin + lo.to(tl.float32) * side)[None, :],
+                                     float("inf"))
+                    above = tl.where((hi < axes - 1)[None, :],
+                                     (origin + (hi + 1).to(tl.float32) * side)[None, :] - block, float("inf"))
+                    margin = slack + 1e-6 * tl.max(tl.abs(block), 1)
+                    bound = tl.min(tl.minimum(below, above), 1) - margin
+                    kth = (threshold >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+                    settled = (threshold != _KEY_NONE) & (bound > 0) & (kth <= bound * bound)
+                    done = ~member | (bound == float("inf")) | settled
+                    searching = 1 - tl.min(done.to(tl.int32), 0)
+                prev_lo, prev_hi = lo, hi
+                ring += tl.maximum(ring // 2, 1)  # far from the others, a query needs many rings: grow by half
         best = tl.where(slots[None, :] < K, best, tl.full(best.shape, _KEY_NONE, tl.int64))
         best = tl.sort(best, 1)
         found = best != _KEY_NONE
@@ -274,32 +288,36 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
         row_min = tl.full((BLOCK_M,), float("inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
-        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-            starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
-                                                  LANES)
-            while tl.max(pending.to(tl.int32), 0) > 0:
-                start, end, pending = _next_segment(starts, ends, pending)
-                for s in range(start, end, BLOCK_N):
-                    offs_n = s + tl.arange(0, BLOCK_N)
-                    d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-                    ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
-                    if tl.max(ok.to(tl.int32)) > 0:
-                        d = tl.sqrt(d2)
-                        new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
-                        # Rescale what was summed against the old minimum; nothing was summed
-                        # while it was inf. The inner selects keep inf - inf out of the exps.
-                        seen = row_min < float("inf")
-                        alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
-                        w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
-                        row_sum = row_sum * alpha + tl.sum(w, 1)
-                        if not STATS_ONLY:
-                            f = _load_block(features, offs_n, end, channels, CP)
-                            acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
-                        row_min = new_min
+        for group in range(0, groups):
+            member = live & (together | (tl.arange(0, BLOCK_M) == group))
+            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
+            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+                # The previous box is empty: every row of this one is new.
+                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
+                                                      first, LANES)
+                while tl.max(pending.to(tl.int32), 0) > 0:
+                    start, end, pending = _next_segment(starts, ends, pending)
+                    for s in range(start, end, BLOCK_N):
+                        offs_n = s + tl.arange(0, BLOCK_N)
+                        d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                        ok = member[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
+                        if tl.max(ok.to(tl.int32)) > 0:
+                            d = tl.sqrt(d2)
+                            new_min = tl.minimum(row_min, tl.min(tl.where(ok, d, float("inf")), 1))
+                            # Rescale what was summed against the old minimum; nothing was summed
+                            # while it was inf. The inner selects keep inf - inf out of the exps.
+                            seen = row_min < float("inf")
+                            alpha = tl.where(seen, tl.exp(tl.where(seen, new_min - row_min, 0.0) * inv_sigma), 0.0)
+                            w = tl.where(ok, tl.exp(tl.where(ok, new_min[:, None] - d, 0.0) * inv_sigma), 0.0)
+                            row_sum = row_sum * alpha + tl.sum(w, 1)
+                            if not STATS_ONLY:
+                                f = _load_block(features, offs_n, end, channels, CP)
+                                acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
+                            row_min = new_min
         tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
         tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
         if not STATS_ONLY:
@@ -340,24 +358,28 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, reach, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
-        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-            starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
-                                                  LANES)
-            while tl.max(pending.to(tl.int32), 0) > 0:
-                start, end, pending = _next_segment(starts, ends, pending)
-                for s in range(start, end, BLOCK_N):
-                    offs_n = s + tl.arange(0, BLOCK_N)
-                    d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-                    ok = (offs_m < q_live)[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
-                    if tl.max(ok.to(tl.int32)) > 0:
-                        p, c, q, r, f, g = _radius_pair_terms(
-                            d2, ok, q_base, offs_m, q_live, r_points, offs_n, end, features,
-                            grad_out + item_q * channels, row_min + item_q, row_sum + item_q, delta + item_q,
-                            channels, inv_sigma, D, DP, CP)
-                        # sum_j c_ij (q_i - r_j)
-                        acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
+        for group in range(0, groups):
+            member = live & (together | (tl.arange(0, BLOCK_M) == group))
+            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
+            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+                # The previous box is empty: every row of this one is new.
+                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
+                                                      first, LANES)
+                while tl.max(pending.to(tl.int32), 0) > 0:
+                    start, end, pending = _next_segment(starts, ends, pending)
+                    for s in range(start, end, BLOCK_N):
+                        offs_n = s + tl.arange(0, BLOCK_N)
+                        d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                        ok = member[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
+                        if tl.max(ok.to(tl.int32)) > 0:
+                            p, c, q, r, f, g = _radius_pair_terms(
+                                d2, ok, q_base, offs_m, q_live, r_points, offs_n, end, features,
+                                grad_out + item_q * channels, row_min + item_q, row_sum + item_q, delta + item_q,
+                                channels, inv_sigma, D, DP, CP)
+                            # sum_j c_ij (q_i - r_j)
+                            acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
         _store_rows(grad_query, q_order, offs_m, rows, item_q, acc, D, DP)
 
     @triton.jit
@@ -373,25 +395,29 @@ if triton is not None:
         r_live = tl.load(r_cell_start + slot_base + cells) - item_r
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         r_base = r_points + item_r * D
-        lo, hi, _, _, axes, dims = _cell_box(values, shape, b, r_base, offs_n, r_live, reach, D)
+        groups, together, live = _groups(values, shape, b, r_base, offs_n, r_live, D)
         acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
-        for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-            starts, ends, pending = _row_segments(q_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1, first,
-                                                  LANES)
-            while tl.max(pending.to(tl.int32), 0) > 0:
-                start, end, pending = _next_segment(starts, ends, pending)
-                for s in range(start, end, BLOCK_M):
-                    offs_m = s + tl.arange(0, BLOCK_M)
-                    d2 = _tile_d2(q_points, r_base, offs_m, offs_n, end, r_live, D)
-                    ok = (offs_m < end)[:, None] & (offs_n < r_live)[None, :] & (d2 <= radius2)
-                    if tl.max(ok.to(tl.int32)) > 0:
-                        p, c, q, r, f, g = _radius_pair_terms(
-                            d2, ok, q_points, offs_m, end, r_base, offs_n, r_live, features + item_r * channels,
-                            grad_out, row_min, row_sum, delta, channels, inv_sigma, D, DP, CP)
-                        acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
-                        # -sum_i c_ij (q_i - r_j)
-                        acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
+        for group in range(0, groups):
+            member = live & (together | (tl.arange(0, BLOCK_N) == group))
+            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, r_base, offs_n, r_live, member, reach, D)
+            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
+                # The previous box is empty: every row of this one is new.
+                starts, ends, pending = _row_segments(q_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
+                                                      first, LANES)
+                while tl.max(pending.to(tl.int32), 0) > 0:
+                    start, end, pending = _next_segment(starts, ends, pending)
+                    for s in range(start, end, BLOCK_M):
+                        offs_m = s + tl.arange(0, BLOCK_M)
+                        d2 = _tile_d2(q_points, r_base, offs_m, offs_n, end, r_live, D)
+                        ok = (offs_m < end)[:, None] & member[None, :] & (d2 <= radius2)
+                        if tl.max(ok.to(tl.int32)) > 0:
+                            p, c, q, r, f, g = _radius_pair_terms(
+                                d2, ok, q_points, offs_m, end, r_base, offs_n, r_live, features + item_r * channels,
+                                grad_out, row_min, row_sum, delta, channels, inv_sigma, D, DP, CP)
+                            acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
+                            # -sum_i c_ij (q_i - r_j)
+                            acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
         _store_rows(grad_ref, r_order, offs_n, columns, item_r, acc_r, D, DP)
         _store_rows(grad_features, r_order, offs_n, columns, item_r, acc_f, channels, CP)
 
