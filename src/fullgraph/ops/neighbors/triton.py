@@ -55,7 +55,10 @@ if triton is not None:
 
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
-    SPREAD = tl.constexpr(2)
+    # A block's points are searched together when they lie within this many cells per axis:
+    # a few queries that share their candidates (search), or a wider block whose tiles feed
+    # matrix products (aggregation).
+    SEARCH_SPREAD, AGGREGATE_SPREAD = tl.constexpr(2), tl.constexpr(8)
 
     @triton.jit
     def _load_points(base, offs, count, stride, D: tl.constexpr, dim: tl.constexpr):
@@ -109,13 +112,13 @@ if triton is not None:
         return lo, hi, block, origin, axes, dims
 
     @triton.jit
-    def _groups(values, shape, b, points, offs, count, D: tl.constexpr):
+    def _groups(values, shape, b, points, offs, count, spread, D: tl.constexpr):
         """How a block's live points (offs < count) are searched: together when they lie
-        within SPREAD cells per axis, else one at a time (a block straddling distant cells,
+        within ``spread`` cells per axis, else one at a time (a block straddling distant cells,
         far from the data, would search everything between them). Returns (groups, together, live)."""
         live = offs < count
         lo, hi, _, _, _, _ = _cell_box(values, shape, b, points, offs, count, live, 0.0, D)
-        together = tl.max(hi - lo, 0) <= SPREAD
+        together = tl.max(hi - lo, 0) <= spread
         return tl.where(together, 1, offs.shape[0]), together, live
 
     @triton.jit
@@ -210,7 +213,7 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, SEARCH_SPREAD, D)
         side = tl.load(values + b * VALUES + SIDE)
         slack = tl.load(values + b * VALUES + SLACK)
         slots = tl.arange(0, KP)
@@ -288,7 +291,7 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
         row_min = tl.full((BLOCK_M,), float("inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
@@ -358,7 +361,7 @@ if triton is not None:
         q_live = tl.load(q_cell_start + slot_base + cells) - item_q
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
-        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, D)
+        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
         for group in range(0, groups):
             member = live & (together | (tl.arange(0, BLOCK_M) == group))
@@ -395,7 +398,7 @@ if triton is not None:
         r_live = tl.load(r_cell_start + slot_base + cells) - item_r
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         r_base = r_points + item_r * D
-        groups, together, live = _groups(values, shape, b, r_base, offs_n, r_live, D)
+        groups, together, live = _groups(values, shape, b, r_base, offs_n, r_live, AGGREGATE_SPREAD, D)
         acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
         for group in range(0, groups):
