@@ -35,8 +35,8 @@ def test_opcheck(backend, device, generator):
     dists, idx = ops.knn(query, ref, 4, None, None, backend)
     out, kd, kidx = ops.knn_aggregate(query, ref, features, 4, 0.2, None, None, backend)
     cases += [
-        (ops.distances_backward.default, (torch.randn_like(dists), query, ref, idx, dists)),
-        (ops.knn_aggregate_backward.default, (torch.randn_like(out), features, out, kd, kidx, 0.2)),
+        (ops.distances_backward.default, (torch.randn_like(dists), query, ref, idx, dists, backend)),
+        (ops.knn_aggregate_backward.default, (torch.randn_like(out), features, out, kd, kidx, 0.2, backend)),
         (ops.radius_aggregate_backward.default,
          (torch.randn_like(out), query, ref, features, out, 0.4, 0.2, None, None, backend)),
     ]

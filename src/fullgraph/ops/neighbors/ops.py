@@ -77,9 +77,12 @@ def _(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend):
 
 @torch.library.custom_op("fullgraph::distances_backward", mutates_args=())
 def distances_backward_op(
-    grad_dists: Tensor, query: Tensor, ref: Tensor, idx: Tensor, dists: Tensor
+    grad_dists: Tensor, query: Tensor, ref: Tensor, idx: Tensor, dists: Tensor, backend: str
 ) -> tuple[Tensor, Tensor]:
     """Gradient of neighbour distances [B, M, k] with respect to query and ref."""
+    module = BACKENDS[backend]
+    if hasattr(module, "distances_backward"):
+        return module.distances_backward(grad_dists, query.contiguous(), ref.contiguous(), idx, dists)
     qi, rj, found = reference.neighbor_pairs(idx, ref.shape[1])
     acc = reference.accumulation_dtype(query.dtype)
     # Recomputed in full precision: the saved distances may be rounded to bf16/fp16.
@@ -93,11 +96,12 @@ def distances_backward_op(
 
 
 @distances_backward_op.register_fake
-def _(grad_dists, query, ref, idx, dists):
+def _(grad_dists, query, ref, idx, dists, backend):
     return torch.empty_like(query), torch.empty_like(ref)
 
 
 def _save_search(ctx, inputs, output):
+    ctx.backend = inputs[-1]
     ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
 
 
@@ -106,7 +110,7 @@ def _search_backward(input_count: int):
 
     def backward(ctx, grad_dists, *non_differentiable):
         query, ref, idx, dists = ctx.saved_tensors
-        grads = distances_backward_op(grad_dists, query, ref, idx, dists)
+        grads = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
         return (*grads, *(None,) * (input_count - 2))
 
     return backward
@@ -139,7 +143,11 @@ def knn_aggregate_op(
     ref_lengths: OptionalTensor, backend: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward."""
-    dists, idx, _ = BACKENDS[backend].nearest(
+    module = BACKENDS[backend]
+    if hasattr(module, "knn_aggregate"):
+        return module.knn_aggregate(
+            query.contiguous(), ref.contiguous(), features.contiguous(), k, sigma, query_lengths, ref_lengths)
+    dists, idx, _ = module.nearest(
         query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths
     )
     acc = reference.accumulation_dtype(query.dtype)
@@ -162,9 +170,12 @@ def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend):
 
 @torch.library.custom_op("fullgraph::knn_aggregate_backward", mutates_args=())
 def knn_aggregate_backward_op(
-    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float
+    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float, backend: str
 ) -> tuple[Tensor, Tensor]:
     """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    module = BACKENDS[backend]
+    if hasattr(module, "knn_aggregate_backward"):
+        return module.knn_aggregate_backward(grad_out, features.contiguous(), out.contiguous(), dists, idx, sigma)
     acc = reference.accumulation_dtype(features.dtype)
     flat_features, flat_grad, flat_out = _flat(features), _flat(grad_out), _flat(out)
     grad_dists = torch.zeros(dists.numel(), dtype=acc, device=dists.device)
@@ -177,14 +188,14 @@ def knn_aggregate_backward_op(
 
 
 @knn_aggregate_backward_op.register_fake
-def _(grad_out, features, out, dists, idx, sigma):
+def _(grad_out, features, out, dists, idx, sigma, backend):
     return torch.empty_like(dists), torch.empty_like(features)
 
 
 def _knn_aggregate_setup(ctx, inputs, output):
     query, ref, features, k, sigma = inputs[:5]
     out, dists, idx = output
-    ctx.sigma = sigma
+    ctx.sigma, ctx.backend = sigma, inputs[7]
     ctx.save_for_backward(query, ref, features, out, dists, idx)
 
 
@@ -192,8 +203,8 @@ def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
     query, ref, features, out, dists, idx = ctx.saved_tensors
     if grad_out is None:
         return (None,) * 8
-    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma)
-    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists)
+    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma, ctx.backend)
+    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
     return grad_query, grad_ref, grad_features, None, None, None, None, None
 
 

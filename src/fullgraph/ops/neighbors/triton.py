@@ -28,8 +28,7 @@ import math
 
 import torch
 
-from . import grid
-from .reference import full_lengths
+from . import grid, reference
 
 try:
     import triton
@@ -427,9 +426,98 @@ if triton is not None:
         _store_rows(grad_features, r_order, offs_n, columns, item_r, acc_f, channels, CP)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _knn_weights(dists, offs, count, slots, inv_sigma, K: tl.constexpr):
+        """Normalized weights p [BM, KP] = softmax_j(-d_ij / sigma) of flat query rows offs;
+        missing neighbours (at +inf) weigh 0."""
+        mask = (offs < count)[:, None] & (slots < K)[None, :]
+        d = tl.load(dists + offs[:, None] * K + slots[None, :], mask=mask, other=float("inf")).to(tl.float32)
+        finite = d < float("inf")
+        shift = tl.min(tl.where(finite, d, float("inf")), 1)
+        w = tl.where(finite, tl.exp(tl.where(finite, shift[:, None] - d, 0.0) * inv_sigma), 0.0)
+        total = tl.sum(w, 1)
+        return w / tl.where(total > 0, total, 1.0)[:, None]
+
+    @triton.jit
+    def _neighbour_features(p, neighbours, slots, j, features, offs, rows, columns, channels, cols):
+        """Weight [BM] and feature row [BM, CP] (float32) of each query's j-th neighbour."""
+        pick = slots[None, :] == j
+        weight = tl.sum(tl.where(pick, p, 0.0), 1)
+        row = (offs // rows).to(tl.int64) * columns + tl.sum(tl.where(pick, neighbours, 0), 1)
+        f = tl.load(features + row[:, None] * channels + cols[None, :],
+                    mask=(weight > 0)[:, None] & (cols < channels)[None, :], other=0.0).to(tl.float32)
+        return weight, f
+
+    @triton.jit
+    def _knn_grad_dists_kernel(dists, idx, features, grad_out, out, grad_dists, weights, total_rows, rows, columns,
+                               channels, inv_sigma, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
+                               BLOCK_M: tl.constexpr):
+        """dL/dd_ij = -(p_ij / sigma) (g_i . F_j - g_i . out_i), and the weights p_ij."""
+        offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.arange(0, KP)
+        p = _knn_weights(dists, offs, total_rows, slots, inv_sigma, K)
+        mask = (offs < total_rows)[:, None] & (slots < K)[None, :]
+        neighbours = tl.load(idx + offs[:, None] * K + slots[None, :], mask=mask, other=-1)
+        cols = tl.arange(0, CP)
+        g = _load_block(grad_out, offs, total_rows, channels, CP)
+        baseline = tl.sum(g * _load_block(out, offs, total_rows, channels, CP), 1)
+        grad = tl.zeros((BLOCK_M, KP), dtype=tl.float32)
+        for j in range(K):
+            weight, f = _neighbour_features(p, neighbours, slots, j, features, offs, rows, columns, channels, cols)
+            grad_j = -(weight * inv_sigma) * (tl.sum(g * f, 1) - baseline)
+            grad = tl.where(slots[None, :] == j, grad_j[:, None], grad)
+        tl.store(grad_dists + offs[:, None] * K + slots[None, :], grad, mask=mask)
+        tl.store(weights + offs[:, None] * K + slots[None, :], p, mask=mask)
+
+    @triton.jit
+    def _pair_sum_kernel(order, starts, weights, source, out_sum, out_weight, total, width,
+                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr):
+        """For each reference row r: sum over its pairs t (sorted slots order[starts[r]:
+        starts[r + 1]]) of weights[t] * source[t // K], and of weights[t]; in slot order,
+        so the sums are the same run to run (no atomics)."""
+        offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        first = tl.load(starts + offs, mask=offs < total, other=0).to(tl.int64)
+        count = tl.load(starts + offs + 1, mask=offs < total, other=0).to(tl.int64) - first
+        cols = tl.arange(0, WP)
+        acc = tl.zeros((BLOCK_R, WP), dtype=tl.float32)
+        acc_weight = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for t in range(0, tl.max(count, 0)):
+            active = t < count
+            pair = tl.load(order + first + t, mask=active, other=0)
+            w = tl.load(weights + pair, mask=active, other=0.0).to(tl.float32)
+            v = tl.load(source + (pair // K)[:, None] * width + cols[None, :],
+                        mask=active[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+            acc += w[:, None] * v
+            acc_weight += w
+        tl.store(out_sum + offs[:, None] * width + cols[None, :], acc,
+                 mask=(offs < total)[:, None] & (cols < width)[None, :])
+        tl.store(out_weight + offs, acc_weight, mask=offs < total)
+
+    @triton.jit
+    def _knn_aggregate_kernel(dists, idx, features, out, total_rows, rows, columns, channels, inv_sigma,
+                              K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """out[i] = sum_j p_ij features[idx_ij] for flat query rows i, one neighbour's
+        feature row at a time (nothing of size [M, k, C] is stored)."""
+        offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.arange(0, KP)
+        p = _knn_weights(dists, offs, total_rows, slots, inv_sigma, K)
+        neighbours = tl.load(idx + offs[:, None] * K + slots[None, :],
+                             mask=(offs < total_rows)[:, None] & (slots < K)[None, :], other=-1)
+        cols = tl.arange(0, CP)
+        acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
+        for j in range(K):
+            weight, f = _neighbour_features(p, neighbours, slots, j, features, offs, rows, columns, channels, cols)
+            acc += weight[:, None] * f
+        cols_ok = (offs < total_rows)[:, None] & (cols < channels)[None, :]
+        tl.store(out + offs[:, None] * channels + cols[None, :], acc.to(out.dtype.element_ty), mask=cols_ok)
+
+
 def _lengths(query, ref, query_lengths, ref_lengths):
     batch, rows, columns = query.shape[0], query.shape[1], ref.shape[1]
-    return full_lengths(query_lengths, batch, rows, query.device), full_lengths(ref_lengths, batch, columns, ref.device)
+    return reference.full_lengths(query_lengths, batch, rows, query.device), reference.full_lengths(
+        ref_lengths, batch, columns, ref.device)
 
 
 def _reach(radius: float) -> float:
@@ -523,3 +611,77 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
             queries.points, queries.cell_start, refs.points, refs.order, refs.cell_start, *stats,
             grad_ref, grad_features, columns, **common, **sizes, **launch)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
+
+
+_KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
+
+
+def _width(size: int) -> int:
+    return max(16, triton.next_power_of_2(max(size, 1)))
+
+
+def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
+    """Same contract as ``ops.knn_aggregate_op`` (contiguous inputs): (out, dists, idx)."""
+    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths)
+    batch, rows = query.shape[:2]
+    columns, channels = ref.shape[1], features.shape[-1]
+    out = torch.zeros((batch, rows, channels), dtype=features.dtype, device=query.device)
+    if out.numel() and k:
+        _knn_aggregate_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+            dists, idx, features, out, batch * rows, rows, columns, channels, 1.0 / sigma,
+            K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+    return out, dists, idx
+
+
+def _sum_pairs_by_ref(idx, weights, source, columns):
+    """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
+    row (sum of weights * source row of the slot's query [B*M, W], sum of weights), both
+    float32 and deterministic: slots are sorted by reference (stably), then summed in order."""
+    batch, rows, k = idx.shape
+    qi, rj, found = reference.neighbor_pairs(idx, columns)
+    refs = batch * columns
+    sorted_refs, order = torch.sort(torch.where(found, rj, refs), stable=True)
+    starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, device=idx.device))
+    width = source.shape[-1]
+    sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
+    totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
+    if refs:
+        _pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
+            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R)
+    return sums, totals
+
+
+def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of ``knn_aggregate``, deterministic."""
+    batch, rows, k = idx.shape
+    columns, channels = features.shape[1], features.shape[-1]
+    grad_dists = torch.zeros((batch, rows, k), dtype=torch.float32, device=idx.device)
+    weights = torch.zeros((batch * rows * k,), dtype=torch.float32, device=idx.device)
+    grad_out = grad_out.contiguous()
+    if grad_dists.numel() and channels:
+        _knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+            dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
+            1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+    grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(-1, channels), columns)
+    return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
+
+
+def distances_backward(grad_dists, query, ref, idx, dists):
+    """(grad_query, grad_ref) of neighbour distances [B, M, k], deterministic: the query
+    side sums each row's k slots, the reference side sums its slots in sorted order."""
+    batch, rows, k = idx.shape
+    columns, dim = ref.shape[1], ref.shape[-1]
+    qi, rj, found = reference.neighbor_pairs(idx, columns)
+    flat_query = query.reshape(-1, dim).to(torch.float32)
+    flat_ref = ref.reshape(-1, dim).to(torch.float32)
+    if flat_query.shape[0] == 0 or flat_ref.shape[0] == 0:
+        return torch.zeros_like(query), torch.zeros_like(ref)
+    # Recomputed in float32: the saved distances may be rounded to bf16/fp16.
+    offset = flat_query[qi] - flat_ref[rj]
+    d = torch.where(found & torch.isfinite(dists.reshape(-1)), torch.linalg.vector_norm(offset, dim=-1), math.inf)
+    usable = (d > 0) & torch.isfinite(d)
+    scale = torch.where(usable, grad_dists.reshape(-1).to(torch.float32) / torch.where(usable, d, 1.0), 0.0)
+    grad_query = (scale[:, None] * offset).reshape(batch, rows, k, dim).sum(2)
+    pulled, total = _sum_pairs_by_ref(idx, scale.contiguous(), flat_query, columns)
+    grad_ref = flat_ref * total[:, None] - pulled
+    return grad_query.to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
