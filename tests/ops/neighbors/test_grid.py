@@ -32,8 +32,8 @@ def test_sorted_clouds_are_permutations_with_cell_ranges(distribution, dim):
     for sorted_points, cloud, lengths in ((queries, query, query_lengths), (refs, ref, ref_lengths)):
         batch, size = cloud.shape[:2]
         assert torch.equal(sorted_points.order.sort().values.cpu(), torch.arange(batch * size))
-        torch.testing.assert_close(sorted_points.points.cpu(), cloud.reshape(-1, dim)[sorted_points.order].float().cpu(),
-                                   rtol=0, atol=0, equal_nan=True)
+        moved = cloud.reshape(-1, dim)[sorted_points.order].float()
+        torch.testing.assert_close(sorted_points.points.cpu(), moved.cpu(), rtol=0, atol=0, equal_nan=True)
         starts = sorted_points.cell_start.long().cpu()
         assert (starts[1:] >= starts[:-1]).all() and starts[-1] == batch * size
         # Each item's live points (valid prefix, finite) come first in its block.
