@@ -39,10 +39,10 @@ except ImportError:  # pragma: no cover - the backend reports this when asked fo
 MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
-SEARCH_BLOCKS = (4, 32, 1)
+SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
-AGGREGATE_BLOCKS = (32, 32, 4)
+AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
 
 
 def available() -> bool:
