@@ -6,11 +6,15 @@ import doctest
 
 import torch
 
+import pytest
+
 import fullgraph
+from fullgraph.ops import kmeans
 from fullgraph.ops.neighbors import api
 
 
-def test_docstring_examples():
+@pytest.mark.parametrize("module, examples", [(api, 4), (fullgraph.numpy, 2), (kmeans, 4)])
+def test_docstring_examples(module, examples):
     torch.manual_seed(0)
-    result = doctest.testmod(api, extraglobs={"torch": torch, "fullgraph": fullgraph}, verbose=False)
-    assert result.attempted >= 4 and result.failed == 0
+    result = doctest.testmod(module, extraglobs={"torch": torch, "fullgraph": fullgraph}, verbose=False)
+    assert result.attempted >= examples and result.failed == 0

@@ -1,0 +1,134 @@
+"""Run functions written in NumPy on torch tensors, on any device, through ``torch.compile``.
+
+    @fullgraph.numpy.jit
+    def nearest(x, centroids):
+        return np.argmin(((x[:, None] - centroids[None]) ** 2).sum(-1), axis=1)
+
+    labels = nearest(points, centroids)   # tensors on the GPU: runs there, no copies
+
+The compiler reads the ``x.numpy()`` / ``torch.from_numpy`` around the function as hints
+and keeps the data where it is: tensors in, tensors out, on their device. NumPy arrays in
+give NumPy arrays out (computed on the CPU). Arrays a function creates from nothing
+(``np.zeros(n)``, ``np.arange(k)``) are created on the CPU; derive them from an input
+(``np.zeros_like(x)``, ``np.ones_like(x[:, 0])``) to keep them on the input's device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import numpy as np
+import torch
+
+DEFAULT_FLOATS = ("float64", "float32")
+
+
+class NumpyCompileError(RuntimeError):
+    """torch.compile could not trace a NumPy function as one graph."""
+
+
+def _to_torch(value):
+    """ndarrays and NumPy scalars (also inside tuples and lists) as tensors."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_torch(v) for v in value)
+    if isinstance(value, (np.ndarray, np.generic)):
+        return torch.from_numpy(np.asarray(value))
+    return value
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+@contextlib.contextmanager
+def _default_float(name: str):
+    """NumPy's default float inside the compiler while tracing. torch keeps it in one
+    process-wide value that it reads once from ``torch._dynamo.config.numpy_default_float``,
+    so it is set (and restored) around each call rather than through the config."""
+    from torch._numpy import _dtypes_impl
+
+    saved = _dtypes_impl.default_dtypes()
+    _dtypes_impl._default_dtypes = saved._replace(float_dtype=getattr(torch, name))
+    try:
+        yield
+    finally:
+        _dtypes_impl._default_dtypes = saved
+
+
+class NumpyFunction:
+    """A NumPy function that takes and returns torch tensors (or NumPy arrays); see ``jit``."""
+
+    def __init__(self, fn, default_float: str, dynamic: bool | None, eager: bool):
+        functools.update_wrapper(self, fn)
+        self.fn, self.default_float, self.eager = fn, default_float, eager
+        self._compiled = torch.compile(self._traced, fullgraph=True, dynamic=dynamic)
+
+    def _traced(self, *args):
+        arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        return _to_torch(self.fn(*arrays))
+
+    def _run_eagerly(self, args, device):
+        arrays = [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
+        out = _to_torch(self.fn(*arrays))
+        return _map_tensors(out, lambda t: t.to(device))
+
+    def __call__(self, *args):
+        numpy_in = any(isinstance(a, np.ndarray) for a in args)
+        args = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if len(devices) > 1:
+            found = ", ".join(f"argument {i}: {a.device}" for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            raise ValueError(f"{self.__name__}: expected all tensors on one device, got {found}")
+        device = devices.pop() if devices else torch.device("cpu")
+        if self.eager:
+            out = self._run_eagerly(args, device)
+        else:
+            try:
+                with _default_float(self.default_float):
+                    out = self._compiled(*args)
+            except torch._dynamo.exc.Unsupported as error:
+                raise NumpyCompileError(
+                    f"{self.__name__}: torch.compile cannot trace this NumPy code as one graph.\n{error}\n"
+                    "Rewrite that construct without it (e.g. np.where instead of an `if` on array values), "
+                    "or pass eager=True to fullgraph.numpy.jit to run the function in NumPy while debugging."
+                ) from error
+        return _map_tensors(out, lambda t: t.numpy(force=True)) if numpy_in else out
+
+
+def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None, eager: bool = False):
+    """Compile a function written in NumPy so that it runs on torch tensors on any device.
+
+    Args:
+        fn: a function of ndarrays (and Python scalars) returning ndarrays, NumPy scalars,
+            or tuples/lists of them. Used as ``@jit`` or ``@jit(default_float="float32")``.
+        default_float: the dtype NumPy creation functions use inside the compiled code
+            ("float64", NumPy's own, or "float32").
+        dynamic: passed to ``torch.compile``: None (compile for the first shapes, then
+            once more for dynamic shapes when they change), True or False.
+        eager: run the function in NumPy instead (tensors copied to the host and back):
+            for debugging, never for speed.
+
+    Returns:
+        A callable taking tensors (all on one device) or NumPy arrays and returning the
+        function's results as tensors on that device (NumPy arrays if any NumPy array came in).
+
+    Raises:
+        NumpyCompileError: the compiler cannot trace the function (the message names the
+            construct and the line). ValueError: tensors on different devices, or a bad option.
+
+    Example:
+        >>> import numpy as np, torch, fullgraph
+        >>> double = fullgraph.numpy.jit(lambda x: 2 * x)
+        >>> double(torch.arange(3.0)).tolist()
+        [0.0, 2.0, 4.0]
+    """
+    if default_float not in DEFAULT_FLOATS:
+        raise ValueError(f"default_float: expected one of {DEFAULT_FLOATS}, got {default_float!r}")
+    if fn is None:
+        return functools.partial(jit, default_float=default_float, dynamic=dynamic, eager=eager)
+    if not callable(fn):
+        raise TypeError(f"fn: expected a function, got {type(fn).__name__}")
+    return NumpyFunction(fn, default_float, dynamic, eager)

@@ -1,0 +1,173 @@
+"""k-means written in NumPy and compiled through ``fullgraph.numpy`` (seed 002).
+
+The assignment step is the document's NumPy code; a Lloyd iteration adds the centroid
+update. Both run where the data is (CPU or CUDA) without copies. The loop follows
+scikit-learn's Lloyd iteration (same stopping rule, same relabelling at the end), so a run
+from the same initial centroids gives the same result; it reads three flags back per
+iteration in one transfer (labels unchanged, an empty cluster, shift below tol).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .. import _validate
+from ..numpy import jit
+
+
+def _squared_distances(x, centroids):
+    return ((x[:, None, :] - centroids[None, :, :]) ** 2).sum(-1)
+
+
+@jit
+def _assign(x, centroids):
+    return np.argmin(_squared_distances(x, centroids), axis=1)
+
+
+@jit
+def _lloyd_step(x, centroids):
+    """(labels [n], new centroids [k, d], points per cluster [k], each point's squared
+    distance to its centroid [n]); an empty cluster keeps its centroid (the caller re-seeds)."""
+    d2 = _squared_distances(x, centroids)
+    labels = np.argmin(d2, axis=1)
+    clusters = np.cumsum(np.ones_like(centroids[:, 0]), axis=0) - 1  # arange(k), on x's device
+    member = (labels[:, None] == clusters[None, :]) * np.ones_like(x[:, :1])  # one-hot [n, k] in x's dtype
+    counts = member.sum(0)
+    sums = member.T @ x
+    new = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], centroids)
+    return labels, new, counts, np.min(d2, axis=1)
+
+
+class KMeansResult(NamedTuple):
+    centroids: torch.Tensor  # [k, d]
+    labels: torch.Tensor  # [n] int64
+    inertia: torch.Tensor  # [] sum of squared distances to the assigned centroids
+    n_iter: int
+
+
+def _points(x: torch.Tensor) -> None:
+    _validate.floating("x", x)
+    _validate.rank("x", x, (2,), "[n, d]")
+
+
+def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """The nearest centroid of every point (the document's k-means step).
+
+    Args:
+        x: [n, d] float32/float64 points, any device. centroids: [k, d], same dtype and device.
+
+    Returns:
+        labels: [n] int64, argmin_j |x_i - c_j|^2 (ties to the lower j).
+
+    Example:
+        >>> import torch, fullgraph
+        >>> points, centroids = torch.tensor([[0.0, 0.0], [9.0, 9.0]]), torch.tensor([[10.0, 10.0], [1.0, 1.0]])
+        >>> fullgraph.kmeans_assign(points, centroids).tolist()
+        [1, 0]
+    """
+    _points(x)
+    _validate.rank("centroids", centroids, (2,), "[k, d]")
+    _validate.same_dtype_and_device("centroids", centroids, "x", x)
+    if centroids.shape[1] != x.shape[1] or centroids.shape[0] < 1:
+        raise ValueError(f"centroids: expected [k >= 1, {x.shape[1]}] like x [n, d], got {tuple(centroids.shape)}")
+    return _assign(x.contiguous(), centroids.contiguous())
+
+
+def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """Greedy k-means++ (2 + log k candidates per step, the one lowering the potential most)."""
+    n = x.shape[0]
+    trials = 2 + int(math.log(k))
+    first = torch.randint(n, (1,), generator=generator, device=x.device)
+    centroids = [x[first]]
+    closest = ((x - x[first]) ** 2).sum(-1)
+    for _ in range(1, k):
+        weights = torch.where(closest.sum() > 0, closest, torch.ones_like(closest))
+        candidates = torch.multinomial(weights, trials, replacement=True, generator=generator)
+        d2 = ((x[None, :, :] - x[candidates][:, None, :]) ** 2).sum(-1)  # [trials, n]
+        potentials = torch.minimum(closest[None], d2)
+        best = potentials.sum(-1).argmin()
+        centroids.append(x[candidates[best]][None])
+        closest = potentials[best]
+    return torch.cat(centroids)
+
+
+def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int = 100, tol: float = 1e-4,
+           seed: int | None = None) -> KMeansResult:
+    """Lloyd's k-means on any device, its steps written in NumPy and compiled.
+
+    Args:
+        x: [n, d] float32/float64 points. n_clusters: k, 1 <= k <= n.
+        init: "k-means++" (greedy, seeded by ``seed``) or a [k, d] tensor of initial centroids.
+        max_iter: the most Lloyd iterations. tol: stop once the centroids move less than
+            tol * mean(var(x, axis=0)) in total squared distance (scikit-learn's rule), or
+            when the labels no longer change.
+        seed: seeds the k-means++ draw (None: a random seed).
+
+    Returns:
+        KMeansResult(centroids [k, d], labels [n] int64, inertia [] tensor, n_iter).
+        Empty clusters are re-seeded at the points farthest from their centroids.
+
+    Example:
+        >>> import torch, fullgraph
+        >>> x = torch.cat([torch.randn(50, 2), torch.randn(50, 2) + 10])
+        >>> result = fullgraph.kmeans(x, 2, seed=0)
+        >>> sorted(result.labels.bincount().tolist())
+        [50, 50]
+    """
+    _points(x)
+    n = x.shape[0]
+    if isinstance(n_clusters, bool) or not isinstance(n_clusters, int) or not 1 <= n_clusters <= n:
+        raise ValueError(f"n_clusters: expected an int in [1, {n}] (at most the number of points), got {n_clusters!r}")
+    if not isinstance(max_iter, int) or max_iter < 1:
+        raise ValueError(f"max_iter: expected an int >= 1, got {max_iter!r}")
+    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+        raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+    x = x.contiguous()
+    if isinstance(init, torch.Tensor):
+        _validate.same_dtype_and_device("init", init, "x", x)
+        if tuple(init.shape) != (n_clusters, x.shape[1]):
+            raise ValueError(f"init: expected [{n_clusters}, {x.shape[1]}] (n_clusters, d), got {tuple(init.shape)}")
+        centroids = init.contiguous().clone()
+    elif init == "k-means++":
+        generator = torch.Generator(device=x.device)
+        generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
+        centroids = _kmeans_plus_plus(x, n_clusters, generator)
+    else:
+        raise ValueError(f'init: expected "k-means++" or a [{n_clusters}, {x.shape[1]}] tensor, got {init!r}')
+    tolerance = tol * x.var(0, unbiased=False).mean()
+    previous = None
+    converged = False
+    for step in range(1, max_iter + 1):
+        labels, new, counts, d2 = _lloyd_step(x, centroids)
+        same = (labels == previous).all() if previous is not None else torch.zeros((), dtype=torch.bool,
+                                                                                   device=x.device)
+        small = ((new - centroids) ** 2).sum() <= tolerance
+        same, has_empty, small = torch.stack([same, (counts == 0).any(), small]).tolist()
+        if has_empty:
+            new = _reseed_empty(x, new, counts, d2)
+            small = bool(((new - centroids) ** 2).sum() <= tolerance)
+        centroids = new
+        if same:
+            converged = True
+            break
+        if small:
+            break
+        previous = labels
+    if not converged:
+        labels = _assign(x, centroids)
+    inertia = ((x - centroids[labels]) ** 2).sum()
+    return KMeansResult(centroids, labels, inertia, step)
+
+
+def _reseed_empty(x, centroids, counts, d2):
+    """Move the centroids of empty clusters to the points farthest from their centroids
+    (the i-th empty cluster to the i-th farthest): deterministic."""
+    empty = counts == 0
+    farthest = torch.topk(d2, int(empty.sum()), sorted=True).indices
+    centroids = centroids.clone()
+    centroids[empty] = x[farthest]
+    return centroids

@@ -1,0 +1,72 @@
+"""k-means written in NumPy and compiled: against NumPy and scikit-learn."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES
+
+import fullgraph
+
+
+def _blobs(n_per: int, dtype=torch.float64, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.tensor([[0.0, 0.0], [6.0, 1.0], [2.0, 8.0]], dtype=dtype)
+    return torch.cat([torch.randn(n_per, 2, generator=generator, dtype=dtype) + c for c in centres])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_assign_is_the_document_step(device, dtype):
+    x, means = _blobs(500, dtype), torch.tensor([[5.0, 5.0], [0.0, 1.0], [2.0, 7.0]], dtype=dtype)
+    x[:3] = means[:3] + 0.5  # equidistant from nothing in particular; plus exact duplicates of a mean
+    x[3] = means[1]
+    want = np.argmin(np.linalg.norm(x.numpy() - means.numpy()[:, None], axis=2), axis=0)
+    labels = fullgraph.kmeans_assign(x.to(device), means.to(device))
+    assert labels.dtype == torch.int64 and labels.device.type == device
+    np.testing.assert_array_equal(labels.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kmeans_matches_scikit_learn_from_the_same_init(device):
+    sklearn = pytest.importorskip("sklearn.cluster")
+    x = _blobs(1000)
+    init = x[torch.tensor([0, 1, 2])].clone()  # all from one blob: several iterations to converge
+    result = fullgraph.kmeans(x.to(device), 3, init=init.to(device))
+    want = sklearn.KMeans(3, init=init.numpy(), n_init=1, algorithm="lloyd", max_iter=100, tol=1e-4).fit(x.numpy())
+    assert result.n_iter == want.n_iter_ > 2
+    np.testing.assert_array_equal(result.labels.cpu().numpy(), want.labels_)
+    np.testing.assert_allclose(result.centroids.cpu().numpy(), want.cluster_centers_, rtol=1e-10)
+    np.testing.assert_allclose(float(result.inertia), want.inertia_, rtol=1e-10)
+
+
+def test_empty_clusters_are_reseeded_deterministically():
+    x = _blobs(200)
+    init = torch.tensor([[0.0, 0.0], [6.0, 1.0], [100.0, 100.0]], dtype=torch.float64)  # the last owns no point
+    first, second = fullgraph.kmeans(x, 3, init=init), fullgraph.kmeans(x, 3, init=init)
+    assert torch.equal(first.centroids, second.centroids) and torch.equal(first.labels, second.labels)
+    assert first.labels.bincount(minlength=3).min() > 0
+
+
+def test_kmeans_plus_plus_finds_separated_blobs():
+    x = _blobs(300, torch.float32)
+    result = fullgraph.kmeans(x, 3, seed=0)
+    from_truth = fullgraph.kmeans(x, 3, init=torch.tensor([[0.0, 0.0], [6.0, 1.0], [2.0, 8.0]]))
+    assert float(result.inertia) <= 1.001 * float(from_truth.inertia)
+    assert torch.equal(fullgraph.kmeans(x, 3, seed=0).centroids, result.centroids)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x: fullgraph.kmeans(x, 0), "n_clusters: expected an int in"),
+    (lambda x: fullgraph.kmeans(x, 10_000), "n_clusters: expected an int in"),
+    (lambda x: fullgraph.kmeans(x, 3, init=torch.zeros(2, 2, dtype=x.dtype)), r"init: expected \[3, 2\]"),
+    (lambda x: fullgraph.kmeans(x, 3, init="random"), "init: expected"),
+    (lambda x: fullgraph.kmeans(x, 3, tol=-1.0), "tol: expected a finite number"),
+    (lambda x: fullgraph.kmeans(x, 3, max_iter=0), "max_iter: expected an int"),
+    (lambda x: fullgraph.kmeans(x.long(), 3), "x: expected a floating-point tensor"),
+    (lambda x: fullgraph.kmeans_assign(x, torch.zeros(3, 5, dtype=x.dtype)), r"centroids: expected \[k >= 1, 2\]"),
+])
+def test_bad_input(call, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        call(_blobs(10))

@@ -1,0 +1,65 @@
+"""fullgraph.numpy: NumPy functions on torch tensors through torch.compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEVICES
+
+import fullgraph
+
+
+@fullgraph.numpy.jit
+def _weighted_rows(x, w):
+    return (x * w[:, None]).sum(1), np.argmax(x, axis=1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tensors_in_tensors_out_on_their_device(device):
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.rand(40, 3, generator=generator).to(device), torch.rand(40, generator=generator).to(device)
+    sums, best = _weighted_rows(x, w)
+    assert sums.device == x.device and best.device == x.device
+    want_sums, want_best = _weighted_rows.fn(x.cpu().numpy(), w.cpu().numpy())
+    np.testing.assert_allclose(sums.cpu().numpy(), want_sums, rtol=1e-6)
+    np.testing.assert_array_equal(best.cpu().numpy(), want_best)
+
+
+def test_numpy_in_numpy_out():
+    x, w = np.random.default_rng(1).random((40, 3)), np.random.default_rng(2).random(40)
+    sums, best = _weighted_rows(x, w)
+    assert isinstance(sums, np.ndarray) and isinstance(best, np.ndarray)
+    np.testing.assert_allclose(sums, (x * w[:, None]).sum(1))
+
+
+def test_default_float_sets_the_dtype_of_created_arrays():
+    x = torch.zeros(3, dtype=torch.float32)
+    assert fullgraph.numpy.jit(lambda x: x + np.ones(3))(x).dtype == torch.float64
+    assert fullgraph.numpy.jit(lambda x: x + np.ones(3), default_float="float32")(x).dtype == torch.float32
+
+
+def _branchy(x):
+    if x.sum() > 0:  # a branch on array values: not one graph
+        return x
+    return -x
+
+
+def test_untraceable_code_gets_a_named_error_and_an_eager_escape():
+    x = torch.arange(3.0)
+    with pytest.raises(fullgraph.numpy.NumpyCompileError, match=r"(?s)_branchy: .*eager=True"):
+        fullgraph.numpy.jit(_branchy)(x)
+    assert torch.equal(fullgraph.numpy.jit(_branchy, eager=True)(x), x)
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="default_float: expected one of"):
+        fullgraph.numpy.jit(default_float="float16")
+    with pytest.raises(TypeError, match="fn: expected a function, got int"):
+        fullgraph.numpy.jit(3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensors_on_two_devices_are_refused():
+    with pytest.raises(ValueError, match="expected all tensors on one device"):
+        _weighted_rows(torch.rand(4, 3), torch.rand(4, device="cuda"))
