@@ -36,3 +36,17 @@ def test_bad_arguments():
         main(["bench", "no-such-workload"])
     with pytest.raises(SystemExit, match="--runs"):
         main(["bench", "knn-projector", "--device", "cpu", "--runs", "0"])
+
+
+def test_bench_kmeans_times_every_variant(tmp_path):
+    out_json = tmp_path / "rows.json"
+    assert main(["bench", "kmeans", "--size", "tiny", "--device", "cpu", "--warmup", "1", "--runs", "2",
+                 "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert {(r["variant"], r["phase"]) for r in rows} >= {
+        ("document eager", "forward"), ("document eager", "train"), ("document compiled", "forward"),
+        ("fullgraph compiled", "forward"), ("fullgraph compiled", "train"),
+    }
+    for row in rows:
+        assert "error" not in row, row
+        assert row["median_ms"] > 0

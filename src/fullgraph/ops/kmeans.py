@@ -143,8 +143,7 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int 
     converged = False
     for step in range(1, max_iter + 1):
         labels, new, counts, d2 = _lloyd_step(x, centroids)
-        same = (labels == previous).all() if previous is not None else torch.zeros((), dtype=torch.bool,
-                                                                                   device=x.device)
+        same = (labels == previous).all() if previous is not None else x.new_zeros((), dtype=torch.bool)
         small = ((new - centroids) ** 2).sum() <= tolerance
         same, has_empty, small = torch.stack([same, (counts == 0).any(), small]).tolist()
         if has_empty:
