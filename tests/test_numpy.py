@@ -63,3 +63,10 @@ def test_bad_options():
 def test_tensors_on_two_devices_are_refused():
     with pytest.raises(ValueError, match="expected all tensors on one device"):
         _weighted_rows(torch.rand(4, 3), torch.rand(4, device="cuda"))
+
+
+def test_many_functions_and_dtypes_compile_without_hitting_the_recompile_limit():
+    for scale in range(10):
+        scaled = fullgraph.numpy.jit(lambda x, scale=scale: x * scale)
+        for dtype in (torch.float32, torch.float64):
+            assert scaled(torch.ones(2, dtype=dtype)).tolist() == [float(scale)] * 2

@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 DEFAULT_FLOATS = ("float64", "float32")
+# Every jitted function shares one traced wrapper (one code object), so the compiler's
+# per-code cache holds the variants of all of them: room for many.
+RECOMPILE_LIMIT = 256
 
 
 class NumpyCompileError(RuntimeError):
@@ -87,7 +90,7 @@ class NumpyFunction:
             out = self._run_eagerly(args, device)
         else:
             try:
-                with _default_float(self.default_float):
+                with _default_float(self.default_float), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                     out = self._compiled(*args)
             except torch._dynamo.exc.Unsupported as error:
                 raise NumpyCompileError(
