@@ -22,9 +22,7 @@ import numpy as np
 import torch
 
 DEFAULT_FLOATS = ("float64", "float32")
-# Every jitted function shares one traced wrapper (one code object), so the compiler's
-# per-code cache holds the variants of all of them: room for many.
-RECOMPILE_LIMIT = 256
+
 
 
 class NumpyCompileError(RuntimeError):
@@ -61,17 +59,26 @@ def _default_float(name: str):
         _dtypes_impl._default_dtypes = saved
 
 
+def _traced(fn):
+    """``fn`` between the ``.numpy()`` / ``from_numpy`` hints, with a code object of its own:
+    the compiler caches compiled variants per code object, so each jitted function keeps its
+    own cache rather than sharing one (and its guards) with every other."""
+
+    def traced(*args):
+        arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
+        return _to_torch(fn(*arrays))
+
+    traced.__code__ = traced.__code__.replace(co_name=f"numpy_{getattr(fn, '__name__', 'function')}")
+    return traced
+
+
 class NumpyFunction:
     """A NumPy function that takes and returns torch tensors (or NumPy arrays); see ``jit``."""
 
     def __init__(self, fn, default_float: str, dynamic: bool | None, eager: bool):
         functools.update_wrapper(self, fn)
         self.fn, self.default_float, self.eager = fn, default_float, eager
-        self._compiled = torch.compile(self._traced, fullgraph=True, dynamic=dynamic)
-
-    def _traced(self, *args):
-        arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
-        return _to_torch(self.fn(*arrays))
+        self._compiled = torch.compile(_traced(fn), fullgraph=True, dynamic=dynamic)
 
     def _run_eagerly(self, args, device):
         arrays = [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
@@ -90,7 +97,7 @@ class NumpyFunction:
             out = self._run_eagerly(args, device)
         else:
             try:
-                with _default_float(self.default_float), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                with _default_float(self.default_float):
                     out = self._compiled(*args)
             except torch._dynamo.exc.Unsupported as error:
                 raise NumpyCompileError(

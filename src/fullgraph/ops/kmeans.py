@@ -23,13 +23,12 @@ def _squared_distances(x, centroids):
     return ((x[:, None, :] - centroids[None, :, :]) ** 2).sum(-1)
 
 
-# dynamic=True: one compile per dtype and device serves every size.
-@jit(dynamic=True)
+@jit
 def _assign(x, centroids):
     return np.argmin(_squared_distances(x, centroids), axis=1)
 
 
-@jit(dynamic=True)
+@jit
 def _lloyd_step(x, centroids):
     """(labels [n], new centroids [k, d], points per cluster [k], each point's squared
     distance to its centroid [n]); an empty cluster keeps its centroid (the caller re-seeds)."""
@@ -38,7 +37,7 @@ def _lloyd_step(x, centroids):
     clusters = np.cumsum(np.ones_like(centroids[:, 0]), axis=0) - 1  # arange(k), on x's device
     member = (labels[:, None] == clusters[None, :]) * np.ones_like(x[:, :1])  # one-hot [n, k] in x's dtype
     counts = member.sum(0)
-    sums = (member[:, :, None] * x[:, None, :]).sum(0)  # a fused reduction; a [k, n] @ [n, d] GEMM is slow for large n
+    sums = member.T @ x
     new = np.where(counts[:, None] > 0, sums / np.maximum(counts, 1)[:, None], centroids)
     return labels, new, counts, np.min(d2, axis=1)
 
