@@ -5,8 +5,10 @@ No kernel here synchronizes with the host, allocates outside PyTorch or reads a 
 back, so the ops stay capturable in CUDA graphs. Every launch goes to the current stream.
 
 Search. A program owns BLOCK_M consecutive sorted queries (neighbours in space) and the
-box of cells they occupy. It visits that box grown by ring r = 1, 2, ..., one row of cells
-along x at a time (a contiguous range of sorted references), and keeps each query's k best
+box of cells they occupy (or, when they straddle distant cells, takes them one at a time).
+It visits that box grown by rings of 1, 2, 3, 4, 6, 9, ... cells, reading the ranges of
+many rows of cells along x at once (each a contiguous range of sorted references) and
+skipping the empty ones, and keeps each query's k best
 candidates in registers as int64 keys ``(bits(d^2) << 32) | index``: non-negative float32
 bit patterns order like the floats, so one integer comparison orders by distance and then
 by index (ties go to the smaller index; keys are unique). It stops once every query's k-th
@@ -20,6 +22,11 @@ a cap and without storing pairs. The backward recomputes distances from the save
 (minimum, weight sum) statistics, in one query-major kernel (query gradient) and one
 reference-major kernel walking the queries' grid (reference and feature gradients):
 deterministic, no atomics.
+
+kNN aggregation. The search's lists feed a kernel that gathers one neighbour's feature row
+at a time (no [M, k, C] buffer). Its backward computes the distance gradients per query,
+and each reference sums the contributions of its slots after a stable sort of the slots by
+reference: deterministic, no float atomics.
 """
 
 from __future__ import annotations
