@@ -29,6 +29,20 @@ try:
 except ImportError:
     HAVE_TRITON = False
 # Backends that run on CPU tensors here: triton through its interpreter when no GPU.
+if HAVE_TRITON and not torch.cuda.is_available():
+    from fullgraph.ops.neighbors import triton as triton_backend
+
+    # Triton's interpreter runs each program in Python, so CPU runs take fewer, larger
+    # programs: the same kernels with other block constants (GPU runs keep the tuned ones).
+    triton_backend.SEARCH_BLOCKS = (16, 32, 1)
+
+def skip_interpreted_extras(backend: str, device: str, distribution: str, dim: int) -> None:
+    """Triton's interpreter is slow: on the CPU it checks every distribution in 3-D and the
+    other dimensions on two distributions. GPU runs check every combination."""
+    if backend == "triton" and device == "cpu" and dim != 3 and distribution not in ("uniform", "far"):
+        pytest.skip("interpreted Triton: this combination runs on the GPU")
+
+
 CPU_BACKENDS = ["torch", "cpu"] + (["triton"] if HAVE_TRITON and not torch.cuda.is_available() else [])
 
 
