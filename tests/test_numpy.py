@@ -70,3 +70,13 @@ def test_many_functions_and_dtypes_compile_without_hitting_the_recompile_limit()
         scaled = fullgraph.numpy.jit(lambda x, scale=scale: x * scale)
         for dtype in (torch.float32, torch.float64):
             assert scaled(torch.ones(2, dtype=dtype)).tolist() == [float(scale)] * 2
+
+
+def test_static_functions_compile_per_signature_past_the_recompile_limit():
+    first_row = fullgraph.numpy.jit(lambda x: x.reshape(-1, x.shape[-1])[0] * 2, dynamic=False)
+    for n in range(1, 12):  # more signatures than the compiler's 8 variants per function
+        x = torch.rand(n, 3, dtype=torch.float64)
+        torch.testing.assert_close(first_row(x), x[0] * 2)
+    assert len(first_row._static) == 11
+    first_row(torch.rand(1, 3, dtype=torch.float64))
+    assert len(first_row._static) == 11  # a signature seen before reuses its variant

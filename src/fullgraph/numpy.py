@@ -15,6 +15,7 @@ give NumPy arrays out (computed on the CPU). Arrays a function creates from noth
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 DEFAULT_FLOATS = ("float64", "float32")
-
+STATIC_VARIANTS = 32  # compiled variants a dynamic=False function keeps (least recently used dropped)
 
 
 class NumpyCompileError(RuntimeError):
@@ -77,8 +78,23 @@ class NumpyFunction:
 
     def __init__(self, fn, default_float: str, dynamic: bool | None, eager: bool):
         functools.update_wrapper(self, fn)
-        self.fn, self.default_float, self.eager = fn, default_float, eager
+        self.fn, self.default_float, self.eager, self.dynamic = fn, default_float, eager, dynamic
         self._compiled = torch.compile(_traced(fn), fullgraph=True, dynamic=dynamic)
+        self._static = collections.OrderedDict()
+
+    def _compiled_for(self, args):
+        """The compiled function for these arguments. dynamic=False keeps one per signature,
+        each with a code object (so a compile cache) of its own: the compiler's limit of 8
+        variants per function never makes a static function fall back to running eagerly."""
+        if self.dynamic is not False:
+            return self._compiled
+        key = tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+        if key not in self._static:
+            self._static[key] = torch.compile(_traced(self.fn), fullgraph=True, dynamic=False)
+            if len(self._static) > STATIC_VARIANTS:
+                self._static.popitem(last=False)
+        self._static.move_to_end(key)
+        return self._static[key]
 
     def _run_eagerly(self, args, device):
         arrays = [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
@@ -98,7 +114,7 @@ class NumpyFunction:
         else:
             try:
                 with _default_float(self.default_float):
-                    out = self._compiled(*args)
+                    out = self._compiled_for(args)(*args)
             except torch._dynamo.exc.Unsupported as error:
                 raise NumpyCompileError(
                     f"{self.__name__}: torch.compile cannot trace this NumPy code as one graph.\n{error}\n"
@@ -116,8 +132,9 @@ def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None,
             or tuples/lists of them. Used as ``@jit`` or ``@jit(default_float="float32")``.
         default_float: the dtype NumPy creation functions use inside the compiled code
             ("float64", NumPy's own, or "float32").
-        dynamic: passed to ``torch.compile``: None (compile for the first shapes, then
-            once more for dynamic shapes when they change), True or False.
+        dynamic: None (compile for the first shapes, then once more for dynamic shapes when
+            they change), True (dynamic from the start) or False (a compiled variant per
+            signature of shapes, dtypes and devices; the last 32 are kept).
         eager: run the function in NumPy instead (tensors copied to the host and back):
             for debugging, never for speed.
 
