@@ -5,11 +5,12 @@ Importing the package registers its operators under ``torch.ops.fullgraph``.
 
 from . import models, numpy
 from .ops.kmeans import KMeansResult, kmeans, kmeans_assign
+from .ops.lltm import lltm
 from .ops.neighbors import knn, knn_aggregate, radius, radius_aggregate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "models", "numpy", "knn", "knn_aggregate", "radius", "radius_aggregate",
-    "kmeans", "kmeans_assign", "KMeansResult", "__version__",
+    "kmeans", "kmeans_assign", "KMeansResult", "lltm", "__version__",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..models import KNNProjector, RadiusProjector
+from ..models import LLTM, KNNProjector, RadiusProjector
 
 BASELINE = "document eager"
 
@@ -122,6 +122,51 @@ register(Workload(
            "small": {"grid": 12, "cloud": 4_000, "radius": 0.1},
            "tiny": {"grid": 5, "cloud": 500, "radius": 0.5}},
     build=_radius_projector,
+))
+
+
+def _lltm(params, device):
+    """forward = one cell step; train = the step and its backward (the document's loop body:
+    ``(new_h.sum() + new_cell.sum()).backward()``), gradients for the weights and bias."""
+    generator = torch.Generator().manual_seed(0)
+    batch, features, state = params["batch"], params["features"], params["state"]
+    x, h, c = (torch.randn(batch, n, generator=generator).to(device) for n in (features, state, state))
+    torch.manual_seed(42)
+    reference = LLTM(features, state, backend="torch").to(device)
+    variants = [("document eager", "torch", None), ("document compiled", "torch", {}),
+                ("extension eager", "extension", None), ("extension compiled", "extension", {"fullgraph": True})]
+    if device.type == "cuda":
+        variants += [("document compiled+graphs", "torch", {"mode": "reduce-overhead"}),
+                     ("extension compiled+graphs", "extension", {"fullgraph": True, "mode": "reduce-overhead"})]
+    cases = []
+    for name, backend, options in variants:
+        cell = copy.deepcopy(reference)
+        cell.backend = backend
+        run = cell if options is None else torch.compile(cell, **options)
+
+        def forward(run=run):
+            with torch.no_grad():
+                return run(x, (h, c))
+
+        def train_step(run=run, cell=cell):
+            cell.zero_grad(set_to_none=True)
+            new_h, new_cell = run(x, (h, c))
+            (new_h.sum() + new_cell.sum()).backward()
+            return cell.weights.grad
+
+        cases.append(Case(name, forward, train_step))
+    return cases
+
+
+register(Workload(
+    name="lltm",
+    description="seed 001: one LLTM cell step (forward) and step + backward (train); C++ kernel on CPUs, "
+                "CUDA kernel on GPUs",
+    sizes={"seed": {"batch": 16, "features": 32, "state": 128}, "small": {"batch": 16, "features": 32, "state": 128},
+           "tiny": {"batch": 4, "features": 8, "state": 16}},
+    build=_lltm,
+    notes=[("floor at the document's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
+            "what remains is launch latency (5 kernels forward, 6 backward)")],
 ))
 
 

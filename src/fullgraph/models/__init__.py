@@ -1,5 +1,6 @@
 """The source documents' models."""
 
+from .lltm import LLTM
 from .projector import KNNProjector, RadiusProjector
 
-__all__ = ["KNNProjector", "RadiusProjector"]
+__all__ = ["KNNProjector", "RadiusProjector", "LLTM"]

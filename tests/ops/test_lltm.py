@@ -1,0 +1,166 @@
+"""The LLTM extension (seed 001): against the float64 reference, gradcheck, opcheck,
+torch.compile, errors. The first test in a process builds the extension (cached)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fullgraph
+from conftest import DEVICES, TOLERANCES
+from fullgraph.ops import lltm as lltm_ops
+from fullgraph.ops.lltm import build
+
+
+def _inputs(generator, batch=5, features=7, state=6, dtype=torch.float64, device="cpu", scale=1.0):
+    """(input, weights, bias, old_h, old_cell); ``scale`` widens the gates (saturation)."""
+    def draw(*shape):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+    return draw(batch, features), draw(3 * state, features + state), draw(3 * state), draw(batch, state), \
+        draw(batch, state)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    if build.missing_tools(with_cuda=False):
+        pytest.skip(f"cannot build the extension here: {build.missing_tools(False)}")
+    lltm_ops.register()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(5, 7, 6), (1, 1, 1), (0, 3, 4), (16, 32, 128), (3, 2, 300)])
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: saturated sigmoids and tanh, ELU far in its tail
+def test_extension_matches_the_float64_reference(device, shape, scale, generator):
+    tensors = _inputs(generator, *shape, device=device, scale=scale)
+    got = fullgraph.lltm(*tensors, backend="extension")
+    want = fullgraph.lltm(*tensors, backend="torch")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_against_float64(device, dtype, generator):
+    if device == "cpu" and dtype == torch.float16:
+        pytest.skip("float16 matrix products on CPU are not what users run")
+    tensors = _inputs(generator, 16, 32, 128)
+    want = fullgraph.lltm(*tensors, backend="torch")
+    got = fullgraph.lltm(*(t.to(device=device, dtype=dtype) for t in tensors), backend="extension")
+    rtol, atol = TOLERANCES[dtype]
+    reduced = 40 if dtype != torch.float32 else 1  # the 160-term matrix product rounds in dtype
+    for g, w in zip(got, want):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.double().cpu(), w, rtol=rtol * reduced, atol=atol * reduced)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck(device, generator):
+    tensors = [t.requires_grad_() for t in _inputs(generator, 3, 4, 5, device=device)]
+    assert torch.autograd.gradcheck(lambda *a: fullgraph.lltm(*a, backend="extension"), tensors)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_of_one_output_only(device, generator):
+    tensors = [t.requires_grad_() for t in _inputs(generator, device=device)]
+    fullgraph.lltm(*tensors, backend="extension")[0].sum().backward()
+    got = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    fullgraph.lltm(*tensors, backend="torch")[0].sum().backward()
+    for g, t in zip(got, tensors):
+        torch.testing.assert_close(g, t.grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device, generator):
+    input, weights, bias, old_h, old_cell = _inputs(generator, device=device)
+    forward_args = [t.clone().requires_grad_() for t in (input, weights, bias, old_h, old_cell)]
+    torch.library.opcheck(torch.ops.fullgraph.lltm_forward.default, forward_args)
+    new_h, new_cell, gates = torch.ops.fullgraph.lltm_forward(input, weights, bias, old_h, old_cell)
+    grads = torch.randn_like(new_h), torch.randn_like(new_cell)
+    torch.library.opcheck(torch.ops.fullgraph.lltm_backward.default,
+                          (*grads, gates, new_cell, input, old_h, weights))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_training_step_is_one_graph_for_all_batch_sizes(device, generator):
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    cell = fullgraph.models.LLTM(8, 16, backend="extension").to(device)
+    optimizer = torch.optim.SGD(cell.parameters(), lr=0.1)
+    counter = CompileCounter()
+
+    def loss_of(x, h, c, target):
+        for _ in range(3):  # three steps of the recurrence
+            h, c = cell(x, (h, c))
+        return ((h - target) ** 2).mean()
+
+    compiled = torch.compile(loss_of, backend=counter, fullgraph=True, dynamic=True)
+    inductor = torch.compile(loss_of, fullgraph=True, dynamic=True)
+    for batch in (4, 7, 11):
+        x, h, c, target = (torch.randn(batch, n, generator=generator).to(device) for n in (8, 16, 16, 16))
+        torch.testing.assert_close(inductor(x, h, c, target), loss_of(x, h, c, target))
+        losses = []
+        for _ in range(4):
+            optimizer.zero_grad()
+            loss = compiled(x, h, c, target)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0]
+    assert counter.frame_count == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reduce_overhead_training_step_replays_cuda_graphs(generator):
+    torch.manual_seed(0)
+    cell = fullgraph.models.LLTM(32, 128, backend="extension").cuda()
+    reference = fullgraph.models.LLTM(32, 128, backend="torch").cuda()
+    reference.load_state_dict(cell.state_dict())
+
+    def step(model, x, h, c):
+        new_h, new_c = model(x, (h, c))
+        loss = (new_h * new_c).sum()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        return loss.detach(), grads
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):
+        x, h, c = (torch.randn(16, n, generator=generator).cuda() for n in (32, 128, 128))
+        loss, grads = compiled(cell, x, h, c)
+        want_loss, want_grads = step(reference, x, h, c)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-4)
+        for g, w in zip(grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_model_has_the_document_layout():
+    cell = fullgraph.models.LLTM(32, 128)
+    assert cell.weights.shape == (384, 160) and cell.bias.shape == (384,)
+    assert float(cell.weights.abs().max()) <= 1 / 128 ** 0.5
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: {**a, "input": a["input"].long()}, "input: expected a floating-point tensor"),
+    (lambda a: {**a, "weights": a["weights"][:, :-1]}, "weights: expected [3 S, F + S] = [18, 13]"),
+    (lambda a: {**a, "bias": a["bias"][None]}, "bias: expected [3 S] = [18]"),
+    (lambda a: {**a, "old_cell": a["old_cell"][:2]}, "old_cell: expected [B, S] = [5, 6]"),
+    (lambda a: {**a, "old_h": a["old_h"].float()}, "old_h: expected torch.float64 like input"),
+    (lambda a: {**a, "input": a["input"][0]}, "input: expected shape [B, F]"),
+    (lambda a: {**a, "backend": "cuda"}, "backend: expected one of"),
+])
+def test_bad_input(change, message, generator):
+    names = ("input", "weights", "bias", "old_h", "old_cell")
+    arguments = change(dict(zip(names, _inputs(generator))))
+    with pytest.raises((TypeError, ValueError)) as error:
+        fullgraph.lltm(**arguments)
+    assert message in str(error.value)
+
+
+def test_a_missing_compiler_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert any("no-such-compiler" in tool for tool in build.missing_tools(with_cuda=False))
+    with pytest.raises(build.ExtensionBuildError, match="a C\\+\\+ compiler .*backend=\"torch\""):
+        build._compile(with_cuda=False)
