@@ -119,21 +119,40 @@ def test_reduce_overhead_training_step_replays_cuda_graphs(generator):
     cell = fullgraph.models.LLTM(32, 128, backend="extension").cuda()
     reference = fullgraph.models.LLTM(32, 128, backend="torch").cuda()
     reference.load_state_dict(cell.state_dict())
-
-    def step(model, x, h, c):
-        new_h, new_c = model(x, (h, c))
-        loss = (new_h * new_c).sum()
-        grads = torch.autograd.grad(loss, list(model.parameters()))
-        return loss.detach(), grads
-
-    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
-    for _ in range(4):
+    compiled = torch.compile(cell, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # later calls replay the captured graphs on new data
         x, h, c = (torch.randn(16, n, generator=generator).cuda() for n in (32, 128, 128))
-        loss, grads = compiled(cell, x, h, c)
-        want_loss, want_grads = step(reference, x, h, c)
-        torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-4)
-        for g, w in zip(grads, want_grads):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        for model in (compiled, reference):
+            model.zero_grad(set_to_none=True)
+            new_h, new_c = model(x, (h, c))
+            (new_h * new_c).sum().backward()
+        for got, want in zip(cell.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_and_backward_capture_in_one_cuda_graph(generator):
+    cell = fullgraph.models.LLTM(32, 128, backend="extension").cuda()
+    x, h, c = (torch.randn(16, n, generator=generator).cuda() for n in (32, 128, 128))
+
+    def gradients():
+        new_h, new_c = cell(x, (h, c))
+        return torch.autograd.grad((new_h * new_c).sum(), [cell.weights, cell.bias])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gradients()  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = gradients()
+    for _ in range(3):  # replays on new data equal eager calls
+        for tensor in (x, h, c):
+            tensor.copy_(torch.randn(tensor.shape, generator=generator))
+        graph.replay()
+        for got, want in zip(static, gradients()):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_model_has_the_document_layout():
