@@ -188,7 +188,7 @@ register(Workload(
            "tiny": {"batch": 4, "features": 8, "state": 16}},
     build=_lltm,
     notes=[("floor at the document's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
-            "what remains is launch latency (5 kernels forward, 6 backward)")],
+            "what remains is launch latency (3 kernels forward, 4-6 backward)")],
 ))
 
 

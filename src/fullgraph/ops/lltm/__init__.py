@@ -25,9 +25,8 @@ def _fake_forward(input, weights, bias, old_h, old_cell):
     return torch.empty_like(old_cell), torch.empty_like(old_cell), old_cell.new_empty(old_cell.shape[0], weights.shape[0])
 
 
-def _fake_backward(grad_h, grad_cell, gates, new_cell, input, old_h, weights):
-    return (torch.empty_like(input), torch.empty_like(weights), weights.new_empty(weights.shape[0]),
-            torch.empty_like(old_h), torch.empty_like(new_cell))
+def _fake_backward(grad_h, grad_cell, gates, new_cell):
+    return torch.empty_like(gates), torch.empty_like(new_cell)
 
 
 def _setup_context(ctx, inputs, output):
@@ -38,9 +37,19 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_h, grad_cell, _grad_gates):
+    """The fused pointwise backward (an operator), then only the matrix products whose
+    gradients are needed."""
     gates, new_cell, input, old_h, weights = ctx.saved_tensors
-    d_input, d_weights, d_bias, d_old_h, d_old_cell = torch.ops.fullgraph.lltm_backward(
-        grad_h, grad_cell, gates, new_cell, input, old_h, weights)
+    d_gates, d_old_cell = torch.ops.fullgraph.lltm_backward(grad_h, grad_cell, gates, new_cell)
+    needs_input, needs_weights, needs_bias, needs_old_h, _ = ctx.needs_input_grad
+    d_input = d_weights = d_bias = d_old_h = None
+    if needs_input or needs_old_h:
+        d_x = d_gates @ weights
+        d_old_h, d_input = d_x[:, : old_h.shape[1]], d_x[:, old_h.shape[1]:]
+    if needs_weights:
+        d_weights = d_gates.t() @ torch.cat([old_h, input], dim=1)
+    if needs_bias:
+        d_bias = d_gates.sum(0)
     return d_input, d_weights, d_bias, d_old_h, d_old_cell
 
 

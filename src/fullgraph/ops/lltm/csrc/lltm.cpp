@@ -98,8 +98,7 @@ Forward forward_cpu(const at::Tensor& input, const at::Tensor& weights, const at
 }
 
 Backward backward_cpu(const at::Tensor& grad_h, const at::Tensor& grad_cell, const at::Tensor& gates,
-                      const at::Tensor& new_cell, const at::Tensor& input, const at::Tensor& old_h,
-                      const at::Tensor& weights) {
+                      const at::Tensor& new_cell) {
   const auto gh = grad_h.contiguous(), gc = grad_cell.contiguous(), g = gates.contiguous();
   const auto nc = new_cell.contiguous();
   auto d_gates = at::empty_like(g), d_old_cell = at::empty_like(nc);
@@ -116,7 +115,7 @@ Backward backward_cpu(const at::Tensor& grad_h, const at::Tensor& grad_cell, con
       }
     });
   });
-  return dense_backward(d_gates, d_old_cell, input, old_h, weights);
+  return {d_gates, d_old_cell};
 }
 
 }  // namespace
@@ -125,9 +124,10 @@ Backward backward_cpu(const at::Tensor& grad_h, const at::Tensor& grad_cell, con
 TORCH_LIBRARY_FRAGMENT(fullgraph, m) {
   m.def("lltm_forward(Tensor input, Tensor weights, Tensor bias, Tensor old_h, Tensor old_cell) "
         "-> (Tensor new_h, Tensor new_cell, Tensor gates)");
-  m.def("lltm_backward(Tensor grad_h, Tensor grad_cell, Tensor gates, Tensor new_cell, Tensor input, "
-        "Tensor old_h, Tensor weights) "
-        "-> (Tensor d_input, Tensor d_weights, Tensor d_bias, Tensor d_old_h, Tensor d_old_cell)");
+  // The fused pointwise part of the backward; the matrix products are left to the caller
+  // (autograd computes only the gradients that are needed).
+  m.def("lltm_backward(Tensor grad_h, Tensor grad_cell, Tensor gates, Tensor new_cell) "
+        "-> (Tensor d_gates, Tensor d_old_cell)");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph, CPU, m) {

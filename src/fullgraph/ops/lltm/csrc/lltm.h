@@ -19,7 +19,7 @@
 namespace fullgraph_lltm {
 
 using Forward = std::tuple<at::Tensor, at::Tensor, at::Tensor>;  // new_h, new_cell, gates
-using Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Backward = std::tuple<at::Tensor, at::Tensor>;  // d_gates, d_old_cell
 
 // float and double overloads: CUDA's global ones on the device, <cmath>'s on the host.
 #if defined(__CUDA_ARCH__)
@@ -72,19 +72,10 @@ LLTM_HOST_DEVICE void cell_backward(T grad_h, T grad_cell, T new_cell, T gate_i,
   *d_gate_c = input_gate * d_new_cell * d_elu(gate_c);
 }
 
-// The dense parts, in ATen on the inputs' device and stream.
+// The gate pre-activations [B, 3S], in ATen on the inputs' device and stream.
 inline at::Tensor gate_preactivations(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
                                       const at::Tensor& old_h) {
   return at::addmm(bias, at::cat({old_h, input}, 1), weights.t());
-}
-
-// d_input, d_weights, d_bias, d_old_h from the gate gradients d_gates [B, 3S].
-inline Backward dense_backward(const at::Tensor& d_gates, const at::Tensor& d_old_cell, const at::Tensor& input,
-                               const at::Tensor& old_h, const at::Tensor& weights) {
-  const auto state = old_h.size(1);
-  const auto d_x = d_gates.mm(weights);
-  return {d_x.slice(1, state).contiguous(), d_gates.t().mm(at::cat({old_h, input}, 1)), d_gates.sum(0),
-          d_x.slice(1, 0, state).contiguous(), d_old_cell};
 }
 
 }  // namespace fullgraph_lltm

@@ -68,8 +68,7 @@ Forward forward_cuda(const at::Tensor& input, const at::Tensor& weights, const a
 }
 
 Backward backward_cuda(const at::Tensor& grad_h, const at::Tensor& grad_cell, const at::Tensor& gates,
-                       const at::Tensor& new_cell, const at::Tensor& input, const at::Tensor& old_h,
-                       const at::Tensor& weights) {
+                       const at::Tensor& new_cell) {
   const c10::cuda::CUDAGuard guard(new_cell.device());
   const auto gh = grad_h.contiguous(), gc = grad_cell.contiguous(), g = gates.contiguous();
   const auto nc = new_cell.contiguous();
@@ -84,10 +83,8 @@ Backward backward_cuda(const at::Tensor& grad_h, const at::Tensor& grad_cell, co
           d_old_cell.mutable_data_ptr<scalar_t>(), count, state);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
-  } else {
-    d_gates.zero_();
   }
-  return dense_backward(d_gates, d_old_cell, input, old_h, weights);
+  return {d_gates, d_old_cell};
 }
 
 }  // namespace
