@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
     bench.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
-    bench.add_argument("--size", choices=["seed", "small", "tiny"], default=None,
+    sizes = sorted({size for workload in WORKLOADS.values() for size in workload.sizes})
+    bench.add_argument("--size", choices=sizes, default=None,
                        help="problem size: seed (the document's) is the default on CUDA, small on CPU; "
                             "tiny is a smoke test")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -41,6 +42,8 @@ def _bench(args) -> int:
         raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
     gpu = device.type == "cuda"
     size = args.size or ("seed" if gpu else "small")
+    if size not in bench.WORKLOADS[args.workload].sizes:
+        raise SystemExit(f"--size {size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:

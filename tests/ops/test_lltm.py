@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICES, TOLERANCES
 
 import fullgraph
-from conftest import DEVICES, TOLERANCES
 from fullgraph.ops import lltm as lltm_ops
 from fullgraph.ops.lltm import build
 

@@ -65,6 +65,8 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                     timing = time_call(fn, device, warmup, runs)
                 row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                            runs=timing.runs, peak_memory_bytes=memory.bytes)
+                if phase == "forward" and case.check is not None:
+                    row.update(case.check())
             except Exception as error:  # a failing variant is reported, not fatal
                 row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
             rows.append(row)

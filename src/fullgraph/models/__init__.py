@@ -2,5 +2,6 @@
 
 from .lltm import LLTM
 from .projector import KNNProjector, RadiusProjector
+from .unet1d import ConditionalUnet1D
 
-__all__ = ["KNNProjector", "RadiusProjector", "LLTM"]
+__all__ = ["KNNProjector", "RadiusProjector", "LLTM", "ConditionalUnet1D"]

@@ -1,0 +1,113 @@
+"""Diffusion Policy's 1-D conditional U-Net (seed 003's network), in plain PyTorch.
+
+The denoiser predicts the noise in an action sequence (B, horizon, action_dim) given the
+diffusion step and a global condition (the encoded observations). Residual blocks of
+Conv1d -> GroupNorm -> Mish, each conditioned by FiLM (a per-channel scale and bias computed
+from the step embedding and the condition), a down path, two middle blocks and an up path
+with skip connections. Defaults are the sizes of the document's series.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class SinusoidalStepEmbedding(nn.Module):
+    """[B] diffusion steps -> [B, dim] sin/cos features at geometric frequencies."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, steps: torch.Tensor) -> torch.Tensor:
+        half = self.dim // 2
+        frequencies = torch.exp(torch.arange(half, device=steps.device) * (-math.log(10000) / (half - 1)))
+        angles = steps.float()[:, None] * frequencies[None, :]
+        return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class Conv1dBlock(nn.Sequential):
+    """Conv1d (same padding) -> GroupNorm -> Mish on [B, C, T]."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, groups: int = 8):
+        super().__init__(nn.Conv1d(in_channels, out_channels, kernel_size, padding=kernel_size // 2),
+                         nn.GroupNorm(groups, out_channels), nn.Mish())
+
+
+class ConditionalResidualBlock1D(nn.Module):
+    """Two Conv1dBlocks with FiLM between them (scale and bias from the condition, or a bias
+    only) and a 1x1 convolution on the skip path when the channel count changes."""
+
+    def __init__(self, in_channels: int, out_channels: int, cond_dim: int, kernel_size: int = 3, groups: int = 8,
+                 cond_predict_scale: bool = True):
+        super().__init__()
+        self.out_channels, self.cond_predict_scale = out_channels, cond_predict_scale
+        self.blocks = nn.ModuleList([Conv1dBlock(in_channels, out_channels, kernel_size, groups),
+                                     Conv1dBlock(out_channels, out_channels, kernel_size, groups)])
+        self.cond_encoder = nn.Sequential(nn.Mish(), nn.Linear(cond_dim, out_channels * (2 if cond_predict_scale else 1)))
+        self.residual_conv = nn.Conv1d(in_channels, out_channels, 1) if in_channels != out_channels else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        out = self.blocks[0](x)
+        film = self.cond_encoder(cond)[:, :, None]
+        if self.cond_predict_scale:
+            scale, bias = film[:, : self.out_channels], film[:, self.out_channels:]
+            out = scale * out + bias
+        else:
+            out = out + film
+        return self.blocks[1](out) + self.residual_conv(x)
+
+
+class ConditionalUnet1D(nn.Module):
+    """``unet(sample [B, horizon, action_dim], timestep, global_cond [B, global_cond_dim])
+    -> predicted noise [B, horizon, action_dim]``; timestep an int, a 0-d or a [B] tensor.
+    The horizon must be divisible by 2 ** (len(down_dims) - 1)."""
+
+    def __init__(self, action_dim: int = 2, global_cond_dim: int = 1028, step_embed_dim: int = 256,
+                 down_dims: tuple[int, ...] = (256, 512, 1024), kernel_size: int = 5, groups: int = 8,
+                 cond_predict_scale: bool = True, horizon: int = 16):
+        super().__init__()
+        self.action_dim, self.global_cond_dim, self.horizon = action_dim, global_cond_dim, horizon
+        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(step_embed_dim),
+                                          nn.Linear(step_embed_dim, step_embed_dim * 4), nn.Mish(),
+                                          nn.Linear(step_embed_dim * 4, step_embed_dim))
+        cond_dim = step_embed_dim + global_cond_dim
+        dims = [action_dim, *down_dims]
+        pairs = list(zip(dims[:-1], dims[1:]))
+
+        def block(i, o):
+            return ConditionalResidualBlock1D(i, o, cond_dim, kernel_size, groups, cond_predict_scale)
+
+        self.down = nn.ModuleList(
+            nn.ModuleList([block(i, o), block(o, o), nn.Conv1d(o, o, 3, 2, 1) if k < len(pairs) - 1 else nn.Identity()])
+            for k, (i, o) in enumerate(pairs))
+        self.mid = nn.ModuleList([block(dims[-1], dims[-1]), block(dims[-1], dims[-1])])
+        self.up = nn.ModuleList(
+            nn.ModuleList([block(o * 2, i), block(i, i), nn.ConvTranspose1d(i, i, 4, 2, 1)])
+            for i, o in reversed(pairs[1:]))
+        self.final = nn.Sequential(Conv1dBlock(down_dims[0], down_dims[0], kernel_size, groups),
+                                   nn.Conv1d(down_dims[0], action_dim, 1))
+
+    def forward(self, sample: torch.Tensor, timestep, global_cond: torch.Tensor) -> torch.Tensor:
+        if sample.dim() != 3 or sample.shape[-1] != self.action_dim:
+            raise ValueError(f"sample: expected [B, horizon, {self.action_dim}], got {tuple(sample.shape)}")
+        if global_cond.shape != (sample.shape[0], self.global_cond_dim):
+            raise ValueError(f"global_cond: expected [{sample.shape[0]}, {self.global_cond_dim}], "
+                             f"got {tuple(global_cond.shape)}")
+        steps = torch.as_tensor(timestep, device=sample.device)
+        steps = steps.reshape(-1).expand(sample.shape[0])
+        cond = torch.cat([self.step_encoder(steps).to(global_cond.dtype), global_cond], dim=-1)
+        x = sample.transpose(1, 2)  # [B, action_dim, horizon]
+        skips = []
+        for first, second, downsample in self.down:
+            x = second(first(x, cond), cond)
+            skips.append(x)
+            x = downsample(x)
+        for block in self.mid:
+            x = block(x, cond)
+        for first, second, upsample in self.up:
+            x = upsample(second(first(torch.cat([x, skips.pop()], dim=1), cond), cond))
+        return self.final(x).transpose(1, 2)

@@ -1,0 +1,173 @@
+"""One DDPM scheduler step (seed 003), fused into one Triton kernel: ``fullgraph.ddpm_step``.
+
+epsilon prediction, the x0 estimate clipped to [-1, 1], the posterior mean, fixed-small
+variance, and noise added only when t > 0, as diffusers' ``DDPMScheduler.step`` with as many
+inference steps as training steps. The timestep is a 0-d int64 tensor on the device, read
+by the kernel: a captured CUDA graph replays every step of the sampling loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .. import _validate
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - the backend reports this when asked for
+    triton = None
+
+BACKEND_NAMES = ("auto", "torch", "triton")
+BLOCK = 1024
+# Triton's interpreter runs the kernel on CPU tensors (the CPU tests use it).
+_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def squaredcos_cap_v2(steps: int = 100, dtype=torch.float32, device=None) -> torch.Tensor:
+    """alphas_cumprod [steps] of the cosine schedule ("squaredcos_cap_v2", betas capped at 0.999)."""
+    def alpha_bar(t):
+        return math.cos((t + 0.008) / 1.008 * math.pi / 2) ** 2
+
+    betas = torch.tensor([min(1 - alpha_bar((i + 1) / steps) / alpha_bar(i / steps), 0.999) for i in range(steps)],
+                         dtype=torch.float64)
+    return torch.cumprod(1 - betas, 0).to(dtype=dtype, device=device)
+
+
+def _reference(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
+    """The step in PyTorch, in float32 (float64 for float64), without reading t on the host.
+    An out-of-range timestep gives NaN."""
+    compute = torch.float64 if sample.dtype == torch.float64 else torch.float32
+    steps = alphas_cumprod.shape[0]
+    t = timestep.clamp(0, steps - 1)
+    alphas = alphas_cumprod.to(compute)
+    alpha_t = alphas[t]
+    alpha_prev = torch.where(t > 0, alphas[(t - 1).clamp(min=0)], torch.ones_like(alpha_t))
+    beta_t, beta_prev = 1 - alpha_t, 1 - alpha_prev
+    current_alpha = alpha_t / alpha_prev
+    current_beta = 1 - current_alpha
+    x, eps = sample.to(compute), model_output.to(compute)
+    x0 = (x - beta_t.sqrt() * eps) / alpha_t.sqrt()
+    if clip_sample:
+        x0 = x0.clamp(-1, 1)
+    mean = (alpha_prev.sqrt() * current_beta / beta_t) * x0 + (current_alpha.sqrt() * beta_prev / beta_t) * x
+    std = (beta_prev / beta_t * current_beta).clamp(min=1e-20).sqrt()
+    out = mean + torch.where(t > 0, std, torch.zeros_like(std)) * noise.to(compute)
+    valid = (timestep >= 0) & (timestep < steps)
+    return torch.where(valid, out, torch.full_like(out, math.nan)).to(sample.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _step_kernel(eps_ptr, x_ptr, t_ptr, alphas_ptr, noise_ptr, out_ptr, count, steps,
+                     CLIP: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < count
+        t_raw = tl.load(t_ptr)
+        t = tl.minimum(tl.maximum(t_raw, 0), steps - 1)
+        alpha_t = tl.load(alphas_ptr + t).to(tl.float32)
+        alpha_prev = tl.where(t > 0, tl.load(alphas_ptr + tl.maximum(t - 1, 0)).to(tl.float32), 1.0)
+        beta_t = 1.0 - alpha_t
+        beta_prev = 1.0 - alpha_prev
+        current_alpha = alpha_t / alpha_prev
+        current_beta = 1.0 - current_alpha
+        x0_coeff = tl.sqrt(alpha_prev) * current_beta / beta_t
+        x_coeff = tl.sqrt(current_alpha) * beta_prev / beta_t
+        std = tl.where(t > 0, tl.sqrt(tl.maximum(beta_prev / beta_t * current_beta, 1e-20)), 0.0)
+        std = tl.where((t_raw >= 0) & (t_raw < steps), std, float("nan"))
+
+        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+        eps = tl.load(eps_ptr + offsets, mask=mask).to(tl.float32)
+        noise = tl.load(noise_ptr + offsets, mask=mask).to(tl.float32)
+        x0 = (x - tl.sqrt(beta_t) * eps) / tl.sqrt(alpha_t)
+        if CLIP:
+            x0 = tl.minimum(tl.maximum(x0, -1.0), 1.0)
+        out = x0_coeff * x0 + x_coeff * x + std * noise
+        tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _triton(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
+    out = torch.empty_like(sample)
+    count = sample.numel()
+    if count:
+        grid = (triton.cdiv(count, BLOCK),)
+        _step_kernel[grid](model_output, sample, timestep, alphas_cumprod, noise, out, count,
+                           alphas_cumprod.shape[0], CLIP=clip_sample, BLOCK=BLOCK)
+    return out
+
+
+@torch.library.custom_op("fullgraph::ddpm_step", mutates_args=())
+def ddpm_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
+                 alphas_cumprod: torch.Tensor, noise: torch.Tensor, clip_sample: bool, backend: str) -> torch.Tensor:
+    run = _triton if backend == "triton" else _reference
+    return run(model_output.contiguous(), sample.contiguous(), timestep, alphas_cumprod.contiguous(),
+               noise.contiguous(), clip_sample)
+
+
+@ddpm_step_op.register_fake
+def _(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend):
+    return torch.empty_like(sample)
+
+
+def _backend(backend: str, sample: torch.Tensor) -> str:
+    _validate.choice("backend", backend, BACKEND_NAMES)
+    on_device = sample.device.type == "cuda" or (sample.device.type == "cpu" and _TRITON_ON_CPU)
+    triton_fits = on_device and triton is not None and sample.dtype != torch.float64
+    if backend == "auto":
+        return "triton" if triton_fits and sample.device.type == "cuda" else "torch"
+    if backend == "triton" and not triton_fits:
+        raise ValueError(f'backend: "triton" needs CUDA tensors of float32/float16/bfloat16 and triton installed, '
+                         f"got {sample.dtype} on {sample.device}")
+    return backend
+
+
+def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sample: bool = True,
+              backend: str = "auto"):
+    """One DDPM denoising step x_t -> x_{t-1} for an epsilon-predicting model.
+
+    Args:
+        model_output: predicted noise, any shape, floating. sample: x_t, same shape, dtype
+            and device. timestep: t, a 0-d int64 tensor on the same device (a graph replay
+            reads its current value). alphas_cumprod: [T] cumulative products of
+            (1 - beta) on the device (e.g. ``squaredcos_cap_v2(100)``). noise: standard
+            normal noise shaped like sample, used only when t > 0.
+        clip_sample: clip the x0 estimate to [-1, 1]. backend: "auto" (Triton on CUDA,
+            float64 through PyTorch), "triton" or "torch".
+
+    Returns:
+        x_{t-1}, shaped like sample, in its dtype (computed in float32, or float64).
+        A timestep outside [0, T) gives NaN (checked on the device, without a sync).
+
+    Example:
+        >>> import torch, fullgraph
+        >>> alphas = fullgraph.ops.ddpm.squaredcos_cap_v2(100)
+        >>> x = torch.randn(1, 16, 2)
+        >>> out = fullgraph.ddpm_step(torch.randn_like(x), x, torch.tensor(99), alphas, torch.randn_like(x))
+        >>> out.shape
+        torch.Size([1, 16, 2])
+    """
+    for name, value in (("sample", sample), ("model_output", model_output), ("noise", noise)):
+        _validate.floating(name, value)
+        if name != "sample":
+            _validate.same_dtype_and_device(name, value, "sample", sample)
+            if value.shape != sample.shape:
+                raise ValueError(f"{name}: expected the shape of sample {tuple(sample.shape)}, got {tuple(value.shape)}")
+    _validate.tensor("timestep", timestep)
+    if timestep.dtype != torch.int64 or timestep.dim() != 0:
+        raise TypeError(f"timestep: expected a 0-d int64 tensor (so a captured graph can replay every step), "
+                        f"got {timestep.dtype} of shape {tuple(timestep.shape)}")
+    if timestep.device != sample.device:
+        raise ValueError(f"timestep: expected a tensor on {sample.device} like sample, got {timestep.device}")
+    _validate.floating("alphas_cumprod", alphas_cumprod)
+    _validate.rank("alphas_cumprod", alphas_cumprod, (1,), "[T]")
+    if alphas_cumprod.device != sample.device or alphas_cumprod.shape[0] < 1:
+        raise ValueError(f"alphas_cumprod: expected [T >= 1] on {sample.device}, got {tuple(alphas_cumprod.shape)} "
+                         f"on {alphas_cumprod.device}")
+    if not isinstance(clip_sample, bool):
+        raise TypeError(f"clip_sample: expected a bool, got {type(clip_sample).__name__}")
+    return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample,
+                                         _backend(backend, sample))
