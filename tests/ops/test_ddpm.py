@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ def _oracle(eps, x, t, alphas, noise, clip):
 
 
 def _cases():
-    backends = [("torch", d) for d in DEVICES] + ([("triton", d) for d in DEVICES] if HAVE_TRITON else [])
-    return backends
+    """(backend, device): Triton on CUDA, and on CPU tensors through its interpreter."""
+    triton_devices = [d for d in DEVICES if d == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"]
+    return [("torch", d) for d in DEVICES] + ([("triton", d) for d in triton_devices] if HAVE_TRITON else [])
 
 
 def _inputs(generator, shape=(3, 16, 2), scale=3.0):

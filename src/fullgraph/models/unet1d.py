@@ -71,8 +71,8 @@ class ConditionalUnet1D(nn.Module):
                  cond_predict_scale: bool = True, horizon: int = 16):
         super().__init__()
         self.action_dim, self.global_cond_dim, self.horizon = action_dim, global_cond_dim, horizon
-        self.step_encoder = nn.Sequential(SinusoidalStepEmbedding(step_embed_dim),
-                                          nn.Linear(step_embed_dim, step_embed_dim * 4), nn.Mish(),
+        self.step_embedding = SinusoidalStepEmbedding(step_embed_dim)
+        self.step_encoder = nn.Sequential(nn.Linear(step_embed_dim, step_embed_dim * 4), nn.Mish(),
                                           nn.Linear(step_embed_dim * 4, step_embed_dim))
         cond_dim = step_embed_dim + global_cond_dim
         dims = [action_dim, *down_dims]
@@ -99,7 +99,8 @@ class ConditionalUnet1D(nn.Module):
                              f"got {tuple(global_cond.shape)}")
         steps = torch.as_tensor(timestep, device=sample.device)
         steps = steps.reshape(-1).expand(sample.shape[0])
-        cond = torch.cat([self.step_encoder(steps).to(global_cond.dtype), global_cond], dim=-1)
+        embedding = self.step_embedding(steps).to(self.step_encoder[0].weight.dtype)
+        cond = torch.cat([self.step_encoder(embedding).to(global_cond.dtype), global_cond], dim=-1)
         x = sample.transpose(1, 2)  # [B, action_dim, horizon]
         skips = []
         for first, second, downsample in self.down:
