@@ -51,3 +51,31 @@ def test_bad_input(sample, cond, message):
     with pytest.raises(ValueError) as raised:
         _small()(sample, 1, cond)
     assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("conv", [
+    torch.nn.Conv1d(6, 5, 5, padding=2), torch.nn.Conv1d(6, 6, 3, 2, 1), torch.nn.Conv1d(6, 3, 1),
+    torch.nn.ConvTranspose1d(6, 6, 4, 2, 1), torch.nn.ConvTranspose1d(6, 4, 3, 1, 0),
+])
+@pytest.mark.parametrize("length", [1, 4, 9])
+def test_matmul_convolutions_compute_the_same_function(conv, length):
+    from fullgraph.models.unet1d import matmul_convolutions
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(conv.double())
+    x = torch.randn(2, 6, length, dtype=torch.float64)
+    want = layer(x)
+    torch.testing.assert_close(matmul_convolutions(layer)(x), want, rtol=1e-12, atol=1e-12)
+
+
+def test_matmul_unet_equals_the_unet():
+    from fullgraph.models.unet1d import MatmulConv1d, MatmulConvTranspose1d, matmul_convolutions
+
+    unet = _small().double().eval()
+    x, cond = torch.randn(2, 16, 2, dtype=torch.float64), torch.randn(2, 10, dtype=torch.float64)
+    want = unet(x, 7, cond)
+    fast = matmul_convolutions(unet)
+    assert not any(isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) for m in fast.modules())
+    assert any(isinstance(m, MatmulConvTranspose1d) for m in fast.modules())
+    assert any(isinstance(m, MatmulConv1d) for m in fast.modules())
+    torch.testing.assert_close(fast(x, 7, cond), want, rtol=1e-10, atol=1e-10)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..models import LLTM, ConditionalUnet1D, KNNProjector, RadiusProjector
+from ..models.unet1d import matmul_convolutions
 from .timing import graphed
 
 BASELINE = "document eager"
@@ -280,27 +281,18 @@ def _diffusion_policy(params, device):
             return
         yield "document compiled+graphs", unfused_loop(torch.compile(unet, mode="reduce-overhead"))
         yield "document recipe (U-Net graphed)", unfused_loop(graphed_callable(unet))
-        compiled = torch.compile(unet, fullgraph=True)
-        compiled_bf16 = _casting(torch.compile(copy.deepcopy(unet).to(torch.bfloat16), fullgraph=True), torch.bfloat16)
-        for name, net, autotune in (("fullgraph graphed loop", unet, False),
-                                    ("fullgraph graphed loop, compiled U-Net", compiled, False),
-                                    ("fullgraph graphed loop, compiled U-Net, cuDNN autotuned", compiled, True),
-                                    ("fullgraph graphed loop, compiled bf16 U-Net, cuDNN autotuned", compiled_bf16, True)):
+        streamlined = matmul_convolutions(copy.deepcopy(unet))
+        for name, net in (
+                ("fullgraph graphed loop", unet),
+                ("fullgraph graphed loop, compiled U-Net", torch.compile(unet, fullgraph=True)),
+                ("fullgraph graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined, fullgraph=True)),
+                ("fullgraph graphed loop, compiled matmul-conv bf16 U-Net",
+                 _casting(torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True),
+                          torch.bfloat16))):
             loop = graphed_callable(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
-            yield name, functools.partial(_with_cudnn_benchmark if autotune else _call, loop, x, noise, cond, alphas, True)
+            yield name, functools.partial(loop, x, noise, cond, alphas, True)
 
     return [Case(name, run, check=deviation(run)) for name, run in cases()]
-
-
-def _call(fn, *args):
-    return fn(*args)
-
-
-def _with_cudnn_benchmark(fn, *args):
-    """``fn`` with cuDNN picking convolution algorithms by timing them (during the warm-up
-    before a capture; the captured graph keeps the choice)."""
-    with torch.backends.cudnn.flags(enabled=True, benchmark=True, deterministic=False, allow_tf32=True):
-        return fn(*args)
 
 
 def _casting(net, dtype):

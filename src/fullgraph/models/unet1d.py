@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -112,3 +113,54 @@ class ConditionalUnet1D(nn.Module):
         for first, second, upsample in self.up:
             x = upsample(second(first(torch.cat([x, skips.pop()], dim=1), cond), cond))
         return self.final(x).transpose(1, 2)
+
+
+class MatmulConv1d(nn.Module):
+    """A Conv1d as unfold + one matrix product: at batch 1 over a few time steps, cuDNN
+    spends most of its time converting layouts; a product streams the weights once."""
+
+    def __init__(self, conv: nn.Conv1d):
+        super().__init__()
+        if conv.groups != 1 or conv.dilation != (1,) or not isinstance(conv.padding, tuple):
+            raise ValueError(f"conv: expected groups=1, dilation=1 and numeric padding, got {conv}")
+        self.kernel, self.stride, self.padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+        self.weight = nn.Parameter(conv.weight.detach().flatten(1).clone())  # [out, in * kernel]
+        self.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        windows = F.pad(x, (self.padding, self.padding)).unfold(2, self.kernel, self.stride)  # [B, in, T', k]
+        return F.linear(windows.transpose(1, 2).flatten(2), self.weight, self.bias).transpose(1, 2)
+
+
+class MatmulConvTranspose1d(nn.Module):
+    """A ConvTranspose1d as one matrix product into per-input-step columns, then their
+    overlapping sum (``fold``)."""
+
+    def __init__(self, conv: nn.ConvTranspose1d):
+        super().__init__()
+        if conv.groups != 1 or conv.dilation != (1,) or conv.output_padding != (0,):
+            raise ValueError(f"conv: expected groups=1, dilation=1 and no output padding, got {conv}")
+        self.kernel, self.stride, self.padding = conv.kernel_size[0], conv.stride[0], conv.padding[0]
+        self.out_channels = conv.out_channels
+        self.weight = nn.Parameter(conv.weight.detach().flatten(1).t().contiguous())  # [out * kernel, in]
+        self.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = (x.shape[2] - 1) * self.stride - 2 * self.padding + self.kernel
+        columns = torch.matmul(self.weight, x)  # [B, out * kernel, T]
+        y = F.fold(columns, (1, length), (1, self.kernel), padding=(0, self.padding), stride=(1, self.stride))
+        y = y.squeeze(2)
+        return y if self.bias is None else y + self.bias[:, None]
+
+
+def matmul_convolutions(module: nn.Module) -> nn.Module:
+    """Replace (in place) every Conv1d and ConvTranspose1d in ``module`` by its matrix-product
+    form: the same function, several times faster at Diffusion Policy's batch-1 sizes."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Conv1d):
+            setattr(module, name, MatmulConv1d(child))
+        elif isinstance(child, nn.ConvTranspose1d):
+            setattr(module, name, MatmulConvTranspose1d(child))
+        else:
+            matmul_convolutions(child)
+    return module
