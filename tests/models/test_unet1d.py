@@ -79,3 +79,12 @@ def test_matmul_unet_equals_the_unet():
     assert any(isinstance(m, MatmulConvTranspose1d) for m in fast.modules())
     assert any(isinstance(m, MatmulConv1d) for m in fast.modules())
     torch.testing.assert_close(fast(x, 7, cond), want, rtol=1e-10, atol=1e-10)
+
+
+def test_a_bf16_network_takes_and_returns_the_sample_dtype():
+    unet = _small().eval()
+    x, cond = torch.randn(2, 16, 2), torch.randn(2, 10)
+    want = unet(x, 7, cond)
+    got = unet.to(torch.bfloat16)(x, 7, cond)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0.1, atol=0.1)

@@ -287,17 +287,11 @@ def _diffusion_policy(params, device):
                 ("fullgraph graphed loop, compiled U-Net", torch.compile(unet, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv bf16 U-Net",
-                 _casting(torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True),
-                          torch.bfloat16))):
+                 torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True))):
             loop = graphed_callable(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
             yield name, functools.partial(loop, x, noise, cond, alphas, True)
 
     return [Case(name, run, check=deviation(run)) for name, run in cases()]
-
-
-def _casting(net, dtype):
-    """``net`` run in ``dtype``: inputs cast in, the prediction cast back to float32."""
-    return lambda sample, t, cond: net(sample.to(dtype), t, cond.to(dtype)).float()
 
 
 register(Workload(

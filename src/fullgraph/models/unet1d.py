@@ -65,6 +65,8 @@ class ConditionalResidualBlock1D(nn.Module):
 class ConditionalUnet1D(nn.Module):
     """``unet(sample [B, horizon, action_dim], timestep, global_cond [B, global_cond_dim])
     -> predicted noise [B, horizon, action_dim]``; timestep an int, a 0-d or a [B] tensor.
+    Inputs are cast to the network's dtype (e.g. after ``.to(torch.bfloat16)``) and the
+    prediction is returned in the sample's dtype.
     The horizon must be divisible by 2 ** (len(down_dims) - 1)."""
 
     def __init__(self, action_dim: int = 2, global_cond_dim: int = 1028, step_embed_dim: int = 256,
@@ -100,9 +102,9 @@ class ConditionalUnet1D(nn.Module):
                              f"got {tuple(global_cond.shape)}")
         steps = torch.as_tensor(timestep, device=sample.device)
         steps = steps.reshape(-1).expand(sample.shape[0])
-        embedding = self.step_embedding(steps).to(self.step_encoder[0].weight.dtype)
-        cond = torch.cat([self.step_encoder(embedding).to(global_cond.dtype), global_cond], dim=-1)
-        x = sample.transpose(1, 2)  # [B, action_dim, horizon]
+        dtype = self.step_encoder[0].weight.dtype  # inputs are cast to the network's dtype
+        cond = torch.cat([self.step_encoder(self.step_embedding(steps).to(dtype)), global_cond.to(dtype)], dim=-1)
+        x = sample.transpose(1, 2).to(dtype)  # [B, action_dim, horizon]
         skips = []
         for first, second, downsample in self.down:
             x = second(first(x, cond), cond)
@@ -112,7 +114,7 @@ class ConditionalUnet1D(nn.Module):
             x = block(x, cond)
         for first, second, upsample in self.up:
             x = upsample(second(first(torch.cat([x, skips.pop()], dim=1), cond), cond))
-        return self.final(x).transpose(1, 2)
+        return self.final(x).transpose(1, 2).to(sample.dtype)
 
 
 class MatmulConv1d(nn.Module):
