@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import fullgraph.extern as extern
+from fullgraph import extern
 
 
 def _norm_backward(ctx, grad):
