@@ -23,7 +23,7 @@ def test_loop_matches_the_reference_steps():
     alphas = ddpm.squaredcos_cap_v2(8)
     with torch.no_grad():
         for i, t in enumerate(range(7, -1, -1)):
-            x = ddpm._reference(unet(x, t, cond), x, torch.tensor(t), alphas, noise[i], True)
+            x = ddpm.reference(unet(x, t, cond), x, torch.tensor(t), alphas, noise[i], True)
     torch.testing.assert_close(got, x)
     assert got.abs().max() <= 1  # the last step returns the clipped x0 estimate
 

@@ -25,12 +25,13 @@ from .ops.ddpm import ddpm_step, squaredcos_cap_v2
 _GRAPHED_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample: bool = True):
-    """The loop: x [B, H, A] from t = T - 1 down to 0, noise [T, B, H, A] per step."""
+def denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample: bool = True, step=ddpm_step):
+    """The loop: x [B, H, A] from t = T - 1 down to 0, noise [T, B, H, A] per step; ``step``
+    is the denoise step (the fused ``ddpm_step``, or ``ops.ddpm.reference``)."""
     timesteps = torch.arange(noise.shape[0] - 1, -1, -1, device=x.device)
     for i in range(noise.shape[0]):
         t = timesteps[i]
-        x = ddpm_step(unet(x, t, global_cond), x, t, alphas_cumprod, noise[i], clip_sample=clip_sample)
+        x = step(unet(x, t, global_cond), x, t, alphas_cumprod, noise[i], clip_sample=clip_sample)
     return x
 
 

@@ -71,7 +71,7 @@ class ExternOp:
         self.__doc__, self.__name__ = fn.__doc__, getattr(fn, "__name__", name)
 
     def _fake(self, *args):
-        created = [args_like(args).new_empty(shape, dtype=dtype) for shape, dtype in _specs(self.outputs, args)]
+        created = [_first_tensor(args).new_empty(shape, dtype=dtype) for shape, dtype in _specs(self.outputs, args)]
         return created[0] if len(created) == 1 else tuple(created)
 
     def _run(self, *args):
@@ -108,7 +108,7 @@ class ExternOp:
         return self.op(*args)
 
 
-def args_like(args) -> torch.Tensor:
+def _first_tensor(args) -> torch.Tensor:
     """The first tensor argument (outputs are created like it)."""
     for value in args:
         if isinstance(value, torch.Tensor):

@@ -28,8 +28,7 @@ class GraphCaptureError(RuntimeError):
     """The callable cannot be captured in a CUDA graph (the message says why)."""
 
 
-_SYNC_HINTS = ("operation not permitted when stream is capturing", "cudaErrorStreamCaptureUnsupported",
-               "cudaErrorStreamCaptureInvalidated", "capture", "synchron")
+_SYNC_HINTS = ("stream is capturing", "cudaErrorStreamCapture", "synchroniz")
 
 
 @dataclass

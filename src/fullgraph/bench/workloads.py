@@ -258,16 +258,9 @@ def _diffusion_policy(params, device):
     x = torch.randn(batch, unet.horizon, unet.action_dim, device=device, generator=generator)
     noise = torch.randn(steps, *x.shape, device=device, generator=generator)
     alphas = ddpm.squaredcos_cap_v2(steps, device=device)
-    timesteps = torch.arange(steps - 1, -1, -1, device=device)
 
     def unfused_loop(net):
-        @torch.no_grad()
-        def run():
-            sample = x
-            for i in range(steps):
-                sample = ddpm._reference(net(sample, timesteps[i], cond), sample, timesteps[i], alphas, noise[i], True)
-            return sample
-        return run
+        return torch.no_grad()(functools.partial(denoise, net, x, noise, cond, alphas, True, ddpm.reference))
 
     baseline = unfused_loop(unet)()
 

@@ -37,8 +37,8 @@ def squaredcos_cap_v2(steps: int = 100, dtype=torch.float32, device=None) -> tor
     return torch.cumprod(1 - betas, 0).to(dtype=dtype, device=device)
 
 
-def _reference(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
-    """The step in PyTorch, in float32 (float64 for float64), without reading t on the host.
+def reference(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
+    """The step in PyTorch (unfused), in float32 (float64 for float64), without reading t on the host.
     An out-of-range timestep gives NaN."""
     compute = torch.float64 if sample.dtype == torch.float64 else torch.float32
     steps = alphas_cumprod.shape[0]
@@ -103,7 +103,7 @@ def _triton(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: 
 @torch.library.custom_op("fullgraph::ddpm_step", mutates_args=())
 def ddpm_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
                  alphas_cumprod: torch.Tensor, noise: torch.Tensor, clip_sample: bool, backend: str) -> torch.Tensor:
-    run = _triton if backend == "triton" else _reference
+    run = _triton if backend == "triton" else reference
     return run(model_output.contiguous(), sample.contiguous(), timestep, alphas_cumprod.contiguous(),
                noise.contiguous(), clip_sample)
 

@@ -16,6 +16,12 @@ constexpr int64_t kGrainElements = 16384;  // elements per task before a batch r
 
 int64_t grain_rows(int64_t state) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(state, 1)); }
 
+template <typename V>
+V vec_sigmoid(const V& z) {
+  const V one(typename V::value_type(1));
+  return one / (one + z.neg().exp());
+}
+
 // One batch row, vectorized (at::vec, SLEEF's exp/expm1/tanh) for float and double; the
 // scalar tail and float16/bfloat16 (computed in float) go through cell_forward.
 template <typename scalar_t>
@@ -24,14 +30,14 @@ void forward_row(const scalar_t* gates, const scalar_t* old_cell, scalar_t* new_
   int64_t j = 0;
   if constexpr (std::is_same_v<scalar_t, opmath_t>) {
     using V = at::vec::Vectorized<scalar_t>;
-    const V one(scalar_t(1)), zero(scalar_t(0));
+    const V zero(scalar_t(0));
     for (; j + V::size() <= state; j += V::size()) {
       const V gate_i = V::loadu(gates + j), gate_o = V::loadu(gates + state + j);
       const V gate_c = V::loadu(gates + 2 * state + j);
       const V candidate = V::blendv(gate_c.expm1(), gate_c, gate_c > zero);
-      const V cell = V::loadu(old_cell + j) + candidate * (one / (one + gate_i.neg().exp()));
+      const V cell = V::loadu(old_cell + j) + candidate * vec_sigmoid(gate_i);
       cell.store(new_cell + j);
-      (cell.tanh() * (one / (one + gate_o.neg().exp()))).store(new_h + j);
+      (cell.tanh() * vec_sigmoid(gate_o)).store(new_h + j);
     }
   }
   for (; j < state; ++j) {
@@ -53,7 +59,7 @@ void backward_row(const scalar_t* grad_h, const scalar_t* grad_cell, const scala
     for (; j + V::size() <= state; j += V::size()) {
       const V gate_i = V::loadu(gates + j), gate_o = V::loadu(gates + state + j);
       const V gate_c = V::loadu(gates + 2 * state + j), g_h = V::loadu(grad_h + j);
-      const V input_gate = one / (one + gate_i.neg().exp()), output_gate = one / (one + gate_o.neg().exp());
+      const V input_gate = vec_sigmoid(gate_i), output_gate = vec_sigmoid(gate_o);
       const V tanh_cell = V::loadu(new_cell + j).tanh();
       const V d_new_cell = (one - tanh_cell * tanh_cell) * output_gate * g_h + V::loadu(grad_cell + j);
       const V exp_c = gate_c.exp();
