@@ -102,10 +102,37 @@ def test_bad_declarations_and_devices():
         on_gpu(torch.rand(3))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("cupy") is not None, reason="cupy is installed here")
-def test_a_missing_library_names_the_package():
-    with pytest.raises(ImportError, match="pip install cupy"):
-        extern._module("cupy")
+MISSING = [name for name, library in extern.LIBRARIES.items()
+           if importlib.util.find_spec(library.module.split(".")[0]) is None]
+
+
+@pytest.mark.skipif(not MISSING, reason="every extern library is installed here")
+@pytest.mark.parametrize("name", MISSING)
+def test_a_missing_library_names_the_package(name):
+    with pytest.raises(ImportError, match=f"library='{name}' needs .*: pip install "):
+        extern.LIBRARIES[name].load()
+
+
+def test_cuda_graph_policies():
+    outputs = lambda x: [(x.shape, x.dtype)]  # noqa: E731
+    tagged = extern.op("fgtest::tagged", "(Tensor x) -> Tensor", outputs=outputs, cuda_graphs="tag")(np.sin)
+    assert torch.Tag.cudagraph_unsafe in tagged.op._opoverload.tags
+    assert torch.Tag.cudagraph_unsafe not in scaled_norms.op._opoverload.tags
+    assert extern.op("fgtest::jax_default", "(Tensor x) -> Tensor", outputs=outputs,
+                     library="jax")(np.sin).cuda_graphs == "tag"
+    x = torch.rand(5, dtype=torch.float64)
+    torch.testing.assert_close(torch.compile(tagged, fullgraph=True)(x), torch.sin(x))  # tagged: still one graph
+    broken = extern.op("fgtest::broken", "(Tensor x) -> Tensor", outputs=outputs, cuda_graphs="break")(np.cos)
+    with pytest.raises(Exception, match="(?i)skip|disable|graph break"):
+        torch.compile(lambda t: broken(t) + 1, fullgraph=True)(x)
+    torch.testing.assert_close(torch.compile(lambda t: broken(t) + 1)(x), torch.cos(x) + 1)
+    with pytest.raises(ValueError, match="cuda_graphs: expected one of"):
+        extern.op("fgtest::bad_policy", "(Tensor x) -> Tensor", outputs=outputs, cuda_graphs="maybe")(np.sin)
+
+
+def test_current_stream_only_inside_an_op():
+    with pytest.raises(RuntimeError, match="only valid inside an extern op"):
+        extern.current_stream()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None,
@@ -126,3 +153,92 @@ def test_cupy_runs_on_the_current_stream_inside_a_compiled_graph():
         y = softplus(x)
     stream.synchronize()
     torch.testing.assert_close(y, torch.nn.functional.softplus(x))
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+def test_numba_kernel_on_the_current_stream_and_in_a_cuda_graph():
+    pytest.importorskip("numba.cuda")
+    from numba import cuda
+
+    @cuda.jit
+    def axpy_kernel(out, x, y, a):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = a * x[i] + y[i]
+
+    @extern.op("fgtest::numba_axpy", "(Tensor x, Tensor y, float a) -> Tensor",
+               outputs=lambda x, y, a: [(x.shape, x.dtype)], library="numba")
+    def axpy(x, y, a):
+        out = cuda.device_array_like(x, stream=extern.current_stream())
+        if x.size:
+            axpy_kernel[(x.size + 255) // 256, 256, extern.current_stream()](out, x, y, a)
+        return out
+
+    x, y = torch.randn(10_000, device="cuda"), torch.randn(10_000, device="cuda")
+    torch.testing.assert_close(axpy(x, y, 3.0), 3 * x + y)
+    extern.check(axpy, x, y, 3.0)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        z = axpy(x, y, -1.0)
+    stream.synchronize()
+    torch.testing.assert_close(z, y - x)
+    # Numba allocates outside PyTorch: inside a CUDA graph only with the shared pool.
+    from fullgraph import graphs, memory
+
+    with memory.torch_pool("numba"):
+        graphed = graphs.graphed(lambda a, b: axpy(a, b, 2.0))
+        for _ in range(3):
+            x, y = torch.randn(4096, device="cuda"), torch.randn(4096, device="cuda")
+            torch.testing.assert_close(graphed(x, y), 2 * x + y)
+
+
+@needs_cuda
+def test_warp_function_with_adjoint_backward_example():
+    pytest.importorskip("warp")
+    import runpy
+    from pathlib import Path
+
+    runpy.run_path(str(Path(__file__).parents[1] / "examples" / "wrap_a_warp_kernel.py"), run_name="__main__")
+
+
+@needs_cuda
+def test_jax_is_kept_out_of_cuda_graphs():
+    pytest.importorskip("jax")
+
+    @extern.op("fgtest::jax_tanh", "(Tensor x) -> Tensor", outputs=lambda x: [(x.shape, x.dtype)], library="jax")
+    def jax_tanh(x):
+        import jax.numpy as jnp
+
+        return jnp.tanh(x) * 2
+
+    x = torch.randn(1000, device="cuda")
+    torch.testing.assert_close(jax_tanh(x), torch.tanh(x) * 2)
+    compiled = torch.compile(lambda t: jax_tanh(t.sin()).cos(), fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        x = torch.randn(1000, device="cuda")
+        torch.testing.assert_close(compiled(x), (torch.tanh(x.sin()) * 2).cos())
+    with pytest.raises(extern.ExternError, match="cannot run inside a CUDA graph capture"):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            jax_tanh(x)
+
+
+@needs_cuda
+def test_cupy_op_is_captured_by_graphs():
+    pytest.importorskip("cupy")
+    from fullgraph import graphs
+
+    @extern.op("fgtest::cupy_square", "(Tensor x) -> Tensor", outputs=lambda x: [(x.shape, x.dtype)], library="cupy")
+    def square(x):
+        return x * x
+
+    from fullgraph import memory
+
+    with memory.torch_pool("cupy"):  # CuPy's result buffer then comes from the graph's pool
+        graphed = graphs.graphed(square)
+        for _ in range(3):
+            x = torch.randn(512, device="cuda")
+            torch.testing.assert_close(graphed(x), x * x)

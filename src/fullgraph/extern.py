@@ -7,45 +7,121 @@
 
     y = scaled_norms(torch.rand(5, 3), 2.0)  # a tensor; torch.compile(fullgraph=True) traces it
 
-The tensors go to the library and back through DLPack without copies. ``outputs`` declares
-each output's (shape, dtype) as a function of the inputs; the fake implementation that
-torch.compile uses is built from it, so symbolic sizes work under ``dynamic=True``, and the
-real outputs are checked against it. ``backward`` (plain torch code, or another extern op)
-is registered with ``register_autograd``. This session's libraries: "numpy" (CPU; SciPy
-works on the same arrays) and "cupy" (CUDA, run on PyTorch's current stream).
+Tensors reach the library and come back without copies (DLPack or the CUDA array
+interface). ``outputs`` declares each output's (shape, dtype) from the inputs: the fake
+implementation torch.compile traces is built from it, so symbolic sizes work under
+``dynamic=True``, and the real outputs are checked against it. GPU libraries run on
+PyTorch's current CUDA stream, so their work is ordered with PyTorch's without a sync.
+``backward`` (torch code, or other ops) is registered with ``register_autograd``.
+
+Libraries: "numpy" (CPU; SciPy works on the same arrays), "cupy", "numba" (numba.cuda),
+"warp" (NVIDIA Warp) and "jax", each imported on first use.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import threading
+from dataclasses import dataclass
 
 import torch
 
-LIBRARIES = {"numpy": ("numpy", "cpu"), "cupy": ("cupy", "cuda")}
-_PACKAGES = {"numpy": "numpy", "cupy": "cupy-cuda12x or cupy-cuda13x"}
+CUDA_GRAPH_POLICIES = ("safe", "tag", "break")
 
 
 class ExternError(RuntimeError):
-    """An extern op's function broke its declared contract (shapes, dtypes, devices)."""
+    """An extern op's function broke its declared contract (shapes, dtypes, capture)."""
 
 
-def _module(library: str):
-    name = LIBRARIES[library][0]
-    try:
-        return importlib.import_module(name)
-    except ImportError as error:
-        raise ImportError(f"fullgraph.extern: library={library!r} needs {name}: pip install {_PACKAGES[library]}") from error
+@dataclass(frozen=True)
+class Library:
+    """How fullgraph hands tensors to one array library and takes its arrays back."""
+
+    name: str
+    module: str
+    device: str  # the torch device type its arrays live on
+    package: str  # what to pip install
+    cuda_graphs: str  # default policy: can its kernels be captured on PyTorch's stream?
+
+    def load(self):
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as error:
+            raise ImportError(f"fullgraph.extern: library={self.name!r} needs {self.module}: "
+                              f"pip install {self.package}") from error
 
 
-def _to_library(library: str, tensor: torch.Tensor):
-    module = _module(library)
-    return module.from_dlpack(tensor.detach().contiguous())
+LIBRARIES = {library.name: library for library in (
+    Library("numpy", "numpy", "cpu", "numpy", "safe"),
+    Library("cupy", "cupy", "cuda", "cupy-cuda12x (or cupy-cuda13x)", "safe"),
+    Library("numba", "numba.cuda", "cuda", "numba-cuda", "safe"),
+    Library("warp", "warp", "cuda", '"fullgraph[warp]" (warp-lang)', "safe"),
+    # JAX runs on its own streams: its work cannot join a capture on PyTorch's stream.
+    Library("jax", "jax", "cuda", '"jax[cuda12]"', "tag"),
+)}
+
+_running = threading.local()
 
 
-def _from_library(value) -> torch.Tensor:
+def current_stream():
+    """Inside an extern op's function: the library's handle on PyTorch's current stream
+    (cupy ExternalStream, numba Stream, warp Stream; a torch.cuda.Stream for the others).
+
+    CuPy and Warp already run on it; a Numba kernel must be launched on it:
+    ``kernel[blocks, threads, fullgraph.extern.current_stream()](...)``.
+    """
+    stream = getattr(_running, "stream", None)
+    if stream is None:
+        raise RuntimeError("fullgraph.extern.current_stream() is only valid inside an extern op's function")
+    return stream
+
+
+def _to_array(library: str, module, tensor: torch.Tensor):
+    tensor = tensor.detach().contiguous()
+    if library == "numba":
+        return module.as_cuda_array(tensor)
+    if library == "warp":
+        return module.from_torch(tensor)
+    if library == "jax":
+        import jax.dlpack
+
+        return jax.dlpack.from_dlpack(tensor)
+    return module.from_dlpack(tensor)
+
+
+def _from_array(library: str, module, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
-    return torch.from_dlpack(value) if hasattr(value, "__dlpack__") else torch.as_tensor(value)
+    if library == "warp" and isinstance(value, module.array):
+        return module.to_torch(value)
+    if hasattr(value, "__dlpack__"):
+        return torch.from_dlpack(value)
+    if hasattr(value, "__cuda_array_interface__"):
+        return torch.as_tensor(value, device="cuda")
+    return torch.as_tensor(value)
+
+
+@contextlib.contextmanager
+def _on_current_stream(library: str, module, device: torch.device):
+    """Run the library on PyTorch's current stream of ``device``; publish its handle."""
+    if device.type != "cuda":
+        yield
+        return
+    torch_stream = torch.cuda.current_stream(device)
+    if library == "cupy":
+        stream = module.cuda.ExternalStream(torch_stream.cuda_stream, device.index)
+        with module.cuda.Device(device.index), stream:
+            yield stream
+    elif library == "numba":
+        with module.gpus[device.index]:
+            yield module.external_stream(torch_stream.cuda_stream)
+    elif library == "warp":
+        stream = module.stream_from_torch(torch_stream)
+        with module.ScopedDevice(stream.device), module.ScopedStream(stream):
+            yield stream
+    else:
+        yield torch_stream
 
 
 def _specs(outputs, args) -> list[tuple[tuple, torch.dtype]]:
@@ -59,34 +135,50 @@ def _specs(outputs, args) -> list[tuple[tuple, torch.dtype]]:
 class ExternOp:
     """The operator made by ``op``: call it like the function; ``.op`` is the torch op."""
 
-    def __init__(self, fn, name: str, schema: str, outputs, library: str, backward, setup_context):
+    def __init__(self, fn, name, schema, outputs, library, backward, setup_context, cuda_graphs):
         if library not in LIBRARIES:
             raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
+        cuda_graphs = cuda_graphs or LIBRARIES[library].cuda_graphs
+        if cuda_graphs not in CUDA_GRAPH_POLICIES:
+            raise ValueError(f"cuda_graphs: expected one of {CUDA_GRAPH_POLICIES}, got {cuda_graphs!r}")
         self.fn, self.name, self.outputs, self.library = fn, name, outputs, library
-        self.device_type = LIBRARIES[library][1]
-        self.op = torch.library.custom_op(name, self._run, mutates_args=(), schema=schema)
+        self.cuda_graphs = cuda_graphs
+        self.device_type = LIBRARIES[library].device
+        tags = (torch.Tag.cudagraph_unsafe,) if cuda_graphs != "safe" else ()
+        self.op = torch.library.custom_op(name, self._run, mutates_args=(), schema=schema, tags=tags)
         self.op.register_fake(self._fake)
         if backward is not None:
             self.op.register_autograd(backward, setup_context=setup_context or _save_inputs)
+        self._call = torch.compiler.disable(self.op) if cuda_graphs == "break" else self.op
         self.__doc__, self.__name__ = fn.__doc__, getattr(fn, "__name__", name)
 
     def _fake(self, *args):
         created = [_first_tensor(args).new_empty(shape, dtype=dtype) for shape, dtype in _specs(self.outputs, args)]
         return created[0] if len(created) == 1 else tuple(created)
 
-    def _run(self, *args):
+    def _check_inputs(self, args) -> torch.device:
+        device = _first_tensor(args).device
         for i, value in enumerate(args):
             if isinstance(value, torch.Tensor) and value.device.type != self.device_type:
                 raise ValueError(f"{self.name}: library={self.library!r} runs on {self.device_type} tensors, "
                                  f"got argument {i} on {value.device}")
-        arrays = [_to_library(self.library, a) if isinstance(a, torch.Tensor) else a for a in args]
-        if self.library == "cupy":
-            import cupy
+        if self.cuda_graphs != "safe" and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise ExternError(f"{self.name} is declared cuda_graphs={self.cuda_graphs!r} (it synchronizes or "
+                              "allocates outside PyTorch) and cannot run inside a CUDA graph capture; call it "
+                              "outside the captured region (torch.compile keeps it out of its CUDA graphs)")
+        return device
 
-            with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+    def _run(self, *args):
+        device = self._check_inputs(args)
+        module = LIBRARIES[self.library].load()
+        arrays = [_to_array(self.library, module, a) if isinstance(a, torch.Tensor) else a for a in args]
+        outer = getattr(_running, "stream", None)
+        with _on_current_stream(self.library, module, device) as stream:
+            _running.stream = stream
+            try:
                 result = self.fn(*arrays)
-        else:
-            result = self.fn(*arrays)
+            finally:
+                _running.stream = outer
         results = list(result) if isinstance(result, (tuple, list)) else [result]
         specs = _specs(self.outputs, args)
         if len(results) != len(specs):
@@ -94,10 +186,13 @@ class ExternOp:
                               f"declares {len(specs)}")
         tensors = []
         for i, (value, (shape, dtype)) in enumerate(zip(results, specs)):
-            tensor = _from_library(value)
+            tensor = _from_array(self.library, module, value)
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ExternError(f"{self.name}: output {i} came back as {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the outputs spec declares {shape} {dtype}")
+            if tensor.device.type != device.type:
+                raise ExternError(f"{self.name}: output {i} came back on {tensor.device}, expected {device.type} "
+                                  "like the inputs")
             tensors.append(tensor)
         # A custom op's outputs must not alias its inputs: copy any that the function passed through.
         inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
@@ -105,7 +200,7 @@ class ExternOp:
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
     def __call__(self, *args):
-        return self.op(*args)
+        return self._call(*args)
 
 
 def _first_tensor(args) -> torch.Tensor:
@@ -121,17 +216,25 @@ def _save_inputs(ctx, inputs, output):
     ctx.save_for_backward(*[a for a in inputs if isinstance(a, torch.Tensor)])
 
 
-def op(name: str, schema: str, *, outputs, library: str = "numpy", backward=None, setup_context=None):
+def op(name: str, schema: str, *, outputs, library: str = "numpy", backward=None, setup_context=None,
+       cuda_graphs: str | None = None):
     """Register ``fn`` (a function of the library's arrays) as the torch operator ``name``.
 
     Args:
         name: "namespace::op_name". schema: its signature, e.g. "(Tensor x, float s) -> Tensor".
         outputs: ``outputs(*args) -> [(shape, dtype), ...]``, one per output, from the input
             tensors (fake ones while compiling): how torch.compile learns output shapes.
-        library: "numpy" (CPU tensors) or "cupy" (CUDA tensors, run on the current stream).
+        library: "numpy" (CPU tensors), or "cupy", "numba", "warp", "jax" (CUDA tensors).
         backward: optional ``backward(ctx, *grads) -> grads per input`` in torch code (or
             other ops); by default ``setup_context`` saves the tensor inputs as
             ``ctx.saved_tensors`` and all inputs as ``ctx.inputs``.
+        cuda_graphs: whether the function may be captured in a CUDA graph.
+            "safe": it only launches work on the current stream (default, except JAX);
+            "tag": it synchronizes or allocates outside PyTorch: the op carries
+            ``torch.Tag.cudagraph_unsafe`` so torch.compile's CUDA graphs run around it
+            (``fullgraph=True`` still holds), and calling it during a manual capture raises
+            ExternError (default for JAX); "break": torch.compile leaves the call out of
+            its graph (a graph break, so not with ``fullgraph=True``).
 
     Returns:
         A decorator making an ``ExternOp``; raises ExternError when the function's outputs
@@ -139,14 +242,15 @@ def op(name: str, schema: str, *, outputs, library: str = "numpy", backward=None
         package) when the library is missing.
     """
     def register(fn):
-        return ExternOp(fn, name, schema, outputs, library, backward, setup_context)
+        return ExternOp(fn, name, schema, outputs, library, backward, setup_context, cuda_graphs)
 
     return register
 
 
 def check(extern_op: ExternOp, *args) -> None:
     """``torch.library.opcheck`` on the op, then one torch.compile(fullgraph=True) call that
-    must equal the eager call. Raises on the first failure."""
+    must equal the eager call (without fullgraph for cuda_graphs="break"). Raises on the
+    first failure."""
     torch.library.opcheck(extern_op.op, args)
-    compiled = torch.compile(lambda *a: extern_op(*a), fullgraph=True)
+    compiled = torch.compile(lambda *a: extern_op(*a), fullgraph=extern_op.cuda_graphs != "break")
     torch.testing.assert_close(compiled(*args), extern_op(*args))

@@ -10,6 +10,18 @@ def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+OUTSIDE = "outside_torch_pool_bytes"
+
+
+def _outside(rows: list[dict]) -> bool:
+    """Whether the rows measured device memory held outside PyTorch's pool (GPU projectors)."""
+    return any(OUTSIDE in r for r in rows)
+
+
+def _outside_mib(row: dict) -> str:
+    return _fmt(row.get(OUTSIDE) and row[OUTSIDE] / 2**20, "{:.0f}")
+
+
 def table(rows: list[dict]):
     """A rich Table: one line per variant and phase."""
     from rich.table import Table
@@ -17,15 +29,18 @@ def table(rows: list[dict]):
     first = rows[0]
     title = f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}, torch {first['torch']}"
     out = Table(title=title)
-    for column in ("variant", "phase", "median ms", "p10-p90 ms", "x eager", "peak MiB", "first call s"):
+    outside = _outside(rows)
+    columns = ["variant", "phase", "median ms", "p10-p90 ms", "x eager", "peak MiB", "first call s"]
+    for column in columns + (["outside pool MiB"] if outside else []):
         out.add_column(column, justify="left" if column in ("variant", "phase") else "right")
     for r in rows:
         if "error" in r:
-            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", "", "", "", "")
+            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", *[""] * (4 + outside))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}",
-                    _fmt(r["speedup_vs_eager"], "{:.1f}"), _fmt(peak, "{:.1f}"), f"{r['first_call_s']:.2f}")
+                    _fmt(r["speedup_vs_eager"], "{:.1f}"), _fmt(peak, "{:.1f}"), f"{r['first_call_s']:.2f}",
+                    *([_outside_mib(r)] if outside else []))
     return out
 
 
@@ -68,18 +83,19 @@ def plot(rows: list[dict], path: Path) -> None:
 def markdown(rows: list[dict]) -> str:
     """A Markdown table of the rows, for the README."""
     first = rows[0]
+    outside = _outside(rows)
     lines = [
         f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}, "
         f"torch {first['torch']}, triton {first['triton']}, commit {first['commit']}",
         "",
-        "| variant | phase | median ms | x eager | peak MiB | first call s |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| variant | phase | median ms | x eager | peak MiB | first call s |" + (" outside pool MiB |" if outside else ""),
+        "| --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if outside else ""),
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['phase']} | failed: {r['error'][:70]} | | | |")
+            lines.append(f"| {r['variant']} | {r['phase']} | failed: {r['error'][:70]} | | | |" + (" |" if outside else ""))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         lines.append(f"| {r['variant']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['speedup_vs_eager'], '{:.2f}')} "
-                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |")
+                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + (f" {_outside_mib(r)} |" if outside else ""))
     return "\n".join(lines)

@@ -7,14 +7,17 @@ diffusion-policy) register here the same way.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from .. import memory
 from ..models import LLTM, ConditionalUnet1D, KNNProjector, RadiusProjector
 from ..models.unet1d import matmul_convolutions
 from .timing import graphed
@@ -60,55 +63,78 @@ def seed_point_clouds(n_cloud: int, grid_side: int, target_features: int, device
     return cloud.to(device), grid.to(device), targets.to(device)
 
 
-def _variants(device: torch.device):
-    """(name, aggregation, torch.compile options or None for eager)."""
+def _variants(device: torch.device, external: str | None):
+    """(name, aggregation, torch.compile options or None for eager, backend, shared pool).
+
+    ``external`` ("warp" or "cuml") adds that backend's variants where it is installed;
+    Warp's run with and without its allocations routed through PyTorch's pool."""
     variants = [
-        ("document eager", "document", None),
-        ("document compiled", "document", {}),
-        ("fullgraph eager", "fullgraph", None),
-        ("fullgraph compiled", "fullgraph", {"fullgraph": True}),
+        ("document eager", "document", None, "auto", False),
+        ("document compiled", "document", {}, "auto", False),
+        ("fullgraph eager", "fullgraph", None, "auto", False),
+        ("fullgraph compiled", "fullgraph", {"fullgraph": True}, "auto", False),
     ]
     if device.type == "cuda":
+        graphs = {"fullgraph": True, "mode": "reduce-overhead"}
         variants += [
-            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}),
-            ("fullgraph compiled+graphs", "fullgraph", {"fullgraph": True, "mode": "reduce-overhead"}),
+            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}, "auto", False),
+            ("fullgraph compiled+graphs", "fullgraph", graphs, "auto", False),
         ]
+        if external is not None and importlib.util.find_spec(external) is not None:
+            variants += [
+                (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external, False),
+                (f"fullgraph {external} compiled+graphs", "fullgraph", graphs, external, False),
+            ]
+            if external in memory.POOLED:
+                variants.append((f"fullgraph {external} compiled+graphs, torch pool", "fullgraph", graphs,
+                                 external, True))
     return variants
 
 
-def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device) -> list[Case]:
+def _outside_torch_pool(device: torch.device) -> dict:
+    """Device memory in use that PyTorch's caching allocator does not hold (the CUDA
+    context, library workspaces, external libraries' own pools), in bytes."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"outside_torch_pool_bytes": total - free - torch.cuda.memory_reserved(device)}
+
+
+def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device, external=None) -> list[Case]:
     cloud, grid, targets = seed_point_clouds(params["cloud"], params["grid"], 1, device)
     cases = []
-    for name, aggregation, options in _variants(device):
+    for name, aggregation, options, backend, pooled in _variants(device, external):
         variant_model = copy.deepcopy(model).to(device)
-        variant_model.aggregation = aggregation
+        variant_model.aggregation, variant_model.backend = aggregation, backend
         run = variant_model if options is None else torch.compile(variant_model, **options)
         optimizer = torch.optim.Adam(variant_model.parameters(), lr=1e-3)
+        pool = functools.partial(memory.torch_pool, backend) if pooled else contextlib.nullcontext
 
-        def forward(run=run):
-            with torch.no_grad():
+        def forward(run=run, pool=pool):
+            with torch.no_grad(), pool():
                 return run(grid, cloud)
 
-        def train_step(run=run, optimizer=optimizer):
-            optimizer.zero_grad()
-            loss = torch.mean((run(grid, cloud) - targets) ** 2)
-            loss.backward()
-            optimizer.step()
+        def train_step(run=run, optimizer=optimizer, pool=pool):
+            with pool():
+                optimizer.zero_grad()
+                loss = torch.mean((run(grid, cloud) - targets) ** 2)
+                loss.backward()
+                optimizer.step()
             return loss
 
-        cases.append(Case(name, forward, train_step))
+        check = functools.partial(_outside_torch_pool, device) if device.type == "cuda" else None
+        cases.append(Case(name, forward, train_step, check))
     return cases
 
 
 def _knn_projector(params, device):
     torch.manual_seed(42)
-    return _projector_cases(KNNProjector(k=params["k"], hidden_dim=25, sigma=0.1), params, device)
+    return _projector_cases(KNNProjector(k=params["k"], hidden_dim=25, sigma=0.1), params, device, "cuml")
 
 
 def _radius_projector(params, device):
     torch.manual_seed(42)
     model = RadiusProjector(radius=params["radius"], hidden_dim=25, sigma=0.1)
-    return _projector_cases(model, params, device)
+    return _projector_cases(model, params, device, "warp")
 
 
 register(Workload(

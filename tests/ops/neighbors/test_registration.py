@@ -80,3 +80,20 @@ def test_inductor_train_step(generator):
     ref = points("normal", 200, 3, generator).float()
     target = torch.randn(64, 1, generator=generator)
     assert_compiled_model_trains(model, compiled, query, ref, target)
+
+
+def test_kd_tree_extern_ops_pass_opcheck(generator):
+    """The CPU backend's SciPy calls are fullgraph.extern ops: each one opchecks and compiles."""
+    pytest.importorskip("scipy")
+    import math
+
+    from fullgraph import extern
+    from fullgraph.ops.neighbors import cpu
+
+    ref, points_ = points("uniform", 50, 3, generator), points("uniform", 7, 3, generator)
+    extern.check(cpu._kdtree_knn, ref, points_, 4, math.inf)
+    extern.check(cpu._kdtree_ball_counts, ref, points_, 0.4)
+    total = int(cpu._kdtree_ball_counts(ref, points_, 0.4).sum())
+    extern.check(cpu._kdtree_ball, ref, points_, 0.4, total)
+    with pytest.raises(extern.ExternError, match="output 0 came back as"):
+        cpu._kdtree_ball(ref, points_, 0.4, total + 1)

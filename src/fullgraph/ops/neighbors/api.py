@@ -9,20 +9,47 @@ import torch
 
 from ... import _validate
 from . import ops  # noqa: F401  (importing registers torch.ops.fullgraph.*)
+from . import rapids
 from . import triton as triton_backend
 
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton")
-# Probed once, without importing scipy, so that `import fullgraph` stays light and the
+BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "warp", "cuml")
+# The external backends each cover one family of operators, on CUDA.
+EXTERNAL = {"warp": ("radius", "radius_aggregate"), "cuml": ("knn", "knn_aggregate")}
+_PACKAGES = {"scipy": '"fullgraph[cpu]"', "warp": '"fullgraph[warp]" (NVIDIA Warp)',
+             "cuml": '"fullgraph[rapids]" (RAPIDS cuML)'}
+# Probed once, without importing them, so that `import fullgraph` stays light and the
 # choice below needs no import machinery while torch.compile traces it.
-_HAVE_SCIPY = importlib.util.find_spec("scipy") is not None
+_HAVE = {name: importlib.util.find_spec(name) is not None for name in _PACKAGES}
+_HAVE_SCIPY = _HAVE["scipy"]
 # Triton's interpreter runs the kernels on CPU tensors (slowly): used by the CPU tests.
 _TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _backend(backend: str, query: torch.Tensor, k: int = 1) -> str:
-    """Resolve ``backend`` for tensors like ``query``; k is the list length it must hold."""
+def _external(backend: str, query: torch.Tensor, operation: str) -> None:
+    """Checks for the Warp and cuML backends."""
+    if operation not in EXTERNAL[backend]:
+        raise ValueError(f'backend: "{backend}" provides {" and ".join(EXTERNAL[backend])}, not {operation}')
+    if query.device.type != "cuda":
+        raise ValueError(f'backend: "{backend}" needs CUDA tensors, got tensors on {query.device}')
+    if not _HAVE[backend]:
+        raise ImportError(f'backend="{backend}" needs {backend}: pip install {_PACKAGES[backend]}')
+    if backend == "warp":
+        if query.shape[-1] != 3:
+            raise ValueError(f'query: backend="warp" (a 3-D HashGrid) needs D = 3, got shape {tuple(query.shape)}')
+        if query.dtype != torch.float32:
+            raise TypeError(f'query: backend="warp" computes in float32, got {query.dtype} (convert, or use "triton")')
+    elif query.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f'query: backend="cuml" needs float32 or float64, got {query.dtype}')
+
+
+def _backend(backend: str, query: torch.Tensor, k: int = 1, operation: str = "knn") -> str:
+    """Resolve ``backend`` for tensors like ``query`` running ``operation``; k is the list
+    length it must hold."""
     _validate.choice("backend", backend, BACKEND_NAMES)
     device = query.device
+    if backend in EXTERNAL:
+        _external(backend, query, operation)
+        return backend
     if backend == "auto":
         if device.type == "cpu":
             return "cpu" if _HAVE_SCIPY else "torch"
@@ -84,12 +111,12 @@ def _features(features, ref: torch.Tensor, unbatched: bool) -> torch.Tensor:
     return features
 
 
-def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, k=1):
+def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, operation, k=1):
     """Checks shared by the aggregations; returns batched tensors and resolved options."""
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     features = _features(features, ref, unbatched)
     sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    return query, ref, features, sigma, _backend(backend, query, k), unbatched
+    return query, ref, features, sigma, _backend(backend, query, k, operation), unbatched
 
 
 def _unbatch(tensors, unbatched: bool):
@@ -105,7 +132,10 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
         k: number of neighbours, >= 1; may exceed N (missing slots are padded).
         query_lengths, ref_lengths: [B] int64, the valid prefix of each padded batch
             item (batched inputs only); padded queries get no neighbours.
-        backend: "auto" (the fastest available for the device), "torch" or "cpu".
+        backend: "auto" (the fastest available for the device), "torch", "cpu" (scipy),
+            "triton" (CUDA), "cuml" (CUDA, RAPIDS cuML candidates re-ranked exactly; knn
+            and knn_aggregate) or "warp" (CUDA, float32, D = 3, NVIDIA Warp HashGrid;
+            radius and radius_aggregate).
 
     Returns:
         dists: [..., M, k] Euclidean distances, ascending, in the input dtype, +inf where
@@ -128,7 +158,9 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
     """
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _validate.integer("k", k, minimum=1)
-    backend = _backend(backend, query, k)
+    backend = _backend(backend, query, k, "knn")
+    if backend == "cuml":
+        return _unbatch(rapids.knn(query, ref, k, query_lengths, ref_lengths), unbatched)
     dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
@@ -161,7 +193,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
     max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
-    backend = _backend(backend, query, max_neighbors)
+    backend = _backend(backend, query, max_neighbors, "radius")
     result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend)
     return _unbatch(result, unbatched)
 
@@ -188,7 +220,10 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
     """
     k = _validate.integer("k", k, minimum=1)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
-        query, ref, features, sigma, query_lengths, ref_lengths, backend, k)
+        query, ref, features, sigma, query_lengths, ref_lengths, backend, "knn_aggregate", k)
+    if backend == "cuml":
+        out = rapids.knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths)
+        return out[0] if unbatched else out
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
         query, ref, features, k, sigma, query_lengths, ref_lengths, backend
     )
@@ -218,7 +253,7 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
         torch.Size([20, 8])
     """
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
-        query, ref, features, sigma, query_lengths, ref_lengths, backend)
+        query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
     out = torch.ops.fullgraph.radius_aggregate(
         query, ref, features, radius, sigma, query_lengths, ref_lengths, backend

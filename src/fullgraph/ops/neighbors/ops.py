@@ -11,12 +11,13 @@ import math
 
 import torch
 
-from . import cpu, reference
+from . import cpu, hashgrid, reference
 from . import triton as triton_backend
 
 # Each backend provides `nearest` (search) and either `radius_pairs` (the pair-based
 # aggregation below does the rest) or a fused `radius_aggregate` with its backward.
-BACKENDS = {"torch": reference, "cpu": cpu, "triton": triton_backend}
+# ("cuml" composes its own extern op with torch code in `rapids`, outside these ops.)
+BACKENDS = {"torch": reference, "cpu": cpu, "triton": triton_backend, "warp": hashgrid}
 
 Tensor = torch.Tensor
 OptionalTensor = torch.Tensor | None

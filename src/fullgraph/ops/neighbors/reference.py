@@ -128,6 +128,16 @@ def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, order
 
 
+def order_by_distance(d: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort each row of candidate lists [..., c] (-1 = missing, with d = +inf) by
+    (distance, index): ties to the smaller index, missing slots last."""
+    missing_last = torch.where(candidates >= 0, candidates, torch.iinfo(torch.int64).max)
+    by_index = torch.argsort(missing_last, dim=-1)
+    d, candidates = d.gather(-1, by_index), candidates.gather(-1, by_index)
+    by_distance = torch.argsort(d, dim=-1, stable=True)
+    return d.gather(-1, by_distance), candidates.gather(-1, by_distance)
+
+
 def radius_pairs(
     query: torch.Tensor,
     ref: torch.Tensor,

@@ -1,0 +1,266 @@
+"""Warp backend: radius search and radius aggregation on NVIDIA Warp's HashGrid.
+
+Float32 points in 3-D on CUDA. Each batch item is one group of a grouped HashGrid (invalid
+points get group -1, which no query asks for), so a batch needs no per-item loop and no
+host sync. The kernels are fullgraph.extern ops (library="warp"): they run on PyTorch's
+current stream, and their outputs come from Warp's allocator (PyTorch's pool under
+``fullgraph.memory.torch_pool``).
+
+Search keeps, per query, the ``k`` nearest candidates within the radius in its output row,
+ordered by (distance, index) by insertion: the nearest, never the first found. The
+aggregation writes its weighted sums with per-row accumulation (``+=`` on array rows) and
+normalizes in a second kernel; its backward is Warp's adjoint launch of those two kernels
+(reference and feature gradients use atomics, so their summation order may vary).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ... import extern
+from . import reference
+
+# Cells per axis of the hash table: cells of width ``radius`` hash into 128^3 buckets.
+GRID_CELLS = 128
+_grids: dict = {}  # (device, stream) -> HashGrid reused by calls on that stream
+_captured_grids: list = []  # grids built during a CUDA graph capture live as long as the process
+
+
+@functools.cache
+def _kernels():
+    import warp as wp
+
+    @wp.kernel(enable_backward=False)
+    def search(query: wp.array(dtype=wp.vec3), query_group: wp.array(dtype=wp.int32),
+               ref: wp.array(dtype=wp.vec3), grid: wp.uint64, radius: float, columns: wp.int64,
+               dists: wp.array2d(dtype=float), idx: wp.array2d(dtype=wp.int64), counts: wp.array(dtype=wp.int64)):
+        q = wp.tid()
+        k = dists.shape[1]
+        for s in range(k):
+            dists[q, s] = wp.inf
+            idx[q, s] = wp.int64(-1)
+        group = query_group[q]
+        count = wp.int64(0)
+        found = int(0)
+        if group >= 0:
+            pos = query[q]
+            for j in wp.hash_grid_query(grid, pos, radius, group):
+                d = wp.length(pos - ref[j])
+                if d <= radius:
+                    count += wp.int64(1)
+                    local = wp.int64(j) - wp.int64(group) * columns
+                    slot = int(0)
+                    keep = True
+                    if found < k:
+                        slot = found
+                        found += 1
+                    else:
+                        last = dists[q, k - 1]
+                        if d > last or (d == last and local > idx[q, k - 1]):
+                            keep = False
+                        slot = k - 1
+                    if keep:
+                        while slot > 0:
+                            before = dists[q, slot - 1]
+                            if before < d or (before == d and idx[q, slot - 1] < local):
+                                break
+                            dists[q, slot] = before
+                            idx[q, slot] = idx[q, slot - 1]
+                            slot -= 1
+                        dists[q, slot] = d
+                        idx[q, slot] = local
+        counts[q] = count
+
+    @wp.kernel(enable_backward=False)
+    def nearest_distance(query: wp.array(dtype=wp.vec3), query_group: wp.array(dtype=wp.int32),
+                         ref: wp.array(dtype=wp.vec3), grid: wp.uint64, radius: float,
+                         shift: wp.array(dtype=float)):
+        q = wp.tid()
+        best = float(0.0)
+        group = query_group[q]
+        if group >= 0:
+            pos = query[q]
+            best = wp.inf
+            for j in wp.hash_grid_query(grid, pos, radius, group):
+                d = wp.length(pos - ref[j])
+                if d <= radius:
+                    best = wp.min(best, d)
+        shift[q] = best
+
+    @wp.kernel
+    def weighted_sums(query: wp.array(dtype=wp.vec3), query_group: wp.array(dtype=wp.int32),
+                      ref: wp.array(dtype=wp.vec3), features: wp.array2d(dtype=float), grid: wp.uint64,
+                      radius: float, sigma: float, shift: wp.array(dtype=float),
+                      numerator: wp.array2d(dtype=float), denominator: wp.array(dtype=float)):
+        q = wp.tid()
+        group = query_group[q]
+        if group >= 0:
+            pos = query[q]
+            for j in wp.hash_grid_query(grid, pos, radius, group):
+                d = wp.length(pos - ref[j])
+                if d <= radius:
+                    # exp(-(d - min d) / sigma): the shift cancels in the ratio and keeps it from underflowing
+                    w = wp.exp((shift[q] - d) / sigma)
+                    denominator[q] += w
+                    for c in range(features.shape[1]):
+                        numerator[q, c] += w * features[j, c]
+
+    @wp.kernel
+    def normalize(numerator: wp.array2d(dtype=float), denominator: wp.array(dtype=float),
+                  out: wp.array2d(dtype=float)):
+        q, c = wp.tid()
+        total = denominator[q]
+        value = float(0.0)
+        if total > 0.0:
+            value = numerator[q, c] / total
+        out[q, c] = value
+
+    return search, nearest_distance, weighted_sums, normalize
+
+
+def _vec3(wp, array):
+    """A [P, 3] float32 Warp array seen as [P] vec3, no copy."""
+    return wp.array(ptr=array.ptr, shape=(array.shape[0],), dtype=wp.vec3, device=array.device,
+                    requires_grad=array.requires_grad)
+
+
+def _grid(wp, ref, ref_group, radius: float):
+    """A HashGrid over ``ref`` grouped by ``ref_group`` with cells of width ``radius``."""
+    device = torch.cuda.current_device()
+    stream = torch.cuda.current_stream(device)
+    if stream.is_capturing():
+        grid = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
+        _captured_grids.append(grid)  # the graph replays builds into its buffers
+    else:
+        key = (device, stream.cuda_stream)
+        grid = _grids.get(key)
+        if grid is None:
+            grid = _grids[key] = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
+    grid.build(ref, radius if radius > 0 else 1.0, groups=ref_group)
+    return grid
+
+
+def _search_outputs(query, query_group, ref, ref_group, radius, k, columns):
+    rows = query.shape[0]
+    return [((rows, k), torch.float32), ((rows, k), torch.int64), ((rows,), torch.int64)]
+
+
+@extern.op("fullgraph::warp_radius_search",
+           "(Tensor query, Tensor query_group, Tensor ref, Tensor ref_group, float radius, int k, int columns)"
+           " -> (Tensor, Tensor, Tensor)", outputs=_search_outputs, library="warp")
+def _search(query, query_group, ref, ref_group, radius, k, columns):
+    import warp as wp
+
+    search = _kernels()[0]
+    query, ref = _vec3(wp, query), _vec3(wp, ref)
+    grid = _grid(wp, ref, ref_group, radius)
+    dists = wp.empty((query.shape[0], k), dtype=float)
+    idx = wp.empty((query.shape[0], k), dtype=wp.int64)
+    counts = wp.empty(query.shape[0], dtype=wp.int64)
+    wp.launch(search, dim=query.shape[0], inputs=[query, query_group, ref, grid.id, radius, columns],
+              outputs=[dists, idx, counts])
+    return dists, idx, counts
+
+
+def _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma, requires_grad=False):
+    """Launch the aggregation's forward kernels; return (inputs, outputs) of ``weighted_sums``."""
+    _, nearest_distance, weighted_sums, _ = _kernels()
+    rows, channels = query.shape[0], features.shape[1]
+    grid = _grid(wp, ref, ref_group, radius)
+    shift = wp.empty(rows, dtype=float)
+    wp.launch(nearest_distance, dim=rows, inputs=[query, query_group, ref, grid.id, radius], outputs=[shift])
+    numerator = wp.zeros((rows, channels), dtype=float, requires_grad=requires_grad)
+    denominator = wp.zeros(rows, dtype=float, requires_grad=requires_grad)
+    inputs = [query, query_group, ref, features, grid.id, radius, sigma, shift]
+    wp.launch(weighted_sums, dim=rows, inputs=inputs, outputs=[numerator, denominator])
+    return inputs, [numerator, denominator]
+
+
+@extern.op("fullgraph::warp_radius_aggregate",
+           "(Tensor query, Tensor query_group, Tensor ref, Tensor ref_group, Tensor features, float radius, "
+           "float sigma) -> Tensor",
+           outputs=lambda query, qg, ref, rg, features, radius, sigma: [
+               ((query.shape[0], features.shape[1]), torch.float32)],
+           library="warp")
+def _aggregate(query, query_group, ref, ref_group, features, radius, sigma):
+    import warp as wp
+
+    normalize = _kernels()[3]
+    query, ref = _vec3(wp, query), _vec3(wp, ref)
+    _, (numerator, denominator) = _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma)
+    out = wp.empty(numerator.shape, dtype=float)
+    if out.size:
+        wp.launch(normalize, dim=out.shape, inputs=[numerator, denominator], outputs=[out])
+    return out
+
+
+@extern.op("fullgraph::warp_radius_aggregate_backward",
+           "(Tensor grad_out, Tensor query, Tensor query_group, Tensor ref, Tensor ref_group, Tensor features, "
+           "float radius, float sigma) -> (Tensor, Tensor, Tensor)",
+           outputs=lambda grad_out, query, qg, ref, rg, features, radius, sigma: [
+               (query.shape, torch.float32), (ref.shape, torch.float32), (features.shape, torch.float32)],
+           library="warp")
+def _aggregate_backward(grad_out, query, query_group, ref, ref_group, features, radius, sigma):
+    """Warp's adjoint launches of ``normalize`` and ``weighted_sums``, in reverse order."""
+    import warp as wp
+
+    _, _, weighted_sums, normalize = _kernels()
+    grads = [wp.zeros(a.shape, dtype=float) for a in (query, ref, features)]
+    query, ref = _vec3(wp, query), _vec3(wp, ref)
+    inputs, (numerator, denominator) = _forward_arrays(
+        wp, query, query_group, ref, ref_group, features, radius, sigma, requires_grad=True)
+    out = wp.empty(numerator.shape, dtype=float)
+    if out.size:
+        wp.launch(normalize, dim=out.shape, inputs=[numerator, denominator], outputs=[out],
+                  adj_inputs=[numerator.grad, denominator.grad], adj_outputs=[grad_out], adjoint=True)
+    grad_query, grad_ref = _vec3(wp, grads[0]), _vec3(wp, grads[1])
+    adj_inputs = [grad_query, None, grad_ref, grads[2], None, None, None, None]
+    wp.launch(weighted_sums, dim=query.shape[0], inputs=inputs, outputs=[numerator, denominator],
+              adj_inputs=adj_inputs, adj_outputs=[numerator.grad, denominator.grad], adjoint=True)
+    return tuple(grads)
+
+
+# ----------------------------------------------------------------- backend contract
+
+
+def _flat(query, ref, query_lengths, ref_lengths):
+    """[B*M, 3] queries and [B*N, 3] references with int32 group ids (batch item, -1 invalid)."""
+    groups = []
+    for points, lengths in ((query, query_lengths), (ref, ref_lengths)):
+        valid = reference.valid_points(points, lengths)
+        item = torch.arange(points.shape[0], dtype=torch.int32, device=points.device)[:, None]
+        groups.append(torch.where(valid, item, -1).reshape(-1))
+    # Non-finite coordinates are never looked up (group -1), but must hash harmlessly.
+    flat = [torch.nan_to_num(p.reshape(-1, 3), nan=0.0, posinf=0.0, neginf=0.0) for p in (query, ref)]
+    return flat[0], groups[0], flat[1], groups[1]
+
+
+def nearest(query, ref, k, radius, query_lengths, ref_lengths):
+    """Same contract as ``reference.nearest`` for a finite radius."""
+    batch, rows, _ = query.shape
+    if query.numel() == 0 or ref.numel() == 0:
+        return reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
+    flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
+    dists, idx, counts = _search(flat_query, query_group, flat_ref, ref_group, radius, k, ref.shape[1])
+    return dists.reshape(batch, rows, k).to(query.dtype), idx.reshape(batch, rows, k), counts.reshape(batch, rows)
+
+
+def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
+    batch, rows, _ = query.shape
+    channels = features.shape[-1]
+    if query.numel() == 0 or ref.numel() == 0 or channels == 0:
+        return features.new_zeros((batch, rows, channels))
+    flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
+    out = _aggregate(flat_query, query_group, flat_ref, ref_group, features.reshape(-1, channels), radius, sigma)
+    return out.reshape(batch, rows, channels)
+
+
+def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
+    if query.numel() == 0 or ref.numel() == 0 or features.shape[-1] == 0:
+        return torch.zeros_like(query), torch.zeros_like(ref), torch.zeros_like(features)
+    flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
+    grads = _aggregate_backward(grad_out.reshape(-1, features.shape[-1]).contiguous(), flat_query, query_group,
+                                flat_ref, ref_group, features.reshape(-1, features.shape[-1]), radius, sigma)
+    return tuple(g.reshape(t.shape) for g, t in zip(grads, (query, ref, features)))

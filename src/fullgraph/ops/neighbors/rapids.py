@@ -1,0 +1,75 @@
+"""cuML backend for knn and knn_aggregate: RAPIDS cuML's NearestNeighbors, as in the document.
+
+cuML proposes ``k + CANDIDATE_SLACK`` candidates per query (its distances come from the
+|q|^2 + |r|^2 - 2 q.r expansion, which may misorder near-equal ones); fullgraph measures
+them again with the reference arithmetic and orders them by (distance, index), so results
+follow the reference unless more than the slack's worth of references tie at the k-th
+place. The candidate search is a fullgraph.extern op (library="cupy") declared
+``cuda_graphs="tag"``: cuML allocates through RMM and synchronizes, so torch.compile keeps
+it out of its CUDA graphs. The re-ranking, the aggregation and their gradients are torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import extern
+from . import reference
+
+CANDIDATE_SLACK = 8
+
+
+@extern.op("fullgraph::cuml_knn_candidates",
+           "(Tensor query, Tensor ref, Tensor query_ok, Tensor ref_ok, int count) -> Tensor",
+           outputs=lambda query, ref, query_ok, ref_ok, count: [((*query.shape[:2], count), torch.int64)],
+           library="cupy", cuda_graphs="tag")
+def _candidates(query, ref, query_ok, ref_ok, count):
+    """[B, M, count] int64 candidate references per valid query (-1 where none)."""
+    import cupy
+    from cuml.neighbors import NearestNeighbors
+
+    out = cupy.full((*query.shape[:2], count), -1, dtype=cupy.int64)
+    for b in range(query.shape[0]):
+        queries, refs = cupy.flatnonzero(query_ok[b]), cupy.flatnonzero(ref_ok[b])
+        take = min(count, int(refs.size))
+        if queries.size == 0 or take == 0:
+            continue
+        model = NearestNeighbors(n_neighbors=take, algorithm="brute", output_type="cupy")
+        _, local = model.fit(ref[b][refs]).kneighbors(query[b][queries])
+        out[b, queries[:, None], cupy.arange(take)[None, :]] = refs[local.astype(cupy.int64)]
+    return out
+
+
+def knn(query, ref, k, query_lengths, ref_lengths):
+    """dists [B, M, k], idx [B, M, k] with the contract of ``api.knn`` (batched inputs)."""
+    batch, rows, dim = query.shape
+    count = min(k + CANDIDATE_SLACK, ref.shape[1])
+    query_ok = reference.valid_points(query, query_lengths)
+    ref_ok = reference.valid_points(ref, ref_lengths)
+    candidates = _candidates(query.detach().float(), ref.detach().float(), query_ok, ref_ok, count)
+    found = candidates >= 0
+    near = torch.gather(ref, 1, candidates.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, dim))
+    acc = reference.accumulation_dtype(query.dtype)
+    d = torch.linalg.vector_norm(query.to(acc)[:, :, None, :] - near.reshape(batch, rows, count, dim).to(acc), dim=-1)
+    d, idx = reference.order_by_distance(d.masked_fill(~found, math.inf), candidates)
+    d, idx = d[..., :k], idx[..., :k]
+    if count < k:
+        d = torch.cat([d, d.new_full((batch, rows, k - count), math.inf)], dim=-1)
+        idx = torch.cat([idx, idx.new_full((batch, rows, k - count), -1)], dim=-1)
+    return d.to(query.dtype), idx
+
+
+def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
+    """[B, M, C]: softmax(-d / sigma)-weighted features of the k nearest (0 with none)."""
+    d, idx = knn(query, ref, k, query_lengths, ref_lengths)
+    found = idx >= 0
+    acc = reference.accumulation_dtype(features.dtype)
+    logits = (-d.to(acc) / sigma).masked_fill(~found, -math.inf)
+    weights = torch.softmax(logits, dim=-1).masked_fill(~found, 0.0)
+    batch, rows, _ = idx.shape
+    channels = features.shape[-1]
+    gathered = torch.gather(features, 1, idx.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, channels))
+    out = (weights[..., None] * gathered.reshape(batch, rows, -1, channels).to(acc)).sum(-2)
+    return out.to(features.dtype)

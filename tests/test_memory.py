@@ -1,0 +1,93 @@
+"""fullgraph.memory: external libraries drawing on PyTorch's pool; the RMM recipe's checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import pytest
+import torch
+
+from fullgraph import memory
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_bad_library_names_and_no_cuda():
+    with pytest.raises(ValueError, match=r"libraries: expected names from \('cupy', 'numba', 'warp'\), got 'jax'"):
+        memory.torch_pool("jax")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="torch_pool needs CUDA"):
+            memory.torch_pool()
+        with pytest.raises(RuntimeError, match="use_rmm needs CUDA"):
+            memory.use_rmm()
+
+
+@needs_cuda
+def test_use_rmm_after_torch_allocated_is_refused():
+    torch.empty(1, device="cuda")
+    with pytest.raises(RuntimeError, match="must run before PyTorch allocates CUDA memory"):
+        memory.use_rmm()
+
+
+def _allocate(name: str, nbytes: int):
+    """Allocate ``nbytes`` on the GPU with library ``name``; return the object holding it."""
+    if name == "cupy":
+        import cupy
+
+        return cupy.empty(nbytes, dtype=cupy.uint8)
+    if name == "numba":
+        from numba import cuda
+
+        return cuda.device_array(nbytes, dtype="uint8")
+    import warp
+
+    return warp.empty(nbytes, dtype=warp.uint8, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", memory.POOLED)
+def test_library_allocations_come_from_torch_and_the_routing_reverts(name):
+    if importlib.util.find_spec(memory.LIBRARIES[name].module.split(".")[0]) is None:
+        pytest.skip(f"{name} is not installed")
+    nbytes = 64 * 2**20
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with memory.torch_pool(name) as pool:
+        assert name in memory.routed()
+        with memory.torch_pool(name):  # nested: the outer routing survives the inner one
+            pass
+        assert name in memory.routed()
+        block = _allocate(name, nbytes)
+        assert torch.cuda.memory_allocated() - before >= nbytes
+        del block
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before < nbytes
+    assert name not in memory.routed()
+    pool.close()  # closing twice is harmless
+    block = _allocate(name, nbytes)
+    assert torch.cuda.memory_allocated() - before < nbytes  # the library's own allocator again
+    del block
+
+
+@needs_cuda
+def test_routing_from_many_threads():
+    names = memory.installed()
+    if not names:
+        pytest.skip("no pooled library installed")
+    errors = []
+
+    def worker():
+        try:
+            for _ in range(20):
+                with memory.torch_pool(*names):
+                    assert set(names) <= set(memory.routed())
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and memory.routed() == ()
