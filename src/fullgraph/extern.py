@@ -36,7 +36,7 @@ class ExternError(RuntimeError):
 
 @dataclass(frozen=True)
 class Library:
-    """How fullgraph hands tensors to one array library and takes its arrays back."""
+    """How fullgraph finds one array library, where its arrays live, how it may be captured."""
 
     name: str
     module: str
@@ -46,10 +46,23 @@ class Library:
 
     def load(self):
         try:
-            return importlib.import_module(self.module)
+            module = importlib.import_module(self.module)
         except ImportError as error:
             raise ImportError(f"fullgraph.extern: library={self.name!r} needs {self.module}: "
                               f"pip install {self.package}") from error
+        if self.name == "numba":
+            _numba_numpy_compat()
+        return module
+
+
+def _numba_numpy_compat() -> None:
+    """numba-cuda <= 0.30.4 registers an overload of ``np.row_stack`` when it compiles its
+    first kernel; NumPy 2.5 removed that alias of ``np.vstack``, so no kernel compiles
+    (NVIDIA/numba-cuda#907, not to be fixed there). Restore the alias it expects."""
+    import numpy
+
+    if not hasattr(numpy, "row_stack"):
+        numpy.row_stack = numpy.vstack
 
 
 LIBRARIES = {library.name: library for library in (
@@ -117,6 +130,7 @@ def _on_current_stream(library: str, module, device: torch.device):
         with module.gpus[device.index]:
             yield module.external_stream(torch_stream.cuda_stream)
     elif library == "warp":
+        module.init()
         stream = module.stream_from_torch(torch_stream)
         with module.ScopedDevice(stream.device), module.ScopedStream(stream):
             yield stream
@@ -171,22 +185,24 @@ class ExternOp:
     def _run(self, *args):
         device = self._check_inputs(args)
         module = LIBRARIES[self.library].load()
-        arrays = [_to_array(self.library, module, a) if isinstance(a, torch.Tensor) else a for a in args]
         outer = getattr(_running, "stream", None)
+        # Conversions too happen on PyTorch's stream: DLPack then orders nothing across streams
+        # (a wait on another stream would be illegal inside a CUDA graph capture).
         with _on_current_stream(self.library, module, device) as stream:
+            arrays = [_to_array(self.library, module, a) if isinstance(a, torch.Tensor) else a for a in args]
             _running.stream = stream
             try:
                 result = self.fn(*arrays)
             finally:
                 _running.stream = outer
-        results = list(result) if isinstance(result, (tuple, list)) else [result]
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            results = [_from_array(self.library, module, value) for value in results]
         specs = _specs(self.outputs, args)
         if len(results) != len(specs):
             raise ExternError(f"{self.name}: the function returned {len(results)} outputs, the outputs spec "
                               f"declares {len(specs)}")
         tensors = []
-        for i, (value, (shape, dtype)) in enumerate(zip(results, specs)):
-            tensor = _from_array(self.library, module, value)
+        for i, (tensor, (shape, dtype)) in enumerate(zip(results, specs)):
             if tuple(tensor.shape) != shape or tensor.dtype != dtype:
                 raise ExternError(f"{self.name}: output {i} came back as {tuple(tensor.shape)} {tensor.dtype}, "
                                   f"the outputs spec declares {shape} {dtype}")

@@ -68,7 +68,8 @@ def _route_numba() -> Callable[[], None]:
         def memalloc(self, size):
             block = _torch_block(size, self.context.device.id)  # Numba has no allocation stream
             address = block.data_ptr()
-            pointer = driver.binding.CUdeviceptr(address) if driver.USE_NV_BINDING else ctypes.c_uint64(address)
+            nv_binding = getattr(driver, "USE_NV_BINDING", True)  # numba-cuda >= 0.2x: always
+            pointer = driver.binding.CUdeviceptr(address) if nv_binding else ctypes.c_uint64(address)
             return cuda.MemoryPointer(self.context, pointer, size, finalizer=lambda: block)
 
         def get_memory_info(self):

@@ -50,6 +50,8 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
     """Time every variant's forward and train step; ``on_step(description)`` reports progress."""
     workload = WORKLOADS[name]
     params = workload.sizes[size]
+    # Every variant compiles the same forward code on its own module: a cache entry each.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     env = environment(device)
     rows = []
     for case in workload.build(params, device):

@@ -130,7 +130,7 @@ def _grid(wp, ref, ref_group, radius: float):
     """A HashGrid over ``ref`` grouped by ``ref_group`` with cells of width ``radius``."""
     device = torch.cuda.current_device()
     stream = torch.cuda.current_stream(device)
-    if stream.is_capturing():
+    if torch.cuda.is_current_stream_capturing():
         grid = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
         _captured_grids.append(grid)  # the graph replays builds into its buffers
     else:
