@@ -107,7 +107,13 @@ def _from_array(library: str, module, value) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value
     if library == "warp" and isinstance(value, module.array):
-        return module.to_torch(value)
+        from .memory import torch_block
+
+        tensor = module.to_torch(value)
+        block = torch_block(value.ptr) if value.is_contiguous else None
+        if block is None:
+            return tensor
+        return block[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
     if hasattr(value, "__dlpack__"):
         return torch.from_dlpack(value)
     if hasattr(value, "__cuda_array_interface__"):

@@ -95,27 +95,48 @@ def _route_numba() -> Callable[[], None]:
 
 
 class _WarpTorchAllocator:
-    """Warp's allocator protocol over PyTorch's caching allocator."""
+    """Warp's allocator protocol over PyTorch tensors: each allocation is a uint8 tensor
+    from the caching allocator, kept by address until Warp frees it."""
 
     def __init__(self, warp):
         self.warp = warp
+        self.blocks: dict[int, torch.Tensor] = {}
 
     def allocate(self, size_in_bytes: int) -> int:
         if size_in_bytes == 0:
             return 0
         device = torch.cuda.current_device()  # Warp sets the CUDA context before allocating
-        stream = self.warp.get_stream(f"cuda:{device}").cuda_stream
-        return torch.cuda.caching_allocator_alloc(size_in_bytes, device, stream)
+        block = _torch_block(size_in_bytes, device, self.warp.get_stream(f"cuda:{device}").cuda_stream)
+        self.blocks[block.data_ptr()] = block
+        return block.data_ptr()
 
     def deallocate(self, ptr: int, size_in_bytes: int) -> None:
-        if ptr:
-            torch.cuda.caching_allocator_delete(ptr)
+        self.blocks.pop(ptr, None)
+
+
+_warp_allocator: _WarpTorchAllocator | None = None
+
+
+def torch_block(ptr: int) -> torch.Tensor | None:
+    """The PyTorch tensor owning the routed Warp allocation at ``ptr`` (None if not routed):
+    Warp arrays handed back to PyTorch become views of it, so PyTorch tracks their memory
+    (torch.compile's CUDA graphs must see every block of their pool as a tensor)."""
+    allocator = _warp_allocator
+    return None if allocator is None else allocator.blocks.get(ptr)
 
 
 def _route_warp() -> Callable[[], None]:
+    global _warp_allocator
     warp = LIBRARIES["warp"].load()
-    warp.set_cuda_allocator(_WarpTorchAllocator(warp))
-    return lambda: warp.set_cuda_allocator(None)
+    _warp_allocator = _WarpTorchAllocator(warp)
+    warp.set_cuda_allocator(_warp_allocator)
+
+    def restore():
+        global _warp_allocator
+        warp.set_cuda_allocator(None)
+        _warp_allocator = None
+
+    return restore
 
 
 _ROUTERS = {"cupy": _route_cupy, "numba": _route_numba, "warp": _route_warp}

@@ -81,13 +81,11 @@ def _variants(device: torch.device, external: str | None):
             ("fullgraph compiled+graphs", "fullgraph", graphs, "auto", False),
         ]
         if external is not None and importlib.util.find_spec(external) is not None:
-            variants += [
-                (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external, False),
-                (f"fullgraph {external} compiled+graphs", "fullgraph", graphs, external, False),
-            ]
-            if external in memory.POOLED:
-                variants.append((f"fullgraph {external} compiled+graphs, torch pool", "fullgraph", graphs,
-                                 external, True))
+            for label, options in (("compiled", {"fullgraph": True}), ("compiled+graphs", graphs)):
+                variants.append((f"fullgraph {external} {label}", "fullgraph", options, external, False))
+                if external in memory.POOLED:
+                    variants.append((f"fullgraph {external} {label}, torch pool", "fullgraph", options, external,
+                                     True))
     return variants
 
 

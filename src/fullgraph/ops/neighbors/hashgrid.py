@@ -16,6 +16,7 @@ normalizes in a second kernel; its backward is Warp's adjoint launch of those tw
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 
 import torch
 
@@ -24,8 +25,9 @@ from . import reference
 
 # Cells per axis of the hash table: cells of width ``radius`` hash into 128^3 buckets.
 GRID_CELLS = 128
-_grids: dict = {}  # (device, stream) -> HashGrid reused by calls on that stream
-_captured_grids: list = []  # grids built during a CUDA graph capture live as long as the process
+CACHED_GRIDS = 8
+_grids: OrderedDict = OrderedDict()  # (device, point count) -> HashGrid, least recently used first
+_pinned: dict = {}  # grids some CUDA graph replays builds into: kept for the process
 
 
 @functools.cache
@@ -51,16 +53,14 @@ def _kernels():
                 if d <= radius:
                     count += wp.int64(1)
                     local = wp.int64(j) - wp.int64(group) * columns
-                    slot = int(0)
-                    keep = True
-                    if found < k:
+                    slot = int(k - 1)
+                    keep = found < k
+                    if keep:
                         slot = found
                         found += 1
                     else:
                         last = dists[q, k - 1]
-                        if d > last or (d == last and local > idx[q, k - 1]):
-                            keep = False
-                        slot = k - 1
+                        keep = d < last or (d == last and local < idx[q, k - 1])
                     if keep:
                         while slot > 0:
                             before = dists[q, slot - 1]
@@ -82,7 +82,7 @@ def _kernels():
         group = query_group[q]
         if group >= 0:
             pos = query[q]
-            best = wp.inf
+            best = float(wp.inf)
             for j in wp.hash_grid_query(grid, pos, radius, group):
                 d = wp.length(pos - ref[j])
                 if d <= radius:
@@ -127,18 +127,30 @@ def _vec3(wp, array):
 
 
 def _grid(wp, ref, ref_group, radius: float):
-    """A HashGrid over ``ref`` grouped by ``ref_group`` with cells of width ``radius``."""
-    device = torch.cuda.current_device()
-    stream = torch.cuda.current_stream(device)
-    if torch.cuda.is_current_stream_capturing():
-        grid = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
-        _captured_grids.append(grid)  # the graph replays builds into its buffers
-    else:
-        key = (device, stream.cuda_stream)
-        grid = _grids.get(key)
-        if grid is None:
-            grid = _grids[key] = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
+    """A HashGrid over ``ref`` grouped by ``ref_group`` with cells of width ``radius``.
+
+    Grids are kept per (device, point count), so a rebuild never reallocates: a CUDA graph
+    that captured a build keeps valid pointers, and its grid is pinned (never evicted).
+    Creating a grid allocates synchronously, so it must happen outside a capture."""
+    key = (torch.cuda.current_device(), ref.shape[0])
+    capturing = torch.cuda.is_current_stream_capturing()
+    grid = _pinned.get(key) or _grids.get(key)
+    if grid is None:
+        if capturing:
+            raise extern.ExternError(
+                f"backend='warp': no HashGrid for {ref.shape[0]} points exists to capture; call the op once outside "
+                "the CUDA graph capture first (fullgraph.graphs.graphed and torch.compile's CUDA graphs warm up "
+                "before capturing)")
+        grid = _grids[key] = wp.HashGrid(GRID_CELLS, GRID_CELLS, GRID_CELLS, device=ref.device)
+        grid.reserve(ref.shape[0], with_groups=True)
+        while len(_grids) > CACHED_GRIDS:
+            _grids.popitem(last=False)
+    elif key in _grids:
+        _grids.move_to_end(key)
+    if capturing and key not in _pinned:
+        _pinned[key] = _grids.pop(key)
     grid.build(ref, radius if radius > 0 else 1.0, groups=ref_group)
+    grid.groups = None  # the build consumed the ids; their memory goes back to PyTorch
     return grid
 
 
