@@ -52,8 +52,13 @@ def _bench(args) -> int:
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(f"{args.workload} ({size}) on {device}", total=None)
-        rows = bench.run_workload(args.workload, size, device, warmup, runs,
-                                  on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
+        try:
+            rows = bench.run_workload(args.workload, size, device, warmup, runs,
+                                      on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
+        except ValueError as error:  # a workload that cannot run here says why
+            raise SystemExit(f"{args.workload}: {error}") from error
+    if not rows:
+        raise SystemExit(f"{args.workload}: no variant can run here (its libraries are missing)")
     console.print(report.table(rows))
     if args.json:
         report.write_json(rows, args.json)

@@ -36,6 +36,8 @@ def test_bad_arguments():
         main(["bench", "no-such-workload"])
     with pytest.raises(SystemExit, match="--runs"):
         main(["bench", "knn-projector", "--device", "cpu", "--runs", "0"])
+    with pytest.raises(SystemExit, match="extern-pool: .* run it with --device cuda"):
+        main(["bench", "extern-pool", "--device", "cpu"])
 
 
 def test_bench_kmeans_times_every_variant(tmp_path):

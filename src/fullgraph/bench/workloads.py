@@ -7,7 +7,6 @@ diffusion-policy) register here the same way.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import importlib.util
@@ -17,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .. import memory
+from .. import graphs, memory
 from ..models import LLTM, ConditionalUnet1D, KNNProjector, RadiusProjector
 from ..models.unet1d import matmul_convolutions
 from .timing import graphed
@@ -64,28 +63,26 @@ def seed_point_clouds(n_cloud: int, grid_side: int, target_features: int, device
 
 
 def _variants(device: torch.device, external: str | None):
-    """(name, aggregation, torch.compile options or None for eager, backend, shared pool).
+    """(name, aggregation, torch.compile options or None for eager, backend).
 
-    ``external`` ("warp" or "cuml") adds that backend's variants where it is installed;
-    Warp's run with and without its allocations routed through PyTorch's pool."""
+    ``external`` ("warp" or "cuml") adds that backend's variants where it is installed."""
     variants = [
-        ("document eager", "document", None, "auto", False),
-        ("document compiled", "document", {}, "auto", False),
-        ("fullgraph eager", "fullgraph", None, "auto", False),
-        ("fullgraph compiled", "fullgraph", {"fullgraph": True}, "auto", False),
+        ("document eager", "document", None, "auto"),
+        ("document compiled", "document", {}, "auto"),
+        ("fullgraph eager", "fullgraph", None, "auto"),
+        ("fullgraph compiled", "fullgraph", {"fullgraph": True}, "auto"),
     ]
     if device.type == "cuda":
         graphs = {"fullgraph": True, "mode": "reduce-overhead"}
         variants += [
-            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}, "auto", False),
-            ("fullgraph compiled+graphs", "fullgraph", graphs, "auto", False),
+            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}, "auto"),
+            ("fullgraph compiled+graphs", "fullgraph", graphs, "auto"),
         ]
         if external is not None and importlib.util.find_spec(external) is not None:
-            for label, options in (("compiled", {"fullgraph": True}), ("compiled+graphs", graphs)):
-                variants.append((f"fullgraph {external} {label}", "fullgraph", options, external, False))
-                if external in memory.POOLED:
-                    variants.append((f"fullgraph {external} {label}, torch pool", "fullgraph", options, external,
-                                     True))
+            variants += [
+                (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external),
+                (f"fullgraph {external} compiled+graphs", "fullgraph", graphs, external),
+            ]
     return variants
 
 
@@ -100,23 +97,21 @@ def _outside_torch_pool(device: torch.device) -> dict:
 def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device, external=None) -> list[Case]:
     cloud, grid, targets = seed_point_clouds(params["cloud"], params["grid"], 1, device)
     cases = []
-    for name, aggregation, options, backend, pooled in _variants(device, external):
+    for name, aggregation, options, backend in _variants(device, external):
         variant_model = copy.deepcopy(model).to(device)
         variant_model.aggregation, variant_model.backend = aggregation, backend
         run = variant_model if options is None else torch.compile(variant_model, **options)
         optimizer = torch.optim.Adam(variant_model.parameters(), lr=1e-3)
-        pool = functools.partial(memory.torch_pool, backend) if pooled else contextlib.nullcontext
 
-        def forward(run=run, pool=pool):
-            with torch.no_grad(), pool():
+        def forward(run=run):
+            with torch.no_grad():
                 return run(grid, cloud)
 
-        def train_step(run=run, optimizer=optimizer, pool=pool):
-            with pool():
-                optimizer.zero_grad()
-                loss = torch.mean((run(grid, cloud) - targets) ** 2)
-                loss.backward()
-                optimizer.step()
+        def train_step(run=run, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss = torch.mean((run(grid, cloud) - targets) ** 2)
+            loss.backward()
+            optimizer.step()
             return loss
 
         check = functools.partial(_outside_torch_pool, device) if device.type == "cuda" else None
@@ -322,4 +317,80 @@ register(Workload(
     build=_diffusion_policy,
     notes=[("floor per step at the seed size: read the weights once, 320 MB in float32 (~0.11 ms at ~3 TB/s; "
             "160 MB in bf16); 100 steps: ~11 ms (float32), ~5.5 ms (bf16)")],
+))
+
+
+@functools.cache
+def _allocating_ops():
+    """Two extern ops that allocate their result in their own library, as user code does:
+    a CuPy softplus and a Warp soft clip (the README's example kernel)."""
+    from .. import extern
+
+    spec = lambda x: [(x.shape, x.dtype)]  # noqa: E731
+
+    @extern.op("fullgraph_bench::cupy_softplus", "(Tensor x) -> Tensor", outputs=spec, library="cupy")
+    def cupy_softplus(x):
+        import cupy
+
+        return cupy.logaddexp(x, 0)
+
+    @extern.op("fullgraph_bench::warp_soft_clip", "(Tensor x) -> Tensor", outputs=spec, library="warp")
+    def warp_soft_clip(x):
+        import warp as wp
+
+        y = wp.empty_like(x)
+        wp.launch(_warp_soft_clip_kernel(), dim=x.shape, inputs=[x, 2.0], outputs=[y])
+        return y
+
+    return {"cupy": cupy_softplus, "warp": warp_soft_clip}
+
+
+@functools.cache
+def _warp_soft_clip_kernel():
+    import warp as wp
+
+    @wp.kernel
+    def soft_clip(x: wp.array(dtype=float), scale: float, y: wp.array(dtype=float)):
+        i = wp.tid()
+        y[i] = scale * wp.tanh(x[i] / scale)
+
+    return soft_clip
+
+
+def _extern_pool(params, device):
+    """Per library: its own allocator, PyTorch's pool (fullgraph.memory.torch_pool), and
+    PyTorch's pool inside a CUDA graph (capturable only then)."""
+    if device.type != "cuda":
+        raise ValueError("extern-pool measures GPU memory pools: run it with --device cuda")
+    x = torch.randn(params["n"], device=device)
+    cases = []
+    for library, extern_op in _allocating_ops().items():
+        if importlib.util.find_spec(library) is None:
+            continue
+
+        def own(extern_op=extern_op):
+            return extern_op(x)
+
+        def pooled(extern_op=extern_op, library=library):
+            with memory.torch_pool(library):
+                return extern_op(x)
+
+        def graphed_pooled(extern_op=extern_op, library=library, replay=[]):  # noqa: B006 - the cached graph
+            with memory.torch_pool(library):
+                if not replay:
+                    replay.append(graphs.graphed(extern_op))
+                return replay[0](x)
+
+        check = functools.partial(_outside_torch_pool, device)
+        cases += [Case(f"{library}, own allocator", own, check=check),
+                  Case(f"{library}, torch pool", pooled, check=check),
+                  Case(f"{library}, torch pool, CUDA graph", graphed_pooled, check=check)]
+    return cases
+
+
+register(Workload(
+    name="extern-pool",
+    description="fullgraph.memory: extern ops that allocate in CuPy / Warp, with and without PyTorch's pool",
+    sizes={"seed": {"n": 2**24}, "small": {"n": 2**20}, "tiny": {"n": 2**12}},
+    build=_extern_pool,
 ))

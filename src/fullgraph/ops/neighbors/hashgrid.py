@@ -3,8 +3,8 @@
 Float32 points in 3-D on CUDA. Each batch item is one group of a grouped HashGrid (invalid
 points get group -1, which no query asks for), so a batch needs no per-item loop and no
 host sync. The kernels are fullgraph.extern ops (library="warp"): they run on PyTorch's
-current stream, and their outputs come from Warp's allocator (PyTorch's pool under
-``fullgraph.memory.torch_pool``).
+current stream and write only into tensors PyTorch allocated, so they can be captured in
+CUDA graphs (the grid itself is created, and its memory reserved, outside any capture).
 
 Search keeps, per query, the ``k`` nearest candidates within the radius in its output row,
 ordered by (distance, index) by insertion: the nearest, never the first found. The
@@ -122,8 +122,7 @@ def _kernels():
 
 def _vec3(wp, array):
     """A [P, 3] float32 Warp array seen as [P] vec3, no copy."""
-    return wp.array(ptr=array.ptr, shape=(array.shape[0],), dtype=wp.vec3, device=array.device,
-                    requires_grad=array.requires_grad)
+    return wp.array(ptr=array.ptr, shape=(array.shape[0],), dtype=wp.vec3, device=array.device)
 
 
 def _grid(wp, ref, ref_group, radius: float):
@@ -159,6 +158,13 @@ def _search_outputs(query, query_group, ref, ref_group, radius, k, columns):
     return [((rows, k), torch.float32), ((rows, k), torch.int64), ((rows,), torch.int64)]
 
 
+def _new(wp, like, shape, dtype=torch.float32):
+    """A zeroed PyTorch tensor on ``like``'s device and its Warp view: PyTorch allocates
+    everything the kernels write, so the launches stay capturable in CUDA graphs."""
+    tensor = torch.zeros(shape, dtype=dtype, device=wp.device_to_torch(like.device))
+    return tensor, wp.from_torch(tensor)
+
+
 @extern.op("fullgraph::warp_radius_search",
            "(Tensor query, Tensor query_group, Tensor ref, Tensor ref_group, float radius, int k, int columns)"
            " -> (Tensor, Tensor, Tensor)", outputs=_search_outputs, library="warp")
@@ -168,23 +174,20 @@ def _search(query, query_group, ref, ref_group, radius, k, columns):
     search = _kernels()[0]
     query, ref = _vec3(wp, query), _vec3(wp, ref)
     grid = _grid(wp, ref, ref_group, radius)
-    dists = wp.empty((query.shape[0], k), dtype=float)
-    idx = wp.empty((query.shape[0], k), dtype=wp.int64)
-    counts = wp.empty(query.shape[0], dtype=wp.int64)
+    outputs = [_new(wp, query, shape, dtype) for shape, dtype in _search_outputs(query, None, None, None, None, k, None)]
     wp.launch(search, dim=query.shape[0], inputs=[query, query_group, ref, grid.id, radius, columns],
-              outputs=[dists, idx, counts])
-    return dists, idx, counts
+              outputs=[array for _, array in outputs])
+    return tuple(tensor for tensor, _ in outputs)
 
 
-def _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma, requires_grad=False):
+def _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma):
     """Launch the aggregation's forward kernels; return (inputs, outputs) of ``weighted_sums``."""
     _, nearest_distance, weighted_sums, _ = _kernels()
     rows, channels = query.shape[0], features.shape[1]
     grid = _grid(wp, ref, ref_group, radius)
-    shift = wp.empty(rows, dtype=float)
+    _, shift = _new(wp, query, rows)
     wp.launch(nearest_distance, dim=rows, inputs=[query, query_group, ref, grid.id, radius], outputs=[shift])
-    numerator = wp.zeros((rows, channels), dtype=float, requires_grad=requires_grad)
-    denominator = wp.zeros(rows, dtype=float, requires_grad=requires_grad)
+    (_, numerator), (_, denominator) = _new(wp, query, (rows, channels)), _new(wp, query, rows)
     inputs = [query, query_group, ref, features, grid.id, radius, sigma, shift]
     wp.launch(weighted_sums, dim=rows, inputs=inputs, outputs=[numerator, denominator])
     return inputs, [numerator, denominator]
@@ -202,9 +205,9 @@ def _aggregate(query, query_group, ref, ref_group, features, radius, sigma):
     normalize = _kernels()[3]
     query, ref = _vec3(wp, query), _vec3(wp, ref)
     _, (numerator, denominator) = _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma)
-    out = wp.empty(numerator.shape, dtype=float)
-    if out.size:
-        wp.launch(normalize, dim=out.shape, inputs=[numerator, denominator], outputs=[out])
+    out, out_array = _new(wp, query, numerator.shape)
+    if out.numel():
+        wp.launch(normalize, dim=numerator.shape, inputs=[numerator, denominator], outputs=[out_array])
     return out
 
 
@@ -219,19 +222,18 @@ def _aggregate_backward(grad_out, query, query_group, ref, ref_group, features, 
     import warp as wp
 
     _, _, weighted_sums, normalize = _kernels()
-    grads = [wp.zeros(a.shape, dtype=float) for a in (query, ref, features)]
+    grads = [_new(wp, query, a.shape) for a in (query, ref, features)]
     query, ref = _vec3(wp, query), _vec3(wp, ref)
-    inputs, (numerator, denominator) = _forward_arrays(
-        wp, query, query_group, ref, ref_group, features, radius, sigma, requires_grad=True)
-    out = wp.empty(numerator.shape, dtype=float)
-    if out.size:
-        wp.launch(normalize, dim=out.shape, inputs=[numerator, denominator], outputs=[out],
-                  adj_inputs=[numerator.grad, denominator.grad], adj_outputs=[grad_out], adjoint=True)
-    grad_query, grad_ref = _vec3(wp, grads[0]), _vec3(wp, grads[1])
-    adj_inputs = [grad_query, None, grad_ref, grads[2], None, None, None, None]
+    inputs, (numerator, denominator) = _forward_arrays(wp, query, query_group, ref, ref_group, features, radius, sigma)
+    (_, numerator_grad), (_, denominator_grad) = _new(wp, query, numerator.shape), _new(wp, query, denominator.shape)
+    if numerator.size:
+        _, out = _new(wp, query, numerator.shape)
+        wp.launch(normalize, dim=numerator.shape, inputs=[numerator, denominator], outputs=[out],
+                  adj_inputs=[numerator_grad, denominator_grad], adj_outputs=[grad_out], adjoint=True)
+    adj_inputs = [_vec3(wp, grads[0][1]), None, _vec3(wp, grads[1][1]), grads[2][1], None, None, None, None]
     wp.launch(weighted_sums, dim=query.shape[0], inputs=inputs, outputs=[numerator, denominator],
-              adj_inputs=adj_inputs, adj_outputs=[numerator.grad, denominator.grad], adjoint=True)
-    return tuple(grads)
+              adj_inputs=adj_inputs, adj_outputs=[numerator_grad, denominator_grad], adjoint=True)
+    return tuple(tensor for tensor, _ in grads)
 
 
 # ----------------------------------------------------------------- backend contract
