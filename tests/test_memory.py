@@ -91,3 +91,16 @@ def test_routing_from_many_threads():
     for thread in threads:
         thread.join()
     assert not errors and memory.routed() == ()
+
+
+@needs_cuda
+def test_a_warp_op_that_allocates_runs_in_compiled_cuda_graphs_with_the_torch_pool():
+    pytest.importorskip("warp")
+    from fullgraph.bench.workloads import _allocating_ops
+
+    soft_clip = _allocating_ops()["warp"]
+    compiled = torch.compile(lambda t: soft_clip(t * 2) + 1, fullgraph=True, mode="reduce-overhead")
+    with memory.torch_pool("warp"):
+        for _ in range(4):
+            x = torch.randn(4096, device="cuda")
+            torch.testing.assert_close(compiled(x), 2 * torch.tanh(x) + 1)
