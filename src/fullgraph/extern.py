@@ -138,7 +138,8 @@ def _on_current_stream(library: str, module, device: torch.device):
     elif library == "warp":
         module.init()
         stream = module.stream_from_torch(torch_stream)
-        with module.ScopedDevice(stream.device), module.ScopedStream(stream):
+        # No sync_enter: waiting on Warp's previous stream would break a capture on PyTorch's.
+        with module.ScopedDevice(stream.device), module.ScopedStream(stream, sync_enter=False):
             yield stream
     else:
         yield torch_stream

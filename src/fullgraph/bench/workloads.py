@@ -357,6 +357,21 @@ def _warp_soft_clip_kernel():
     return soft_clip
 
 
+def _library_pool(library: str, device: torch.device) -> dict:
+    """Bytes the library's own pool holds after the run (memory PyTorch cannot reuse),
+    and the device memory outside PyTorch's pool."""
+    torch.cuda.synchronize(device)
+    if library == "cupy":
+        import cupy
+
+        held = cupy.get_default_memory_pool().total_bytes()
+    else:
+        import warp
+
+        held = warp.get_mempool_used_mem_current(f"cuda:{device.index or 0}")
+    return {"library_pool_bytes": held, **_outside_torch_pool(device)}
+
+
 def _extern_pool(params, device):
     """Per library: its own allocator, PyTorch's pool (fullgraph.memory.torch_pool), and
     PyTorch's pool inside a CUDA graph (capturable only then)."""
@@ -381,7 +396,7 @@ def _extern_pool(params, device):
                     replay.append(graphs.graphed(extern_op))
                 return replay[0](x)
 
-        check = functools.partial(_outside_torch_pool, device)
+        check = functools.partial(_library_pool, library, device)
         cases += [Case(f"{library}, own allocator", own, check=check),
                   Case(f"{library}, torch pool", pooled, check=check),
                   Case(f"{library}, torch pool, CUDA graph", graphed_pooled, check=check)]
