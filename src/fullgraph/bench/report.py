@@ -10,16 +10,16 @@ def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-OUTSIDE = "outside_torch_pool_bytes"
+# Memory measured by some workloads' checks, shown as extra columns (MiB) when present.
+EXTRA_COLUMNS = {"outside_torch_pool_bytes": "outside pool MiB", "library_pool_bytes": "library pool MiB"}
 
 
-def _outside(rows: list[dict]) -> bool:
-    """Whether the rows measured device memory held outside PyTorch's pool (GPU projectors)."""
-    return any(OUTSIDE in r for r in rows)
+def _extras(rows: list[dict]) -> list[str]:
+    return [key for key in EXTRA_COLUMNS if any(key in r for r in rows)]
 
 
-def _outside_mib(row: dict) -> str:
-    return _fmt(row.get(OUTSIDE) and row[OUTSIDE] / 2**20, "{:.0f}")
+def _mib(row: dict, key: str) -> str:
+    return _fmt(None if row.get(key) is None else row[key] / 2**20, "{:.0f}")
 
 
 def table(rows: list[dict]):
@@ -29,18 +29,18 @@ def table(rows: list[dict]):
     first = rows[0]
     title = f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}, torch {first['torch']}"
     out = Table(title=title)
-    outside = _outside(rows)
+    extras = _extras(rows)
     columns = ["variant", "phase", "median ms", "p10-p90 ms", "x eager", "peak MiB", "first call s"]
-    for column in columns + (["outside pool MiB"] if outside else []):
+    for column in columns + [EXTRA_COLUMNS[key] for key in extras]:
         out.add_column(column, justify="left" if column in ("variant", "phase") else "right")
     for r in rows:
         if "error" in r:
-            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", *[""] * (4 + outside))
+            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", *[""] * (4 + len(extras)))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}",
                     _fmt(r["speedup_vs_eager"], "{:.1f}"), _fmt(peak, "{:.1f}"), f"{r['first_call_s']:.2f}",
-                    *([_outside_mib(r)] if outside else []))
+                    *[_mib(r, key) for key in extras])
     return out
 
 
@@ -83,19 +83,20 @@ def plot(rows: list[dict], path: Path) -> None:
 def markdown(rows: list[dict]) -> str:
     """A Markdown table of the rows, for the README."""
     first = rows[0]
-    outside = _outside(rows)
+    extras = _extras(rows)
     lines = [
         f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}, "
         f"torch {first['torch']}, triton {first['triton']}, commit {first['commit']}",
         "",
-        "| variant | phase | median ms | x eager | peak MiB | first call s |" + (" outside pool MiB |" if outside else ""),
-        "| --- | --- | ---: | ---: | ---: | ---: |" + (" ---: |" if outside else ""),
+        "| variant | phase | median ms | x eager | peak MiB | first call s |"
+        + "".join(f" {EXTRA_COLUMNS[key]} |" for key in extras),
+        "| --- | --- | ---: | ---: | ---: | ---: |" + " ---: |" * len(extras),
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | {r['phase']} | failed: {r['error'][:70]} | | | |" + (" |" if outside else ""))
+            lines.append(f"| {r['variant']} | {r['phase']} | failed: {r['error'][:70]} | | | |" + " |" * len(extras))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         lines.append(f"| {r['variant']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['speedup_vs_eager'], '{:.2f}')} "
-                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + (f" {_outside_mib(r)} |" if outside else ""))
+                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + "".join(f" {_mib(r, key)} |" for key in extras))
     return "\n".join(lines)
