@@ -390,11 +390,9 @@ def _extern_pool(params, device):
             with memory.torch_pool(library):
                 return extern_op(x)
 
-        def graphed_pooled(extern_op=extern_op, library=library, replay=[]):  # noqa: B006 - the cached graph
-            with memory.torch_pool(library):
-                if not replay:
-                    replay.append(graphs.graphed(extern_op))
-                return replay[0](x)
+        def graphed_pooled(replay=graphs.graphed(extern_op), library=library):
+            with memory.torch_pool(library):  # the capture (first call) and the replays
+                return replay(x)
 
         check = functools.partial(_library_pool, library, device)
         cases += [Case(f"{library}, own allocator", own, check=check),

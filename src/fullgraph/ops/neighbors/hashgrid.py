@@ -153,8 +153,8 @@ def _grid(wp, ref, ref_group, radius: float):
     return grid
 
 
-def _search_outputs(query, query_group, ref, ref_group, radius, k, columns):
-    rows = query.shape[0]
+def _search_shapes(rows, k):
+    """dists [rows, k] float32, idx [rows, k] int64, counts [rows] int64."""
     return [((rows, k), torch.float32), ((rows, k), torch.int64), ((rows,), torch.int64)]
 
 
@@ -167,14 +167,15 @@ def _new(wp, like, shape, dtype=torch.float32):
 
 @extern.op("fullgraph::warp_radius_search",
            "(Tensor query, Tensor query_group, Tensor ref, Tensor ref_group, float radius, int k, int columns)"
-           " -> (Tensor, Tensor, Tensor)", outputs=_search_outputs, library="warp")
+           " -> (Tensor, Tensor, Tensor)",
+           outputs=lambda query, qg, ref, rg, radius, k, columns: _search_shapes(query.shape[0], k), library="warp")
 def _search(query, query_group, ref, ref_group, radius, k, columns):
     import warp as wp
 
     search = _kernels()[0]
     query, ref = _vec3(wp, query), _vec3(wp, ref)
     grid = _grid(wp, ref, ref_group, radius)
-    outputs = [_new(wp, query, shape, dtype) for shape, dtype in _search_outputs(query, None, None, None, None, k, None)]
+    outputs = [_new(wp, query, shape, dtype) for shape, dtype in _search_shapes(query.shape[0], k)]
     wp.launch(search, dim=query.shape[0], inputs=[query, query_group, ref, grid.id, radius, columns],
               outputs=[array for _, array in outputs])
     return tuple(tensor for tensor, _ in outputs)
