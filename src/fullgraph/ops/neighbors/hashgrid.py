@@ -4,7 +4,8 @@ Float32 points in 3-D on CUDA. Each batch item is one group of a grouped HashGri
 points get group -1, which no query asks for), so a batch needs no per-item loop and no
 host sync. The kernels are fullgraph.extern ops (library="warp"): they run on PyTorch's
 current stream and write only into tensors PyTorch allocated, so they can be captured in
-CUDA graphs (the grid itself is created, and its memory reserved, outside any capture).
+CUDA graphs (the grid itself is created, and its memory reserved, outside any capture;
+Warp keeps one sort scratch buffer per capture, since PyTorch, not Warp, owns it).
 
 Search keeps, per query, the ``k`` nearest candidates within the radius in its output row,
 ordered by (distance, index) by insertion: the nearest, never the first found. The
