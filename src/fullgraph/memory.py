@@ -62,7 +62,7 @@ def _route_numba() -> Callable[[], None]:
     class TorchMemoryManager(cuda.GetIpcHandleMixin, cuda.HostOnlyCUDAMemoryManager):
         """Numba's external-memory-manager plugin drawing on PyTorch's caching allocator."""
 
-        def initialize(self):
+        def initialize(self):  # abstract in the plugin interface; PyTorch's allocator needs no set-up
             super().initialize()
 
         def memalloc(self, size):
@@ -88,7 +88,8 @@ def _route_numba() -> Callable[[], None]:
     context.memory_manager.initialize()
 
     def restore():
-        cuda.set_memory_manager(previous_class) if previous_class else None
+        if previous_class is not None:
+            cuda.set_memory_manager(previous_class)
         context.memory_manager = previous
 
     return restore

@@ -73,15 +73,15 @@ def _variants(device: torch.device, external: str | None):
         ("fullgraph compiled", "fullgraph", {"fullgraph": True}, "auto"),
     ]
     if device.type == "cuda":
-        graphs = {"fullgraph": True, "mode": "reduce-overhead"}
+        with_graphs = {"fullgraph": True, "mode": "reduce-overhead"}
         variants += [
             ("document compiled+graphs", "document", {"mode": "reduce-overhead"}, "auto"),
-            ("fullgraph compiled+graphs", "fullgraph", graphs, "auto"),
+            ("fullgraph compiled+graphs", "fullgraph", with_graphs, "auto"),
         ]
         if external is not None and importlib.util.find_spec(external) is not None:
             variants += [
                 (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external),
-                (f"fullgraph {external} compiled+graphs", "fullgraph", graphs, external),
+                (f"fullgraph {external} compiled+graphs", "fullgraph", with_graphs, external),
             ]
     return variants
 
@@ -266,7 +266,6 @@ register(Workload(
 def _diffusion_policy(params, device):
     """forward = the whole sampler: ``steps`` U-Net calls and denoise steps from fixed noise."""
     from ..diffusion import denoise
-    from ..graphs import graphed as graphed_callable
     from ..ops import ddpm
 
     torch.manual_seed(0)
@@ -292,7 +291,7 @@ def _diffusion_policy(params, device):
         if device.type != "cuda":
             return
         yield "document compiled+graphs", unfused_loop(torch.compile(unet, mode="reduce-overhead"))
-        yield "document recipe (U-Net graphed)", unfused_loop(graphed_callable(unet))
+        yield "document recipe (U-Net graphed)", unfused_loop(graphs.graphed(unet))
         streamlined = matmul_convolutions(copy.deepcopy(unet))
         for name, net in (
                 ("fullgraph graphed loop", unet),
@@ -300,7 +299,7 @@ def _diffusion_policy(params, device):
                 ("fullgraph graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv bf16 U-Net",
                  torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True))):
-            loop = graphed_callable(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
+            loop = graphs.graphed(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
             yield name, functools.partial(loop, x, noise, cond, alphas, True)
 
     return [Case(name, run, check=deviation(run)) for name, run in cases()]

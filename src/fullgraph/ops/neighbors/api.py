@@ -20,7 +20,6 @@ _PACKAGES = {"scipy": '"fullgraph[cpu]"', "warp": '"fullgraph[warp]" (NVIDIA War
 # Probed once, without importing them, so that `import fullgraph` stays light and the
 # choice below needs no import machinery while torch.compile traces it.
 _HAVE = {name: importlib.util.find_spec(name) is not None for name in _PACKAGES}
-_HAVE_SCIPY = _HAVE["scipy"]
 # Triton's interpreter runs the kernels on CPU tensors (slowly): used by the CPU tests.
 _TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -52,13 +51,13 @@ def _backend(backend: str, query: torch.Tensor, k: int = 1, operation: str = "kn
         return backend
     if backend == "auto":
         if device.type == "cpu":
-            return "cpu" if _HAVE_SCIPY else "torch"
+            return "cpu" if _HAVE["scipy"] else "torch"
         triton_fits = k <= triton_backend.MAX_K and query.dtype != torch.float64
         return "triton" if device.type == "cuda" and triton_backend.available() and triton_fits else "torch"
     if backend == "cpu":
         if device.type != "cpu":
             raise ValueError(f'backend: "cpu" needs CPU tensors, got tensors on {device}')
-        if not _HAVE_SCIPY:
+        if not _HAVE["scipy"]:
             raise ImportError('backend="cpu" needs scipy: pip install "fullgraph[cpu]"')
     if backend == "triton":
         if not triton_backend.available():

@@ -137,15 +137,10 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     return dists.to(query.dtype), idx, counts
 
 
-def _ball(ref_points, points, radius):
-    """Concatenated ball members of ``points`` and each point's count."""
-    sizes = _kdtree_ball_counts(ref_points, points, radius)
-    return _kdtree_ball(ref_points, points, radius, int(sizes.sum())), sizes
-
-
 def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distance, k, radius):
     """Resolve a tie at the k-th place: every reference at the tied distance competes."""
-    members, _ = _ball(ref_points, point, _widened(tie_distance))
+    reach = _widened(tie_distance)
+    members = _kdtree_ball(ref_points, point, reach, int(_kdtree_ball_counts(ref_points, point, reach).sum()))
     candidates = ref_ids[members][None, :]
     d = _exact_distances(query_b, ref_b, query_id, candidates)
     candidates = candidates.masked_fill(d > min(tie_distance, radius), -1)
@@ -167,7 +162,8 @@ def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
             while start < len(query_ids):
                 limit = ends[start] - sizes[start] + budget
                 stop = max(start + 1, int(torch.searchsorted(ends, limit, right=True)))
-                members, lengths = _ball(ref_points, points[start:stop], reach)
+                lengths = sizes[start:stop]  # counted once above, not again per chunk
+                members = _kdtree_ball(ref_points, points[start:stop], reach, int(lengths.sum()))
                 qi = torch.repeat_interleave(query_ids[start:stop], lengths)
                 rj = ref_ids[members]
                 d = reference.pair_distances(query[b][qi], ref[b][rj])
