@@ -18,7 +18,7 @@ import fullgraph
 from fullgraph.bench.timing import graphed, time_call
 from fullgraph.bench.workloads import seed_point_clouds
 from fullgraph.ops.neighbors import grid
-from fullgraph.ops.neighbors import triton as triton_backend
+from fullgraph.ops.neighbors import triton_grid as triton_backend
 
 device = torch.device("cuda")
 cloud, queries, _ = seed_point_clouds(100_000, 30, 1, "cuda")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from fullgraph import extern
+from fullgraph import extern, libraries
 
 
 def _norm_backward(ctx, grad):
@@ -102,7 +102,7 @@ def test_bad_declarations_and_devices():
         on_gpu(torch.rand(3))
 
 
-MISSING = [name for name, library in extern.LIBRARIES.items()
+MISSING = [name for name, library in libraries.LIBRARIES.items()
            if importlib.util.find_spec(library.module.split(".")[0]) is None]
 
 
@@ -110,7 +110,7 @@ MISSING = [name for name, library in extern.LIBRARIES.items()
 @pytest.mark.parametrize("name", MISSING)
 def test_a_missing_library_names_the_package(name):
     with pytest.raises(ImportError, match=f"library='{name}' needs .*: pip install "):
-        extern.LIBRARIES[name].load()
+        libraries.LIBRARIES[name].load()
 
 
 def test_cuda_graph_policies():

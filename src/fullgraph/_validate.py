@@ -74,11 +74,18 @@ def choice(name: str, value, options) -> str:
     return value
 
 
+def values_readable(device: torch.device) -> bool:
+    """Whether reading a tensor's values on ``device`` is allowed here: not while
+    torch.compile traces (a graph break) nor inside a CUDA graph capture (a failure)."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
 def lengths(name: str, value, batch: int, maximum: int, device: torch.device) -> torch.Tensor:
     """Valid-prefix lengths: an int64 tensor of shape (batch,) with values in [0, maximum].
 
-    The value range is checked in eager mode only: reading values would force a host
-    synchronization (and a graph break) under torch.compile. Kernels clamp regardless.
+    The value range is checked where ``values_readable``: elsewhere the kernels clamp.
     """
     tensor(name, value)
     if value.dtype != torch.int64:
@@ -87,7 +94,7 @@ def lengths(name: str, value, batch: int, maximum: int, device: torch.device) ->
         raise ValueError(f"{name}: expected shape ({batch},), got {tuple(value.shape)}")
     if value.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
-    if not torch.compiler.is_compiling() and value.numel() > 0:
+    if value.numel() > 0 and values_readable(value.device):
         low, high = int(value.min()), int(value.max())
         if low < 0 or high > maximum:
             raise ValueError(

@@ -21,11 +21,11 @@ Libraries: "numpy" (CPU; SciPy works on the same arrays), "cupy", "numba" (numba
 from __future__ import annotations
 
 import contextlib
-import importlib
 import threading
-from dataclasses import dataclass
 
 import torch
+
+from .libraries import LIBRARIES
 
 CUDA_GRAPH_POLICIES = ("safe", "tag", "break")
 
@@ -33,46 +33,6 @@ CUDA_GRAPH_POLICIES = ("safe", "tag", "break")
 class ExternError(RuntimeError):
     """An extern op's function broke its declared contract (shapes, dtypes, capture)."""
 
-
-@dataclass(frozen=True)
-class Library:
-    """How fullgraph finds one array library, where its arrays live, how it may be captured."""
-
-    name: str
-    module: str
-    device: str  # the torch device type its arrays live on
-    package: str  # what to pip install
-    cuda_graphs: str  # default policy: can its kernels be captured on PyTorch's stream?
-
-    def load(self):
-        try:
-            module = importlib.import_module(self.module)
-        except ImportError as error:
-            raise ImportError(f"fullgraph.extern: library={self.name!r} needs {self.module}: "
-                              f"pip install {self.package}") from error
-        if self.name == "numba":
-            _numba_numpy_compat()
-        return module
-
-
-def _numba_numpy_compat() -> None:
-    """numba-cuda <= 0.30.4 registers an overload of ``np.row_stack`` when it compiles its
-    first kernel; NumPy 2.5 removed that alias of ``np.vstack``, so no kernel compiles
-    (NVIDIA/numba-cuda#907, not to be fixed there). Restore the alias it expects."""
-    import numpy
-
-    if not hasattr(numpy, "row_stack"):
-        numpy.row_stack = numpy.vstack
-
-
-LIBRARIES = {library.name: library for library in (
-    Library("numpy", "numpy", "cpu", "numpy", "safe"),
-    Library("cupy", "cupy", "cuda", "cupy-cuda12x (or cupy-cuda13x)", "safe"),
-    Library("numba", "numba.cuda", "cuda", "numba-cuda", "safe"),
-    Library("warp", "warp", "cuda", '"fullgraph[warp]" (warp-lang)', "safe"),
-    # JAX runs on its own streams: its work cannot join a capture on PyTorch's stream.
-    Library("jax", "jax", "cuda", '"jax[cuda12]"', "tag"),
-)}
 
 _running = threading.local()
 
@@ -88,61 +48,6 @@ def current_stream():
     if stream is None:
         raise RuntimeError("fullgraph.extern.current_stream() is only valid inside an extern op's function")
     return stream
-
-
-def _to_array(library: str, module, tensor: torch.Tensor):
-    tensor = tensor.detach().contiguous()
-    if library == "numba":
-        return module.as_cuda_array(tensor)
-    if library == "warp":
-        return module.from_torch(tensor)
-    if library == "jax":
-        import jax.dlpack
-
-        return jax.dlpack.from_dlpack(tensor)
-    return module.from_dlpack(tensor)
-
-
-def _from_array(library: str, module, value) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value
-    if library == "warp" and isinstance(value, module.array):
-        from .memory import torch_block
-
-        tensor = module.to_torch(value)
-        block = torch_block(value.ptr) if value.is_contiguous else None
-        if block is None:
-            return tensor
-        return block[: tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
-    if hasattr(value, "__dlpack__"):
-        return torch.from_dlpack(value)
-    if hasattr(value, "__cuda_array_interface__"):
-        return torch.as_tensor(value, device="cuda")
-    return torch.as_tensor(value)
-
-
-@contextlib.contextmanager
-def _on_current_stream(library: str, module, device: torch.device):
-    """Run the library on PyTorch's current stream of ``device``; publish its handle."""
-    if device.type != "cuda":
-        yield
-        return
-    torch_stream = torch.cuda.current_stream(device)
-    if library == "cupy":
-        stream = module.cuda.ExternalStream(torch_stream.cuda_stream, device.index)
-        with module.cuda.Device(device.index), stream:
-            yield stream
-    elif library == "numba":
-        with module.gpus[device.index]:
-            yield module.external_stream(torch_stream.cuda_stream)
-    elif library == "warp":
-        module.init()
-        stream = module.stream_from_torch(torch_stream)
-        # No sync_enter: waiting on Warp's previous stream would break a capture on PyTorch's.
-        with module.ScopedDevice(stream.device), module.ScopedStream(stream, sync_enter=False):
-            yield stream
-    else:
-        yield torch_stream
 
 
 def _specs(outputs, args) -> list[tuple[tuple, torch.dtype]]:
@@ -191,19 +96,21 @@ class ExternOp:
 
     def _run(self, *args):
         device = self._check_inputs(args)
-        module = LIBRARIES[self.library].load()
+        library = LIBRARIES[self.library]
+        module = library.load()
         outer = getattr(_running, "stream", None)
         # Conversions too happen on PyTorch's stream: DLPack then orders nothing across streams
         # (a wait on another stream would be illegal inside a CUDA graph capture).
-        with _on_current_stream(self.library, module, device) as stream:
-            arrays = [_to_array(self.library, module, a) if isinstance(a, torch.Tensor) else a for a in args]
+        on_stream = library.on_stream(module, device) if device.type == "cuda" else contextlib.nullcontext()
+        with on_stream as stream:
+            arrays = [library.to_array(module, a) if isinstance(a, torch.Tensor) else a for a in args]
             _running.stream = stream
             try:
                 result = self.fn(*arrays)
             finally:
                 _running.stream = outer
             results = list(result) if isinstance(result, (tuple, list)) else [result]
-            results = [_from_array(self.library, module, value) for value in results]
+            results = [library.from_array(module, value) for value in results]
         specs = _specs(self.outputs, args)
         if len(results) != len(specs):
             raise ExternError(f"{self.name}: the function returned {len(results)} outputs, the outputs spec "

@@ -9,22 +9,13 @@ by the kernel: a captured CUDA graph replays every step of the sampling loop.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from .. import _validate
+from .. import _triton, _validate, backends
+from .._triton import tl, triton
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - the backend reports this when asked for
-    triton = None
-
-BACKEND_NAMES = ("auto", "torch", "triton")
 BLOCK = 1024
-# Triton's interpreter runs the kernel on CPU tensors (the CPU tests use it).
-_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def squaredcos_cap_v2(steps: int = 100, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -90,7 +81,7 @@ if triton is not None:
         tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _triton(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
+def _triton_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
     out = torch.empty_like(sample)
     count = sample.numel()
     if count:
@@ -100,29 +91,52 @@ def _triton(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: 
     return out
 
 
+BACKENDS = backends.family(
+    "ddpm",
+    backends.Backend("triton", ops=("ddpm_step",), devices=_triton.devices(), auto_devices=("cuda",),
+                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
+                     available=_triton.available, implementation=_triton_step,
+                     note='computes in float32 (use backend="torch" for float64)'),
+    backends.Backend("torch", ops=("ddpm_step",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
+                     implementation=reference),
+)
+
+
+def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample) -> None:
+    for name, value in (("sample", sample), ("model_output", model_output), ("noise", noise)):
+        _validate.floating(name, value)
+        if name != "sample":
+            _validate.same_dtype_and_device(name, value, "sample", sample)
+            if value.shape != sample.shape:
+                raise ValueError(f"{name}: expected the shape of sample {tuple(sample.shape)}, got {tuple(value.shape)}")
+    _validate.tensor("timestep", timestep)
+    if timestep.dtype != torch.int64 or timestep.dim() != 0:
+        raise TypeError(f"timestep: expected a 0-d int64 tensor (so a captured graph can replay every step), "
+                        f"got {timestep.dtype} of shape {tuple(timestep.shape)}")
+    if timestep.device != sample.device:
+        raise ValueError(f"timestep: expected a tensor on {sample.device} like sample, got {timestep.device}")
+    _validate.floating("alphas_cumprod", alphas_cumprod)
+    _validate.rank("alphas_cumprod", alphas_cumprod, (1,), "[T]")
+    if alphas_cumprod.device != sample.device or alphas_cumprod.shape[0] < 1:
+        raise ValueError(f"alphas_cumprod: expected [T >= 1] on {sample.device}, got {tuple(alphas_cumprod.shape)} "
+                         f"on {alphas_cumprod.device}")
+    if not isinstance(clip_sample, bool):
+        raise TypeError(f"clip_sample: expected a bool, got {type(clip_sample).__name__}")
+
+
 @torch.library.custom_op("fullgraph::ddpm_step", mutates_args=())
 def ddpm_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
                  alphas_cumprod: torch.Tensor, noise: torch.Tensor, clip_sample: bool, backend: str) -> torch.Tensor:
-    run = _triton if backend == "triton" else reference
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
+    run = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype).implementation
     return run(model_output.contiguous(), sample.contiguous(), timestep, alphas_cumprod.contiguous(),
                noise.contiguous(), clip_sample)
 
 
 @ddpm_step_op.register_fake
 def _(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend):
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
     return torch.empty_like(sample)
-
-
-def _backend(backend: str, sample: torch.Tensor) -> str:
-    _validate.choice("backend", backend, BACKEND_NAMES)
-    on_device = sample.device.type == "cuda" or (sample.device.type == "cpu" and _TRITON_ON_CPU)
-    triton_fits = on_device and triton is not None and sample.dtype != torch.float64
-    if backend == "auto":
-        return "triton" if triton_fits and sample.device.type == "cuda" else "torch"
-    if backend == "triton" and not triton_fits:
-        raise ValueError(f'backend: "triton" needs CUDA tensors of float32/float16/bfloat16 and triton installed, '
-                         f"got {sample.dtype} on {sample.device}")
-    return backend
 
 
 def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sample: bool = True,
@@ -150,24 +164,6 @@ def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sam
         >>> out.shape
         torch.Size([1, 16, 2])
     """
-    for name, value in (("sample", sample), ("model_output", model_output), ("noise", noise)):
-        _validate.floating(name, value)
-        if name != "sample":
-            _validate.same_dtype_and_device(name, value, "sample", sample)
-            if value.shape != sample.shape:
-                raise ValueError(f"{name}: expected the shape of sample {tuple(sample.shape)}, got {tuple(value.shape)}")
-    _validate.tensor("timestep", timestep)
-    if timestep.dtype != torch.int64 or timestep.dim() != 0:
-        raise TypeError(f"timestep: expected a 0-d int64 tensor (so a captured graph can replay every step), "
-                        f"got {timestep.dtype} of shape {tuple(timestep.shape)}")
-    if timestep.device != sample.device:
-        raise ValueError(f"timestep: expected a tensor on {sample.device} like sample, got {timestep.device}")
-    _validate.floating("alphas_cumprod", alphas_cumprod)
-    _validate.rank("alphas_cumprod", alphas_cumprod, (1,), "[T]")
-    if alphas_cumprod.device != sample.device or alphas_cumprod.shape[0] < 1:
-        raise ValueError(f"alphas_cumprod: expected [T >= 1] on {sample.device}, got {tuple(alphas_cumprod.shape)} "
-                         f"on {alphas_cumprod.device}")
-    if not isinstance(clip_sample, bool):
-        raise TypeError(f"clip_sample: expected a bool, got {type(clip_sample).__name__}")
-    return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample,
-                                         _backend(backend, sample))
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
+    backend = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype).name
+    return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend)

@@ -63,7 +63,7 @@ def test_dynamic_compile_once_on_cuda(generator):
 
 
 def test_auto_picks_triton_on_cuda(monkeypatch, generator):
-    from fullgraph.ops.neighbors import triton as triton_backend
+    from fullgraph.ops.neighbors import triton_grid as triton_backend
 
     calls = []
     original = triton_backend.nearest

@@ -26,7 +26,7 @@ class ExtensionBuildError(RuntimeError):
     """The LLTM extension could not be built or loaded."""
 
 
-def _prebuilt() -> Path | None:
+def prebuilt() -> Path | None:
     built = sorted(Path(__file__).parent.glob("_C*.so"))
     return built[0] if built else None
 
@@ -80,7 +80,7 @@ def _compile(with_cuda: bool) -> None:
 def load() -> bool:
     """Load the extension once per process (building it if needed). Returns whether its
     CUDA kernels are in it. Raises ExtensionBuildError naming what is missing."""
-    prebuilt = _prebuilt()
+    prebuilt = prebuilt()
     if prebuilt is not None:
         torch.ops.load_library(str(prebuilt))
     else:

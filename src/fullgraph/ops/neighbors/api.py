@@ -2,120 +2,31 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import torch
 
 from ... import _validate
-from . import ops  # noqa: F401  (importing registers torch.ops.fullgraph.*)
-from . import rapids
-from . import triton as triton_backend
-
-BACKEND_NAMES = ("auto", "torch", "cpu", "triton", "warp", "cuml")
-# The external backends each cover one family of operators, on CUDA.
-EXTERNAL = {"warp": ("radius", "radius_aggregate"), "cuml": ("knn", "knn_aggregate")}
-_PACKAGES = {"scipy": '"fullgraph[cpu]"', "warp": '"fullgraph[warp]" (NVIDIA Warp)',
-             "cuml": '"fullgraph[rapids]" (RAPIDS cuML)'}
-# Probed once, without importing them, so that `import fullgraph` stays light and the
-# choice below needs no import machinery while torch.compile traces it.
-_HAVE = {name: importlib.util.find_spec(name) is not None for name in _PACKAGES}
-# Triton's interpreter runs the kernels on CPU tensors (slowly): used by the CPU tests.
-_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _external(backend: str, query: torch.Tensor, operation: str) -> None:
-    """Checks for the Warp and cuML backends."""
-    if operation not in EXTERNAL[backend]:
-        raise ValueError(f'backend: "{backend}" provides {" and ".join(EXTERNAL[backend])}, not {operation}')
-    if query.device.type != "cuda":
-        raise ValueError(f'backend: "{backend}" needs CUDA tensors, got tensors on {query.device}')
-    if not _HAVE[backend]:
-        raise ImportError(f'backend="{backend}" needs {backend}: pip install {_PACKAGES[backend]}')
-    if backend == "warp":
-        if query.shape[-1] != 3:
-            raise ValueError(f'query: backend="warp" (a 3-D HashGrid) needs D = 3, got shape {tuple(query.shape)}')
-        if query.dtype != torch.float32:
-            raise TypeError(f'query: backend="warp" computes in float32, got {query.dtype} (convert, or use "triton")')
-    elif query.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f'query: backend="cuml" needs float32 or float64, got {query.dtype}')
-
-
-def _backend(backend: str, query: torch.Tensor, k: int = 1, operation: str = "knn") -> str:
-    """Resolve ``backend`` for tensors like ``query`` running ``operation``; k is the list
-    length it must hold."""
-    _validate.choice("backend", backend, BACKEND_NAMES)
-    device = query.device
-    if backend in EXTERNAL:
-        _external(backend, query, operation)
-        return backend
-    if backend == "auto":
-        if device.type == "cpu":
-            return "cpu" if _HAVE["scipy"] else "torch"
-        triton_fits = k <= triton_backend.MAX_K and query.dtype != torch.float64
-        return "triton" if device.type == "cuda" and triton_backend.available() and triton_fits else "torch"
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f'backend: "cpu" needs CPU tensors, got tensors on {device}')
-        if not _HAVE["scipy"]:
-            raise ImportError('backend="cpu" needs scipy: pip install "fullgraph[cpu]"')
-    if backend == "triton":
-        if not triton_backend.available():
-            raise ImportError('backend="triton" needs triton: pip install triton (it comes with CUDA builds of torch)')
-        if device.type != "cuda" and not (device.type == "cpu" and _TRITON_ON_CPU):
-            raise ValueError(f'backend: "triton" needs CUDA tensors, got tensors on {device}')
-        if k > triton_backend.MAX_K:
-            raise ValueError(f'k: backend="triton" supports up to {triton_backend.MAX_K} neighbours, got {k}')
-        if query.dtype == torch.float64:
-            raise TypeError('query: backend="triton" computes in float32, got torch.float64 (use backend="torch")')
-    return backend
+from .registration import BACKENDS, check_clouds, check_features
 
 
 def _points(query, ref, query_lengths, ref_lengths):
     """Check the point clouds; return them batched [B, M, D], [B, N, D] and whether to unbatch."""
-    _validate.floating("query", query)
-    _validate.floating("ref", ref)
-    _validate.rank("query", query, (2, 3), "[M, D] or [B, M, D]")
-    _validate.rank("ref", ref, (query.dim(),), f"{'[B, N, D]' if query.dim() == 3 else '[N, D]'} like query")
-    _validate.same_dtype_and_device("ref", ref, "query", query)
-    if query.shape[-1] < 1:
-        raise ValueError(f"query: expected at least one coordinate (D >= 1), got shape {tuple(query.shape)}")
-    if ref.shape[-1] != query.shape[-1]:
-        raise ValueError(f"ref: expected D = {query.shape[-1]} coordinates like query, got shape {tuple(ref.shape)}")
+    check_clouds(query, ref, query_lengths, ref_lengths, batched_only=False)
     unbatched = query.dim() == 2
-    if unbatched:
-        for name, lengths in (("query_lengths", query_lengths), ("ref_lengths", ref_lengths)):
-            if lengths is not None:
-                raise ValueError(f"{name}: only for batched inputs [B, M, D], got query of shape {tuple(query.shape)}")
-        return query[None], ref[None], unbatched
-    if ref.shape[0] != query.shape[0]:
-        raise ValueError(f"ref: expected batch size {query.shape[0]} like query, got shape {tuple(ref.shape)}")
-    if query_lengths is not None:
-        _validate.lengths("query_lengths", query_lengths, query.shape[0], query.shape[1], query.device)
-    if ref_lengths is not None:
-        _validate.lengths("ref_lengths", ref_lengths, ref.shape[0], ref.shape[1], ref.device)
-    return query, ref, unbatched
+    return (query[None], ref[None], unbatched) if unbatched else (query, ref, unbatched)
 
 
-def _features(features, ref: torch.Tensor, unbatched: bool) -> torch.Tensor:
-    _validate.floating("features", features)
-    _validate.rank("features", features, (ref.dim() - unbatched,), "[N, C]" if unbatched else "[B, N, C]")
-    _validate.same_dtype_and_device("features", features, "ref", ref)
-    features = features[None] if unbatched else features
-    if features.shape[:2] != ref.shape[:2]:
-        raise ValueError(
-            f"features: expected one row per reference point, {tuple(ref.shape[:2])[unbatched:]}, "
-            f"got shape {tuple(features.shape)[unbatched:]}"
-        )
-    return features
+def _backend(choice, query: torch.Tensor, op: str, k: int = 1) -> str:
+    """The name of the backend for ``op`` on batched ``query``; raises its refusal."""
+    return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k).name
 
 
-def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, operation, k=1):
+def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, op, k=1):
     """Checks shared by the aggregations; returns batched tensors and resolved options."""
-    query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    features = _features(features, ref, unbatched)
+    batched_query, batched_ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
+    check_features(features, ref)
     sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    return query, ref, features, sigma, _backend(backend, query, k, operation), unbatched
+    features = features[None] if unbatched else features
+    return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, op, k), unbatched
 
 
 def _unbatch(tensors, unbatched: bool):
@@ -157,9 +68,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
     """
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _validate.integer("k", k, minimum=1)
-    backend = _backend(backend, query, k, "knn")
-    if backend == "cuml":
-        return _unbatch(rapids.knn(query, ref, k, query_lengths, ref_lengths), unbatched)
+    backend = _backend(backend, query, "knn", k)
     dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
@@ -192,7 +101,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
     max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
-    backend = _backend(backend, query, max_neighbors, "radius")
+    backend = _backend(backend, query, "radius", max_neighbors)
     result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend)
     return _unbatch(result, unbatched)
 
@@ -220,9 +129,6 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
     k = _validate.integer("k", k, minimum=1)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "knn_aggregate", k)
-    if backend == "cuml":
-        out = rapids.knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths)
-        return out[0] if unbatched else out
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
         query, ref, features, k, sigma, query_lengths, ref_lengths, backend
     )

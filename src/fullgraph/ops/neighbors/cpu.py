@@ -2,7 +2,7 @@
 
 The tree queries are fullgraph.extern ops (library="numpy": tensors reach SciPy without
 copies). The tree proposes candidates in float64; distances are then recomputed with the
-reference's arithmetic (``reference.pair_distances``) so that radius membership, order and
+reference's arithmetic (``pairs.pair_distances``) so that radius membership, order and
 ties agree with the reference, and exact ties at the k-th place are widened to every tied
 reference so that the smaller index wins. Within one backend call each item's tree is
 built once and shared by its queries (``_tree_scope``).
@@ -11,6 +11,7 @@ built once and shared by its queries (``_tree_scope``).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import threading
 from collections.abc import Iterator
@@ -19,20 +20,20 @@ import numpy as np
 import torch
 
 from ... import extern
-from . import reference
+from ...backends import Backend
+from . import pairs
 
 # Candidate searches use a radius a hair larger than asked; the exact test follows.
 _SLACK = 1e-6
 _trees = threading.local()
 
 
+_HAVE_SCIPY = importlib.util.find_spec("scipy") is not None
+
+
 def _spatial():
-    try:
-        from scipy import spatial
-    except ImportError as error:  # pragma: no cover - scipy is a test dependency
-        raise ImportError(
-            'backend="cpu" needs scipy: pip install "fullgraph[cpu]" (or pip install scipy)'
-        ) from error
+    from scipy import spatial  # present: the backend is only resolved with scipy installed
+
     return spatial
 
 
@@ -88,8 +89,8 @@ def _widened(radius: float) -> float:
 
 def _items(query, ref, query_lengths, ref_lengths):
     """Per batch item: (b, query row ids, their float64 points, ref row ids, their float64 points)."""
-    query_ok = reference.valid_points(query, query_lengths)
-    ref_ok = reference.valid_points(ref, ref_lengths)
+    query_ok = pairs.valid_points(query, query_lengths)
+    ref_ok = pairs.valid_points(ref, ref_lengths)
     query64, ref64 = query.detach().to(torch.float64), ref.detach().to(torch.float64)
     for b in range(query.shape[0]):
         query_ids, ref_ids = query_ok[b].nonzero()[:, 0], ref_ok[b].nonzero()[:, 0]
@@ -101,14 +102,14 @@ def _exact_distances(query_b, ref_b, query_ids, candidates):
     """Reference-arithmetic distances [Q, c] to candidate ref ids (-1 = none, gives inf)."""
     found = candidates >= 0
     rows = query_ids[:, None].expand_as(candidates)
-    d = reference.pair_distances(query_b[rows], ref_b[candidates.clamp_min(0)])
+    d = pairs.pair_distances(query_b[rows], ref_b[candidates.clamp_min(0)])
     return d.masked_fill(~found, math.inf)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """Same contract as ``reference.nearest``."""
+    """``pairs.Kernels.nearest`` on CPU tensors."""
     batch, rows, _ = query.shape
-    acc = reference.accumulation_dtype(query.dtype)
+    acc = pairs.accumulation_dtype(query.dtype)
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
     counts = torch.zeros((batch, rows), dtype=torch.int64)
@@ -119,7 +120,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
             candidates = torch.where(local >= 0, ref_ids[local.clamp_min(0)], -1)
             d = _exact_distances(query[b], ref[b], query_ids, candidates)
             outside = d > radius
-            d, candidates = reference.order_by_distance(d.masked_fill(outside, math.inf),
+            d, candidates = pairs.order_by_distance(d.masked_fill(outside, math.inf),
                                                         candidates.masked_fill(outside, -1))
             if wanted == k + 1:
                 tied = (candidates[:, k] >= 0) & (d[:, k] == d[:, k - 1])
@@ -144,15 +145,15 @@ def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distanc
     candidates = ref_ids[members][None, :]
     d = _exact_distances(query_b, ref_b, query_id, candidates)
     candidates = candidates.masked_fill(d > min(tie_distance, radius), -1)
-    d, candidates = reference.order_by_distance(d.masked_fill(candidates < 0, math.inf), candidates)
+    d, candidates = pairs.order_by_distance(d.masked_fill(candidates < 0, math.inf), candidates)
     padding = max(0, k - candidates.shape[1])
     d = torch.nn.functional.pad(d[0, :k], (0, padding), value=math.inf)
     return d, torch.nn.functional.pad(candidates[0, :k], (0, padding), value=-1)
 
 
 def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
-    """Same contract as ``reference.radius_pairs``; chunks bounded by pair count."""
-    budget = max(1, reference.BLOCK_BYTES // 64)
+    """``pairs.Kernels.radius_pairs``; chunks bounded by pair count."""
+    budget = max(1, pairs.BLOCK_BYTES // 64)
     reach = _widened(radius)
     with _tree_scope():
         for b, query_ids, points, ref_ids, ref_points in _items(query, ref, query_lengths, ref_lengths):
@@ -166,7 +167,18 @@ def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
                 members = _kdtree_ball(ref_points, points[start:stop], reach, int(lengths.sum()))
                 qi = torch.repeat_interleave(query_ids[start:stop], lengths)
                 rj = ref_ids[members]
-                d = reference.pair_distances(query[b][qi], ref[b][rj])
+                d = pairs.pair_distances(query[b][qi], ref[b][rj])
                 keep = d <= radius
                 yield b, slice(0, query.shape[1]), qi[keep], rj[keep], d[keep]
                 start = stop
+
+
+class KDTreeKernels(pairs.Kernels):
+    nearest = staticmethod(nearest)
+    radius_pairs = staticmethod(radius_pairs)
+
+
+BACKEND = Backend(
+    "cpu", ops=("knn", "radius", "knn_aggregate", "radius_aggregate"), devices=("cpu",), auto_devices=("cpu",),
+    install='scipy: pip install "fullgraph[cpu]"', available=lambda device: _HAVE_SCIPY, implementation=KDTreeKernels(),
+)

@@ -22,13 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .reference import full_lengths
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton.available() reports this
-    triton = None
+from ..._triton import tl, triton
+from .pairs import full_lengths
 
 CELL_POINTS = 8
 # Cells allowed per item, in units of CELL_POINTS references; and the rounds of resizing

@@ -83,6 +83,7 @@ void backward_row(const scalar_t* grad_h, const scalar_t* grad_cell, const scala
 
 Forward forward_cpu(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
                     const at::Tensor& old_h, const at::Tensor& old_cell) {
+  check_forward(input, weights, bias, old_h, old_cell);
   // weights @ X^T, then transposed with the bias added: on CPUs this product is several
   // times faster than X @ weights^T (addmm with a transposed right operand).
   const auto gates = at::add(at::mm(weights, at::cat({old_h, input}, 1).t()).t(), bias).contiguous();
@@ -105,6 +106,7 @@ Forward forward_cpu(const at::Tensor& input, const at::Tensor& weights, const at
 
 Backward backward_cpu(const at::Tensor& grad_h, const at::Tensor& grad_cell, const at::Tensor& gates,
                       const at::Tensor& new_cell) {
+  check_backward(grad_h, grad_cell, gates, new_cell);
   const auto gh = grad_h.contiguous(), gc = grad_cell.contiguous(), g = gates.contiguous();
   const auto nc = new_cell.contiguous();
   auto d_gates = at::empty_like(g), d_old_cell = at::empty_like(nc);

@@ -72,6 +72,50 @@ LLTM_HOST_DEVICE void cell_backward(T grad_h, T grad_cell, T new_cell, T gate_i,
   *d_gate_c = input_gate * d_new_cell * d_elu(gate_c);
 }
 
+// Preconditions of the operators, which are public (torch.ops.fullgraph.lltm_*): every
+// shape, dtype and device is checked before a kernel runs, so no call reads out of bounds.
+// TORCH_CHECK_TYPE / _VALUE reach Python as TypeError / ValueError.
+inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name,
+                       int64_t dims) {
+  TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ": expected a floating-point tensor, got ",
+                   t.scalar_type());
+  TORCH_CHECK_TYPE(t.scalar_type() == like.scalar_type(), name, ": expected ", like.scalar_type(), " like ",
+                   like_name, ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, ": expected a tensor on ", like.device(), " like ", like_name,
+                    ", got ", t.device());
+  TORCH_CHECK_VALUE(t.dim() == dims, name, ": expected ", dims, " dimensions, got shape ", t.sizes());
+}
+
+inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected, const char* layout) {
+  TORCH_CHECK_VALUE(t.sizes() == expected, name, ": expected ", layout, " = ", expected, ", got ", t.sizes());
+}
+
+inline void check_forward(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
+                          const at::Tensor& old_h, const at::Tensor& old_cell) {
+  check_like(input, "input", input, "input", 2);
+  check_like(old_h, "old_h", input, "input", 2);
+  check_like(old_cell, "old_cell", input, "input", 2);
+  check_like(weights, "weights", input, "input", 2);
+  check_like(bias, "bias", input, "input", 1);
+  const int64_t batch = input.size(0), features = input.size(1), state = old_h.size(1);
+  check_shape(old_h, "old_h", {batch, state}, "[B, S]");
+  check_shape(old_cell, "old_cell", {batch, state}, "[B, S]");
+  check_shape(weights, "weights", {3 * state, features + state}, "[3 S, F + S]");
+  check_shape(bias, "bias", {3 * state}, "[3 S]");
+}
+
+inline void check_backward(const at::Tensor& grad_h, const at::Tensor& grad_cell, const at::Tensor& gates,
+                           const at::Tensor& new_cell) {
+  check_like(new_cell, "new_cell", new_cell, "new_cell", 2);
+  check_like(gates, "gates", new_cell, "new_cell", 2);
+  check_like(grad_h, "grad_h", new_cell, "new_cell", 2);
+  check_like(grad_cell, "grad_cell", new_cell, "new_cell", 2);
+  const int64_t batch = new_cell.size(0), state = new_cell.size(1);
+  check_shape(gates, "gates", {batch, 3 * state}, "[B, 3 S]");
+  check_shape(grad_h, "grad_h", {batch, state}, "[B, S]");
+  check_shape(grad_cell, "grad_cell", {batch, state}, "[B, S]");
+}
+
 // The gate pre-activations [B, 3S], in ATen on the inputs' device and stream.
 inline at::Tensor gate_preactivations(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
                                       const at::Tensor& old_h) {

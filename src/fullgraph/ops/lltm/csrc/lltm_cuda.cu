@@ -51,6 +51,7 @@ unsigned int blocks_for(int64_t count) { return static_cast<unsigned int>((count
 
 Forward forward_cuda(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
                      const at::Tensor& old_h, const at::Tensor& old_cell) {
+  check_forward(input, weights, bias, old_h, old_cell);
   const c10::cuda::CUDAGuard guard(old_cell.device());
   const auto gates = gate_preactivations(input, weights, bias, old_h).contiguous();
   const auto cell = old_cell.contiguous();
@@ -69,6 +70,7 @@ Forward forward_cuda(const at::Tensor& input, const at::Tensor& weights, const a
 
 Backward backward_cuda(const at::Tensor& grad_h, const at::Tensor& grad_cell, const at::Tensor& gates,
                        const at::Tensor& new_cell) {
+  check_backward(grad_h, grad_cell, gates, new_cell);
   const c10::cuda::CUDAGuard guard(new_cell.device());
   const auto gh = grad_h.contiguous(), gc = grad_cell.contiguous(), g = gates.contiguous();
   const auto nc = new_cell.contiguous();

@@ -17,12 +17,14 @@ normalizes in a second kernel; its backward is Warp's adjoint launch of those tw
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections import OrderedDict
 
 import torch
 
 from ... import extern
-from . import reference
+from ...backends import Backend
+from . import pairs
 
 # Cells per axis of the hash table: cells of width ``radius`` hash into 128^3 buckets.
 GRID_CELLS = 128
@@ -245,7 +247,7 @@ def _flat(query, ref, query_lengths, ref_lengths):
     """[B*M, 3] queries and [B*N, 3] references with int32 group ids (batch item, -1 invalid)."""
     groups = []
     for points, lengths in ((query, query_lengths), (ref, ref_lengths)):
-        valid = reference.valid_points(points, lengths)
+        valid = pairs.valid_points(points, lengths)
         item = torch.arange(points.shape[0], dtype=torch.int32, device=points.device)[:, None]
         groups.append(torch.where(valid, item, -1).reshape(-1))
     # Non-finite coordinates are never looked up (group -1), but must hash harmlessly.
@@ -254,10 +256,10 @@ def _flat(query, ref, query_lengths, ref_lengths):
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """Same contract as ``reference.nearest`` for a finite radius."""
+    """``pairs.Kernels.nearest`` for a finite radius."""
     batch, rows, _ = query.shape
     if query.numel() == 0 or ref.numel() == 0:
-        return reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
+        return pairs.no_neighbors(query, k)
     flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
     dists, idx, counts = _search(flat_query, query_group, flat_ref, ref_group, radius, k, ref.shape[1])
     return dists.reshape(batch, rows, k).to(query.dtype), idx.reshape(batch, rows, k), counts.reshape(batch, rows)
@@ -280,3 +282,17 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
     grads = _aggregate_backward(grad_out.reshape(-1, features.shape[-1]).contiguous(), flat_query, query_group,
                                 flat_ref, ref_group, features.reshape(-1, features.shape[-1]), radius, sigma)
     return tuple(g.reshape(t.shape) for g, t in zip(grads, (query, ref, features)))
+
+
+class HashGridKernels(pairs.Kernels):
+    nearest = staticmethod(nearest)
+    radius_aggregate = staticmethod(radius_aggregate)
+    radius_aggregate_backward = staticmethod(radius_aggregate_backward)
+
+
+_HAVE_WARP = importlib.util.find_spec("warp") is not None
+BACKEND = Backend(
+    "warp", ops=("radius", "radius_aggregate"), devices=("cuda",), dtypes=(torch.float32,), dims=(3,),
+    install='warp: pip install "fullgraph[warp]" (NVIDIA Warp)', available=lambda device: _HAVE_WARP,
+    implementation=HashGridKernels(), note='computes in float32 (convert, or use "triton")',
+)

@@ -6,17 +6,21 @@ them again with the reference arithmetic and orders them by (distance, index), s
 follow the reference unless more than the slack's worth of references tie at the k-th
 place. The candidate search is a fullgraph.extern op (library="cupy") declared
 ``cuda_graphs="tag"``: cuML allocates through RMM and synchronizes, so torch.compile keeps
-it out of its CUDA graphs. The re-ranking, the aggregation and their gradients are torch.
+it out of its CUDA graphs. The re-ranking is torch; the aggregation and the gradients are the pair-based ones of
+``pairs.Kernels``. The backend is not capturable: inside torch.ops.fullgraph.knn the op's
+tag is hidden from torch.compile, so a CUDA graph capture of it is refused with an error.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
 
 from ... import extern
-from . import reference
+from ...backends import Backend
+from . import pairs
 
 CANDIDATE_SLACK = 8
 
@@ -42,34 +46,32 @@ def _candidates(query, ref, query_ok, ref_ok, count):
     return out
 
 
-def knn(query, ref, k, query_lengths, ref_lengths):
-    """dists [B, M, k], idx [B, M, k] with the contract of ``api.knn`` (batched inputs)."""
+def nearest(query, ref, k, radius, query_lengths, ref_lengths):
+    """``pairs.Kernels.nearest`` for plain kNN (radius = inf)."""
     batch, rows, dim = query.shape
     count = min(k + CANDIDATE_SLACK, ref.shape[1])
-    query_ok = reference.valid_points(query, query_lengths)
-    ref_ok = reference.valid_points(ref, ref_lengths)
+    query_ok = pairs.valid_points(query, query_lengths)
+    ref_ok = pairs.valid_points(ref, ref_lengths)
     candidates = _candidates(query.detach().float(), ref.detach().float(), query_ok, ref_ok, count)
     found = candidates >= 0
     near = torch.gather(ref, 1, candidates.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, dim))
-    acc = reference.accumulation_dtype(query.dtype)
+    acc = pairs.accumulation_dtype(query.dtype)
     d = torch.linalg.vector_norm(query.to(acc)[:, :, None, :] - near.reshape(batch, rows, count, dim).to(acc), dim=-1)
-    d, idx = reference.order_by_distance(d.masked_fill(~found, math.inf), candidates)
+    d, idx = pairs.order_by_distance(d.masked_fill(~found, math.inf), candidates)
     d, idx = d[..., :k], idx[..., :k]
     if count < k:
         d = torch.cat([d, d.new_full((batch, rows, k - count), math.inf)], dim=-1)
         idx = torch.cat([idx, idx.new_full((batch, rows, k - count), -1)], dim=-1)
-    return d.to(query.dtype), idx
+    return d.to(query.dtype), idx, (idx >= 0).sum(-1)
 
 
-def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
-    """[B, M, C]: softmax(-d / sigma)-weighted features of the k nearest (0 with none)."""
-    d, idx = knn(query, ref, k, query_lengths, ref_lengths)
-    found = idx >= 0
-    acc = reference.accumulation_dtype(features.dtype)
-    logits = (-d.to(acc) / sigma).masked_fill(~found, -math.inf)
-    weights = torch.softmax(logits, dim=-1).masked_fill(~found, 0.0)
-    batch, rows, _ = idx.shape
-    channels = features.shape[-1]
-    gathered = torch.gather(features, 1, idx.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, channels))
-    out = (weights[..., None] * gathered.reshape(batch, rows, -1, channels).to(acc)).sum(-2)
-    return out.to(features.dtype)
+class CumlKernels(pairs.Kernels):
+    nearest = staticmethod(nearest)
+
+
+_HAVE_CUML = importlib.util.find_spec("cuml") is not None
+BACKEND = Backend(
+    "cuml", ops=("knn", "knn_aggregate"), devices=("cuda",), dtypes=(torch.float32, torch.float64),
+    capturable=False, install='cuml: pip install "fullgraph[rapids]" (RAPIDS cuML)', available=lambda device: _HAVE_CUML,
+    implementation=CumlKernels(),
+)

@@ -1,0 +1,154 @@
+"""The LLTM cell's public function, its backends, and the Python parts of its operators.
+
+``torch.ops.fullgraph.lltm_forward`` and ``lltm_backward`` are defined in C++
+(``TORCH_LIBRARY_FRAGMENT``) with CPU and CUDA kernels (csrc/, a TORCH_CHECK on every
+precondition); this module adds their fake implementations and autograd (the backward is
+the ``lltm_backward`` operator) once the library is loaded, which ``lltm`` does on first
+use (see build.py). Backends: "extension" (those operators) and "torch" (``reference``).
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ... import _validate, backends
+from . import reference
+from .build import prebuilt, load, missing_tools
+
+
+def _fake_forward(input, weights, bias, old_h, old_cell):
+    _check(input, weights, bias, old_h, old_cell)
+    return torch.empty_like(old_cell), torch.empty_like(old_cell), old_cell.new_empty(old_cell.shape[0], weights.shape[0])
+
+
+def _fake_backward(grad_h, grad_cell, gates, new_cell):
+    return torch.empty_like(gates), torch.empty_like(new_cell)
+
+
+def _setup_context(ctx, inputs, output):
+    input, weights, _, old_h, _ = inputs
+    _, new_cell, gates = output
+    ctx.save_for_backward(gates, new_cell, input, old_h, weights)
+    ctx.mark_non_differentiable(gates)
+
+
+def _backward(ctx, grad_h, grad_cell, _grad_gates):
+    """The fused pointwise backward (an operator), then only the matrix products whose
+    gradients are needed."""
+    gates, new_cell, input, old_h, weights = ctx.saved_tensors
+    d_gates, d_old_cell = torch.ops.fullgraph.lltm_backward(grad_h, grad_cell, gates, new_cell)
+    needs_input, needs_weights, needs_bias, needs_old_h, _ = ctx.needs_input_grad
+    d_input = d_weights = d_bias = d_old_h = None
+    if needs_input or needs_old_h:
+        d_x = d_gates @ weights
+        d_old_h, d_input = d_x[:, : old_h.shape[1]], d_x[:, old_h.shape[1]:]
+    if needs_weights:
+        d_weights = d_gates.t() @ torch.cat([old_h, input], dim=1)
+    if needs_bias:
+        d_bias = d_gates.sum(0)
+    return d_input, d_weights, d_bias, d_old_h, d_old_cell
+
+
+@functools.cache
+def register() -> bool:
+    """Load the extension and register the Python parts of its operators (once). Returns
+    whether it has CUDA kernels. Call it before using ``torch.ops.fullgraph.lltm_*`` directly."""
+    has_cuda = load()
+    torch.library.register_fake("fullgraph::lltm_forward")(_fake_forward)
+    torch.library.register_fake("fullgraph::lltm_backward")(_fake_backward)
+    torch.library.register_autograd("fullgraph::lltm_forward", _backward, setup_context=_setup_context)
+    return has_cuda
+
+
+@functools.cache
+def _buildable(device_type: str) -> bool:
+    """Whether the extension is built, or can be built here with kernels for ``device_type``."""
+    if device_type not in ("cpu", "cuda"):
+        return False
+    return prebuilt() is not None or not missing_tools(with_cuda=device_type == "cuda")
+
+
+def _extension(input, weights, bias, old_h, old_cell):
+    new_h, new_cell, _ = torch.ops.fullgraph.lltm_forward(input, weights, bias, old_h, old_cell)
+    return new_h, new_cell
+
+
+BACKENDS = backends.family(
+    "lltm",
+    backends.Backend("extension", ops=("lltm",), devices=("cpu", "cuda"), auto_devices=("cpu", "cuda"),
+                     available=_buildable, implementation=_extension,
+                     install='a C++ compiler and ninja (pip install "fullgraph[ext]"), and nvcc for CUDA tensors, '
+                             'to build it; or use backend="torch"'),
+    backends.Backend("torch", ops=("lltm",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
+                     implementation=reference.lltm),
+)
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: runs while tracing, not traced
+def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
+    """"torch" or "extension" for tensors on ``device_type``, the extension loaded."""
+    backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype)
+    if choice == "auto" and backend.name == "torch" and device_type in ("cpu", "cuda"):
+        missing = ", ".join(missing_tools(with_cuda=device_type == "cuda"))
+        warnings.warn(f"fullgraph.lltm: using plain PyTorch; the extension needs {missing}", stacklevel=4)
+    if backend.name == "extension":
+        has_cuda = register()
+        if device_type == "cuda" and not has_cuda:
+            raise ValueError('backend: "extension" has kernels for CPU tensors, got tensors on cuda (it was built '
+                             "without CUDA: no GPU or no nvcc at build time)")
+    return backend.name
+
+
+def _check(input, weights, bias, old_h, old_cell) -> None:
+    for name, value in (("input", input), ("weights", weights), ("bias", bias), ("old_h", old_h),
+                        ("old_cell", old_cell)):
+        _validate.floating(name, value)
+        if name != "input":
+            _validate.same_dtype_and_device(name, value, "input", input)
+    _validate.rank("input", input, (2,), "[B, F]")
+    _validate.rank("old_h", old_h, (2,), "[B, S]")
+    batch, features, state = input.shape[0], input.shape[1], old_h.shape[1]
+    expected = {"old_h": (batch, state), "old_cell": (batch, state), "weights": (3 * state, features + state),
+                "bias": (3 * state,)}
+    layouts = {"old_h": "[B, S]", "old_cell": "[B, S]", "weights": "[3 S, F + S]", "bias": "[3 S]"}
+    for name, value in (("old_h", old_h), ("old_cell", old_cell), ("weights", weights), ("bias", bias)):
+        if tuple(value.shape) != expected[name]:
+            raise ValueError(f"{name}: expected {layouts[name]} = {list(expected[name])} for input [B, F] = "
+                             f"{list(input.shape)} and state size S = {state}, got {list(value.shape)}")
+
+
+def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):
+    """One step of the LLTM cell (seed 001): gates from [old_h, input] in one matrix product,
+    sigmoid input and output gates, an ELU candidate cell and no forget gate.
+
+    Args:
+        input: [B, F] features. weights: [3 S, F + S] (rows: input gate, output gate,
+            candidate; columns: old_h, then input). bias: [3 S]. old_h, old_cell: [B, S].
+            All one floating dtype (float32/float64; float16/bfloat16 compute in float32)
+            and one device.
+        backend: "extension" (the C++ kernel on CPU tensors, the CUDA kernel on CUDA
+            tensors; built on first use), "torch" (plain PyTorch) or "auto" (the extension
+            where it can be built, else plain PyTorch with a warning).
+
+    Returns:
+        (new_h, new_cell), each [B, S]; differentiable in every input.
+
+    Raises:
+        TypeError/ValueError: bad dtypes, devices or shapes (naming the argument).
+        ExtensionBuildError: backend="extension" and the extension cannot be built.
+
+    Example:
+        >>> import torch, fullgraph
+        >>> x, h, c = torch.randn(4, 32), torch.zeros(4, 128), torch.zeros(4, 128)
+        >>> w, b = torch.randn(3 * 128, 32 + 128) * 0.05, torch.zeros(3 * 128)
+        >>> new_h, new_cell = fullgraph.lltm(x, w, b, h, c, backend="torch")
+        >>> tuple(new_h.shape), tuple(new_cell.shape)
+        ((4, 128), (4, 128))
+    """
+    _check(input, weights, bias, old_h, old_cell)
+    _validate.choice("backend", backend, BACKENDS.names)
+    return BACKENDS.get(_backend(backend, input.device.type, input.dtype)).implementation(
+        input, weights, bias, old_h, old_cell)

@@ -1,0 +1,320 @@
+"""The neighbour operators under ``torch.ops.fullgraph``: schemas, contract checks, fakes, autograd.
+
+Each op takes a backend name ("auto" or one of ``BACKENDS``), checks its inputs (batched
+[B, M, D] layout; the same checks whether called through ``fullgraph.knn`` or directly),
+resolves the backend and calls its ``pairs.Kernels`` interface. Backward functions are
+operators too, so they compile.
+
+The backends, most preferred first for "auto"; a new backend is one module declaring its
+``Backend`` and one entry here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import _validate, backends
+from . import cpu, cuml, reference, triton_grid, warp
+
+BACKENDS = backends.family(
+    "neighbors",
+    triton_grid.BACKEND,
+    cpu.BACKEND,
+    reference.BACKEND,
+    warp.BACKEND,
+    cuml.BACKEND,
+)
+
+Tensor = torch.Tensor
+OptionalTensor = torch.Tensor | None
+
+
+# ------------------------------------------------------------------- contract checks
+
+
+def check_clouds(query: Tensor, ref: Tensor, query_lengths, ref_lengths, batched_only: bool = True) -> None:
+    """query [B, M, D] (or [M, D] unless ``batched_only``), ref like it, floating, one dtype
+    and device; lengths [B] int64 with values in [0, M] / [0, N], batched inputs only."""
+    _validate.floating("query", query)
+    _validate.floating("ref", ref)
+    _validate.rank("query", query, (3,) if batched_only else (2, 3), "[B, M, D]" if batched_only else
+                   "[M, D] or [B, M, D]")
+    _validate.rank("ref", ref, (query.dim(),), f"{'[B, N, D]' if query.dim() == 3 else '[N, D]'} like query")
+    _validate.same_dtype_and_device("ref", ref, "query", query)
+    if query.shape[-1] < 1:
+        raise ValueError(f"query: expected at least one coordinate (D >= 1), got shape {tuple(query.shape)}")
+    if ref.shape[-1] != query.shape[-1]:
+        raise ValueError(f"ref: expected D = {query.shape[-1]} coordinates like query, got shape {tuple(ref.shape)}")
+    for name, lengths, points in (("query_lengths", query_lengths, query), ("ref_lengths", ref_lengths, ref)):
+        if lengths is None:
+            continue
+        if points.dim() == 2:
+            raise ValueError(f"{name}: only for batched inputs [B, M, D], got query of shape {tuple(query.shape)}")
+        _validate.lengths(name, lengths, query.shape[0], points.shape[1], query.device)
+    if query.dim() == 3 and ref.shape[0] != query.shape[0]:
+        raise ValueError(f"ref: expected batch size {query.shape[0]} like query, got shape {tuple(ref.shape)}")
+
+
+def check_features(features: Tensor, ref: Tensor) -> None:
+    """features [B, N, C] (or [N, C] for ref [N, D]): one row per reference point, the
+    dtype and device of ref."""
+    _validate.floating("features", features)
+    _validate.rank("features", features, (ref.dim(),), "[N, C]" if ref.dim() == 2 else "[B, N, C]")
+    _validate.same_dtype_and_device("features", features, "ref", ref)
+    if features.shape[:-1] != ref.shape[:-1]:
+        raise ValueError(f"features: expected one row per reference point, {tuple(ref.shape[:-1])}, "
+                         f"got shape {tuple(features.shape)}")
+
+
+def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
+    """The ``pairs.Kernels`` of the backend resolved for ``op`` on tensors like ``like``
+    with D = dim (None: not known to this op), lists of k."""
+    chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k)
+    chosen.check_capture(like.device)
+    return chosen.implementation
+
+
+def _check_search(query, ref, k, query_lengths, ref_lengths, backend, op, radius=math.inf):
+    check_clouds(query, ref, query_lengths, ref_lengths)
+    _validate.integer("max_neighbors" if op == "radius" else "k", k, minimum=1)
+    if op == "radius":
+        _validate.real("radius", radius, minimum=0.0, strict=False)
+
+
+def _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend):
+    check_clouds(query, ref, query_lengths, ref_lengths)
+    check_features(features, ref)
+    _validate.real("sigma", sigma, minimum=0.0, strict=True)
+
+
+def _check_lists(idx: Tensor, dists: Tensor, query: Tensor | None, columns: int) -> None:
+    """Neighbour lists idx [B, M, k] int64 and dists like them (floating), of ``query``."""
+    _validate.tensor("idx", idx)
+    _validate.floating("dists", dists)
+    if idx.dtype != torch.int64 or idx.dim() != 3:
+        raise TypeError(f"idx: expected [B, M, k] int64 neighbour lists, got {idx.dtype} of shape {tuple(idx.shape)}")
+    if dists.shape != idx.shape or dists.device != idx.device:
+        raise ValueError(f"dists: expected the shape and device of idx {tuple(idx.shape)} on {idx.device}, "
+                         f"got {tuple(dists.shape)} on {dists.device}")
+    if query is not None and tuple(idx.shape[:2]) != tuple(query.shape[:2]):
+        raise ValueError(f"idx: expected lists for the queries {tuple(query.shape[:2])}, got {tuple(idx.shape)}")
+    if idx.numel() and idx.device.type == "cpu" and int(idx.max()) >= columns:
+        raise ValueError(f"idx: expected indices in [-1, {columns}), got {int(idx.max())}")
+
+
+def _check_grad(name: str, grad: Tensor, like: Tensor) -> None:
+    _validate.floating(name, grad)
+    if grad.shape != like.shape or grad.device != like.device:
+        raise ValueError(f"{name}: expected {tuple(like.shape)} on {like.device}, got {tuple(grad.shape)} on "
+                         f"{grad.device}")
+
+
+# --------------------------------------------------------------------------- search
+
+
+@torch.library.custom_op("fullgraph::knn", mutates_args=())
+def knn_op(
+    query: Tensor, ref: Tensor, k: int, query_lengths: OptionalTensor, ref_lengths: OptionalTensor,
+    backend: str,
+) -> tuple[Tensor, Tensor]:
+    _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
+    dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k).nearest(
+        query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
+    return dists, idx
+
+
+@knn_op.register_fake
+def _(query, ref, k, query_lengths, ref_lengths, backend):
+    check_clouds(query, ref, None, None)
+    batch, rows = query.shape[:2]
+    return query.new_empty((batch, rows, k)), query.new_empty((batch, rows, k), dtype=torch.int64)
+
+
+@torch.library.custom_op("fullgraph::radius", mutates_args=())
+def radius_op(
+    query: Tensor, ref: Tensor, radius: float, max_neighbors: int, query_lengths: OptionalTensor,
+    ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_search(query, ref, max_neighbors, query_lengths, ref_lengths, backend, "radius", radius)
+    return kernels(backend, "radius", query, query.shape[-1], max_neighbors).nearest(
+        query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
+
+
+@radius_op.register_fake
+def _(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend):
+    check_clouds(query, ref, None, None)
+    batch, rows = query.shape[:2]
+    shape = (batch, rows, max_neighbors)
+    return (
+        query.new_empty(shape),
+        query.new_empty(shape, dtype=torch.int64),
+        query.new_empty((batch, rows), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("fullgraph::distances_backward", mutates_args=())
+def distances_backward_op(
+    grad_dists: Tensor, query: Tensor, ref: Tensor, idx: Tensor, dists: Tensor, backend: str
+) -> tuple[Tensor, Tensor]:
+    """Gradient of neighbour distances [B, M, k] with respect to query and ref."""
+    check_clouds(query, ref, None, None)
+    _check_lists(idx, dists, query, ref.shape[1])
+    _check_grad("grad_dists", grad_dists, dists)
+    return kernels(backend, _search_op(backend), query, query.shape[-1], idx.shape[-1]).distances_backward(
+        grad_dists, query.contiguous(), ref.contiguous(), idx, dists)
+
+
+def _search_op(backend: str) -> str:
+    """The search op whose lists a backend's backward differentiates (warp has no knn)."""
+    return "knn" if backend == "auto" or "knn" in BACKENDS.get(backend).ops else "radius"
+
+
+@distances_backward_op.register_fake
+def _(grad_dists, query, ref, idx, dists, backend):
+    return torch.empty_like(query), torch.empty_like(ref)
+
+
+def _save_search(ctx, inputs, output):
+    ctx.backend = inputs[-1]
+    ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
+
+
+def _search_backward(input_count: int):
+    """Backward of a search op with ``input_count`` inputs; only dists carry a gradient."""
+
+    def backward(ctx, grad_dists, *non_differentiable):
+        query, ref, idx, dists = ctx.saved_tensors
+        grads = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
+        return (*grads, *(None,) * (input_count - 2))
+
+    return backward
+
+
+knn_op.register_autograd(_search_backward(6), setup_context=_save_search)
+radius_op.register_autograd(_search_backward(7), setup_context=_save_search)
+
+
+# ----------------------------------------------------------------------- aggregation
+
+
+@torch.library.custom_op("fullgraph::knn_aggregate", mutates_args=())
+def knn_aggregate_op(
+    query: Tensor, ref: Tensor, features: Tensor, k: int, sigma: float, query_lengths: OptionalTensor,
+    ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward."""
+    _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
+    _validate.integer("k", k, minimum=1)
+    return kernels(backend, "knn_aggregate", query, query.shape[-1], k).knn_aggregate(
+        query.contiguous(), ref.contiguous(), features.contiguous(), k, sigma, query_lengths, ref_lengths)
+
+
+@knn_aggregate_op.register_fake
+def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend):
+    check_clouds(query, ref, None, None)
+    check_features(features, ref)
+    batch, rows = query.shape[:2]
+    return (
+        features.new_empty((batch, rows, features.shape[-1])),
+        query.new_empty((batch, rows, k)),
+        query.new_empty((batch, rows, k), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("fullgraph::knn_aggregate_backward", mutates_args=())
+def knn_aggregate_backward_op(
+    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float, backend: str
+) -> tuple[Tensor, Tensor]:
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    _validate.floating("features", features)
+    _validate.rank("features", features, (3,), "[B, N, C]")
+    _check_lists(idx, dists, out, features.shape[1])
+    _check_grad("grad_out", grad_out, out)
+    _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    return kernels(backend, "knn_aggregate", dists, None, idx.shape[-1]).knn_aggregate_backward(
+        grad_out, features.contiguous(), out.contiguous(), dists, idx, sigma)
+
+
+@knn_aggregate_backward_op.register_fake
+def _(grad_out, features, out, dists, idx, sigma, backend):
+    return torch.empty_like(dists), torch.empty_like(features)
+
+
+def _knn_aggregate_setup(ctx, inputs, output):
+    query, ref, features, k, sigma = inputs[:5]
+    out, dists, idx = output
+    ctx.sigma, ctx.backend = sigma, inputs[7]
+    ctx.save_for_backward(query, ref, features, out, dists, idx)
+
+
+def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
+    query, ref, features, out, dists, idx = ctx.saved_tensors
+    if grad_out is None:
+        return (None,) * 8
+    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma, ctx.backend)
+    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
+    return grad_query, grad_ref, grad_features, None, None, None, None, None
+
+
+knn_aggregate_op.register_autograd(_knn_aggregate_backward, setup_context=_knn_aggregate_setup)
+
+
+@torch.library.custom_op("fullgraph::radius_aggregate", mutates_args=())
+def radius_aggregate_op(
+    query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
+    query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+) -> Tensor:
+    _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
+    _validate.real("radius", radius, minimum=0.0, strict=False)
+    return kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate(
+        query.contiguous(), ref.contiguous(), features.contiguous(), radius, sigma, query_lengths, ref_lengths)
+
+
+@radius_aggregate_op.register_fake
+def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend):
+    check_clouds(query, ref, None, None)
+    check_features(features, ref)
+    return features.new_empty((*query.shape[:2], features.shape[-1]))
+
+
+@torch.library.custom_op("fullgraph::radius_aggregate_backward", mutates_args=())
+def radius_aggregate_backward_op(
+    grad_out: Tensor, query: Tensor, ref: Tensor, features: Tensor, out: Tensor, radius: float,
+    sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_query, grad_ref, grad_features), recomputing the pairs."""
+    _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
+    _validate.real("radius", radius, minimum=0.0, strict=False)
+    expected = (*query.shape[:2], features.shape[-1])
+    for name, value in (("grad_out", grad_out), ("out", out)):
+        _validate.floating(name, value)
+        if tuple(value.shape) != expected:
+            raise ValueError(f"{name}: expected [B, M, C] = {list(expected)}, got {list(value.shape)}")
+    return kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate_backward(
+        grad_out, query.contiguous(), ref.contiguous(), features.contiguous(), out, radius, sigma,
+        query_lengths, ref_lengths)
+
+
+@radius_aggregate_backward_op.register_fake
+def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend):
+    return torch.empty_like(query), torch.empty_like(ref), torch.empty_like(features)
+
+
+def _radius_aggregate_setup(ctx, inputs, output):
+    query, ref, features, radius, sigma, query_lengths, ref_lengths, backend = inputs
+    ctx.params = (radius, sigma)
+    ctx.backend = backend
+    ctx.save_for_backward(query, ref, features, output, query_lengths, ref_lengths)
+
+
+def _radius_aggregate_backward(ctx, grad_out):
+    query, ref, features, out, query_lengths, ref_lengths = ctx.saved_tensors
+    grads = radius_aggregate_backward_op(
+        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend
+    )
+    return (*grads, None, None, None, None, None)
+
+
+radius_aggregate_op.register_autograd(_radius_aggregate_backward, setup_context=_radius_aggregate_setup)

@@ -1,0 +1,238 @@
+"""Triton backend: exact neighbour search and a fused, flash-style radius aggregation,
+both walking the uniform grid of ``grid.py``.
+
+No kernel here synchronizes with the host, allocates outside PyTorch or reads a value
+back, so the ops stay capturable in CUDA graphs. Every launch goes to the current stream.
+
+Search. A program owns BLOCK_M consecutive sorted queries (neighbours in space) and the
+box of cells they occupy (or, when they straddle distant cells, takes them one at a time).
+It visits that box grown by rings of 1, 2, 3, 4, 6, 9, ... cells, reading the ranges of
+many rows of cells along x at once (each a contiguous range of sorted references) and
+skipping the empty ones, and keeps each query's k best
+candidates in registers as int64 keys ``(bits(d^2) << 32) | index``: non-negative float32
+bit patterns order like the floats, so one integer comparison orders by distance and then
+by index (ties go to the smaller index; keys are unique). It stops once every query's k-th
+distance is within the query's distance to the outside of the searched box (less a
+rounding slack), or the box covers the grid: exact for any distribution; points far from
+the rest only cost more rings. Radius search visits the box grown by the radius, once.
+
+Radius aggregation. Like flash attention: a running minimum distance per query rescales
+the running sums, so all references within the radius are aggregated in one pass without
+a cap and without storing pairs. The backward recomputes distances from the saved per-query
+(minimum, weight sum) statistics, in one query-major kernel (query gradient) and one
+reference-major kernel walking the queries' grid (reference and feature gradients):
+deterministic, no atomics.
+
+kNN aggregation. The search's lists feed a kernel that gathers one neighbour's feature row
+at a time (no [M, k, C] buffer). Its backward computes the distance gradients per query,
+and each reference sums the contributions of its slots after a stable sort of the slots by
+reference: deterministic, no float atomics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ... import _triton
+from ..._triton import triton
+from ...backends import Backend
+from . import grid, pairs
+from . import triton_kernels as kernels
+
+MAX_K = 64
+# (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
+# insertion loop runs as long as the row with the most candidates needs.
+SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
+# Ranges of cells read at once (two per row of cells along x).
+SEGMENT_LANES = 128
+AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
+
+
+def _lengths(query, ref, query_lengths, ref_lengths):
+    batch, rows, columns = query.shape[0], query.shape[1], ref.shape[1]
+    return pairs.full_lengths(query_lengths, batch, rows, query.device), pairs.full_lengths(
+        ref_lengths, batch, columns, ref.device)
+
+
+def _reach(radius: float) -> float:
+    """The radius the cell boxes cover: a little more, so that rounding never loses a pair."""
+    return float(radius) * (1 + 1e-5) + 1e-30
+
+
+def nearest(query, ref, k, radius, query_lengths, ref_lengths):
+    """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous."""
+    batch, rows, dim = query.shape
+    columns = ref.shape[1]
+    dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
+    idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
+    use_radius = math.isfinite(radius)
+    counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    if batch * rows == 0:
+        return dists, idx, counts
+    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+    block_m, block_n, warps = SEARCH_BLOCKS
+    kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
+        queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
+        frame.values, frame.shape, dists, idx, counts, rows, columns, frame.cells,
+        float(radius) ** 2 if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
+        D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
+        LANES=SEGMENT_LANES,
+        num_warps=warps,
+    )
+    if not use_radius:
+        counts = (idx >= 0).sum(-1)
+    return dists, idx, counts
+
+
+def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma):
+    """The sorted clouds, sorted features and the launch arguments they share."""
+    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+    channels = features.shape[-1]
+    sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
+    common = dict(cells=frame.cells, channels=channels, radius2=float(radius) ** 2, reach=_reach(radius),
+                  inv_sigma=1.0 / sigma)
+    sizes = dict(D=query.shape[-1], CP=max(16, triton.next_power_of_2(max(channels, 1))))
+    return frame, queries, refs, sorted_features, common, sizes
+
+
+def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=None):
+    """Per sorted query (minimum distance, weight sum) and, unless ``out`` is None, the output."""
+    batch, rows = query.shape[:2]
+    row_min = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
+    row_sum = torch.empty_like(row_min)
+    block_m, block_n, warps = AGGREGATE_BLOCKS
+    kernels.radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
+        queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
+        frame.values, frame.shape, row_min if out is None else out, row_min, row_sum, rows, **common, **sizes,
+        STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps,
+    )
+    return row_min, row_sum
+
+
+def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
+    """``pairs.Kernels.radius_aggregate`` (contiguous inputs): out [B, M, C]."""
+    out = torch.empty((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
+    if out.numel() == 0:
+        return out
+    setup = _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma)
+    _row_stats(query, *setup, out=out)
+    return out
+
+
+def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
+    """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics."""
+    batch, rows, dim = query.shape
+    columns, channels = ref.shape[1], features.shape[-1]
+    grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    grad_ref = torch.zeros(ref.shape, dtype=torch.float32, device=ref.device)
+    grad_features = torch.zeros(features.shape, dtype=torch.float32, device=features.device)
+    if batch * rows * columns * channels > 0:
+        frame, queries, refs, sorted_features, common, sizes = _aggregate_setup(
+            query, ref, features, query_lengths, ref_lengths, radius, sigma)
+        row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
+        sorted_grad = grad_out.reshape(-1, channels)[queries.order].to(torch.float32)
+        delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
+        stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
+        sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
+        block_m, block_n, warps = AGGREGATE_BLOCKS
+        launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps)
+        kernels.radius_grad_query_kernel[(triton.cdiv(rows, block_m), batch)](
+            queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, *stats,
+            grad_query, rows, **common, **sizes, **launch)
+        kernels.radius_grad_ref_kernel[(triton.cdiv(columns, block_n), batch)](
+            queries.points, queries.cell_start, refs.points, refs.order, refs.cell_start, *stats,
+            grad_ref, grad_features, columns, **common, **sizes, **launch)
+    return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
+
+
+_KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
+
+
+def _width(size: int) -> int:
+    return max(16, triton.next_power_of_2(max(size, 1)))
+
+
+def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
+    """``pairs.Kernels.knn_aggregate`` (contiguous inputs): (out, dists, idx)."""
+    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths)
+    batch, rows = query.shape[:2]
+    columns, channels = ref.shape[1], features.shape[-1]
+    out = torch.zeros((batch, rows, channels), dtype=features.dtype, device=query.device)
+    if out.numel() and k:
+        kernels.knn_aggregate_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+            dists, idx, features, out, batch * rows, rows, columns, channels, 1.0 / sigma,
+            K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+    return out, dists, idx
+
+
+def _sum_pairs_by_ref(idx, weights, source, columns):
+    """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
+    row (sum of weights * source row of the slot's query [B*M, W], sum of weights), both
+    float32 and deterministic: slots are sorted by reference (stably), then summed in order."""
+    batch, rows, k = idx.shape
+    qi, rj, found = pairs.neighbor_pairs(idx, columns)
+    refs = batch * columns
+    sorted_refs, order = torch.sort(torch.where(found, rj, refs), stable=True)
+    starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, device=idx.device))
+    width = source.shape[-1]
+    sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
+    totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
+    if refs:
+        kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
+            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R)
+    return sums, totals
+
+
+def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of ``knn_aggregate``, deterministic."""
+    batch, rows, k = idx.shape
+    columns, channels = features.shape[1], features.shape[-1]
+    grad_dists = torch.zeros((batch, rows, k), dtype=torch.float32, device=idx.device)
+    weights = torch.zeros((batch * rows * k,), dtype=torch.float32, device=idx.device)
+    grad_out = grad_out.contiguous()
+    if grad_dists.numel() and channels:
+        kernels.knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+            dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
+            1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+    grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(-1, channels), columns)
+    return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
+
+
+def distances_backward(grad_dists, query, ref, idx, dists):
+    """(grad_query, grad_ref) of neighbour distances [B, M, k], deterministic: the query
+    side sums each row's k slots, the reference side sums its slots in sorted order."""
+    batch, rows, k = idx.shape
+    columns, dim = ref.shape[1], ref.shape[-1]
+    qi, rj, found = pairs.neighbor_pairs(idx, columns)
+    flat_query = query.reshape(-1, dim).to(torch.float32)
+    flat_ref = ref.reshape(-1, dim).to(torch.float32)
+    if flat_query.shape[0] == 0 or flat_ref.shape[0] == 0:
+        return torch.zeros_like(query), torch.zeros_like(ref)
+    # Recomputed in float32: the saved distances may be rounded to bf16/fp16.
+    offset = flat_query[qi] - flat_ref[rj]
+    d = torch.where(found & torch.isfinite(dists.reshape(-1)), torch.linalg.vector_norm(offset, dim=-1), math.inf)
+    usable = (d > 0) & torch.isfinite(d)
+    scale = torch.where(usable, grad_dists.reshape(-1).to(torch.float32) / torch.where(usable, d, 1.0), 0.0)
+    grad_query = (scale[:, None] * offset).reshape(batch, rows, k, dim).sum(2)
+    pulled, total = _sum_pairs_by_ref(idx, scale.contiguous(), flat_query, columns)
+    grad_ref = flat_ref * total[:, None] - pulled
+    return grad_query.to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
+
+
+class GridKernels(pairs.Kernels):
+    nearest = staticmethod(nearest)
+    distances_backward = staticmethod(distances_backward)
+    knn_aggregate = staticmethod(knn_aggregate)
+    knn_aggregate_backward = staticmethod(knn_aggregate_backward)
+    radius_aggregate = staticmethod(radius_aggregate)
+    radius_aggregate_backward = staticmethod(radius_aggregate_backward)
+
+
+BACKEND = Backend(
+    "triton", ops=("knn", "radius", "knn_aggregate", "radius_aggregate"), devices=_triton.devices(),
+    dtypes=(torch.float16, torch.bfloat16, torch.float32), auto_devices=("cuda",), max_k=MAX_K,
+    install=_triton.INSTALL, available=_triton.available, implementation=GridKernels(),
+    note='computes in float32 (use backend="torch" for float64)',
+)
