@@ -96,7 +96,7 @@ def test_routing_from_many_threads():
 @needs_cuda
 def test_a_warp_op_that_allocates_runs_in_compiled_cuda_graphs_with_the_torch_pool():
     pytest.importorskip("warp")
-    from fullgraph.bench.workloads import _allocating_ops
+    from fullgraph.bench.workloads.extern_pool import allocating_ops as _allocating_ops
 
     soft_clip = _allocating_ops()["warp"]
     compiled = torch.compile(lambda t: soft_clip(t * 2) + 1, fullgraph=True, mode="reduce-overhead")

@@ -65,7 +65,7 @@ class Backend:
                 and dtype in self.dtypes and (self.dims is None or dim is None or dim in self.dims)
                 and (self.max_k is None or k <= self.max_k) and self.available(device_type))
 
-    def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, dims_of: str) -> None:
+    def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str) -> None:
         """Raise the error a user sees when asking for this backend explicitly."""
         if op not in self.ops:
             raise ValueError(f'backend: "{self.name}" provides {" and ".join(self.ops)}, not {op}')
@@ -76,10 +76,10 @@ class Backend:
             raise ImportError(f'backend="{self.name}" needs {self.install}')
         if self.dims is not None and dim is not None and dim not in self.dims:
             wanted = " or ".join(str(d) for d in self.dims)
-            raise ValueError(f'{dims_of}: backend="{self.name}" needs D = {wanted}, got D = {dim}')
+            raise ValueError(f'{argument}: backend="{self.name}" needs D = {wanted}, got D = {dim}')
         if dtype not in self.dtypes:
             wanted = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            raise TypeError(f'{dims_of}: backend="{self.name}" {self.note or "takes " + wanted}, got {dtype}')
+            raise TypeError(f'{argument}: backend="{self.name}" {self.note or "takes " + wanted}, got {dtype}')
         if self.max_k is not None and k > self.max_k:
             raise ValueError(f'k: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
 
@@ -111,7 +111,7 @@ class Family:
         raise ValueError(f"backend: expected one of {sorted(self.names)}, got {name!r}")
 
     def resolve(self, choice, op: str, device: torch.device, dtype: torch.dtype, dim=None, k: int = 1,
-                dims_of: str = "query") -> Backend:
+                argument: str = "query") -> Backend:
         """The backend ``choice`` ("auto" or a name) for ``op`` on tensors of this device,
         dtype and D, holding lists of k; raises as the class docstring says."""
         if not isinstance(choice, str):
@@ -122,7 +122,7 @@ class Family:
                     return backend
             raise ValueError(f"{self.name}: no backend runs {op} on {dtype} tensors on {device}")
         backend = self.get(choice)
-        backend.check(op, device.type, dtype, dim, k, dims_of)
+        backend.check(op, device.type, dtype, dim, k, argument)
         return backend
 
 

@@ -101,21 +101,11 @@ class Graphed:
     def _capture(self, leaves, spec, device) -> _Captured:
         static_leaves = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
         static_args, static_kwargs = pytree.tree_unflatten(static_leaves, spec)
-        with torch.cuda.device(device):
-            if self._pool is None:
+        if self._pool is None:
+            with torch.cuda.device(device):
                 self._pool = torch.cuda.graph_pool_handle()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(self.warmup):
-                    self.fn(*static_args, **static_kwargs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._pool):
-                    output = self.fn(*static_args, **static_kwargs)
-            except Exception as error:  # the CUDA or PyTorch error names the failing call
-                raise GraphCaptureError(_explain(error)) from error
+        graph, output = capture(functools.partial(self.fn, *static_args, **static_kwargs), device,
+                                warmup=self.warmup, pool=self._pool)
         bad = [type(x).__name__ for x in pytree.tree_leaves(output) if not isinstance(x, (torch.Tensor, type(None)))]
         if bad:
             raise GraphCaptureError(f"fullgraph.graphs: the callable must return tensors (or containers of them), "
@@ -124,6 +114,29 @@ class Graphed:
         graph.replay()  # the capture recorded the work without running it
         inputs = [x for x in static_leaves if isinstance(x, torch.Tensor)]
         return _Captured(graph, inputs, output)
+
+
+def capture(fn, device: torch.device, *, warmup: int = 2, pool=None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm ``fn()`` up ``warmup`` times on a side stream, then capture one call on ``device``.
+
+    Returns (graph, output): ``graph.replay()`` repeats the captured GPU work, writing into
+    ``output``'s tensors. The capture records without running: replay once for the result.
+    Raises GraphCaptureError naming the cause when the call cannot be captured.
+    """
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                output = fn()
+        except Exception as error:  # the CUDA or PyTorch error names the failing call
+            raise GraphCaptureError(_explain(error)) from error
+    return graph, output
 
 
 def _explain(error: Exception) -> str:

@@ -194,3 +194,41 @@ def test_a_missing_compiler_is_named(monkeypatch):
     assert any("no-such-compiler" in tool for tool in build.missing_tools(with_cuda=False))
     with pytest.raises(build.ExtensionBuildError, match="a C\\+\\+ compiler .*backend=\"torch\""):
         build._compile(with_cuda=False)
+
+
+def _forward_change(index, value):
+    def change(tensors):
+        tensors = list(tensors)
+        tensors[index] = value(tensors[index])
+        return tensors
+    return change
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change, error, message", [
+    (_forward_change(1, lambda w: w[:-1]), ValueError, "weights: expected [3 S, F + S] = [18, 13], got [17, 13]"),
+    (_forward_change(2, lambda b: b[:5]), ValueError, "bias: expected [3 S] = [18], got [5]"),
+    (_forward_change(3, lambda h: h[:, :5]), ValueError, "old_cell: expected [B, S] = [5, 5], got [5, 6]"),
+    (_forward_change(4, lambda c: c[:3]), ValueError, "old_cell: expected [B, S] = [5, 6], got [3, 6]"),
+    (_forward_change(0, lambda x: x[0]), ValueError, "input: expected 2 dimensions"),
+    (_forward_change(4, lambda c: c.float()), TypeError, "old_cell: expected Double like input, got Float"),
+    (_forward_change(0, lambda x: x.long()), TypeError, "input: expected a floating-point tensor, got Long"),
+])
+def test_the_forward_operator_checks_its_inputs(device, change, error, message, generator):
+    """torch.ops.fullgraph.lltm_forward called directly: a TORCH_CHECK on every precondition."""
+    tensors = change(_inputs(generator, device=device))
+    with pytest.raises(error) as raised:
+        torch.ops.fullgraph.lltm_forward(*tensors)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_backward_operator_checks_its_inputs(device, generator):
+    _, new_cell, gates = torch.ops.fullgraph.lltm_forward(*_inputs(generator, device=device))
+    grad = torch.ones_like(new_cell)
+    with pytest.raises(ValueError, match=r"gates: expected \[B, 3 S\] = \[5, 18\], got \[5, 17\]"):
+        torch.ops.fullgraph.lltm_backward(grad, grad, gates[:, :-1], new_cell)
+    with pytest.raises(ValueError, match=r"grad_h: expected \[B, S\] = \[5, 6\], got \[4, 6\]"):
+        torch.ops.fullgraph.lltm_backward(grad[:4], grad, gates, new_cell)
+    with pytest.raises(TypeError, match="grad_cell: expected Double like new_cell, got Float"):
+        torch.ops.fullgraph.lltm_backward(grad, grad.float(), gates, new_cell)

@@ -47,21 +47,6 @@ def time_call(fn, device: torch.device, warmup: int, runs: int) -> Timing:
     return Timing(statistics.median(times), deciles[0], deciles[-1], len(times))
 
 
-def graphed(fn, device: torch.device):
-    """``fn`` captured once in a CUDA graph (after warm-up on a side stream): a callable
-    that replays it, so that timing it measures the GPU's work without host overhead."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def first_call_seconds(fn, device: torch.device) -> float:
     """Wall time of the first call, compilation included."""
     synchronize(device)

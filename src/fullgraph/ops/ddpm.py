@@ -128,7 +128,7 @@ def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample) -
 def ddpm_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
                  alphas_cumprod: torch.Tensor, noise: torch.Tensor, clip_sample: bool, backend: str) -> torch.Tensor:
     _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
-    run = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype).implementation
+    run = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample").implementation
     return run(model_output.contiguous(), sample.contiguous(), timestep, alphas_cumprod.contiguous(),
                noise.contiguous(), clip_sample)
 
@@ -165,5 +165,5 @@ def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sam
         torch.Size([1, 16, 2])
     """
     _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
-    backend = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype).name
+    backend = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample").name
     return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend)

@@ -90,7 +90,7 @@ BACKENDS = backends.family(
 @torch.compiler.assume_constant_result  # under torch.compile: runs while tracing, not traced
 def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
     """"torch" or "extension" for tensors on ``device_type``, the extension loaded."""
-    backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype)
+    backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype, argument="input")
     if choice == "auto" and backend.name == "torch" and device_type in ("cpu", "cuda"):
         missing = ", ".join(missing_tools(with_cuda=device_type == "cuda"))
         warnings.warn(f"fullgraph.lltm: using plain PyTorch; the extension needs {missing}", stacklevel=4)

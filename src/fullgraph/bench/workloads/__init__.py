@@ -1,0 +1,10 @@
+"""The benchmark workloads, one module each; importing them fills ``WORKLOADS``.
+
+A workload registers under its CLI name with its sizes; ``build(size, device)`` returns one
+``Case`` per variant. A new workload is one module here plus its import below.
+"""
+
+from . import diffusion_policy, extern_pool, kmeans, lltm, neighbor_ops, projectors  # noqa: F401
+from .base import BASELINE, WORKLOADS, Case, Workload, register, seed_point_clouds
+
+__all__ = ["BASELINE", "WORKLOADS", "Case", "Workload", "register", "seed_point_clouds"]

@@ -1,0 +1,74 @@
+"""What a benchmark workload is: ``Case`` (one variant's callables) and ``Workload`` (its
+sizes and how to build the cases), the registry the CLI reads, and helpers shared by workloads."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ... import graphs
+
+BASELINE = "document eager"
+
+
+@dataclass
+class Case:
+    """One variant: a forward callable and, where it trains, a train-step callable."""
+
+    variant: str
+    forward: Callable[[], object]
+    train_step: Callable[[], object] | None = None
+    check: Callable[[], dict] | None = None  # extra fields for the forward row (e.g. error vs eager)
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    sizes: dict[str, dict]
+    build: Callable[[dict, torch.device], list[Case]]
+    notes: list[str] = field(default_factory=list)
+
+
+WORKLOADS: dict[str, Workload] = {}
+
+
+def register(workload: Workload) -> Workload:
+    WORKLOADS[workload.name] = workload
+    return workload
+
+
+def seed_point_clouds(n_cloud: int, grid_side: int, target_features: int, device, dtype=torch.float32):
+    """The document's data: a normal cloud [n_cloud, 3], a [-1, 1]^3 grid [grid_side^3, 3],
+    and random targets [grid_side^3, target_features]."""
+    generator = torch.Generator(device="cpu").manual_seed(42)
+    cloud = torch.randn(n_cloud, 3, generator=generator, dtype=dtype)
+    axis = torch.linspace(-1, 1, grid_side, dtype=dtype)
+    grid = torch.stack([c.flatten() for c in torch.meshgrid(axis, axis, axis, indexing="ij")], dim=1)
+    targets = torch.randn(grid.shape[0], target_features, generator=generator, dtype=dtype)
+    return cloud.to(device), grid.to(device), targets.to(device)
+
+
+def outside_torch_pool(device: torch.device) -> dict:
+    """Device memory in use that PyTorch's caching allocator does not hold (the CUDA
+    context, library workspaces, external libraries' own pools), in bytes."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"outside_torch_pool_bytes": total - free - torch.cuda.memory_reserved(device)}
+
+
+def replayed(fn, device: torch.device):
+    """``fn`` (no arguments) captured in a CUDA graph on its first call (the timing's first
+    call, so capture counts as first-call time), then replayed: times the GPU's work alone."""
+    replay = None
+
+    def call():
+        nonlocal replay
+        if replay is None:
+            graph, _ = graphs.capture(fn, device)
+            replay = graph.replay
+        return replay()
+
+    return call

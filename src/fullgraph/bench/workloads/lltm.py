@@ -1,0 +1,63 @@
+"""Seed 001's LLTM cell: the document's PyTorch cell against the C++/CUDA extension."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ...models import LLTM
+from .base import Case, Workload, register, replayed
+
+
+def _lltm(params, device):
+    """forward = one cell step; train = the step and its backward (the document's loop body:
+    ``(new_h.sum() + new_cell.sum()).backward()``), gradients for the weights and bias.
+    "graphed" variants capture the eager step (and its backward) in one CUDA graph."""
+    generator = torch.Generator().manual_seed(0)
+    batch, features, state = params["batch"], params["features"], params["state"]
+    x, h, c = (torch.randn(batch, n, generator=generator).to(device) for n in (features, state, state))
+    torch.manual_seed(42)
+    reference = LLTM(features, state, backend="torch").to(device)
+    variants = [("document eager", "torch", None), ("document compiled", "torch", {}),
+                ("extension eager", "extension", None), ("extension compiled", "extension", {"fullgraph": True})]
+    if device.type == "cuda":
+        variants += [("document compiled+graphs", "torch", {"mode": "reduce-overhead"}),
+                     ("extension compiled+graphs", "extension", {"fullgraph": True, "mode": "reduce-overhead"}),
+                     ("document graphed", "torch", "graphed"), ("extension graphed", "extension", "graphed")]
+    cases = []
+    for name, backend, options in variants:
+        cell = copy.deepcopy(reference)
+        cell.backend = backend
+        run = torch.compile(cell, **options) if isinstance(options, dict) else cell
+
+        def forward(run=run):
+            with torch.no_grad():
+                return run(x, (h, c))
+
+        def train_step(run=run, cell=cell):
+            cell.zero_grad(set_to_none=True)
+            new_h, new_cell = run(x, (h, c))
+            (new_h.sum() + new_cell.sum()).backward()
+            return cell.weights.grad
+
+        def gradients(cell=cell):
+            new_h, new_cell = cell(x, (h, c))
+            return torch.autograd.grad(new_h.sum() + new_cell.sum(), [cell.weights, cell.bias])
+
+        if options == "graphed":
+            forward, train_step = replayed(forward, device), replayed(gradients, device)
+        cases.append(Case(name, forward, train_step))
+    return cases
+
+
+register(Workload(
+    name="lltm",
+    description="seed 001: one LLTM cell step (forward) and step + backward (train); C++ kernel on CPUs, "
+                "CUDA kernel on GPUs",
+    sizes={"seed": {"batch": 16, "features": 32, "state": 128}, "small": {"batch": 16, "features": 32, "state": 128},
+           "tiny": {"batch": 4, "features": 8, "state": 16}},
+    build=_lltm,
+    notes=[("floor at the document's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
+            "what remains is launch latency (3 kernels forward, 4-6 backward)")],
+))

@@ -1,0 +1,100 @@
+"""Seed 000's projectors (kNN and radius): MLP -> neighbour aggregation -> MLP, forward and
+an Adam train step, in the document's formulation and fullgraph's, eager, compiled and with
+CUDA graphs; external backends (cuML, Warp) where installed."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import importlib.util
+
+import torch
+
+from ...models import KNNProjector, RadiusProjector
+from .base import Case, Workload, outside_torch_pool, register, seed_point_clouds
+
+
+def _variants(device: torch.device, external: str | None):
+    """(name, aggregation, torch.compile options or None for eager, backend).
+
+    ``external`` ("warp" or "cuml") adds that backend's variants where it is installed."""
+    variants = [
+        ("document eager", "document", None, "auto"),
+        ("document compiled", "document", {}, "auto"),
+        ("fullgraph eager", "fullgraph", None, "auto"),
+        ("fullgraph compiled", "fullgraph", {"fullgraph": True}, "auto"),
+    ]
+    if device.type == "cuda":
+        with_graphs = {"fullgraph": True, "mode": "reduce-overhead"}
+        variants += [
+            ("document compiled+graphs", "document", {"mode": "reduce-overhead"}, "auto"),
+            ("fullgraph compiled+graphs", "fullgraph", with_graphs, "auto"),
+        ]
+        if external is not None and importlib.util.find_spec(external) is not None:
+            variants += [
+                (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external),
+                (f"fullgraph {external} compiled+graphs", "fullgraph", with_graphs, external),
+            ]
+    return variants
+
+
+def outside_torch_pool(device: torch.device) -> dict:
+    """Device memory in use that PyTorch's caching allocator does not hold (the CUDA
+    context, library workspaces, external libraries' own pools), in bytes."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return {"outside_torch_pool_bytes": total - free - torch.cuda.memory_reserved(device)}
+
+
+def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device, external=None) -> list[Case]:
+    cloud, grid, targets = seed_point_clouds(params["cloud"], params["grid"], 1, device)
+    cases = []
+    for name, aggregation, options, backend in _variants(device, external):
+        variant_model = copy.deepcopy(model).to(device)
+        variant_model.aggregation, variant_model.backend = aggregation, backend
+        run = variant_model if options is None else torch.compile(variant_model, **options)
+        optimizer = torch.optim.Adam(variant_model.parameters(), lr=1e-3)
+
+        def forward(run=run):
+            with torch.no_grad():
+                return run(grid, cloud)
+
+        def train_step(run=run, optimizer=optimizer):
+            optimizer.zero_grad()
+            loss = torch.mean((run(grid, cloud) - targets) ** 2)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        check = functools.partial(outside_torch_pool, device) if device.type == "cuda" else None
+        cases.append(Case(name, forward, train_step, check))
+    return cases
+
+
+def _knn_projector(params, device):
+    torch.manual_seed(42)
+    return _projector_cases(KNNProjector(k=params["k"], hidden_dim=25, sigma=0.1), params, device, "cuml")
+
+
+def _radius_projector(params, device):
+    torch.manual_seed(42)
+    model = RadiusProjector(radius=params["radius"], hidden_dim=25, sigma=0.1)
+    return _projector_cases(model, params, device, "warp")
+
+
+register(Workload(
+    name="knn-projector",
+    description="seed 000: MLP -> kNN-weighted aggregation -> MLP, forward and Adam train step",
+    sizes={"seed": {"grid": 30, "cloud": 100_000, "k": 7}, "small": {"grid": 12, "cloud": 8_000, "k": 7},
+           "tiny": {"grid": 5, "cloud": 500, "k": 7}},
+    build=_knn_projector,
+))
+
+register(Workload(
+    name="radius-projector",
+    description="seed 000: MLP -> radius-bounded aggregation -> MLP, forward and Adam train step",
+    sizes={"seed": {"grid": 30, "cloud": 25_000, "radius": 0.1},
+           "small": {"grid": 12, "cloud": 4_000, "radius": 0.1},
+           "tiny": {"grid": 5, "cloud": 500, "radius": 0.5}},
+    build=_radius_projector,
+))
