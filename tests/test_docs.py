@@ -9,7 +9,8 @@ import torch
 import pytest
 
 import fullgraph
-from fullgraph.ops import ddpm, kmeans, lltm
+from fullgraph.ops import ddpm, kmeans
+from fullgraph.ops.lltm import api as lltm
 from fullgraph.ops.neighbors import api
 
 

@@ -11,6 +11,8 @@ from fullgraph.ops import ddpm
 
 ops = torch.ops.fullgraph
 g = torch.Generator().manual_seed(0)
+# Where Triton runs here: the GPU, or the interpreter on CPU tensors (conftest sets it).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 Q, R, F = torch.rand(2, 5, 3, generator=g), torch.rand(2, 9, 3, generator=g), torch.rand(2, 9, 4, generator=g)
 LISTS = ops.knn(Q, R, 3, None, None, "torch")
 OUT = ops.knn_aggregate(Q, R, F, 3, 0.2, None, None, "torch")[0]
@@ -29,8 +31,8 @@ OUT = ops.knn_aggregate(Q, R, F, 3, 0.2, None, None, "torch")[0]
     (lambda: ops.knn(Q, R, 4, None, torch.tensor([1.0, 2.0]), "torch"), TypeError, "ref_lengths: expected an int64"),
     (lambda: ops.knn(Q, R, 4, None, None, "warp"), ValueError, '"warp" provides radius and radius_aggregate, not knn'),
     (lambda: ops.knn(Q, R, 4, None, None, "gpu"), ValueError, "backend: expected one of"),
-    (lambda: ops.knn(Q.double(), R.double(), 4, None, None, "triton"), (TypeError, ValueError, ImportError),
-     'backend="triton"'),
+    (lambda: ops.knn(Q.double().to(TRITON_DEVICE), R.double().to(TRITON_DEVICE), 4, None, None, "triton"),
+     (TypeError, ImportError), 'backend="triton"'),
     (lambda: ops.radius(Q, R, -1.0, 4, None, None, "torch"), ValueError, "radius: expected a finite float >= 0.0"),
     (lambda: ops.radius(Q, R, 0.3, 0, None, None, "cpu"), ValueError, "max_neighbors: expected an int >= 1, got 0"),
     (lambda: ops.knn_aggregate(Q, R, F[:, :8], 3, 0.2, None, None, "torch"), ValueError,
@@ -73,5 +75,6 @@ def test_ddpm_op_checks_its_inputs():
         ops.ddpm_step(x, x, torch.tensor(3.0), alphas, x, True, "torch")
     with pytest.raises(ValueError, match="backend: expected one of"):
         ops.ddpm_step(x, x, torch.tensor(3), alphas, x, True, "cuda")
+    x, t, alphas = x.double().to(TRITON_DEVICE), torch.tensor(3, device=TRITON_DEVICE), alphas.to(TRITON_DEVICE)
     with pytest.raises(TypeError, match='sample: backend="triton" computes in float32'):
-        ops.ddpm_step(x.double(), x.double(), torch.tensor(3), alphas.double(), x.double(), True, "triton")
+        ops.ddpm_step(x, x, t, alphas.double(), x, True, "triton")

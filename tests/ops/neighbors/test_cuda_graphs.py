@@ -66,7 +66,8 @@ def test_auto_picks_triton_on_cuda(monkeypatch, generator):
     from fullgraph.ops.neighbors import triton_grid as triton_backend
 
     calls = []
-    original = triton_backend.nearest
-    monkeypatch.setattr(triton_backend, "nearest", lambda *a: calls.append(1) or original(*a))
+    kernels = triton_backend.BACKEND.implementation
+    original = kernels.nearest
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(1) or original(*a))
     fullgraph.knn(*_data(generator)[:2], 4)
     assert calls

@@ -16,7 +16,7 @@ import torch
 
 from ... import _validate, backends
 from . import reference
-from .build import prebuilt, load, missing_tools
+from .build import load, missing_tools, prebuilt_library
 
 
 def _fake_forward(input, weights, bias, old_h, old_cell):
@@ -68,7 +68,7 @@ def _buildable(device_type: str) -> bool:
     """Whether the extension is built, or can be built here with kernels for ``device_type``."""
     if device_type not in ("cpu", "cuda"):
         return False
-    return prebuilt() is not None or not missing_tools(with_cuda=device_type == "cuda")
+    return prebuilt_library() is not None or not missing_tools(with_cuda=device_type == "cuda")
 
 
 def _extension(input, weights, bias, old_h, old_cell):

@@ -11,6 +11,7 @@ lltm_forward`` / ``lltm_backward`` with kernels for CPU (and CUDA).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -26,7 +27,7 @@ class ExtensionBuildError(RuntimeError):
     """The LLTM extension could not be built or loaded."""
 
 
-def prebuilt() -> Path | None:
+def prebuilt_library() -> Path | None:
     built = sorted(Path(__file__).parent.glob("_C*.so"))
     return built[0] if built else None
 
@@ -63,7 +64,9 @@ def _compile(with_cuda: bool) -> None:
             + ", ".join(missing) + '. Or use backend="torch" (plain PyTorch).'
         )
     sources = [SOURCES / "lltm.cpp"] + ([SOURCES / "lltm_cuda.cu"] if with_cuda else [])
-    name = NAME + ("_cuda" if with_cuda else "_cpu")
+    # The sources' hash in the name: torch rebuilds on changes to the listed sources only, not to lltm.h.
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file())).hexdigest()
+    name = NAME + ("_cuda_" if with_cuda else "_cpu_") + digest[:10]
     print(f"fullgraph: loading the LLTM extension {name} (compiled on first use, ~30 s; cached afterwards)",
           file=sys.stderr, flush=True)
     try:
@@ -80,7 +83,7 @@ def _compile(with_cuda: bool) -> None:
 def load() -> bool:
     """Load the extension once per process (building it if needed). Returns whether its
     CUDA kernels are in it. Raises ExtensionBuildError naming what is missing."""
-    prebuilt = prebuilt()
+    prebuilt = prebuilt_library()
     if prebuilt is not None:
         torch.ops.load_library(str(prebuilt))
     else:

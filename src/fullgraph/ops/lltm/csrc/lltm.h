@@ -8,7 +8,9 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <string>
 #include <tuple>
+#include <vector>
 
 #if defined(__CUDACC__)
 #define LLTM_HOST_DEVICE __host__ __device__ __forceinline__
@@ -75,6 +77,14 @@ LLTM_HOST_DEVICE void cell_backward(T grad_h, T grad_cell, T new_cell, T gate_i,
 // Preconditions of the operators, which are public (torch.ops.fullgraph.lltm_*): every
 // shape, dtype and device is checked before a kernel runs, so no call reads out of bounds.
 // TORCH_CHECK_TYPE / _VALUE reach Python as TypeError / ValueError.
+// "[5, 6]": shapes are formatted here rather than by streaming an IntArrayRef, which crashed
+// the process inside a failing check on the test GPU (torch 2.11, nvcc 13).
+inline std::string shape_text(at::IntArrayRef sizes) {
+  std::string text = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) text += (i ? ", " : "") + std::to_string(sizes[i]);
+  return text + "]";
+}
+
 inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& like, const char* like_name,
                        int64_t dims) {
   TORCH_CHECK_TYPE(at::isFloatingType(t.scalar_type()), name, ": expected a floating-point tensor, got ",
@@ -83,11 +93,12 @@ inline void check_like(const at::Tensor& t, const char* name, const at::Tensor& 
                    like_name, ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == like.device(), name, ": expected a tensor on ", like.device(), " like ", like_name,
                     ", got ", t.device());
-  TORCH_CHECK_VALUE(t.dim() == dims, name, ": expected ", dims, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == dims, name, ": expected ", dims, " dimensions, got shape ", shape_text(t.sizes()));
 }
 
-inline void check_shape(const at::Tensor& t, const char* name, at::IntArrayRef expected, const char* layout) {
-  TORCH_CHECK_VALUE(t.sizes() == expected, name, ": expected ", layout, " = ", expected, ", got ", t.sizes());
+inline void check_shape(const at::Tensor& t, const char* name, std::vector<int64_t> expected, const char* layout) {
+  TORCH_CHECK_VALUE(t.sizes() == at::IntArrayRef(expected), name, ": expected ", layout, " = ", shape_text(expected),
+                    ", got ", shape_text(t.sizes()));
 }
 
 inline void check_forward(const at::Tensor& input, const at::Tensor& weights, const at::Tensor& bias,
