@@ -60,9 +60,11 @@ def test_unknown_names_and_types():
 
 def test_neighbour_backends_are_declared_once():
     names = BACKENDS.names
-    assert names == ("auto", "triton", "cpu", "torch", "warp", "cuml")
+    assert names == ("auto", "triton", "dense", "cpu", "torch", "warp", "cuml")
     for backend in BACKENDS.backends:
         assert backend.implementation is not None and backend.ops
     assert BACKENDS.resolve("auto", "knn", CPU, torch.float32, 3, 4).name == "cpu"
     assert BACKENDS.resolve("auto", "knn", CPU, torch.float64, 3, 4).name == "cpu"
+    assert BACKENDS.resolve("auto", "knn", CPU, torch.float32, 16, 4).name == "dense"  # feature space
+    assert BACKENDS.resolve("auto", "radius", CPU, torch.float32, 16, 4).name == "cpu"  # dense has no radius
     assert BACKENDS.resolve("auto", "knn", torch.device("meta"), torch.float32, 3, 4).name == "torch"

@@ -31,12 +31,17 @@ def _always(device_type: str) -> bool:
     return True
 
 
+def _everywhere(dim, k) -> bool:
+    return True
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of an operator family.
 
     devices / auto_devices: torch device types it runs on / where "auto" may pick it
-    (``ANY_DEVICE`` for all). dims: the D it accepts (None: any). max_k: the longest
+    (``ANY_DEVICE`` for all); auto_when(dim, k): the shapes where "auto" prefers it (the
+    measured crossovers against the backends after it). dims: the D it accepts (None: any). max_k: the longest
     neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
     capture (no host sync, no allocation outside PyTorch). available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
@@ -55,6 +60,7 @@ class Backend:
     available: Callable[[str], bool] = _always
     implementation: object = None
     note: str = ""  # why a dtype is refused, e.g. "computes in float32"
+    auto_when: Callable[[object, int], bool] = _everywhere  # (dim, k): the measured crossovers for "auto"
 
     def runs_on(self, device_type: str) -> bool:
         return ANY_DEVICE in self.devices or device_type in self.devices
@@ -63,7 +69,8 @@ class Backend:
         """Whether "auto" may pick it for these tensors (installed included)."""
         return (op in self.ops and (ANY_DEVICE in self.auto_devices or device_type in self.auto_devices)
                 and dtype in self.dtypes and (self.dims is None or dim is None or dim in self.dims)
-                and (self.max_k is None or k <= self.max_k) and self.available(device_type))
+                and (self.max_k is None or k <= self.max_k) and self.auto_when(dim, k)
+                and self.available(device_type))
 
     def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str) -> None:
         """Raise the error a user sees when asking for this backend explicitly."""

@@ -71,20 +71,51 @@ def _aggregate_cases(device):
         yield Case(f"{label}, graphed", replayed(forward, device), replayed(train, device))
 
 
+def _feature_cases(shapes, generator, device):
+    """kNN in feature space (D >= 4): cdist + topk (what users write), "auto", "dense"."""
+    for batch, m, n, dim, k in shapes:
+        query = torch.randn(batch, m, dim, generator=generator, device=device)
+        ref = torch.randn(batch, n, dim, generator=generator, device=device)
+        label = f"knn B={batch} {m}x{n} D={dim} k={k}"
+        plain = lambda query=query, ref=ref, k=k: torch.topk(torch.cdist(query, ref), k, largest=False)  # noqa: E731
+        auto = lambda query=query, ref=ref, k=k: knn(query, ref, k)  # noqa: E731
+        by_products = lambda query=query, ref=ref, k=k: knn(query, ref, k, backend="dense")  # noqa: E731
+        rows = torch.randint(0, m, (min(m, SAMPLES),), generator=generator, device=device)
+
+        def check(call=by_products, query=query, ref=ref, k=k, rows=rows):
+            want = knn(query[:, rows], ref, k, backend="torch")[1]
+            return {"mismatched_sampled_queries": int((call()[1][:, rows] != want).any(-1).sum())}
+
+        yield Case(f"{label}: cdist + topk, as called", plain)
+        yield Case(f"{label}: fullgraph auto, as called", auto)
+        yield Case(f"{label}: fullgraph dense, as called", by_products, check=check)
+        if device.type == "cuda":
+            yield Case(f"{label}: cdist + topk, graphed", replayed(plain, device))
+            yield Case(f"{label}: fullgraph auto, graphed", replayed(auto, device))
+
+
 def _neighbor_ops(params, device):
-    if device.type != "cuda":
-        raise ValueError("neighbor-ops times the GPU kernels: run it with --device cuda")
     generator = torch.Generator(device=device).manual_seed(0)
+    if "features" in params:
+        return list(_feature_cases(params["features"], generator, device))
+    if device.type != "cuda":
+        raise ValueError("neighbor-ops times the GPU kernels: run it with --device cuda (or --size feature-small)")
     return [*_search_cases(params["searches"], generator), *_aggregate_cases(device)]
 
 
 _SEED_SEARCHES = [("knn", "normal", 27_000, 100_000, 7, None), ("radius", "uniform", 27_000, 100_000, 32, 0.0362)]
 register(Workload(
     name="neighbor-ops",
-    description="the neighbour operators alone (default backend), as called and replayed from a CUDA graph",
+    description="the neighbour operators alone, as called and replayed from a CUDA graph; feature sizes: kNN "
+                "in D >= 4 beside cdist + topk",
     sizes={"seed": {"searches": _SEED_SEARCHES},
            "large": {"searches": _SEED_SEARCHES + [("knn", kind, 1_000_000, 1_000_000, 16, None)
                                                    for kind in ("normal", "uniform")]
-                     + [("radius", "uniform", 1_000_000, 1_000_000, 32, 0.0168)]}},
+                     + [("radius", "uniform", 1_000_000, 1_000_000, 32, 0.0168)]},
+           # feature space: the shapes of DGCNN's EdgeConv, retrieval and kNN losses
+           "feature": {"features": [(8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (1, 20_000, 200_000, 16, 10),
+                                    (1, 10_000, 1_000_000, 128, 10)]},
+           "feature-small": {"features": [(8, 2048, 2048, 64, 20), (1, 5000, 50_000, 16, 10),
+                                          (1, 2000, 100_000, 128, 10)]}},
     build=_neighbor_ops,
 ))

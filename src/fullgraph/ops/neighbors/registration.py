@@ -16,11 +16,12 @@ import math
 import torch
 
 from ... import _validate, backends
-from . import cpu, cuml, reference, triton_grid, warp
+from . import cpu, cuml, dense, reference, triton_grid, warp
 
 BACKENDS = backends.family(
     "neighbors",
     triton_grid.BACKEND,
+    dense.BACKEND,
     cpu.BACKEND,
     reference.BACKEND,
     warp.BACKEND,

@@ -1,0 +1,117 @@
+"""The "dense" backend (matrix products on BLAS, CPU): exactly the reference's lists in
+feature space, on adversarial inputs where the product's cancellation error matters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fullgraph
+from conftest import DEVICES, DISTRIBUTIONS, assert_neighbors, oracle_distances, oracle_nearest, points, tolerance
+from fullgraph.ops.neighbors import dense
+
+
+def _clouds(distribution, dim, generator, rows=120, columns=700):
+    return points(distribution, rows, dim, generator), points(distribution, columns, dim, generator)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [4, 16, 64, 128, 300])
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_matches_the_oracle(distribution, dim, device, generator):
+    query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator))
+    dists, idx = fullgraph.knn(query, ref, 9, backend="dense")
+    d = oracle_distances(query, ref)
+    want_dists, want_idx, _ = oracle_nearest(d, 9)
+    assert_neighbors(dists, idx, want_dists, want_idx, d, torch.float32)
+    # and exactly the reference's lists (same arithmetic, same tie-breaking)
+    assert torch.equal(idx, fullgraph.knn(query, ref, 9, backend="torch")[1])
+
+
+@pytest.mark.parametrize("offset", [1e3, 1e5])
+@pytest.mark.parametrize("precision", ["highest", "high"])  # "high": TF32 products on GPUs that have them
+def test_far_from_the_origin(offset, precision, generator):
+    """|q|^2 dwarfs the differences: centring and the certificate keep the lists exact."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        for device in DEVICES:
+            query, ref = (t.float().to(device) + offset for t in _clouds("normal", 32, generator))
+            assert torch.equal(fullgraph.knn(query, ref, 5, backend="dense")[1],
+                               fullgraph.knn(query, ref, 5, backend="torch")[1])
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_ties_wider_than_the_slack_take_the_reference_path(monkeypatch, generator):
+    """Many exact duplicates at the k-th place fail the certificate; those rows are redone."""
+    pool = points("normal", 5, 8, generator).float()
+    ref = pool[torch.randint(0, 5, (600,), generator=generator)]
+    query = pool[torch.randint(0, 5, (40,), generator=generator)] + 0.01
+    redone = []
+    original = dense.reference.nearest
+    monkeypatch.setattr(dense.reference, "nearest", lambda q, *a: redone.append(q.shape[1]) or original(q, *a))
+    dists, idx = fullgraph.knn(query, ref, 6, backend="dense")
+    assert sum(redone) > 0
+    assert torch.equal(idx, fullgraph.knn(query, ref, 6, backend="torch")[1])
+
+
+def test_ragged_batches_non_finite_points_and_small_sets(generator):
+    query = torch.stack([points("uniform", 30, 16, generator) for _ in range(3)]).float()
+    ref = torch.stack([points("uniform", 50, 16, generator) for _ in range(3)]).float()
+    query[0, 4, 2], ref[1, 7, 0] = math.nan, math.inf
+    lengths = torch.tensor([30, 12, 0]), torch.tensor([50, 3, 20])
+    for k in (1, 5, 60):
+        got = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="dense")
+        want = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert (got[1][0, 4] == -1).all() and (got[1][2] == -1).all()
+    empty = fullgraph.knn(query[:, :0], ref, 3, backend="dense")
+    assert empty[0].shape == (3, 0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes(dtype, generator):
+    query, ref = (t.to(dtype) for t in _clouds("normal", 24, generator))
+    dists, idx = fullgraph.knn(query, ref, 4, backend="dense")
+    assert dists.dtype == dtype
+    d = oracle_distances(query, ref)
+    want_dists, want_idx, _ = oracle_nearest(d, 4)
+    assert_neighbors(dists, idx, want_dists, want_idx, d, dtype)
+
+
+def test_gradients(generator):
+    query, ref = (t.requires_grad_() for t in _clouds("uniform", 6, generator, rows=10, columns=40))
+    features = torch.randn(40, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda q, r: fullgraph.knn(q, r, 4, backend="dense")[0], (query, ref))
+    assert torch.autograd.gradcheck(
+        lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 4, sigma=0.3, backend="dense"), (query, ref, features))
+
+
+def test_auto_takes_it_in_feature_space_only(monkeypatch, generator):
+    calls = []
+    kernels = dense.BACKEND.implementation
+    original = kernels.nearest
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[0].shape[-1]) or original(*a))
+    for dim in (3, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
+        query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=30))
+        fullgraph.knn(query, ref, 3)
+    assert calls == [dense.AUTO_MIN_DIM, 64]
+    with pytest.raises(ValueError, match='"dense" provides knn and knn_aggregate, not radius'):
+        fullgraph.radius(query, ref, 0.5, 3, backend="dense")
+
+
+@pytest.mark.slow
+def test_compiles_once(generator):
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 4)[0].sum(-1), backend=counter, fullgraph=True,
+                             dynamic=True)
+    for rows, columns in [(20, 60), (33, 90)]:
+        query, ref = (t.float() for t in _clouds("normal", 32, generator, rows, columns))
+        torch.testing.assert_close(compiled(query, ref), fullgraph.knn(query, ref, 4, backend="torch")[0].sum(-1),
+                                   **tolerance(torch.float32))
+    assert counter.frame_count == 1
