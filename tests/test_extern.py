@@ -242,3 +242,44 @@ def test_cupy_op_is_captured_by_graphs():
         for _ in range(3):
             x = torch.randn(512, device="cuda")
             torch.testing.assert_close(graphed(x), x * x)
+
+
+def test_a_taken_name_is_refused():
+    outputs = lambda x: [(x.shape, x.dtype)]  # noqa: E731
+    first = extern.op("fgtest::twice", "(Tensor x) -> Tensor", outputs=outputs)(np.sin)
+    with pytest.raises(ValueError, match="'fgtest::twice' is already a registered operator; pass replace=True"):
+        extern.op("fgtest::twice", "(Tensor x) -> Tensor", outputs=outputs)(np.cos)
+    x = torch.rand(4, dtype=torch.float64)
+    torch.testing.assert_close(first(x), torch.sin(x))  # the first kernel still stands
+    second = extern.op("fgtest::twice", "(Tensor x) -> Tensor", outputs=outputs, replace=True)(np.cos)
+    torch.testing.assert_close(second(x), torch.cos(x))
+    with pytest.raises(ValueError, match="fullgraph's own operators and cannot be replaced"):
+        extern.op("fullgraph::knn", "(Tensor x) -> Tensor", outputs=outputs, replace=True)(np.sin)
+    with pytest.raises(ValueError, match="not an extern op of this process"):
+        extern.op("aten::sin", "(Tensor x) -> Tensor", outputs=outputs, replace=True)(np.sin)
+    with pytest.raises(ValueError, match='name: expected "namespace::op_name"'):
+        extern.op("no_namespace", "(Tensor x) -> Tensor", outputs=outputs)(np.sin)
+
+
+def test_outputs_never_share_memory_with_inputs():
+    tail = extern.op("fgtest::tail", "(Tensor x) -> Tensor",
+                     outputs=lambda x: [((x.shape[0] - 1,), x.dtype)])(lambda x: x[1:])
+    pair = extern.op("fgtest::pair", "(Tensor x) -> (Tensor, Tensor)",
+                     outputs=lambda x: [(x.shape, x.dtype)] * 2)(lambda x: (np.sin(x),) * 2)
+    x = torch.rand(6, dtype=torch.float64)
+    out = tail(x)
+    out.fill_(0)
+    assert (x != 0).all(), "writing the output wrote the input"
+    first, second = pair(x)
+    assert not extern.overlaps(first, second)
+    extern.check(tail, x)
+    extern.check(pair, x)
+
+
+@pytest.mark.parametrize("returned, what", [(None, "NoneType"), ("text", "str"),
+                                            (np.array([object(), object()]), "ndarray")])
+def test_non_array_outputs_are_named(returned, what):
+    bad = extern.op(f"fgtest::returns_{what.lower()}", "(Tensor x) -> Tensor",
+                    outputs=lambda x: [(x.shape, x.dtype)])(lambda x: returned)
+    with pytest.raises(extern.ExternError, match=f"fgtest::returns_{what.lower()}: output 0 is {what}"):
+        bad(torch.rand(2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,38 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _usage(message: str):
+    """A usage error: one line on stderr, exit status 2, before any work starts."""
+    print(f"fullgraph: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _output(path: Path | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before the run."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        _usage(f"{flag} {path}: is a folder, expected a file path")
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        _usage(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
+
+
+def _device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        _usage(f"--device {name}: expected cpu or cuda[:N]")
+    if device.type not in ("cpu", "cuda"):
+        _usage(f"--device {name}: benchmarks run on cpu or cuda[:N], got {device.type}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _usage(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
 def _bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -37,17 +70,17 @@ def _bench(args) -> int:
     from . import bench
     from .bench import report
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {args.device}: CUDA is not available on this machine")
+    device = _device(args.device)
     gpu = device.type == "cuda"
     size = args.size or ("seed" if gpu else "small")
     if size not in bench.WORKLOADS[args.workload].sizes:
-        raise SystemExit(f"--size {size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
+        _usage(f"--size {size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:
-        raise SystemExit("--warmup must be >= 0 and --runs >= 1")
+        _usage(f"--warmup must be >= 0 and --runs >= 1, got --warmup {warmup} --runs {runs}")
+    _output(args.json, "--json")
+    _output(args.plot, "--plot")
     console = Console(width=None if sys.stdout.isatty() else 132)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
@@ -56,7 +89,7 @@ def _bench(args) -> int:
             rows = bench.run_workload(args.workload, size, device, warmup, runs,
                                       on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
         except ValueError as error:  # a workload that cannot run here says why
-            raise SystemExit(f"{args.workload}: {error}") from error
+            _usage(f"{args.workload}: {error}")
     if not rows:
         raise SystemExit(f"{args.workload}: no variant can run here (its libraries are missing)")
     console.print(report.table(rows))
@@ -76,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         from .bench import report
 
-        print("\n\n".join(report.markdown(report.read_json(path)) for path in args.files))
+        try:
+            tables = [report.read_json(path) for path in args.files]  # every file checked before printing
+        except report.ReportError as error:
+            _usage(f"report: {error}")
+        print("\n\n".join(report.markdown(rows) for rows in tables))
         return 0
     return 2
 

@@ -58,10 +58,40 @@ def _specs(outputs, args) -> list[tuple[tuple, torch.dtype]]:
     return [(tuple(shape), dtype) for shape, dtype in specs]
 
 
+_REGISTERED: dict[str, "ExternOp"] = {}  # the extern ops of this process, by name
+
+
+def _registered(name: str) -> bool:
+    """Whether ``name`` ("namespace::op") is an operator torch already knows."""
+    namespace, op_name = name.split("::")
+    try:
+        getattr(getattr(torch.ops, namespace), op_name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _check_name(name, replace: bool) -> None:
+    """A new "namespace::op" name, or (with replace=True) one of this process's own extern ops
+    outside fullgraph's namespace: registering over an operator swaps it for everyone."""
+    if not isinstance(name, str) or name.count("::") != 1 or not all(name.split("::")):
+        raise ValueError(f'name: expected "namespace::op_name", got {name!r}')
+    if not _registered(name) and name not in _REGISTERED:
+        return
+    if name.startswith("fullgraph::"):
+        raise ValueError(f"name: {name!r} is one of fullgraph's own operators and cannot be replaced; "
+                         "register yours in a namespace of your own")
+    if not replace or name not in _REGISTERED:
+        raise ValueError(f"name: {name!r} is already a registered operator"
+                         + ("; pass replace=True to replace your own extern op" if name in _REGISTERED else
+                            " (not an extern op of this process); choose another name"))
+
+
 class ExternOp:
     """The operator made by ``op``: call it like the function; ``.op`` is the torch op."""
 
-    def __init__(self, fn, name, schema, outputs, library, backward, setup_context, cuda_graphs):
+    def __init__(self, fn, name, schema, outputs, library, backward, setup_context, cuda_graphs, replace=False):
+        _check_name(name, replace)
         if library not in LIBRARIES:
             raise ValueError(f"library: expected one of {sorted(LIBRARIES)}, got {library!r}")
         cuda_graphs = cuda_graphs or LIBRARIES[library].cuda_graphs
@@ -77,6 +107,7 @@ class ExternOp:
             self.op.register_autograd(backward, setup_context=setup_context or _save_inputs)
         self._call = torch.compiler.disable(self.op) if cuda_graphs == "break" else self.op
         self.__doc__, self.__name__ = fn.__doc__, getattr(fn, "__name__", name)
+        _REGISTERED[name] = self
 
     def _fake(self, *args):
         created = [_first_tensor(args).new_empty(shape, dtype=dtype) for shape, dtype in _specs(self.outputs, args)]
@@ -110,7 +141,7 @@ class ExternOp:
             finally:
                 _running.stream = outer
             results = list(result) if isinstance(result, (tuple, list)) else [result]
-            results = [library.from_array(module, value) for value in results]
+            results = [self._tensor(library, module, i, value) for i, value in enumerate(results)]
         specs = _specs(self.outputs, args)
         if len(results) != len(specs):
             raise ExternError(f"{self.name}: the function returned {len(results)} outputs, the outputs spec "
@@ -124,13 +155,45 @@ class ExternOp:
                 raise ExternError(f"{self.name}: output {i} came back on {tensor.device}, expected {device.type} "
                                   "like the inputs")
             tensors.append(tensor)
-        # A custom op's outputs must not alias its inputs: copy any that the function passed through.
-        inputs = {a.data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel()}
-        tensors = [t.clone() if t.numel() and t.data_ptr() in inputs else t for t in tensors]
-        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+        # A custom op's outputs must not alias its inputs (or each other): copy any that the
+        # function passed through, as a whole or as a view into an input's memory.
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        kept: list[torch.Tensor] = []
+        for tensor in tensors:
+            kept.append(tensor.clone() if any(overlaps(tensor, other) for other in inputs + kept) else tensor)
+        return kept[0] if len(kept) == 1 else tuple(kept)
+
+    def _tensor(self, library, module, index: int, value) -> torch.Tensor:
+        """Output ``index`` as a tensor, or ExternError naming the op and the output."""
+        try:
+            tensor = library.from_array(module, value)
+        except (TypeError, ValueError, RuntimeError, BufferError) as error:
+            raise ExternError(f"{self.name}: output {index} is {type(value).__name__} {_short(value)}, expected an "
+                              f"array ({type(error).__name__}: {error})") from None
+        if not isinstance(tensor, torch.Tensor) or value is None:
+            raise ExternError(f"{self.name}: output {index} is {type(value).__name__}, expected an array")
+        return tensor
 
     def __call__(self, *args):
         return self._call(*args)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory of tensors a and b overlaps (same device, intersecting byte ranges)."""
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        start = t.untyped_storage().data_ptr()
+        return start, start + t.untyped_storage().nbytes()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def _first_tensor(args) -> torch.Tensor:
@@ -147,7 +210,7 @@ def _save_inputs(ctx, inputs, output):
 
 
 def op(name: str, schema: str, *, outputs, library: str = "numpy", backward=None, setup_context=None,
-       cuda_graphs: str | None = None):
+       cuda_graphs: str | None = None, replace: bool = False):
     """Register ``fn`` (a function of the library's arrays) as the torch operator ``name``.
 
     Args:
@@ -165,22 +228,31 @@ def op(name: str, schema: str, *, outputs, library: str = "numpy", backward=None
             (``fullgraph=True`` still holds), and calling it during a manual capture raises
             ExternError (default for JAX); "break": torch.compile leaves the call out of
             its graph (a graph break, so not with ``fullgraph=True``).
+        replace: allow ``name`` to replace an extern op registered earlier in this process
+            (never one of fullgraph's own, nor an operator defined elsewhere).
 
     Returns:
-        A decorator making an ``ExternOp``; raises ExternError when the function's outputs
-        break the spec, ValueError for tensors on the wrong device, ImportError (naming the
-        package) when the library is missing.
+        A decorator making an ``ExternOp``. Registering raises ValueError for a name already
+        taken (see ``replace``); calls raise ExternError when the function's outputs break the
+        spec or are not arrays, ValueError for tensors on the wrong device, ImportError (naming
+        the package) when the library is missing. Outputs never share memory with the inputs:
+        one that does (the input itself, or a view into it) is copied.
     """
     def register(fn):
-        return ExternOp(fn, name, schema, outputs, library, backward, setup_context, cuda_graphs)
+        return ExternOp(fn, name, schema, outputs, library, backward, setup_context, cuda_graphs, replace)
 
     return register
 
 
 def check(extern_op: ExternOp, *args) -> None:
-    """``torch.library.opcheck`` on the op, then one torch.compile(fullgraph=True) call that
-    must equal the eager call (without fullgraph for cuda_graphs="break"). Raises on the
-    first failure."""
+    """``torch.library.opcheck`` on the op, no output sharing memory with an input, then one
+    torch.compile(fullgraph=True) call that must equal the eager call (without fullgraph for
+    cuda_graphs="break"). Raises on the first failure."""
     torch.library.opcheck(extern_op.op, args)
+    out = extern_op(*args)
+    for i, tensor in enumerate(out if isinstance(out, tuple) else (out,)):
+        for j, value in enumerate(args):
+            if isinstance(value, torch.Tensor) and overlaps(tensor, value):
+                raise ExternError(f"{extern_op.name}: output {i} shares memory with argument {j}")
     compiled = torch.compile(lambda *a: extern_op(*a), fullgraph=extern_op.cuda_graphs != "break")
     torch.testing.assert_close(compiled(*args), extern_op(*args))

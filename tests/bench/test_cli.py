@@ -31,13 +31,49 @@ def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
     assert "| fullgraph eager | forward |" in capsys.readouterr().out
 
 
-def test_bad_arguments():
-    with pytest.raises(SystemExit):
-        main(["bench", "no-such-workload"])
-    with pytest.raises(SystemExit, match="--runs"):
-        main(["bench", "knn-projector", "--device", "cpu", "--runs", "0"])
-    with pytest.raises(SystemExit, match="extern-pool: .* run it with --device cuda"):
-        main(["bench", "extern-pool", "--device", "cpu"])
+def _usage_error(argv, capsys) -> str:
+    """The one line a usage error prints; exit status 2."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+def test_bad_arguments(capsys, tmp_path):
+    _usage_error(["bench", "no-such-workload"], capsys)
+    assert "--runs >= 1" in _usage_error(["bench", "knn-projector", "--device", "cpu", "--runs", "0"], capsys)
+    assert "extern-pool: " in _usage_error(["bench", "extern-pool", "--device", "cpu"], capsys)
+    assert "benchmarks run on cpu or cuda" in _usage_error(["bench", "knn-projector", "--device", "meta"], capsys)
+    assert "expected cpu or cuda" in _usage_error(["bench", "knn-projector", "--device", "gpu0"], capsys)
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert "cannot write there" in _usage_error(
+        ["bench", "knn-projector", "--device", "cpu", "--json", str(blocked / "rows.json")], capsys)
+    assert "is a folder" in _usage_error(["bench", "knn-projector", "--device", "cpu", "--plot", str(tmp_path)], capsys)
+
+
+def test_report_names_the_bad_file(tmp_path, capsys):
+    good = tmp_path / "good.json"
+    row = {key: "x" for key in ("workload", "size", "params", "variant", "phase", "device", "torch", "triton",
+                                "commit")}
+    good.write_text(json.dumps([{**row, "error": "RuntimeError: boom"}]))
+    cases = {
+        "missing.json": (None, "no such file"),
+        "empty.json": ("", "the file is empty"),
+        "broken.json": ("[{", "not JSON"),
+        "object.json": ('{"a": 1}', "expected a non-empty list of benchmark rows"),
+        "rows.json": ('[{"variant": "v"}]', "row 0 lacks workload"),
+    }
+    for name, (text, message) in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        line = _usage_error(["report", str(good), str(path)], capsys)
+        assert str(path) in line and message in line
+    assert main(["report", str(good)]) == 0
+    assert "failed: RuntimeError: boom" in capsys.readouterr().out
 
 
 def test_bench_kmeans_times_every_variant(tmp_path):

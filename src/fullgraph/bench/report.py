@@ -49,8 +49,38 @@ def write_json(rows: list[dict], path: Path) -> None:
     path.write_text(json.dumps(rows, indent=1) + "\n")
 
 
+# What every row carries (the rest depends on whether the variant ran).
+ROW_KEYS = ("workload", "size", "params", "variant", "phase", "device", "torch", "triton", "commit")
+TIMED_KEYS = ("median_ms", "speedup_vs_eager", "peak_memory_bytes", "first_call_s")
+
+
+class ReportError(ValueError):
+    """A file that is not what ``fullgraph bench --json`` writes (the message says how)."""
+
+
 def read_json(path: Path) -> list[dict]:
-    return json.loads(Path(path).read_text())
+    """The rows of a ``fullgraph bench --json`` file; ReportError naming the file and the problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ReportError(f"{path}: no such file") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as error:
+        raise ReportError(f"{path}: cannot be read ({type(error).__name__})") from None
+    if not text.strip():
+        raise ReportError(f"{path}: the file is empty")
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ReportError(f"{path}: not JSON ({error.msg} at line {error.lineno}, column {error.colno})") from None
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise ReportError(f"{path}: expected a non-empty list of benchmark rows (what fullgraph bench --json "
+                          f"writes), got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        missing = [key for key in ROW_KEYS + (() if "error" in row else TIMED_KEYS) if key not in row]
+        if missing:
+            raise ReportError(f"{path}: row {i} lacks {', '.join(missing)}: not a fullgraph bench row")
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -1,4 +1,10 @@
-"""Public neighbour functions: validation, backend choice, docstrings."""
+"""Public neighbour functions: validation, backend choice, docstrings.
+
+Eagerly, every check runs here, before any kernel. While torch.compile traces, they are
+left to the operators, which run the same checks when the compiled graph runs: an
+exception raised during tracing would reach the caller as a compiler error instead of the
+documented ValueError / TypeError (the messages then show the batched shapes [B, M, D]).
+"""
 
 from __future__ import annotations
 
@@ -8,23 +14,40 @@ from ... import _validate
 from .registration import BACKENDS, check_clouds, check_features
 
 
+def _checking() -> bool:
+    return not torch.compiler.is_compiling()
+
+
 def _points(query, ref, query_lengths, ref_lengths):
     """Check the point clouds; return them batched [B, M, D], [B, N, D] and whether to unbatch."""
-    check_clouds(query, ref, query_lengths, ref_lengths, batched_only=False)
+    if _checking():
+        check_clouds(query, ref, query_lengths, ref_lengths, batched_only=False)
     unbatched = query.dim() == 2
     return (query[None], ref[None], unbatched) if unbatched else (query, ref, unbatched)
 
 
 def _backend(choice, query: torch.Tensor, op: str, k: int = 1) -> str:
-    """The name of the backend for ``op`` on batched ``query``; raises its refusal."""
+    """The name of the backend for ``op`` on batched ``query``; raises its refusal (while
+    tracing, the choice goes to the operator, which resolves it when it runs)."""
+    if not _checking():
+        return choice
     return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k).name
+
+
+def _integer(name, value):
+    return _validate.integer(name, value, minimum=1) if _checking() else value
+
+
+def _real(name, value, strict: bool):
+    return _validate.real(name, value, minimum=0.0, strict=strict) if _checking() else value
 
 
 def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, op, k=1):
     """Checks shared by the aggregations; returns batched tensors and resolved options."""
     batched_query, batched_ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    check_features(features, ref)
-    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    if _checking():
+        check_features(features, ref)
+    sigma = _real("sigma", sigma, strict=True)
     features = features[None] if unbatched else features
     return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, op, k), unbatched
 
@@ -67,7 +90,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
         (torch.Size([10, 4]), torch.Size([10, 4]))
     """
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    k = _validate.integer("k", k, minimum=1)
+    k = _integer("k", k)
     backend = _backend(backend, query, "knn", k)
     dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
@@ -99,8 +122,8 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         True
     """
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
-    max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
+    radius = _real("radius", radius, strict=False)
+    max_neighbors = _integer("max_neighbors", max_neighbors)
     backend = _backend(backend, query, "radius", max_neighbors)
     result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend)
     return _unbatch(result, unbatched)
@@ -126,7 +149,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         >>> fullgraph.knn_aggregate(torch.randn(20, 3), ref, feats, k=7).shape
         torch.Size([20, 8])
     """
-    k = _validate.integer("k", k, minimum=1)
+    k = _integer("k", k)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "knn_aggregate", k)
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
@@ -159,7 +182,7 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
     """
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
-    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
+    radius = _real("radius", radius, strict=False)
     out = torch.ops.fullgraph.radius_aggregate(
         query, ref, features, radius, sigma, query_lengths, ref_lengths, backend
     )
