@@ -80,3 +80,48 @@ def test_static_functions_compile_per_signature_past_the_recompile_limit():
     assert len(first_row._static) == 11
     first_row(torch.rand(1, 3, dtype=torch.float64))
     assert len(first_row._static) == 11  # a signature seen before reuses its variant
+
+
+def test_host_reads_and_dtypes_numpy_lacks_get_clear_errors():
+    @fullgraph.numpy.jit
+    def _reads_a_value(x):
+        return x * float(x.sum())
+
+    with pytest.raises(fullgraph.numpy.NumpyCompileError, match="_reads_a_value: torch.compile cannot trace"):
+        _reads_a_value(torch.rand(4))
+    double = fullgraph.numpy.jit(lambda x: 2 * x)
+    with pytest.raises(TypeError, match="argument 0 is torch.bfloat16, which NumPy has no dtype for"):
+        double(torch.rand(4, dtype=torch.bfloat16))
+
+
+def test_keyword_arguments():
+    @fullgraph.numpy.jit
+    def scaled(x, *, scale=1.0, offset=None):
+        return x * scale + (0 if offset is None else offset)
+
+    x = torch.arange(3.0)
+    assert scaled(x, scale=2.0).tolist() == [0.0, 2.0, 4.0]
+    assert scaled(x, scale=2.0, offset=torch.ones(3)).tolist() == [1.0, 3.0, 5.0]
+
+
+def test_default_float_is_per_function_across_threads():
+    import threading
+
+    as64 = fullgraph.numpy.jit(lambda x: x + np.zeros(3), default_float="float64")
+    as32 = fullgraph.numpy.jit(lambda x: x + np.zeros(3), default_float="float32")
+    seen, errors = {}, []
+
+    def run(name, fn):
+        try:
+            for _ in range(20):
+                seen.setdefault(name, set()).add(fn(torch.zeros(3, dtype=torch.float16)).dtype)
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(n, f)) for n, f in (("64", as64), ("32", as32))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert seen == {"64": {torch.float64}, "32": {torch.float32}}

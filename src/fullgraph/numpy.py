@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import threading
 
 import numpy as np
 import torch
@@ -45,19 +46,25 @@ def _map_tensors(value, fn):
     return fn(value) if isinstance(value, torch.Tensor) else value
 
 
+# Held around every compiled call: the default float below is one process-wide value, so
+# two threads calling functions jitted with different default_float must not interleave.
+_DEFAULT_FLOAT_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _default_float(name: str):
     """NumPy's default float inside the compiler while tracing. torch keeps it in one
     process-wide value that it reads once from ``torch._dynamo.config.numpy_default_float``,
-    so it is set (and restored) around each call rather than through the config."""
+    so it is set (and restored) around each call, under a lock, rather than through the config."""
     from torch._numpy import _dtypes_impl
 
-    saved = _dtypes_impl.default_dtypes()
-    _dtypes_impl._default_dtypes = saved._replace(float_dtype=getattr(torch, name))
-    try:
-        yield
-    finally:
-        _dtypes_impl._default_dtypes = saved
+    with _DEFAULT_FLOAT_LOCK:
+        saved = _dtypes_impl.default_dtypes()
+        _dtypes_impl._default_dtypes = saved._replace(float_dtype=getattr(torch, name))
+        try:
+            yield
+        finally:
+            _dtypes_impl._default_dtypes = saved
 
 
 def _traced(fn):
@@ -65,9 +72,10 @@ def _traced(fn):
     the compiler caches compiled variants per code object, so each jitted function keeps its
     own cache rather than sharing one (and its guards) with every other."""
 
-    def traced(*args):
+    def traced(*args, **kwargs):
         arrays = [a.numpy() if isinstance(a, torch.Tensor) else a for a in args]
-        return _to_torch(fn(*arrays))
+        named = {k: v.numpy() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return _to_torch(fn(*arrays, **named))
 
     traced.__code__ = traced.__code__.replace(co_name=f"numpy_{getattr(fn, '__name__', 'function')}")
     return traced
@@ -82,13 +90,14 @@ class NumpyFunction:
         self._compiled = torch.compile(_traced(fn), fullgraph=True, dynamic=dynamic)
         self._static = collections.OrderedDict()
 
-    def _compiled_for(self, args):
+    def _compiled_for(self, args, kwargs):
         """The compiled function for these arguments. dynamic=False keeps one per signature,
         each with a code object (so a compile cache) of its own: the compiler's limit of 8
         variants per function never makes a static function fall back to running eagerly."""
         if self.dynamic is not False:
             return self._compiled
-        key = tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
+        key = tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
+                    for a in (*args, *sorted(kwargs.items(), key=lambda item: item[0])))
         if key not in self._static:
             self._static[key] = torch.compile(_traced(self.fn), fullgraph=True, dynamic=False)
             if len(self._static) > STATIC_VARIANTS:
@@ -96,30 +105,44 @@ class NumpyFunction:
         self._static.move_to_end(key)
         return self._static[key]
 
-    def _run_eagerly(self, args, device):
-        arrays = [a.numpy(force=True) if isinstance(a, torch.Tensor) else a for a in args]
-        out = _to_torch(self.fn(*arrays))
+    def _run_eagerly(self, args, kwargs, device):
+        def host(a):
+            return a.numpy(force=True) if isinstance(a, torch.Tensor) else a
+
+        out = _to_torch(self.fn(*map(host, args), **{k: host(v) for k, v in kwargs.items()}))
         return _map_tensors(out, lambda t: t.to(device))
 
-    def __call__(self, *args):
-        numpy_in = any(isinstance(a, np.ndarray) for a in args)
+    def _tensors(self, args, kwargs):
+        """Arguments with ndarrays as tensors, checked: one device, dtypes NumPy has."""
         args = [torch.from_numpy(a) if isinstance(a, np.ndarray) else a for a in args]
-        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-        if len(devices) > 1:
-            found = ", ".join(f"argument {i}: {a.device}" for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
+        named = [*(f"argument {i}" for i in range(len(args))), *kwargs]
+        tensors = [(name, a) for name, a in zip(named, [*args, *kwargs.values()]) if isinstance(a, torch.Tensor)]
+        for name, tensor in tensors:
+            if tensor.dtype in (torch.bfloat16, torch.complex32) or "float8" in str(tensor.dtype):
+                raise TypeError(f"{self.__name__}: {name} is {tensor.dtype}, which NumPy has no dtype for; "
+                                "convert it (e.g. .float()) before the call")
+        if len({t.device for _, t in tensors}) > 1:
+            found = ", ".join(f"{name}: {t.device}" for name, t in tensors)
             raise ValueError(f"{self.__name__}: expected all tensors on one device, got {found}")
-        device = devices.pop() if devices else torch.device("cpu")
+        return args, kwargs, tensors[0][1].device if tensors else torch.device("cpu")
+
+    def __call__(self, *args, **kwargs):
+        numpy_in = any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values()))
+        args, kwargs, device = self._tensors(args, kwargs)
         if self.eager:
-            out = self._run_eagerly(args, device)
+            out = self._run_eagerly(args, kwargs, device)
         else:
             try:
                 with _default_float(self.default_float):
-                    out = self._compiled_for(args)(*args)
-            except torch._dynamo.exc.Unsupported as error:
+                    out = self._compiled_for(args, kwargs)(*args, **kwargs)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
+                    torch._dynamo.exc.TorchRuntimeError) as error:
                 raise NumpyCompileError(
                     f"{self.__name__}: torch.compile cannot trace this NumPy code as one graph.\n{error}\n"
-                    "Rewrite that construct without it (e.g. np.where instead of an `if` on array values), "
-                    "or pass eager=True to fullgraph.numpy.jit to run the function in NumPy while debugging."
+                    "Rewrite that construct without it (e.g. np.where instead of an `if` on array values, no "
+                    "float()/int() of array values), or pass eager=True to fullgraph.numpy.jit to run the function "
+                    "in NumPy while debugging."
                 ) from error
         return _map_tensors(out, lambda t: t.numpy(force=True)) if numpy_in else out
 
@@ -128,8 +151,9 @@ def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None,
     """Compile a function written in NumPy so that it runs on torch tensors on any device.
 
     Args:
-        fn: a function of ndarrays (and Python scalars) returning ndarrays, NumPy scalars,
-            or tuples/lists of them. Used as ``@jit`` or ``@jit(default_float="float32")``.
+        fn: a function of ndarrays (and Python scalars; positional or keyword) returning
+            ndarrays, NumPy scalars, or tuples/lists of them. Used as ``@jit`` or
+            ``@jit(default_float="float32")``.
         default_float: the dtype NumPy creation functions use inside the compiled code
             ("float64", NumPy's own, or "float32").
         dynamic: None (compile for the first shapes, then once more for dynamic shapes when
@@ -144,7 +168,9 @@ def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None,
 
     Raises:
         NumpyCompileError: the compiler cannot trace the function (the message names the
-            construct and the line). ValueError: tensors on different devices, or a bad option.
+            construct and the line), also for reading array values on the host. ValueError:
+            tensors on different devices, or a bad option. TypeError: a tensor dtype NumPy
+            has no equivalent for (bfloat16, float8).
 
     Example:
         >>> import numpy as np, torch, fullgraph
