@@ -4,6 +4,7 @@ Importing the package registers its operators under ``torch.ops.fullgraph``.
 """
 
 from . import diffusion, extern, graphs, memory, models, numpy
+from .explain import explain
 from .ops.ddpm import ddpm_step
 from .ops.kmeans import KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
@@ -12,6 +13,6 @@ from .ops.neighbors import knn, knn_aggregate, radius, radius_aggregate
 __version__ = "0.1.0"
 
 __all__ = [
-    "diffusion", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate", "radius", "radius_aggregate",
+    "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate", "radius", "radius_aggregate",
     "kmeans", "kmeans_assign", "KMeansResult", "lltm", "__version__",
 ]

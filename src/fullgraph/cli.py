@@ -26,6 +26,13 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--runs", type=int, default=None, help="timed calls; the median is reported (default 30 GPU, 10 CPU)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
+    explain = commands.add_parser("explain", help="how torch.compile splits a workload's eager variants: graphs, "
+                                                  "graph breaks with reasons and source lines, generated code")
+    explain.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
+    explain.add_argument("--size", choices=sizes, default="tiny", help="problem size (default tiny)")
+    explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "
+                                                                 "the generated code")
     show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
     show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
     return parser
@@ -102,10 +109,33 @@ def _bench(args) -> int:
     return 1 if all("error" in r for r in rows) else 0
 
 
+def _explain(args) -> int:
+    from . import bench
+    from .explain import explain
+
+    device = _device(args.device)
+    if args.size not in bench.WORKLOADS[args.workload].sizes:
+        _usage(f"--size {args.size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
+    try:
+        cases = [c for c in bench.WORKLOADS[args.workload].build(bench.WORKLOADS[args.workload].sizes[args.size],
+                                                                 device) if c.explain is not None]
+    except ValueError as error:
+        _usage(f"{args.workload}: {error}")
+    if not cases:
+        _usage(f"{args.workload}: no variant declares what to explain")
+    for case in cases:
+        fn, call_args = case.explain
+        with torch.no_grad():
+            print(f"{args.workload} / {case.variant}\n{explain(fn, *call_args, generated_code=not args.no_code)}\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "explain":
+        return _explain(args)
     if args.command == "report":
         from .bench import report
 

@@ -21,6 +21,7 @@ class Case:
     forward: Callable[[], object]
     train_step: Callable[[], object] | None = None
     check: Callable[[], dict] | None = None  # extra fields for the forward row (e.g. error vs eager)
+    explain: tuple | None = None  # (callable, args): what `fullgraph explain` compiles for this variant
 
 
 @dataclass

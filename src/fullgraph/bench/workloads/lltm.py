@@ -47,7 +47,7 @@ def _lltm(params, device):
 
         if options == "graphed":
             forward, train_step = replayed(forward, device), replayed(gradients, device)
-        cases.append(Case(name, forward, train_step))
+        cases.append(Case(name, forward, train_step, explain=(cell, (x, (h, c))) if options is None else None))
     return cases
 
 

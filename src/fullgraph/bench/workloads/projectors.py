@@ -67,7 +67,8 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
             return loss
 
         check = functools.partial(outside_torch_pool, device) if device.type == "cuda" else None
-        cases.append(Case(name, forward, train_step, check))
+        explain = (variant_model, (grid, cloud)) if options is None else None
+        cases.append(Case(name, forward, train_step, check, explain))
     return cases
 
 

@@ -1,0 +1,46 @@
+"""fullgraph.explain and `fullgraph explain`: graphs, breaks with reasons and lines, code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import fullgraph
+from fullgraph.cli import main
+
+
+def _breaks_once(x):
+    y = x.sin()
+    print("a host call the compiler cannot trace")
+    return y.cos()
+
+
+@pytest.mark.slow
+def test_a_graph_break_is_named_with_its_line():
+    report = fullgraph.explain(_breaks_once, torch.rand(3))
+    assert report.graphs == 2 and len(report.breaks) == 1
+    assert "print" in report.breaks[0].reason
+    assert report.breaks[0].where.endswith(f"test_explain.py:{_breaks_once.__code__.co_firstlineno + 2}")
+    assert report.generated and all(Path(p).is_file() for p in report.generated)
+    assert "graph breaks: 1" in str(report)
+
+
+@pytest.mark.slow
+def test_a_fullgraph_operator_compiles_as_one_graph():
+    model = fullgraph.models.KNNProjector(k=3, hidden_dim=8)
+    report = fullgraph.explain(model, torch.rand(20, 3), torch.randn(50, 3), generated_code=False)
+    assert report.graphs == 1 and not report.breaks and report.ops_per_graph[0] > 0
+
+
+def test_bad_callable():
+    with pytest.raises(TypeError, match="fn: expected a callable"):
+        fullgraph.explain(3)
+
+
+@pytest.mark.slow
+def test_cli_explains_a_workload(capsys):
+    assert main(["explain", "lltm", "--device", "cpu", "--no-code"]) == 0
+    out = capsys.readouterr().out
+    assert "lltm / document eager" in out and "graphs: 1, graph breaks: 0" in out
