@@ -56,6 +56,14 @@ def _output(path: Path | None, flag: str) -> None:
         _usage(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
 
 
+def _size(workload: str, size: str) -> str:
+    from .bench import WORKLOADS
+
+    if size not in WORKLOADS[workload].sizes:
+        _usage(f"--size {size}: {workload} has sizes {', '.join(WORKLOADS[workload].sizes)}")
+    return size
+
+
 def _device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,9 +87,7 @@ def _bench(args) -> int:
 
     device = _device(args.device)
     gpu = device.type == "cuda"
-    size = args.size or ("seed" if gpu else "small")
-    if size not in bench.WORKLOADS[args.workload].sizes:
-        _usage(f"--size {size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
+    size = _size(args.workload, args.size or ("seed" if gpu else "small"))
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:
@@ -114,11 +120,10 @@ def _explain(args) -> int:
     from .explain import explain
 
     device = _device(args.device)
-    if args.size not in bench.WORKLOADS[args.workload].sizes:
-        _usage(f"--size {args.size}: {args.workload} has sizes {', '.join(bench.WORKLOADS[args.workload].sizes)}")
+    workload = bench.WORKLOADS[args.workload]
     try:
-        cases = [c for c in bench.WORKLOADS[args.workload].build(bench.WORKLOADS[args.workload].sizes[args.size],
-                                                                 device) if c.explain is not None]
+        cases = [c for c in workload.build(workload.sizes[_size(args.workload, args.size)], device)
+                 if c.explain is not None]
     except ValueError as error:
         _usage(f"{args.workload}: {error}")
     if not cases:
