@@ -72,7 +72,8 @@ class Backend:
                 and (self.max_k is None or k <= self.max_k) and self.auto_when(dim, k)
                 and self.available(device_type))
 
-    def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str) -> None:
+    def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str,
+              k_argument: str = "k") -> None:
         """Raise the error a user sees when asking for this backend explicitly."""
         if op not in self.ops:
             raise ValueError(f'backend: "{self.name}" provides {" and ".join(self.ops)}, not {op}')
@@ -88,7 +89,7 @@ class Backend:
             wanted = "/".join(str(d).removeprefix("torch.") for d in self.dtypes)
             raise TypeError(f'{argument}: backend="{self.name}" {self.note or "takes " + wanted}, got {dtype}')
         if self.max_k is not None and k > self.max_k:
-            raise ValueError(f'k: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
+            raise ValueError(f'{k_argument}: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
 
 
     def check_capture(self, device: torch.device) -> None:
@@ -118,9 +119,10 @@ class Family:
         raise ValueError(f"backend: expected one of {sorted(self.names)}, got {name!r}")
 
     def resolve(self, choice, op: str, device: torch.device, dtype: torch.dtype, dim=None, k: int = 1,
-                argument: str = "query") -> Backend:
+                argument: str = "query", k_argument: str = "k") -> Backend:
         """The backend ``choice`` ("auto" or a name) for ``op`` on tensors of this device,
-        dtype and D, holding lists of k; raises as the class docstring says."""
+        dtype and D, holding lists of k; raises as the class docstring says, naming
+        ``argument`` (the tensor) and ``k_argument`` (the list length) as the caller calls them."""
         if not isinstance(choice, str):
             raise TypeError(f"backend: expected a str, one of {sorted(self.names)}, got {type(choice).__name__}")
         if choice == "auto":
@@ -129,7 +131,7 @@ class Family:
                     return backend
             raise ValueError(f"{self.name}: no backend runs {op} on {dtype} tensors on {device}")
         backend = self.get(choice)
-        backend.check(op, device.type, dtype, dim, k, argument)
+        backend.check(op, device.type, dtype, dim, k, argument, k_argument)
         return backend
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import _validate
-from .registration import BACKENDS, check_clouds, check_features
+from .registration import BACKENDS, check_clouds, check_features, check_sigma
 
 
 def _checking() -> bool:
@@ -31,7 +31,8 @@ def _backend(choice, query: torch.Tensor, op: str, k: int = 1) -> str:
     tracing, the choice goes to the operator, which resolves it when it runs)."""
     if not _checking():
         return choice
-    return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k).name
+    return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k,
+                            k_argument="max_neighbors" if op == "radius" else "k").name
 
 
 def _integer(name, value):
@@ -47,7 +48,7 @@ def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, b
     batched_query, batched_ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     if _checking():
         check_features(features, ref)
-    sigma = _real("sigma", sigma, strict=True)
+        sigma = check_sigma(sigma, query.dtype)
     features = features[None] if unbatched else features
     return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, op, k), unbatched
 

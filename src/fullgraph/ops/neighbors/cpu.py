@@ -23,8 +23,8 @@ from ... import extern
 from ...backends import Backend
 from . import pairs
 
-# Candidate searches use a radius a hair larger than asked; the exact test follows.
-_SLACK = 1e-6
+# Candidate searches use a radius a hair larger than asked (the exact test follows): more
+# than the relative error of a float32 distance in D dimensions, (D + 2) * 2^-24, can be.
 _trees = threading.local()
 
 
@@ -83,8 +83,29 @@ def _kdtree_ball(ref, points, radius, total):
     return np.concatenate([np.asarray(ball, dtype=np.int64) for ball in balls] or [np.zeros(0, np.int64)])
 
 
-def _widened(radius: float) -> float:
-    return radius * (1 + _SLACK) + 1e-30 if math.isfinite(radius) else math.inf
+def _slack(dim: int) -> float:
+    return max(1e-6, 8 * (dim + 2) * 2.0**-24)
+
+
+def _widened(radius: float, dim: int) -> float:
+    return radius * (1 + _slack(dim)) + 1e-30 if math.isfinite(radius) else math.inf
+
+
+def _counts_within(query_b, ref_b, query_ids, points, ref_ids, ref_points, radius):
+    """[Q] int64: references whose distance, computed as the list computes it, is <= radius.
+    The tree counts balls a hair inside and outside; only queries where the two differ
+    (a reference near the sphere) have their shell measured exactly."""
+    dim = points.shape[-1]
+    outer = _kdtree_ball_counts(ref_points, points, _widened(radius, dim))
+    counts = _kdtree_ball_counts(ref_points, points, max(0.0, radius * (1 - _slack(dim)) - 1e-30))
+    unsure = (outer != counts).nonzero()[:, 0]
+    if len(unsure):
+        sizes = outer[unsure]
+        members = _kdtree_ball(ref_points, points[unsure], _widened(radius, dim), int(sizes.sum()))
+        rows = torch.repeat_interleave(torch.arange(len(unsure)), sizes)
+        d = pairs.pair_distances(query_b[query_ids[unsure][rows]], ref_b[ref_ids[members]])
+        counts[unsure] = torch.zeros(len(unsure), dtype=torch.int64).index_add_(0, rows, (d <= radius).long())
+    return counts
 
 
 def _items(query, ref, query_lengths, ref_lengths):
@@ -116,7 +137,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     with _tree_scope():
         for b, query_ids, points, ref_ids, ref_points in _items(query, ref, query_lengths, ref_lengths):
             wanted = min(k + 1, len(ref_ids))
-            local = _kdtree_knn(ref_points, points, wanted, _widened(radius))
+            local = _kdtree_knn(ref_points, points, wanted, _widened(radius, points.shape[-1]))
             candidates = torch.where(local >= 0, ref_ids[local.clamp_min(0)], -1)
             d = _exact_distances(query[b], ref[b], query_ids, candidates)
             outside = d > radius
@@ -132,7 +153,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
             dists[b, query_ids, :take] = d[:, :take]
             idx[b, query_ids, :take] = candidates[:, :take]
             if math.isfinite(radius):
-                counts[b, query_ids] = _kdtree_ball_counts(ref_points, points, radius)
+                counts[b, query_ids] = _counts_within(query[b], ref[b], query_ids, points, ref_ids, ref_points, radius)
     if not math.isfinite(radius):
         counts = (idx >= 0).sum(-1)
     return dists.to(query.dtype), idx, counts
@@ -140,7 +161,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
 
 def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distance, k, radius):
     """Resolve a tie at the k-th place: every reference at the tied distance competes."""
-    reach = _widened(tie_distance)
+    reach = _widened(tie_distance, point.shape[-1])
     members = _kdtree_ball(ref_points, point, reach, int(_kdtree_ball_counts(ref_points, point, reach).sum()))
     candidates = ref_ids[members][None, :]
     d = _exact_distances(query_b, ref_b, query_id, candidates)
@@ -154,7 +175,7 @@ def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distanc
 def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
     """``pairs.Kernels.radius_pairs``; chunks bounded by pair count."""
     budget = max(1, pairs.BLOCK_BYTES // 64)
-    reach = _widened(radius)
+    reach = _widened(radius, query.shape[-1])
     with _tree_scope():
         for b, query_ids, points, ref_ids, ref_points in _items(query, ref, query_lengths, ref_lengths):
             sizes = _kdtree_ball_counts(ref_points, points, reach)

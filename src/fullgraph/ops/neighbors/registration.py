@@ -16,7 +16,7 @@ import math
 import torch
 
 from ... import _validate, backends
-from . import cpu, cuml, dense, reference, triton_grid, warp
+from . import cpu, cuml, dense, pairs, reference, triton_grid, warp
 
 BACKENDS = backends.family(
     "neighbors",
@@ -69,10 +69,23 @@ def check_features(features: Tensor, ref: Tensor) -> None:
                          f"got shape {tuple(features.shape)}")
 
 
+def check_sigma(sigma, dtype: torch.dtype) -> float:
+    """A finite sigma > 0 that the aggregation's arithmetic (float32, float64 for float64
+    inputs) can divide by: at least that dtype's smallest normal number."""
+    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    tiny = torch.finfo(pairs.accumulation_dtype(dtype)).tiny
+    if sigma < tiny:
+        raise ValueError(f"sigma: expected >= {tiny:.3g} (the smallest normal "
+                         f"{str(pairs.accumulation_dtype(dtype)).removeprefix('torch.')}, the precision the "
+                         f"aggregation computes in for {dtype} inputs), got {sigma!r}")
+    return sigma
+
+
 def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
     """The ``pairs.Kernels`` of the backend resolved for ``op`` on tensors like ``like``
     with D = dim (None: not known to this op), lists of k."""
-    chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k)
+    chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k,
+                              k_argument="max_neighbors" if op == "radius" else "k")
     chosen.check_capture(like.device)
     return chosen.implementation
 
@@ -87,7 +100,7 @@ def _check_search(query, ref, k, query_lengths, ref_lengths, backend, op, radius
 def _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend):
     check_clouds(query, ref, query_lengths, ref_lengths)
     check_features(features, ref)
-    _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    check_sigma(sigma, query.dtype)
 
 
 def _check_lists(idx: Tensor, dists: Tensor, query: Tensor | None, columns: int) -> None:
@@ -235,7 +248,7 @@ def knn_aggregate_backward_op(
     _validate.rank("features", features, (3,), "[B, N, C]")
     _check_lists(idx, dists, out, features.shape[1])
     _check_grad("grad_out", grad_out, out)
-    _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    check_sigma(sigma, features.dtype)
     return kernels(backend, "knn_aggregate", dists, None, idx.shape[-1]).knn_aggregate_backward(
         grad_out, features.contiguous(), out.contiguous(), dists, idx, sigma)
 

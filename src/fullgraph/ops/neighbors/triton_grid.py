@@ -56,9 +56,17 @@ def _lengths(query, ref, query_lengths, ref_lengths):
         ref_lengths, batch, columns, ref.device)
 
 
+# Kernel scalars are float32: larger radii saturate here (every point is within them anyway).
+_FLOAT32_MAX = 3.4e38
+
+
 def _reach(radius: float) -> float:
     """The radius the cell boxes cover: a little more, so that rounding never loses a pair."""
-    return float(radius) * (1 + 1e-5) + 1e-30
+    return min(float(radius) * (1 + 1e-5) + 1e-30, _FLOAT32_MAX)
+
+
+def _squared(radius: float) -> float:
+    return min(float(radius) * float(radius), _FLOAT32_MAX)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
@@ -76,7 +84,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
         frame.values, frame.shape, dists, idx, counts, rows, columns, frame.cells,
-        float(radius) ** 2 if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
+        _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES,
         num_warps=warps,
@@ -91,7 +99,7 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
     frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     channels = features.shape[-1]
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
-    common = dict(cells=frame.cells, channels=channels, radius2=float(radius) ** 2, reach=_reach(radius),
+    common = dict(cells=frame.cells, channels=channels, radius2=_squared(radius), reach=_reach(radius),
                   inv_sigma=1.0 / sigma)
     sizes = dict(D=query.shape[-1], CP=max(16, triton.next_power_of_2(max(channels, 1))))
     return frame, queries, refs, sorted_features, common, sizes
