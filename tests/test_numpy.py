@@ -125,3 +125,9 @@ def test_default_float_is_per_function_across_threads():
         thread.join()
     assert not errors
     assert seen == {"64": {torch.float64}, "32": {torch.float32}}
+
+
+def test_python_containers_get_a_clear_error():
+    double = fullgraph.numpy.jit(lambda x: 2 * x)
+    with pytest.raises(TypeError, match="argument 0 is a Python list; pass a tensor or a NumPy array"):
+        double([1.0, 2.0])

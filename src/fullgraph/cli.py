@@ -13,7 +13,10 @@ import torch
 def _parser() -> argparse.ArgumentParser:
     from .bench import WORKLOADS
 
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="fullgraph", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fullgraph {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
     bench.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")

@@ -118,6 +118,10 @@ class NumpyFunction:
         kwargs = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in kwargs.items()}
         named = [*(f"argument {i}" for i in range(len(args))), *kwargs]
         tensors = [(name, a) for name, a in zip(named, [*args, *kwargs.values()]) if isinstance(a, torch.Tensor)]
+        for name, value in zip(named, [*args, *kwargs.values()]):
+            if isinstance(value, (list, tuple, dict, set)):
+                raise TypeError(f"{self.__name__}: {name} is a Python {type(value).__name__}; pass a tensor or a "
+                                "NumPy array (np.asarray(...)) or a scalar")
         for name, tensor in tensors:
             if tensor.dtype in (torch.bfloat16, torch.complex32) or "float8" in str(tensor.dtype):
                 raise TypeError(f"{self.__name__}: {name} is {tensor.dtype}, which NumPy has no dtype for; "

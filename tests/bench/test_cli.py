@@ -88,3 +88,9 @@ def test_bench_kmeans_times_every_variant(tmp_path):
     for row in rows:
         assert "error" not in row, row
         assert row["median_ms"] > 0
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("fullgraph ")

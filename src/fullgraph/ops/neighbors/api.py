@@ -76,7 +76,9 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
             fewer than k valid references exist. Differentiable w.r.t. query and ref (the
             gradient of a zero distance is 0).
         idx: [..., M, k] int64 indices into ``ref`` (per batch item), -1 where missing.
-            Ties go to the smaller index.
+            Ties go to the smaller index. Mind the padding when gathering: ``ref[idx]``
+            with idx = -1 silently picks the last point; mask with ``idx >= 0`` (or use
+            ``idx.clamp(min=0)`` and zero the padded slots).
 
     Points with a non-finite coordinate are never neighbours and have none.
 
