@@ -43,7 +43,7 @@ def time_call(fn, device: torch.device, warmup: int, runs: int) -> Timing:
             start = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start) * 1e3)
-    deciles = statistics.quantiles(times, n=10) if len(times) > 1 else times * 9
+    deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return Timing(statistics.median(times), deciles[0], deciles[-1], len(times))
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from ... import ops  # noqa: F401  (registers torch.ops.fullgraph)
 from ...ops.neighbors import knn, knn_aggregate, radius, radius_aggregate
 from .base import Case, Workload, register, replayed, seed_point_clouds
 

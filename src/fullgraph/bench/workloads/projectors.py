@@ -38,14 +38,6 @@ def _variants(device: torch.device, external: str | None):
     return variants
 
 
-def outside_torch_pool(device: torch.device) -> dict:
-    """Device memory in use that PyTorch's caching allocator does not hold (the CUDA
-    context, library workspaces, external libraries' own pools), in bytes."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return {"outside_torch_pool_bytes": total - free - torch.cuda.memory_reserved(device)}
-
-
 def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device, external=None) -> list[Case]:
     cloud, grid, targets = seed_point_clouds(params["cloud"], params["grid"], 1, device)
     cases = []
