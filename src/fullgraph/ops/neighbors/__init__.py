@@ -1,5 +1,5 @@
 """Point-cloud neighbour search and neighbour-weighted feature aggregation."""
 
-from .api import knn, knn_aggregate, radius, radius_aggregate
+from .api import knn, knn_aggregate, knn_gather, radius, radius_aggregate
 
-__all__ = ["knn", "knn_aggregate", "radius", "radius_aggregate"]
+__all__ = ["knn", "knn_aggregate", "knn_gather", "radius", "radius_aggregate"]

@@ -77,8 +77,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
             gradient of a zero distance is 0).
         idx: [..., M, k] int64 indices into ``ref`` (per batch item), -1 where missing.
             Ties go to the smaller index. Mind the padding when gathering: ``ref[idx]``
-            with idx = -1 silently picks the last point; mask with ``idx >= 0`` (or use
-            ``idx.clamp(min=0)`` and zero the padded slots).
+            with idx = -1 silently picks the last point; ``knn_gather`` fills it instead.
 
     Points with a non-finite coordinate are never neighbours and have none.
 
@@ -189,4 +188,51 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
     out = torch.ops.fullgraph.radius_aggregate(
         query, ref, features, radius, sigma, query_lengths, ref_lengths, backend
     )
+    return out[0] if unbatched else out
+
+
+def knn_gather(values, idx, *, fill: float = 0.0):
+    """Rows of ``values`` at neighbour lists ``idx``, with padded slots (-1) set to ``fill``.
+
+    ``values[idx]`` would silently read the last row for every padded slot; this does not.
+
+    Args:
+        values: [N, C] or [B, N, C] per-reference rows (features or points), any dtype.
+        idx: [M, k] or [B, M, k] int64 from ``knn`` / ``radius`` (-1 = no neighbour), on
+            the device of ``values``; batched like ``values``.
+        fill: the value of padded slots.
+
+    Returns:
+        [M, k, C] or [B, M, k, C]; differentiable w.r.t. ``values``; no host sync.
+
+    Raises:
+        TypeError: non-tensors, idx not int64. ValueError: ranks or batch sizes that do not
+        match, devices that differ, indices >= N (checked eagerly).
+
+    Example:
+        >>> ref, feats = torch.rand(50, 3), torch.randn(50, 4)
+        >>> _, idx, _ = fullgraph.radius(torch.rand(6, 3), ref, 0.05, max_neighbors=8)
+        >>> fullgraph.knn_gather(feats, idx).shape
+        torch.Size([6, 8, 4])
+    """
+    if _checking():
+        _validate.tensor("values", values)
+        _validate.tensor("idx", idx)
+        if idx.dtype != torch.int64:
+            raise TypeError(f"idx: expected int64 neighbour lists, got {idx.dtype}")
+        _validate.rank("values", values, (2, 3), "[N, C] or [B, N, C]")
+        _validate.rank("idx", idx, (values.dim(),), "[M, k] like values [N, C]" if values.dim() == 2 else
+                       "[B, M, k] like values [B, N, C]")
+        if idx.device != values.device:
+            raise ValueError(f"idx: expected a tensor on {values.device} like values, got {idx.device}")
+        if values.dim() == 3 and idx.shape[0] != values.shape[0]:
+            raise ValueError(f"idx: expected batch size {values.shape[0]} like values, got shape {tuple(idx.shape)}")
+        if idx.numel() and _validate.values_readable(idx.device) and int(idx.max()) >= values.shape[-2]:
+            raise ValueError(f"idx: expected indices in [-1, {values.shape[-2]}), got {int(idx.max())}")
+    unbatched = values.dim() == 2
+    values, idx = (values[None], idx[None]) if unbatched else (values, idx)
+    batch, rows = values.shape[:2]
+    offsets = (torch.arange(batch, device=idx.device) * rows).view(batch, 1, 1)
+    out = values.reshape(batch * rows, -1)[(idx.clamp(min=0) + offsets).reshape(-1)]
+    out = out.reshape(*idx.shape, values.shape[-1]).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
