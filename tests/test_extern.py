@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import numpy as np
@@ -283,3 +284,80 @@ def test_non_array_outputs_are_named(returned, what):
                     outputs=lambda x: [(x.shape, x.dtype)])(lambda x: returned)
     with pytest.raises(extern.ExternError, match=f"fgtest::returns_{what.lower()}: output 0 is {what}"):
         bad(torch.rand(2))
+
+
+def _doubling(library, body):
+    """``body`` (x -> 2x in ``library``) as the extern op fgtest::soak_<library>."""
+    return extern.op(f"fgtest::soak_{library}", "(Tensor x) -> Tensor", outputs=lambda x: [(x.shape, x.dtype)],
+                     library=library, replace=True)(body)
+
+
+def _numba_doubling():
+    from numba import cuda
+
+    @cuda.jit
+    def double(out, x):
+        i = cuda.grid(1)
+        if i < x.size:
+            out[i] = 2 * x[i]
+
+    def body(x):
+        out = cuda.device_array_like(x, stream=extern.current_stream())
+        if x.size:
+            double[(x.size + 255) // 256, 256, extern.current_stream()](out, x)
+        return out
+
+    return _doubling("numba", body)
+
+
+def _warp_doubling():
+    import warp as wp
+
+    @wp.kernel
+    def double(x: wp.array(dtype=float), out: wp.array(dtype=float)):
+        i = wp.tid()
+        out[i] = 2.0 * x[i]
+
+    def body(x):
+        out = wp.empty_like(x)
+        wp.launch(double, dim=x.shape, inputs=[x, out])
+        return out
+
+    return _doubling("warp", body)
+
+
+def _soak_ops():
+    """(library, op factory) for each GPU array library installed here: an op that doubles
+    its input in that library, allocating the result there."""
+    factories = {"cupy": lambda: _doubling("cupy", lambda x: x * 2), "numba": _numba_doubling,
+                 "jax": lambda: _doubling("jax", lambda x: x * 2), "warp": _warp_doubling}
+    found = [pytest.param(name, factory, id=name) for name, factory in factories.items()
+             if importlib.util.find_spec(name) is not None]
+    return found or [pytest.param(None, None, marks=pytest.mark.skip(reason="no GPU array library here"))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("library, factory", _soak_ops())
+def test_a_thousand_reduce_overhead_replays_with_changing_shapes(library, factory):
+    """The cudagraph-trees failure mode of external kernels: a launch keeping a graph-pool
+    block alive ("tensor(s) in the cudagraph pool not tracked as outputs"). 1,000 calls, the
+    size changing between them, results equal eager, allocated memory back where it began."""
+    from fullgraph import memory
+
+    twice = factory()
+    with memory.torch_pool(library) if library in ("cupy", "numba", "warp") else contextlib.nullcontext():
+        compiled = torch.compile(lambda t: twice(t.sin()).cos(), fullgraph=True, mode="reduce-overhead")
+        sizes = [1024, 4096, 777, 65536]
+        for size in sizes:  # warm-up and capture each size
+            for _ in range(3):
+                compiled(torch.randn(size, device="cuda"))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        for i in range(1000):
+            x = torch.randn(sizes[i % len(sizes)], device="cuda")
+            out = compiled(x)
+            if i % 101 == 0:
+                torch.testing.assert_close(out, (2 * x.sin()).cos())
+        del out
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - before <= 4 * 65536 * 4

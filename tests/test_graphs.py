@@ -107,3 +107,29 @@ def test_fused_ddpm_step_replays_every_timestep():
         timestep = torch.tensor(t, device="cuda")
         torch.testing.assert_close(step(x, timestep, eps, noise), fullgraph.ddpm_step(eps, x, timestep, alphas, noise))
     assert step.captures == 1
+
+
+@cuda
+def test_a_failed_capture_leaves_the_process_working():
+    def branchy(x):
+        return torch.randn_like(x) * 0 + x * 2 if x.sum().item() > 0 else x
+
+    with pytest.raises(GraphCaptureError):
+        graphed(branchy)(torch.ones(3, device="cuda"))
+    assert torch.isfinite(torch.randn(3, device="cuda")).all()
+    assert graphed(lambda x: x * 2)(torch.ones(3, device="cuda")).tolist() == [2.0] * 3
+
+
+@cuda
+def test_recover_after_a_failed_capture_of_your_own():
+    from fullgraph.graphs import recover
+
+    x = torch.ones(3, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(Exception):
+        with torch.cuda.graph(graph):
+            y = torch.randn(3, device="cuda") + x
+            y.sum().item()  # a host read: the capture is invalidated
+    recover()
+    assert torch.isfinite(torch.randn(3, device="cuda")).all()
+    assert graphed(lambda t: t + 1)(x).tolist() == [2.0] * 3

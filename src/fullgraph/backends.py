@@ -43,7 +43,7 @@ class Backend:
     (``ANY_DEVICE`` for all); auto_when(dim, k): the shapes where "auto" prefers it (the
     measured crossovers against the backends after it). dims: the D it accepts (None: any). max_k: the longest
     neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
-    capture (no host sync, no allocation outside PyTorch). available(device_type): whether
+    capture (no host sync, no allocation outside PyTorch): True, False, or the ops that may. available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
     what brings it there. implementation: the family's kernel interface.
     """
@@ -55,7 +55,7 @@ class Backend:
     auto_devices: tuple[str, ...] = ()
     dims: tuple[int, ...] | None = None
     max_k: int | None = None
-    capturable: bool = True
+    capturable: bool | tuple[str, ...] = True
     install: str = ""
     available: Callable[[str], bool] = _always
     implementation: object = None
@@ -92,13 +92,17 @@ class Backend:
             raise ValueError(f'{k_argument}: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
 
 
-    def check_capture(self, device: torch.device) -> None:
-        """Refuse to run inside a CUDA graph capture when the kernels cannot be captured."""
-        if not self.capturable and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    def captures(self, op: str) -> bool:
+        return self.capturable is True or (isinstance(self.capturable, tuple) and op in self.capturable)
+
+    def check_capture(self, device: torch.device, op: str) -> None:
+        """Refuse to run ``op`` inside a CUDA graph capture when its kernels cannot be captured,
+        before anything is launched (a failed capture would invalidate the whole graph)."""
+        if not self.captures(op) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise GraphCaptureError(
-                f'backend="{self.name}" synchronizes with the host or allocates outside PyTorch, so it cannot run '
-                "inside a CUDA graph capture; choose a capturable backend, or leave this call out of the graph "
-                "(torch.compile without mode=\"reduce-overhead\")")
+                f'backend="{self.name}" runs {op} with a host synchronization or allocations outside PyTorch, so it '
+                "cannot run inside a CUDA graph capture; choose a capturable backend, or leave this call out of the "
+                "graph (torch.compile without mode=\"reduce-overhead\")")
 
 
 @dataclass(frozen=True)

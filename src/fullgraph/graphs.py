@@ -131,12 +131,36 @@ def capture(fn, device: torch.device, *, warmup: int = 2, pool=None) -> tuple[to
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        generator = _generator(device)
+        before = generator.clone_state()
         try:
             with torch.cuda.graph(graph, pool=pool):
                 output = fn()
         except Exception as error:  # the CUDA or PyTorch error names the failing call
+            generator.graphsafe_set_state(before)
             raise GraphCaptureError(_explain(error)) from error
     return graph, output
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default random generator of a CUDA device (the current one for "cuda")."""
+    return torch.cuda.default_generators[torch.cuda.current_device() if device.index is None else device.index]
+
+
+def recover(device=None) -> None:
+    """Undo what a failed CUDA graph capture of your own leaves behind, so that CUDA work
+    (random numbers included) runs again in this process.
+
+    When ``with torch.cuda.graph(g): ...`` fails, PyTorch leaves the device's default random
+    generator in capture mode and every later ``torch.randn(..., device="cuda")`` raises
+    "Offset increment outside graph capture encountered unexpectedly". ``recover`` gives the
+    generator a fresh state with the same seed and offset. ``capture`` and ``graphed`` do
+    this themselves when a capture fails.
+    """
+    generator = _generator(torch.device("cuda") if device is None else torch.device(device))
+    fresh = torch.Generator(device=generator.device)
+    fresh.set_state(generator.get_state())
+    generator.graphsafe_set_state(fresh)
 
 
 def _explain(error: Exception) -> str:

@@ -60,6 +60,14 @@ def test_gradcheck(device, generator):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gradgradcheck(device, generator):
+    """create_graph=True: the gradients are themselves differentiable (they were silently
+    constants of the inputs before: the fused backward operator has no derivative)."""
+    tensors = [t.requires_grad_() for t in _inputs(generator, 3, 4, 5, device=device)]
+    assert torch.autograd.gradgradcheck(lambda *a: fullgraph.lltm(*a, backend="extension"), tensors)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gradients_of_one_output_only(device, generator):
     tensors = [t.requires_grad_() for t in _inputs(generator, device=device)]
     fullgraph.lltm(*tensors, backend="extension")[0].sum().backward()

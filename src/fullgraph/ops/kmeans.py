@@ -17,6 +17,7 @@ import torch
 
 from .. import _validate
 from ..numpy import jit
+from .scaling import safe_scale
 
 
 def _nearest(x, centroids):
@@ -81,6 +82,22 @@ def _points(x: torch.Tensor) -> None:
     _validate.rank("x", x, (2,), "[n, d]")
 
 
+def _scale(name: str, *tensors: torch.Tensor) -> float:
+    """Refuse non-finite values (k-means has no meaning for them, as in scikit-learn) and
+    return the power of two to divide the data by so that squared distances neither overflow
+    nor underflow (1 in the usual range; exact). One reduction and one read back; skipped
+    (1.0) where values cannot be read: while compiling or capturing a CUDA graph."""
+    if not _validate.values_readable(tensors[0].device) or not all(t.numel() for t in tensors):
+        return 1.0
+    largest = torch.stack([t.abs().amax() for t in tensors]).amax()  # NaN and inf propagate
+    if not torch.isfinite(largest):
+        bad = [n for n, t in zip(name.split(", "), tensors) if not torch.isfinite(t).all()]
+        count = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+        raise ValueError(f"{bad[0]}: expected finite values (k-means has no meaning for NaN or inf: drop or impute "
+                         f"those points), got {count} non-finite")
+    return float(safe_scale(largest))
+
+
 def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """The nearest centroid of every point (the document's k-means step).
 
@@ -101,6 +118,9 @@ def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     _validate.same_dtype_and_device("centroids", centroids, "x", x)
     if centroids.shape[1] != x.shape[1] or centroids.shape[0] < 1:
         raise ValueError(f"centroids: expected [k >= 1, {x.shape[1]}] like x [n, d], got {tuple(centroids.shape)}")
+    scale = _scale("x, centroids", x, centroids)
+    if scale != 1.0:
+        x, centroids = x / scale, centroids / scale
     return _assign(x.contiguous(), centroids.contiguous())
 
 
@@ -158,7 +178,21 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int 
         _validate.same_dtype_and_device("init", init, "x", x)
         if tuple(init.shape) != (n_clusters, x.shape[1]):
             raise ValueError(f"init: expected [{n_clusters}, {x.shape[1]}] (n_clusters, d), got {tuple(init.shape)}")
-        centroids = init.contiguous().clone()
+        scale = _scale("x, init", x, init)
+        init = init.contiguous() / scale
+    else:
+        scale = _scale("x", x)
+    if scale == 1.0:
+        return _lloyd(x, n_clusters, init, max_iter, tol, seed)
+    result = _lloyd(x / scale, n_clusters, init, max_iter, tol, seed)
+    inertia = (result.inertia.double() * scale**2).to(x.dtype)  # may exceed the dtype (inf): it is that large
+    return result._replace(centroids=result.centroids * scale, inertia=inertia)
+
+
+def _lloyd(x, n_clusters, init, max_iter, tol, seed) -> KMeansResult:
+    """``kmeans`` on checked, scaled points."""
+    if isinstance(init, torch.Tensor):
+        centroids = init.clone()
     elif init == "k-means++":
         generator = torch.Generator(device=x.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))

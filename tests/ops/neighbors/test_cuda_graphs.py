@@ -71,3 +71,48 @@ def test_auto_picks_triton_on_cuda(monkeypatch, generator):
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(1) or original(*a))
     fullgraph.knn(*_data(generator)[:2], 4)
     assert calls
+
+
+@pytest.mark.parametrize("k", [65, 128, 256])
+def test_lists_longer_than_triton_capture(k, generator):
+    """k above Triton's limit runs on the "torch" backend, which reads nothing back to the
+    host: it captures (graphed and reduce-overhead) and replays on new data."""
+    from conftest import assert_neighbors, oracle_distances, oracle_nearest
+
+    def step(query, ref, features):
+        dists, idx = fullgraph.knn(query, ref, k)
+        return fullgraph.knn_aggregate(query, ref, features, k).sum(-1) + dists.masked_fill(idx < 0, 0).sum(-1)
+
+    data = _data(generator, 300, 1500)
+    dists, idx = fullgraph.knn(data[0], data[1], k)
+    d = oracle_distances(data[0], data[1])
+    expected_dists, expected_idx, _ = oracle_nearest(d, k)
+    assert_neighbors(dists, idx, expected_dists, expected_idx, d, torch.float32)
+    replayed = fullgraph.graphs.graphed(step)
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for _ in range(3):
+        fresh = _data(generator, 300, 1500)
+        want = step(*fresh)
+        torch.testing.assert_close(replayed(*fresh), want)
+        torch.testing.assert_close(compiled(*fresh), want)
+
+
+def test_an_uncapturable_path_is_refused_before_the_capture_breaks(generator):
+    from fullgraph.graphs import GraphCaptureError
+
+    query, ref, features = _data(generator, 50, 200)
+    with pytest.raises(GraphCaptureError, match='backend="torch" runs radius_aggregate'):
+        fullgraph.graphs.graphed(lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.3, backend="torch"))(
+            query, ref, features)
+    assert torch.isfinite(torch.randn(3, device="cuda")).all()  # the process still works
+
+
+def test_a_thousand_replays_on_fresh_data_equal_eager(generator):
+    replayed = fullgraph.graphs.graphed(_step)
+    data = [_data(generator, 200, 800) for _ in range(8)]
+    for i in range(1000):
+        fresh = data[i % len(data)]
+        out = replayed(*fresh)
+        if i % 97 == 0 or i >= 992:
+            torch.testing.assert_close(out, _step(*fresh))
+    assert replayed.captures == 1

@@ -156,7 +156,7 @@ def test_reference_never_builds_the_full_matrix(monkeypatch, generator):
     monkeypatch.setattr(pairs, "BLOCK_BYTES", 200 * 1000 * 8 * 7)
     seen = []
     original = reference.pairwise_distances
-    monkeypatch.setattr(reference, "pairwise_distances", lambda q, r: seen.append(q.shape[0]) or original(q, r))
+    monkeypatch.setattr(reference, "pairwise_distances", lambda q, r, s: seen.append(q.shape[0]) or original(q, r, s))
     query = points("normal", 2000, 3, generator).float()
     ref = points("normal", 1000, 3, generator).float()
     dists, idx = fullgraph.knn(query, ref, 4, backend="torch")

@@ -29,16 +29,29 @@ def _fake_backward(grad_h, grad_cell, gates, new_cell):
 
 
 def _setup_context(ctx, inputs, output):
-    input, weights, _, old_h, _ = inputs
     _, new_cell, gates = output
-    ctx.save_for_backward(gates, new_cell, input, old_h, weights)
+    ctx.save_for_backward(gates, new_cell, *inputs)
     ctx.mark_non_differentiable(gates)
+
+
+def _double_differentiable(inputs, needs, grad_h, grad_cell):
+    """The gradients as a differentiable graph (``create_graph=True``): the fused backward
+    operator has no derivative of its own, so the reference's operations are replayed."""
+    wanted = [t for t, need in zip(inputs, needs) if need]
+    new_h, new_cell = reference.lltm(*inputs)
+    grads = iter(torch.autograd.grad((new_h, new_cell), wanted, (grad_h, grad_cell), create_graph=True,
+                                     allow_unused=True))
+    return tuple(next(grads) if need else None for need in needs)
 
 
 def _backward(ctx, grad_h, grad_cell, _grad_gates):
     """The fused pointwise backward (an operator), then only the matrix products whose
     gradients are needed."""
-    gates, new_cell, input, old_h, weights = ctx.saved_tensors
+    gates, new_cell, input, weights, bias, old_h, old_cell = ctx.saved_tensors
+    if torch.is_grad_enabled():  # backward(create_graph=True): gradients of gradients will be asked for
+        return _double_differentiable((input, weights, bias, old_h, old_cell), ctx.needs_input_grad,
+                                      torch.zeros_like(new_cell) if grad_h is None else grad_h,
+                                      torch.zeros_like(new_cell) if grad_cell is None else grad_cell)
     d_gates, d_old_cell = torch.ops.fullgraph.lltm_backward(grad_h, grad_cell, gates, new_cell)
     needs_input, needs_weights, needs_bias, needs_old_h, _ = ctx.needs_input_grad
     d_input = d_weights = d_bias = d_old_h = None

@@ -63,7 +63,8 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
     Args:
         query: [M, D] or [B, M, D] float16/bfloat16/float32/float64, any device.
         ref: [N, D] or [B, N, D], same dtype and device as ``query``.
-        k: number of neighbours, >= 1; may exceed N (missing slots are padded).
+        k: number of neighbours, >= 1; may exceed N (missing slots are padded), up to
+            max(N, 1024).
         query_lengths, ref_lengths: [B] int64, the valid prefix of each padded batch
             item (batched inputs only); padded queries get no neighbours.
         backend: "auto" (the fastest available for the device), "torch", "cpu" (scipy),
@@ -105,7 +106,8 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         query: [M, D] or [B, M, D] floating, any device.
         ref: [N, D] or [B, N, D], same dtype and device.
         radius: finite float >= 0, inclusive (distance <= radius), in coordinate units.
-        max_neighbors: the cap, >= 1. The *nearest* ones are kept, never the first found.
+        max_neighbors: the cap, >= 1, up to max(N, 1024). The *nearest* ones are kept, never
+            the first found.
         query_lengths, ref_lengths, backend: as in :func:`knn`.
 
     Returns:

@@ -55,8 +55,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     candidates = _candidates(query.detach().float(), ref.detach().float(), query_ok, ref_ok, count)
     found = candidates >= 0
     near = torch.gather(ref, 1, candidates.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, dim))
-    acc = pairs.accumulation_dtype(query.dtype)
-    d = torch.linalg.vector_norm(query.to(acc)[:, :, None, :] - near.reshape(batch, rows, count, dim).to(acc), dim=-1)
+    d = pairs.pair_distances(query[:, :, None, :], near.reshape(batch, rows, count, dim))
     d, idx = pairs.order_by_distance(d.masked_fill(~found, math.inf), candidates)
     d, idx = d[..., :k], idx[..., :k]
     if count < k:

@@ -32,6 +32,7 @@ import math
 import torch
 
 from ...backends import FLOATING, Backend
+from ..scaling import safe_scale
 from . import pairs, reference
 
 SLACK = 8
@@ -54,7 +55,10 @@ def _centred(points, valid, centre):
 def _item(query, ref, query_ok, ref_ok, k, radius, acc):
     """dists [M, k], idx [M, k] of one batch item (rows of invalid queries are filled by the caller)."""
     rows, columns, dim = query.shape[0], ref.shape[0], query.shape[1]
-    q, r = query.to(acc), ref.to(acc)
+    # Products of far-out (or tiny) coordinates would overflow (underflow): work in units
+    # of a power of two (exact) where needed; the exact distances stay in the caller's units.
+    scale = safe_scale(torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok)).to(acc))
+    q, r = query.to(acc) / scale, ref.to(acc) / scale
     all_valid = bool(ref_ok.all()) and bool(query_ok.all())
     if not all_valid:
         q, r = _centred(q, query_ok, 0), _centred(r, ref_ok, 0)
@@ -90,7 +94,7 @@ def _item(query, ref, query_ok, ref_ok, k, radius, acc):
             bound = gamma * (q_norms.sqrt() + reach) ** 2
             outside = (values[:, -1] + q_norms - bound) * (1 - 2 * (dim + 2) * _roundoff(acc))
             # A last candidate at +inf: every valid reference is a candidate already.
-            certified = (d[:, k - 1] ** 2 < outside) | torch.isinf(values[:, -1])
+            certified = ((d[:, k - 1] / scale) ** 2 < outside) | torch.isinf(values[:, -1])
             failed.append(start + (query_ok[block] & ~certified).nonzero()[:, 0])
     return dists, idx, torch.cat(failed) if failed else torch.zeros(0, dtype=torch.int64, device=query.device)
 

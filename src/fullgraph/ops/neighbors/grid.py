@@ -37,8 +37,13 @@ _BLOCK = 1024
 @dataclass(frozen=True)
 class Frame:
     """The grid of every batch item: values [B, 12] float32 (origin xyz, extent xyz, cell
-    side, its inverse, the rounding slack of a distance to a cell face), shape [B, 4] int32 (cells
-    along x, y, z, then 1), and ``cells``, the static budget of cells per item."""
+    side, its inverse, the rounding slack of a distance to a cell face, the scale), shape [B, 4]
+    int32 (cells along x, y, z, then 1), and ``cells``, the static budget of cells per item.
+
+    Scale: a power of two (``ops.scaling.safe_scale`` of the item's largest finite coordinate; 1 in
+    the usual range). ``build`` returns the sorted points and the frame in units of it, so that
+    squared distances of far-out or tiny coordinates neither overflow nor underflow; kernels
+    bring radii, sigma and distances to those units with it (exactly: a power of two)."""
 
     values: torch.Tensor
     shape: torch.Tensor
@@ -62,12 +67,21 @@ class SortedPoints:
 
 if triton is not None:
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
-    SIDE, INV_SIDE, SLACK, VALUES = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(12)
+    SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(9)
+    VALUES = tl.constexpr(12)
+
+    @triton.jit
+    def _safe_scale(size):
+        """``ops.scaling.safe_scale`` in a kernel: 2^floor(log2(size)) from the exponent bits."""
+        extreme = ((size > 1099511627776.0) | (size < 9.313225746154785e-10)) & (size > 0) & (size < float("inf"))
+        power = (size.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return tl.where(extreme & (power > 0), power, 1.0)
 
     @triton.jit
     def _bounds_kernel(points, lengths, bounds, rows, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
         """Per block of BLOCK rows of item b: min and max of each grid axis over the valid
-        points, and their number, into bounds[b, block] = (lo xyz, 0, hi xyz, count)."""
+        points, their largest |coordinate| and their number, into bounds[b, block] =
+        (lo xyz, largest, hi xyz, count)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -75,25 +89,37 @@ if triton is not None:
         dims = tl.arange(0, 4)
         block = tl.load(points + (b * rows + offs)[:, None] * D + dims[None, :],
                         mask=valid[:, None] & (dims < G)[None, :], other=0.0).to(tl.float32)
+        largest = tl.zeros(offs.shape, dtype=tl.float32)
+        for dim in tl.static_range(D):
+            c = tl.load(points + (b * rows + offs) * D + dim, mask=valid, other=0.0).to(tl.float32)
+            largest = tl.maximum(largest, tl.abs(c))
         low = tl.min(tl.where(valid[:, None], block, float("inf")), 0)
+        low = tl.where(dims == 3, tl.max(largest, 0), low)
         high = tl.max(tl.where(valid[:, None], block, -float("inf")), 0)
         out = bounds + (b * tl.num_programs(0) + pid) * 8
         tl.store(out + dims, low)
         tl.store(out + 4 + dims, tl.where(dims == 3, tl.sum(valid.to(tl.float32), 0), high))
 
     @triton.jit
-    def _frame_kernel(bounds, blocks, values, shape, cells, cell_points, G: tl.constexpr):
-        """Cells over the box of each item's valid references, cell_points per cell."""
+    def _frame_kernel(bounds, blocks, query_bounds, query_blocks, values, shape, cells, cell_points,
+                      G: tl.constexpr):
+        """Cells over the box of each item's valid references, cell_points per cell, and the
+        item's scale (from the largest coordinate of both clouds)."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         low = tl.full((4,), float("inf"), tl.float32)
         high = tl.full((4,), -float("inf"), tl.float32)
         n = tl.zeros((), tl.float32)
+        largest = tl.zeros((), tl.float32)
         for i in range(0, blocks):
             row = bounds + (b * blocks + i) * 8
             low = tl.minimum(low, tl.load(row + dims))
             high = tl.maximum(high, tl.load(row + 4 + dims))
             n += tl.load(row + 7)
+            largest = tl.maximum(largest, tl.load(row + 3))
+        for i in range(0, query_blocks):
+            largest = tl.maximum(largest, tl.load(query_bounds + (b * query_blocks + i) * 8 + 3))
+        tl.store(values + b * VALUES + SCALE, _safe_scale(largest))
         on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
         low = tl.where(on, low, 0.0)
         extent = tl.minimum(tl.where(on, high - low, 0.0), 1e38)
@@ -108,6 +134,30 @@ if triton is not None:
             side = tl.where(count > 0, tl.exp((log_volume - tl.log(target)) / tl.maximum(count, 1.0)), 1.0)
             longer = longer & (extent >= side)
         _store_frame(values, shape, b, dims, low, extent, side * 1.00001, cells, G)
+
+    @triton.jit
+    def _to_scaled_units_kernel(values):
+        """Origin, extent, side and slack of item b's frame divided by its scale (exactly)."""
+        b = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, 16)
+        row = values + b * VALUES
+        scale = tl.load(row + SCALE)
+        v = tl.load(row + cols, mask=cols < SCALE, other=0.0)
+        v = tl.where(cols == INV_SIDE, v * scale, v / scale)
+        tl.store(row + cols, v, mask=cols < SCALE)
+
+    @triton.jit
+    def _sorted_points_kernel(points, order, values, out, total, rows, D: tl.constexpr, DP: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        """out[i] = points[order[i]] / scale of its item, float32."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < total
+        source = tl.load(order + offs, mask=live, other=0)
+        scale = tl.load(values + (source // rows) * VALUES + SCALE, mask=live, other=1.0)
+        cols = tl.arange(0, DP)
+        mask = live[:, None] & (cols < D)[None, :]
+        block = tl.load(points + source[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + offs[:, None] * D + cols[None, :], block / scale[:, None], mask=mask)
 
     @triton.jit
     def _refine_kernel(values, shape, loads, cells, cell_points, G: tl.constexpr):
@@ -208,20 +258,30 @@ def cell_budget(refs: int, grid_dims: int) -> int:
     return 1 if grid_dims == 0 else BUDGET * max(1, math.ceil(refs / CELL_POINTS))
 
 
-def frame(ref: torch.Tensor, ref_lengths: torch.Tensor) -> Frame:
+def _bounds(points: torch.Tensor, lengths: torch.Tensor, grid_dims: int) -> tuple[torch.Tensor, int]:
+    """Per block of points [B, L, D]: bounds [B, blocks, 8] (see ``_bounds_kernel``), blocks."""
+    batch, rows, dim = points.shape
+    blocks = max(1, triton.cdiv(rows, _BLOCK))
+    bounds = torch.empty((batch, blocks, 8), dtype=torch.float32, device=points.device)
+    _bounds_kernel[(blocks, batch)](points, lengths, bounds, rows, D=dim, G=grid_dims, BLOCK=_BLOCK)
+    return bounds, blocks
+
+
+def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, query_lengths: torch.Tensor) -> Frame:
     """The grid of each item of ref [B, N, D] (lengths [B] int64) over the box of its valid
-    points, with cells sized for a uniform cloud."""
+    points, with cells sized for a uniform cloud, and the scale of both clouds (unscaled)."""
     batch, columns, dim = ref.shape
     grid_dims = dim if dim <= 3 else 0
     cells = cell_budget(columns, grid_dims)
     values = torch.zeros((batch, 12), dtype=torch.float32, device=ref.device)
     values[:, 6:8] = 1.0  # a unit cell, until the kernel below sizes it
+    values[:, 9] = 1.0  # and unit scale
     shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
-    if grid_dims and batch and columns:
-        blocks = triton.cdiv(columns, _BLOCK)
-        bounds = torch.empty((batch, blocks, 8), dtype=torch.float32, device=ref.device)
-        _bounds_kernel[(blocks, batch)](ref, ref_lengths, bounds, columns, D=dim, G=grid_dims, BLOCK=_BLOCK)
-        _frame_kernel[(batch,)](bounds, blocks, values, shape, cells, float(CELL_POINTS), G=grid_dims)
+    if batch:
+        bounds, blocks = _bounds(ref, ref_lengths, grid_dims)
+        query_bounds, query_blocks = _bounds(query, query_lengths, grid_dims)
+        _frame_kernel[(batch,)](bounds, blocks, query_bounds, query_blocks, values, shape, cells,
+                                float(CELL_POINTS), G=grid_dims)
     return Frame(values, shape, cells, grid_dims)
 
 
@@ -254,23 +314,34 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
 
 
 def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, slots: torch.Tensor) -> SortedPoints:
-    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s cells; slots is
-    arange(B * (cells + 1) + 1) in the keys' dtype."""
+    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s (unscaled) cells;
+    slots is arange(B * (cells + 1) + 1) in the keys' dtype. The sorted points are float32
+    in units of their item's scale."""
+    batch, rows, dim = points.shape
     sorted_keys, order = torch.sort(cell_keys(points, lengths, grid))
     cell_start = torch.searchsorted(sorted_keys, slots, out_int32=True)
-    return SortedPoints(points.reshape(-1, points.shape[-1])[order].to(torch.float32), order, cell_start)
+    moved = torch.empty((batch * rows, dim), dtype=torch.float32, device=points.device)
+    if moved.numel():
+        _sorted_points_kernel[(triton.cdiv(batch * rows, _BLOCK // 8),)](
+            points, order, grid.values, moved, batch * rows, rows, D=dim, DP=triton.next_power_of_2(dim),
+            BLOCK=_BLOCK // 8)
+    return SortedPoints(moved, order, cell_start)
 
 
 def build(query, ref, query_lengths, ref_lengths):
-    """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D]."""
+    """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D],
+    in units of each item's scale (``Frame``)."""
     batch, rows = query.shape[:2]
     columns = ref.shape[1]
     ref_lengths = full_lengths(ref_lengths, batch, columns, ref.device)
     query_lengths = full_lengths(query_lengths, batch, rows, query.device)
-    grid = frame(ref, ref_lengths)
+    grid = frame(ref, ref_lengths, query, query_lengths)
     if grid.grid_dims and batch * rows * columns:
         for _ in range(REFINEMENTS):
             refine(grid, query, query_lengths, ref, ref_lengths)
     count = batch * (grid.cells + 1) + 1
     slots = torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=query.device)
-    return grid, sort_points(query, query_lengths, grid, slots), sort_points(ref, ref_lengths, grid, slots)
+    queries, refs = sort_points(query, query_lengths, grid, slots), sort_points(ref, ref_lengths, grid, slots)
+    if batch:
+        _to_scaled_units_kernel[(batch,)](grid.values)
+    return grid, queries, refs

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..scaling import magnitude, safe_scale
+
 BLOCK_BYTES = 64 * 2**20
 # GPUs have the memory for larger blocks, and each chunk costs a round of kernel launches.
 CUDA_BLOCK_BYTES = 1024 * 2**20
@@ -61,10 +63,13 @@ def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def pair_distances(query: Tensor, ref: Tensor) -> Tensor:
-    """[P] distances between matching rows of query [P, D] and ref [P, D], in the
-    accumulation dtype (the arithmetic of the reference's distance matrix)."""
+    """[...] distances between matching rows of query [..., D] and ref [..., D]
+    (broadcasting), in the accumulation dtype: the arithmetic of the reference's distance
+    matrix, scaled per pair (``safe_scale``) so that finite points give finite distances."""
     acc = accumulation_dtype(query.dtype)
-    return torch.linalg.vector_norm(query.to(acc) - ref.to(acc), dim=-1)
+    query, ref = query.to(acc), ref.to(acc)
+    scale = safe_scale(torch.maximum(magnitude(query), magnitude(ref)))[..., None]
+    return torch.linalg.vector_norm(query / scale - ref / scale, dim=-1) * scale[..., 0]
 
 
 def order_by_distance(d: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
@@ -87,6 +92,13 @@ def pair_weights(qi: Tensor, d: Tensor, sigma: float, rows: int) -> Tensor:
     return weights / torch.where(total > 0, total, 1)[qi]
 
 
+def weighted(weights: Tensor, rows: Tensor) -> Tensor:
+    """weights [P] times rows [P, W], exactly 0 where a weight is 0: a pair that does not
+    count (a missing slot, a pair outside the radius) must not carry a NaN or inf of its
+    rows into sums that do not use them (0 * nan is nan)."""
+    return torch.where((weights != 0)[:, None], weights[:, None] * rows, 0)
+
+
 def aggregate_pairs(features: Tensor, qi: Tensor, rj: Tensor, d: Tensor, sigma: float, rows: int) -> Tensor:
     """[rows, C]: sum_j w_ij features[j] / sum_j w_ij with w = exp(-(d - min_j d) / sigma).
 
@@ -95,7 +107,7 @@ def aggregate_pairs(features: Tensor, qi: Tensor, rj: Tensor, d: Tensor, sigma: 
     """
     weights = pair_weights(qi, d, sigma, rows)
     out = features.new_zeros((rows, features.shape[1]), dtype=d.dtype)
-    out.index_add_(0, qi, weights[:, None] * features[rj].to(d.dtype))
+    out.index_add_(0, qi, weighted(weights, features[rj].to(d.dtype)))
     return out
 
 
@@ -110,10 +122,10 @@ def aggregate_pairs_backward(grad_out: Tensor, features: Tensor, out: Tensor, qi
     acc = d.dtype
     grad_out = grad_out.to(acc)
     weights = pair_weights(qi, d, sigma, grad_out.shape[0])
-    grad_features.index_add_(0, rj, weights[:, None] * grad_out[qi])
+    grad_features.index_add_(0, rj, weighted(weights, grad_out[qi]))
     projected = (grad_out[qi] * features[rj].to(acc)).sum(-1)
     baseline = (grad_out * out.to(acc)).sum(-1)[qi]
-    return -(weights / sigma) * (projected - baseline)
+    return torch.where(weights != 0, -(weights / sigma) * (projected - baseline), 0)
 
 
 def distances_backward_pairs(grad_d: Tensor, query: Tensor, ref: Tensor, qi, rj, d: Tensor,
@@ -126,7 +138,7 @@ def distances_backward_pairs(grad_d: Tensor, query: Tensor, ref: Tensor, qi, rj,
     acc = d.dtype
     usable = (d > 0) & torch.isfinite(d)
     scale = torch.where(usable, grad_d.to(acc) / torch.where(usable, d, 1), 0)
-    pull = scale[:, None] * (query[qi].to(acc) - ref[rj].to(acc))
+    pull = weighted(scale, query[qi].to(acc) - ref[rj].to(acc))
     grad_query.index_add_(0, qi, pull)
     grad_ref.index_add_(0, rj, -pull)
 
@@ -147,7 +159,7 @@ def neighbor_pairs(idx: Tensor, columns: int) -> tuple[Tensor, Tensor, Tensor]:
 def _flat(points: Tensor) -> Tensor:
     """[B, L, W] -> [B*L, W], with one zero row when empty: missing neighbour slots point
     at row 0 (with zero weight), so it must exist."""
-    flat = points.reshape(-1, points.shape[-1])
+    flat = points.reshape(points.shape[0] * points.shape[1], points.shape[-1])
     return flat if flat.shape[0] > 0 else points.new_zeros((1, points.shape[-1]))
 
 

@@ -2,9 +2,10 @@
 
 The twin every other backend is tested against. It processes the queries in chunks so
 that no block holds more than ``pairs.BLOCK_BYTES`` (``CUDA_BLOCK_BYTES`` on CUDA) and
-never builds the full M x N distance matrix of a large problem; it reads values back to
-the host (``.any()`` in tie repair, ``nonzero`` for radius pairs), so it cannot be
-captured in a CUDA graph. The aggregations and backward passes are the pair-based ones of
+never builds the full M x N distance matrix of a large problem. Its searches read nothing
+back to the host, so knn, radius and knn_aggregate can be captured in CUDA graphs (on CUDA
+it serves lists longer than Triton's); radius_aggregate gathers its pairs with ``nonzero``
+(a host sync) and cannot. The aggregations and backward passes are the pair-based ones of
 ``pairs.Kernels``.
 """
 
@@ -16,13 +17,16 @@ from collections.abc import Iterator
 import torch
 
 from ...backends import ANY_DEVICE, Backend
+from ..scaling import magnitude, safe_scale
 from .pairs import Kernels, accumulation_dtype, query_chunks, valid_points
 
 
-def pairwise_distances(query: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype."""
+def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype,
+    computed on the points divided by ``scale`` (a power of two, ``ops.scaling.safe_scale``)."""
     acc = accumulation_dtype(query.dtype)
-    return torch.linalg.vector_norm(query.to(acc)[:, None, :] - ref.to(acc)[None, :, :], dim=-1)
+    query, ref = query.to(acc) / scale, ref.to(acc) / scale
+    return torch.linalg.vector_norm(query[:, None, :] - ref[None, :, :], dim=-1) * scale
 
 
 def nearest(
@@ -58,31 +62,47 @@ def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
     query_ok = valid_points(query, query_lengths)
     ref_ok = valid_points(ref, ref_lengths)
     for b in range(batch):
+        # One scale per item (the pairs' own would cost a pass over [m, N, D]): far apart
+        # points stay finite; only in clouds that also hold points within ~1e-30 of each
+        # other do those underflow to distance 0 (ties, broken by index).
+        size = torch.maximum(largest(query[b], query_ok[b]), largest(ref[b], ref_ok[b]))
+        scale = safe_scale(size.to(accumulation_dtype(query.dtype)))
         for chunk in query_chunks(rows, ref.shape[1], dim, query.device):
-            d = pairwise_distances(query[b, chunk], ref[b])
+            d = pairwise_distances(query[b, chunk], ref[b], scale)
             yield b, chunk, d, query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
 
 
-def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``take`` smallest entries of each row of d [m, n], ordered by (value, column).
+def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The largest |coordinate| of the valid points [L, D] (0 if none)."""
+    return torch.where(valid, magnitude(points), 0).amax() if points.shape[0] else points.new_zeros(())
 
-    NaN counts as largest. topk is much faster than a full sort but picks arbitrarily
-    among values tied at the cut; rows where more columns equal the cut value than were
-    taken are redone with a stable sort, so that ties always go to the smaller column.
+
+def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``take`` smallest entries of each row of d [m, n] (>= 0 or NaN), ordered by
+    (value, column), NaN counting as largest; without reading anything back to the host.
+
+    ``topk`` alone picks arbitrarily among values tied at the cut. float32 rows are ranked
+    by one int64 key per entry, (bits of d) << 32 | column: non-negative float32 bit patterns
+    order like the values, NaN's above +inf's, and the column breaks ties. float64 rows keep
+    topk's cut and take the tied entries by column (a running count of them).
     """
+    rows, columns = d.shape
     if take == 0:
-        return d[:, :0], torch.zeros((d.shape[0], 0), dtype=torch.int64, device=d.device)
-    values, order = torch.topk(d, take, dim=1, largest=False, sorted=True)
+        return d[:, :0], torch.zeros((rows, 0), dtype=torch.int64, device=d.device)
+    column = torch.arange(columns, device=d.device)
+    if d.dtype == torch.float32 and columns < 2**31:
+        bits = d.masked_fill(torch.isnan(d), math.nan).view(torch.int32).to(torch.int64)
+        _, order = torch.topk((bits << 32) | column, take, dim=1, largest=False, sorted=True)
+        return d.gather(1, order), order
+    values, _ = torch.topk(d, take, dim=1, largest=False, sorted=True)
     cut = values[:, -1:]
-    ambiguous = (d == cut).sum(1) > (values == cut).sum(1)
-    order = order.sort(dim=1).values
-    values, permutation = d.gather(1, order).sort(dim=1, stable=True)
-    order = order.gather(1, permutation)
-    if ambiguous.any():
-        rows = ambiguous.nonzero()[:, 0]
-        tied_values, tied_order = torch.sort(d[rows], dim=1, stable=True)
-        values[rows], order[rows] = tied_values[:, :take], tied_order[:, :take]
-    return values, order
+    cut_is_nan = torch.isnan(cut)
+    below = (d < cut) | (cut_is_nan & ~torch.isnan(d))
+    at = (d == cut) | (cut_is_nan & torch.isnan(d))
+    chosen = below | (at & (at.cumsum(1) <= take - below.sum(1, keepdim=True)))
+    _, order = torch.topk(torch.where(chosen, column, column + columns), take, dim=1, largest=False, sorted=True)
+    values, by_value = d.gather(1, order).sort(dim=1, stable=True)
+    return values, order.gather(1, by_value)
 
 
 def radius_pairs(
@@ -105,5 +125,5 @@ class ReferenceKernels(Kernels):
 
 BACKEND = Backend(
     "torch", ops=("knn", "radius", "knn_aggregate", "radius_aggregate"), devices=(ANY_DEVICE,),
-    auto_devices=(ANY_DEVICE,), capturable=False, implementation=ReferenceKernels(),
+    auto_devices=(ANY_DEVICE,), capturable=("knn", "radius", "knn_aggregate"), implementation=ReferenceKernels(),
 )

@@ -81,18 +81,33 @@ def check_sigma(sigma, dtype: torch.dtype) -> float:
     return sigma
 
 
+# Lists longer than N hold padding (-1 / +inf); this much padding is allowed beyond N, so
+# that k = 10**9 is an error naming k instead of a [M, 10**9] allocation whatever N is.
+MAX_PADDED_K = 1024
+
+
+def check_list_width(name: str, k: int, columns: int) -> None:
+    """k (or max_neighbors) of lists over N = ``columns`` references: at most max(N, MAX_PADDED_K)."""
+    limit = max(columns, MAX_PADDED_K)
+    if k > limit:
+        raise ValueError(f"{name}: expected at most max(N, {MAX_PADDED_K}) = {limit} neighbours per query "
+                         f"(N = {columns} references exist; slots beyond N are padding), got {k}")
+
+
 def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
     """The ``pairs.Kernels`` of the backend resolved for ``op`` on tensors like ``like``
     with D = dim (None: not known to this op), lists of k."""
     chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k,
                               k_argument="max_neighbors" if op == "radius" else "k")
-    chosen.check_capture(like.device)
+    chosen.check_capture(like.device, op)
     return chosen.implementation
 
 
 def _check_search(query, ref, k, query_lengths, ref_lengths, backend, op, radius=math.inf):
     check_clouds(query, ref, query_lengths, ref_lengths)
-    _validate.integer("max_neighbors" if op == "radius" else "k", k, minimum=1)
+    name = "max_neighbors" if op == "radius" else "k"
+    _validate.integer(name, k, minimum=1)
+    check_list_width(name, k, ref.shape[1])
     if op == "radius":
         _validate.real("radius", radius, minimum=0.0, strict=False)
 
@@ -225,6 +240,7 @@ def knn_aggregate_op(
     """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward."""
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.integer("k", k, minimum=1)
+    check_list_width("k", k, ref.shape[1])
     return kernels(backend, "knn_aggregate", query, query.shape[-1], k).knn_aggregate(
         query.contiguous(), ref.contiguous(), features.contiguous(), k, sigma, query_lengths, ref_lengths)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from ... import _triton
@@ -57,7 +58,7 @@ def _lengths(query, ref, query_lengths, ref_lengths):
 
 
 # Kernel scalars are float32: larger radii saturate here (every point is within them anyway).
-_FLOAT32_MAX = 3.4e38
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _reach(radius: float) -> float:
@@ -66,7 +67,20 @@ def _reach(radius: float) -> float:
 
 
 def _squared(radius: float) -> float:
-    return min(float(radius) * float(radius), _FLOAT32_MAX)
+    """The largest float32 t with sqrt(t) <= radius, both rounded to float32 as torch rounds
+    them: the kernels' d^2 <= t is then exactly the test dist <= radius on the distances they
+    return, one comparison for the list and the counts. (Any power-of-two scale of the points
+    divides t by its square exactly, so the test holds in their units too.)"""
+    limit = np.float32(min(float(radius), _FLOAT32_MAX))
+    with np.errstate(over="ignore"):
+        t = limit * limit
+    if not np.isfinite(t):
+        return _FLOAT32_MAX
+    while t > 0 and np.sqrt(t) > limit:
+        t = np.nextafter(t, np.float32(0))
+    while np.isfinite(np.nextafter(t, np.float32(np.inf))) and np.sqrt(np.nextafter(t, np.float32(np.inf))) <= limit:
+        t = np.nextafter(t, np.float32(np.inf))
+    return float(t)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
@@ -175,10 +189,11 @@ def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     return out, dists, idx
 
 
-def _sum_pairs_by_ref(idx, weights, source, columns):
+def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
-    row (sum of weights * source row of the slot's query [B*M, W], sum of weights), both
-    float32 and deterministic: slots are sorted by reference (stably), then summed in order."""
+    row (sum of weights * source row of the slot's query [B*M, W] (of the slot [B*M*k, W]
+    when ``per_slot``), sum of weights), both float32 and deterministic: slots are sorted by
+    reference (stably), then summed in order."""
     batch, rows, k = idx.shape
     qi, rj, found = pairs.neighbor_pairs(idx, columns)
     refs = batch * columns
@@ -189,7 +204,8 @@ def _sum_pairs_by_ref(idx, weights, source, columns):
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
     if refs:
         kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
-            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R)
+            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
+            PER_SLOT=per_slot)
     return sums, totals
 
 
@@ -204,7 +220,7 @@ def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
         kernels.knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
             1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
-    grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(-1, channels), columns)
+    grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(batch * rows, channels), columns)
     return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
 
 
@@ -220,13 +236,15 @@ def distances_backward(grad_dists, query, ref, idx, dists):
         return torch.zeros_like(query), torch.zeros_like(ref)
     # Recomputed in float32: the saved distances may be rounded to bf16/fp16.
     offset = flat_query[qi] - flat_ref[rj]
-    d = torch.where(found & torch.isfinite(dists.reshape(-1)), torch.linalg.vector_norm(offset, dim=-1), math.inf)
+    d = torch.where(found & torch.isfinite(dists.reshape(-1)), pairs.pair_distances(flat_query[qi], flat_ref[rj]),
+                    math.inf)
     usable = (d > 0) & torch.isfinite(d)
     scale = torch.where(usable, grad_dists.reshape(-1).to(torch.float32) / torch.where(usable, d, 1.0), 0.0)
-    grad_query = (scale[:, None] * offset).reshape(batch, rows, k, dim).sum(2)
-    pulled, total = _sum_pairs_by_ref(idx, scale.contiguous(), flat_query, columns)
-    grad_ref = flat_ref * total[:, None] - pulled
-    return grad_query.to(query.dtype), grad_ref.reshape(ref.shape).to(ref.dtype)
+    grad_query = pairs.weighted(scale, offset).reshape(batch, rows, k, dim).sum(2)
+    # Each reference sums its slots' own offsets: r * sum(scale) - sum(scale * q) would cancel
+    # catastrophically for near-coincident points (scale ~ 1 / d).
+    pulled, _ = _sum_pairs_by_ref(idx, scale.contiguous(), offset.contiguous(), columns, per_slot=True)
+    return grad_query.to(query.dtype), (-pulled).reshape(ref.shape).to(ref.dtype)
 
 
 class GridKernels(pairs.Kernels):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..._triton import tl, triton
 
 if triton is not None:
-    from .grid import INV_SIDE, SIDE, SLACK, VALUES
+    from .grid import INV_SIDE, SCALE, SIDE, SLACK, VALUES
 
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
@@ -121,6 +121,16 @@ if triton is not None:
         end = tl.sum(tl.where(lanes == lane, ends, 0), 0).to(tl.int64)
         return start, end, pending & (lanes != lane)
 
+    @triton.jit
+    def _in_item_units(values, b, radius2, reach):
+        """(radius^2, reach, scale) with the first two in units of item b's scale, the units of
+        its sorted points (a power of two: exact). A radius^2 saturated at float32's maximum
+        is recomputed from the reach in those units."""
+        scale = tl.load(values + b * VALUES + SCALE)
+        scaled_reach = reach / scale
+        saturated = radius2 >= 3.4028234663852886e38
+        return tl.where(saturated, scaled_reach * scaled_reach, radius2 / scale / scale), scaled_reach, scale
+
     # ------------------------------------------------------------------ search
 
     @triton.jit
@@ -175,6 +185,7 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, SEARCH_SPREAD, D)
+        radius2, reach, scale = _in_item_units(values, b, radius2, reach)
         side = tl.load(values + b * VALUES + SIDE)
         slack = tl.load(values + b * VALUES + SLACK)
         slots = tl.arange(0, KP)
@@ -219,7 +230,10 @@ if triton is not None:
         best = tl.sort(best, 1)
         found = best != _KEY_NONE
         index = tl.where(found, best & 0xFFFFFFFF, -1)
-        dist = tl.where(found, tl.sqrt((best >> 32).to(tl.int32).to(tl.float32, bitcast=True)), float("inf"))
+        # Rounded to nearest like torch.sqrt: with the threshold of ``radius2``, dist <= radius
+        # exactly for every listed neighbour.
+        dist = tl.where(found, tl.sqrt_rn((best >> 32).to(tl.int32).to(tl.float32, bitcast=True)) * scale,
+                        float("inf"))
         out_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
         out_offs = out_rows[:, None] * K + slots[None, :]
         mask = (offs_m < rows)[:, None] & (slots[None, :] < K)
@@ -253,9 +267,14 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
+        radius2, reach, scale = _in_item_units(values, b, radius2, reach)
+        inv_sigma = inv_sigma * scale
         row_min = tl.full((BLOCK_M,), float("inf"), tl.float32)
         row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
+        # Per output entry: how many non-finite feature values it would sum (set apart so
+        # that 0 * nan in the product never reaches the queries that do not use them).
+        poison = tl.zeros((BLOCK_M, CP), dtype=tl.float32)
         for group in range(0, groups):
             member = live & (together | (tl.arange(0, BLOCK_M) == group))
             lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
@@ -280,26 +299,31 @@ if triton is not None:
                             row_sum = row_sum * alpha + tl.sum(w, 1)
                             if not STATS_ONLY:
                                 f = _load_block(features, offs_n, end, channels, CP)
+                                bad = (f != f) | (tl.abs(f) == float("inf"))
+                                if tl.max(bad.to(tl.int32)) > 0:
+                                    f = tl.where(bad, 0.0, f)
+                                    poison += tl.dot((w > 0).to(tl.float16), bad.to(tl.float16))
                                 acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
                             row_min = new_min
         tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
         tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
         if not STATS_ONLY:
-            result = acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None]
+            result = tl.where(poison > 0, float("nan"), acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None])
             _store_rows(out, q_order, offs_m, rows, item_q, result, channels, CP)
 
     @triton.jit
     def _radius_pair_terms(d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features, grad_out,
-                           row_min_ptr, row_sum_ptr, delta_ptr, channels, inv_sigma,
+                           row_min_ptr, row_sum_ptr, delta_ptr, channels, inv_sigma, scale,
                            D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr):
-        """For a [BM, BN] tile with pairs ``ok`` at squared distances d2: weights p, the
-        distance-gradient factor c = dL/dd / d, and the loaded blocks (q [BM, DP],
-        r [BN, DP], f [BN, CP], g [BM, CP]). Query-side arrays are indexed by offs_m,
-        reference-side ones by offs_n."""
+        """For a [BM, BN] tile with pairs ``ok`` at squared distances d2 (in units of the
+        item's ``scale``): weights p, the distance-gradient factor c = dL/dd / d, and the
+        loaded blocks (q [BM, DP], r [BN, DP], f [BN, CP], g [BM, CP]). Query-side arrays are
+        indexed by offs_m, reference-side ones by offs_n. With c in scaled units, c (q - r)
+        is the gradient in the user's units (the scale cancels)."""
         row_min = tl.load(row_min_ptr + offs_m, mask=offs_m < q_count, other=0.0)
         row_sum = tl.load(row_sum_ptr + offs_m, mask=offs_m < q_count, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < q_count, other=0.0)
-        p, d = _radius_weights(d2, ok, row_min, row_sum, inv_sigma)
+        p, d = _radius_weights(d2, ok, row_min, row_sum, inv_sigma * scale)
         g = _load_block(grad_out, offs_m, q_count, channels, CP)
         f = _load_block(features, offs_n, r_count, channels, CP)
         projected = tl.dot(g, tl.trans(f), input_precision="ieee")
@@ -308,6 +332,24 @@ if triton is not None:
         q = _load_block(q_base, offs_m, q_count, D, DP)
         r = _load_block(r_base, offs_n, r_count, D, DP)
         return p, c, q, r, f, g
+
+    @triton.jit
+    def _pull(c, q, r, cols, dim: tl.constexpr, axis: tl.constexpr):
+        """Coordinate ``dim`` of sum over the other axis of c_ij (q_i - r_j)."""
+        q_dim = tl.sum(tl.where(cols[None, :] == dim, q, 0.0), 1)
+        r_dim = tl.sum(tl.where(cols[None, :] == dim, r, 0.0), 1)
+        return tl.sum(c * (q_dim[:, None] - r_dim[None, :]), axis)
+
+    @triton.jit
+    def _pulls(c, q, r, axis: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """sum over the other axis of c_ij (q_i - r_j), per coordinate: [BM, DP] (axis 1) or
+        [BN, DP] (axis 0). Each pair's own offset: q_i sum_j c_ij - sum_j c_ij r_j would
+        cancel to a few digits for near-coincident points (c ~ 1 / d)."""
+        cols = tl.arange(0, DP)
+        out = tl.where(cols[None, :] == 0, _pull(c, q, r, cols, 0, axis)[:, None], 0.0)
+        for dim in tl.static_range(1, D):
+            out += tl.where(cols[None, :] == dim, _pull(c, q, r, cols, dim, axis)[:, None], 0.0)
+        return out
 
     @triton.jit
     def radius_grad_query_kernel(
@@ -323,6 +365,7 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
+        radius2, reach, scale = _in_item_units(values, b, radius2, reach)
         acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
         for group in range(0, groups):
             member = live & (together | (tl.arange(0, BLOCK_M) == group))
@@ -341,9 +384,8 @@ if triton is not None:
                             p, c, q, r, f, g = _radius_pair_terms(
                                 d2, ok, q_base, offs_m, q_live, r_points, offs_n, end, features,
                                 grad_out + item_q * channels, row_min + item_q, row_sum + item_q, delta + item_q,
-                                channels, inv_sigma, D, DP, CP)
-                            # sum_j c_ij (q_i - r_j)
-                            acc += q * tl.sum(c, 1)[:, None] - tl.dot(c, r, input_precision="ieee")
+                                channels, inv_sigma, scale, D, DP, CP)
+                            acc += _pulls(c, q, r, 1, D, DP)
         _store_rows(grad_query, q_order, offs_m, rows, item_q, acc, D, DP)
 
     @triton.jit
@@ -360,6 +402,7 @@ if triton is not None:
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         r_base = r_points + item_r * D
         groups, together, live = _groups(values, shape, b, r_base, offs_n, r_live, AGGREGATE_SPREAD, D)
+        radius2, reach, scale = _in_item_units(values, b, radius2, reach)
         acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
         acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
         for group in range(0, groups):
@@ -378,10 +421,9 @@ if triton is not None:
                         if tl.max(ok.to(tl.int32)) > 0:
                             p, c, q, r, f, g = _radius_pair_terms(
                                 d2, ok, q_points, offs_m, end, r_base, offs_n, r_live, features + item_r * channels,
-                                grad_out, row_min, row_sum, delta, channels, inv_sigma, D, DP, CP)
+                                grad_out, row_min, row_sum, delta, channels, inv_sigma, scale, D, DP, CP)
                             acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
-                            # -sum_i c_ij (q_i - r_j)
-                            acc_r += r * tl.sum(c, 0)[:, None] - tl.dot(tl.trans(c), q, input_precision="ieee")
+                            acc_r -= _pulls(c, q, r, 0, D, DP)
         _store_rows(grad_ref, r_order, offs_n, columns, item_r, acc_r, D, DP)
         _store_rows(grad_features, r_order, offs_n, columns, item_r, acc_f, channels, CP)
 
@@ -433,10 +475,10 @@ if triton is not None:
 
     @triton.jit
     def pair_sum_kernel(order, starts, weights, source, out_sum, out_weight, total, width,
-                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr):
+                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr, PER_SLOT: tl.constexpr):
         """For each reference row r: sum over its pairs t (sorted slots order[starts[r]:
-        starts[r + 1]]) of weights[t] * source[t // K], and of weights[t]; in slot order,
-        so the sums are the same run to run (no atomics)."""
+        starts[r + 1]]) of weights[t] * source[t // K] (source[t] when PER_SLOT), and of
+        weights[t]; in slot order, so the sums are the same run to run (no atomics)."""
         offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         first = tl.load(starts + offs, mask=offs < total, other=0).to(tl.int64)
         count = tl.load(starts + offs + 1, mask=offs < total, other=0).to(tl.int64) - first
@@ -447,7 +489,8 @@ if triton is not None:
             active = t < count
             pair = tl.load(order + first + t, mask=active, other=0)
             w = tl.load(weights + pair, mask=active, other=0.0).to(tl.float32)
-            v = tl.load(source + (pair // K)[:, None] * width + cols[None, :],
+            row = pair if PER_SLOT else pair // K
+            v = tl.load(source + row[:, None] * width + cols[None, :],
                         mask=active[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
             acc += w[:, None] * v
             acc_weight += w
