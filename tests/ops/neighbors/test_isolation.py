@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, HAVE_TRITON
+from conftest import DEVICES, backends_for
 
 RADIUS, K, CAP, SIGMA = 0.3, 5, 8, 0.2
 BAD = 0  # padded slots point at row 0: the most exposed row
@@ -34,11 +34,7 @@ def _finite_dists(dists):
 
 
 def _backends(device: str, op: str) -> list[str]:
-    names = ["torch"]
-    if device == "cpu":
-        names.append("cpu")
-    if HAVE_TRITON:
-        names.append("triton")
+    names = backends_for(device)
     if op.startswith("knn"):
         names.append("dense")
     if device == "cuda" and op.startswith("radius") and importlib.util.find_spec("warp") is not None:

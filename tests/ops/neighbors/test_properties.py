@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fullgraph
-from conftest import DEVICES, HAVE_TRITON, oracle_distances, oracle_nearest
+from conftest import DEVICES, backends_for, oracle_distances, oracle_nearest
 
 settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -55,9 +55,7 @@ def clouds(draw, dtypes=(torch.float32, torch.float64)):
 
 
 def _backends(device, dtype, op):
-    names = ["torch"] + (["cpu"] if device == "cpu" else [])
-    if HAVE_TRITON and dtype != torch.float64:
-        names.append("triton")
+    names = backends_for(device, dtype)
     if op.startswith("knn"):
         names.append("dense")
     return names
