@@ -70,3 +70,28 @@ def test_kmeans_plus_plus_finds_separated_blobs():
 def test_bad_input(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call(_blobs(10))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_points_are_refused(bad):
+    x = _blobs(50, torch.float32)
+    x[7, 1] = bad
+    with pytest.raises(ValueError, match=r"x: expected finite values .* got 1 non-finite"):
+        fullgraph.kmeans(x, 3, seed=0)
+    with pytest.raises(ValueError, match=r"x: expected finite values"):
+        fullgraph.kmeans_assign(x, x[:3].nan_to_num())
+    with pytest.raises(ValueError, match=r"init: expected finite values"):
+        fullgraph.kmeans(_blobs(50, torch.float32), 3, init=x[5:8])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scale", [1e20, 1e-25, 1e36])
+def test_any_finite_scale_clusters_like_unit_scale(device, scale):
+    """float32 squared distances overflow beyond ~1.8e19 and underflow below ~1e-19; the
+    data is divided by a power of two first, so the result is the unit-scale one, scaled."""
+    x = _blobs(100, torch.float32).to(device)
+    unit = fullgraph.kmeans(x, 3, seed=0)
+    scaled = fullgraph.kmeans(x * scale, 3, seed=0)
+    assert torch.equal(scaled.labels, unit.labels)
+    torch.testing.assert_close(scaled.centroids / scale, unit.centroids, rtol=1e-5, atol=1e-6)
+    assert torch.equal(fullgraph.kmeans_assign(x * scale, scaled.centroids), unit.labels)

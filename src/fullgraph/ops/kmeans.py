@@ -91,10 +91,9 @@ def _scale(name: str, *tensors: torch.Tensor) -> float:
         return 1.0
     largest = torch.stack([t.abs().amax() for t in tensors]).amax()  # NaN and inf propagate
     if not torch.isfinite(largest):
-        bad = [n for n, t in zip(name.split(", "), tensors) if not torch.isfinite(t).all()]
-        count = sum(int((~torch.isfinite(t)).sum()) for t in tensors)
-        raise ValueError(f"{bad[0]}: expected finite values (k-means has no meaning for NaN or inf: drop or impute "
-                         f"those points), got {count} non-finite")
+        bad, values = next((n, t) for n, t in zip(name.split(", "), tensors) if not torch.isfinite(t).all())
+        raise ValueError(f"{bad}: expected finite values (k-means has no meaning for NaN or inf: drop or impute "
+                         f"those points), got {int((~torch.isfinite(values)).sum())} non-finite")
     return float(safe_scale(largest))
 
 

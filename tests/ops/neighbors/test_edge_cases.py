@@ -80,3 +80,46 @@ def test_gradients_of_near_coincident_points_keep_their_precision(backend, devic
             grads.append(torch.autograd.grad((out * weights).sum(), leaves[:2]))
         for want, got in zip(*grads):
             torch.testing.assert_close(got.double(), want, rtol=1e-3, atol=1e-3, msg=lambda m: f"{name}: {m}")
+
+
+def test_list_width_is_bounded_and_named():
+    """k may exceed N (padding) up to max(N, 1024): k = 10**9 would allocate [M, 10**9]."""
+    query, ref, features = torch.rand(6, 3), torch.rand(10, 3), torch.rand(10, 2)
+    assert fullgraph.knn(query, ref, 1024)[1].shape == (6, 1024)
+    for huge in (10**9, 2**62):
+        with pytest.raises(ValueError, match=rf"k: expected at most max\(N, 1024\) = 1024 .* got {huge}"):
+            fullgraph.knn(query, ref, huge)
+        with pytest.raises(ValueError, match=r"k: expected at most"):
+            fullgraph.knn_aggregate(query, ref, features, huge)
+        with pytest.raises(ValueError, match=r"max_neighbors: expected at most"):
+            fullgraph.radius(query, ref, 0.3, huge)
+        with pytest.raises(ValueError, match=r"k: expected at most"):
+            torch.ops.fullgraph.knn(query[None], ref[None], huge, None, None, "torch")
+
+
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_zero_feature_channels(backend, device):
+    query = torch.rand(6, 3, device=device, requires_grad=True)
+    ref = torch.rand(10, 3, device=device, requires_grad=True)
+    features = torch.rand(10, 0, device=device, requires_grad=True)
+    for out in (fullgraph.knn_aggregate(query, ref, features, 3, backend=backend),
+                fullgraph.radius_aggregate(query, ref, features, 0.5, backend=backend)):
+        assert out.shape == (6, 0)
+        out.sum().backward()
+        assert features.grad.shape == (10, 0) and torch.equal(query.grad, torch.zeros_like(query))
+
+
+@pytest.mark.parametrize("backend, device", backend_cases())
+@pytest.mark.parametrize("scale", [1e20, 1e-25, 1e36])
+def test_far_apart_and_tiny_clouds_keep_their_order(backend, device, scale, generator):
+    """Squares of float32 differences overflow beyond ~1.8e19 (every distance +inf, ties
+    broken by index) and underflow below ~1e-19: the points are scaled by a power of two."""
+    query = torch.randn(30, 3, generator=generator) * scale
+    ref = torch.randn(200, 3, generator=generator) * scale
+    want_dists, want_idx = torch.cdist(query.double(), ref.double()).topk(4, largest=False)
+    dists, idx = fullgraph.knn(query.to(device), ref.to(device), 4, backend=backend)
+    assert torch.equal(idx.cpu(), want_idx)
+    torch.testing.assert_close(dists.cpu().double(), want_dists, rtol=1e-5, atol=0)
+    features = torch.randn(200, 2, generator=generator).to(device)
+    out = fullgraph.knn_aggregate(query.to(device), ref.to(device), features, 4, sigma=scale, backend=backend)
+    assert torch.isfinite(out).all() and out.abs().sum() > 0

@@ -134,6 +134,34 @@ def test_warp_compiles_in_one_graph_and_replays_in_a_cuda_graph(generator):
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
+@needs_warp
+def test_warp_under_reduce_overhead_a_thousand_calls_with_changing_shapes(generator):
+    """CUDA-graph trees with an external kernel: no graph-pool block kept alive by a Warp
+    launch ("tensor(s) in the cudagraph pool not tracked as outputs"), results equal eager,
+    memory back where it began, over 1,000 calls cycling through three cloud sizes."""
+    def step(query, ref, feats):
+        dists, idx, counts = fullgraph.radius(query, ref, 0.25, 8, backend="warp")
+        out = fullgraph.radius_aggregate(query, ref, feats, 0.25, backend="warp")
+        return out.sum(-1) + dists.masked_fill(idx < 0, 0).sum(-1) + counts
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    data = [(_cloud("uniform", m, generator), _cloud("normal", n, generator), torch.randn(n, 4, device="cuda"))
+            for m, n in ((200, 900), (350, 1500), (120, 600))]
+    for inputs in data:  # warm-up and capture each size
+        for _ in range(3):
+            compiled(*inputs)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for i in range(1000):
+        inputs = data[i % len(data)]
+        out = compiled(*inputs)
+        if i % 97 == 0:
+            torch.testing.assert_close(out, step(*inputs), rtol=1e-4, atol=1e-4)
+    del out
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() <= before
+
+
 @needs_cuml
 @pytest.mark.parametrize("distribution", ["uniform", "duplicates", "grid", "far"])
 def test_cuml_knn_matches_oracle(distribution, generator):
