@@ -9,12 +9,12 @@ import torch
 import pytest
 
 import fullgraph
-from fullgraph.ops import ddpm, kmeans
+from fullgraph.ops import ddpm, kmeans, sampling
 from fullgraph.ops.lltm import api as lltm
 from fullgraph.ops.neighbors import api
 
 
-@pytest.mark.parametrize("module, examples", [(api, 4), (fullgraph.numpy, 2), (kmeans, 4), (lltm, 3), (ddpm, 4)])
+@pytest.mark.parametrize("module, examples", [(api, 4), (fullgraph.numpy, 2), (kmeans, 4), (lltm, 3), (ddpm, 4), (sampling, 1)])
 def test_docstring_examples(module, examples):
     torch.manual_seed(0)
     result = doctest.testmod(module, extraglobs={"torch": torch, "fullgraph": fullgraph}, verbose=False)

@@ -8,11 +8,17 @@ from .explain import explain
 from .ops.ddpm import ddpm_step
 from .ops.kmeans import KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
-from .ops.neighbors import knn, knn_aggregate, knn_gather, radius, radius_aggregate
+from .ops.neighbors import (
+    ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, radius, radius_aggregate, radius_edges,
+    radius_graph,
+)
+from .ops.sampling import fps
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate", "knn_gather", "radius", "radius_aggregate",
+    "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate",
+    "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
+    "ball_query",
     "kmeans", "kmeans_assign", "KMeansResult", "lltm", "__version__",
 ]

@@ -1,5 +1,9 @@
-"""Point-cloud neighbour search and neighbour-weighted feature aggregation."""
+"""Point-cloud neighbour search, neighbour-weighted feature aggregation, and the
+torch_cluster / PyTorch3D vocabulary built on them."""
 
 from .api import knn, knn_aggregate, knn_gather, radius, radius_aggregate
+from .ball_query import ball_query
+from .cluster import knn_edges, knn_graph, radius_edges, radius_graph
 
-__all__ = ["knn", "knn_aggregate", "knn_gather", "radius", "radius_aggregate"]
+__all__ = ["ball_query", "knn", "knn_aggregate", "knn_edges", "knn_gather", "knn_graph", "radius", "radius_aggregate",
+           "radius_edges", "radius_graph"]

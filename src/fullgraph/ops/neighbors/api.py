@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ... import _validate
+from .batching import Padded, check_batch
 from .registration import BACKENDS, check_clouds, check_features, check_sigma
 
 
@@ -57,7 +58,43 @@ def _unbatch(tensors, unbatched: bool):
     return tuple(t[0] for t in tensors) if unbatched else tuple(tensors)
 
 
-def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
+def _batch_vectors(query, ref, batch_query, batch_ref, query_lengths, ref_lengths):
+    """For flat clouds with PyG batch vectors: (padded query, padded ref, query layout,
+    ref layout); see ``batching``."""
+    if query_lengths is not None or ref_lengths is not None:
+        raise ValueError("batch_query, batch_ref: pass batch vectors or lengths, not both")
+    _validate.floating("query", query)
+    _validate.rank("query", query, (2,), "[M, D] (batch vectors mark the items of flat clouds)")
+    _validate.floating("ref", ref)
+    _validate.rank("ref", ref, (2,), "[N, D] (batch vectors mark the items of flat clouds)")
+    for name, batch, points in (("batch_query", batch_query, query), ("batch_ref", batch_ref, ref)):
+        if batch is not None:
+            check_batch(name, batch, points)
+    queries = Padded.of(batch_query, query.shape[0], query.device)
+    refs = Padded.of(batch_ref, ref.shape[0], ref.device, items=queries.items)
+    if refs.items > queries.items:
+        queries = Padded.of(batch_query, query.shape[0], query.device, items=refs.items)
+    return queries.pad(query), refs.pad(ref), queries, refs
+
+
+def _aggregate_batch_vectors(aggregate, query, ref, features, size, sigma, batch_query, batch_ref, query_lengths,
+                             ref_lengths, backend):
+    """``aggregate`` (knn_aggregate or radius_aggregate, ``size`` its k or radius) of flat
+    clouds with batch vectors, through the padded layout."""
+    padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+                                                              ref_lengths)
+    check_features(features, ref)
+    out = aggregate(padded_query, padded_ref, refs.pad(features), size, sigma=sigma, query_lengths=queries.lengths,
+                    ref_lengths=refs.lengths, backend=backend)
+    return queries.unpad(out)
+
+
+def _query_items(batch_query, queries: Padded):
+    return batch_query if batch_query is not None else torch.zeros(queries.slots.shape, dtype=torch.int64,
+                                                                    device=queries.slots.device)
+
+
+def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None, batch_ref=None, backend="auto"):
     """The k nearest reference points of every query point.
 
     Args:
@@ -67,6 +104,9 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
             max(N, 1024).
         query_lengths, ref_lengths: [B] int64, the valid prefix of each padded batch
             item (batched inputs only); padded queries get no neighbours.
+        batch_query, batch_ref: instead, PyG batch vectors: [M] / [N] sorted int64 item ids
+            of flat clouds [M, D] / [N, D] (either may be None: one item). Indices are then
+            rows of the flat ``ref``. One host read of the item sizes (not capturable).
         backend: "auto" (the fastest available for the device), "torch", "cpu" (scipy),
             "triton" (CUDA), "cuml" (CUDA, RAPIDS cuML candidates re-ranked exactly; knn
             and knn_aggregate) or "warp" (CUDA, float32, D = 3, NVIDIA Warp HashGrid;
@@ -92,6 +132,12 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
         >>> dists.shape, idx.shape
         (torch.Size([10, 4]), torch.Size([10, 4]))
     """
+    if batch_query is not None or batch_ref is not None:
+        padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+                                                                  ref_lengths)
+        dists, idx = knn(padded_query, padded_ref, k, query_lengths=queries.lengths, ref_lengths=refs.lengths,
+                         backend=backend)
+        return queries.unpad(dists), refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _integer("k", k)
     backend = _backend(backend, query, "knn", k)
@@ -99,7 +145,8 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, backend="auto"):
     return _unbatch((dists, idx), unbatched)
 
 
-def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths=None, backend="auto"):
+def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths=None, batch_query=None,
+           batch_ref=None, backend="auto"):
     """The nearest ``max_neighbors`` reference points within ``radius`` of every query.
 
     Args:
@@ -108,7 +155,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         radius: finite float >= 0, inclusive (distance <= radius), in coordinate units.
         max_neighbors: the cap, >= 1, up to max(N, 1024). The *nearest* ones are kept, never
             the first found.
-        query_lengths, ref_lengths, backend: as in :func:`knn`.
+        query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
 
     Returns:
         dists: [..., M, max_neighbors] ascending, +inf padded; differentiable.
@@ -125,6 +172,14 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         >>> bool((counts >= (idx >= 0).sum(-1)).all())
         True
     """
+    if batch_query is not None or batch_ref is not None:
+        padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+                                                                  ref_lengths)
+        dists, idx, counts = fullgraph_radius(padded_query, padded_ref, radius, max_neighbors,
+                                              query_lengths=queries.lengths, ref_lengths=refs.lengths,
+                                              backend=backend)
+        idx = refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
+        return queries.unpad(dists), idx, queries.unpad(counts)
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius = _real("radius", radius, strict=False)
     max_neighbors = _integer("max_neighbors", max_neighbors)
@@ -133,7 +188,8 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     return _unbatch(result, unbatched)
 
 
-def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref_lengths=None, backend="auto"):
+def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref_lengths=None, batch_query=None,
+                  batch_ref=None, backend="auto"):
     """Features of the k nearest references, softmax-weighted by distance.
 
     ``out[m] = sum_j softmax_j(-d_mj / sigma) * features[idx_mj]`` over the k nearest
@@ -143,7 +199,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         query: [M, D] or [B, M, D] floating; ref: [N, D] or [B, N, D].
         features: [N, C] or [B, N, C], same dtype and device as ref.
         k: >= 1. sigma: temperature in coordinate units, > 0.
-        query_lengths, ref_lengths, backend: as in :func:`knn`.
+        query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
 
     Returns:
         [..., M, C] in the input dtype, differentiable w.r.t. query, ref and features.
@@ -153,6 +209,9 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         >>> fullgraph.knn_aggregate(torch.randn(20, 3), ref, feats, k=7).shape
         torch.Size([20, 8])
     """
+    if batch_query is not None or batch_ref is not None:
+        return _aggregate_batch_vectors(knn_aggregate, query, ref, features, k, sigma, batch_query, batch_ref,
+                                        query_lengths, ref_lengths, backend)
     k = _integer("k", k)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "knn_aggregate", k)
@@ -163,7 +222,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
 
 
 def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=None, ref_lengths=None,
-                     backend="auto"):
+                     batch_query=None, batch_ref=None, backend="auto"):
     """Features of **all** references within ``radius``, weighted by exp(-d / sigma).
 
     ``out[m] = sum_{d_mj <= radius} w_mj features[j] / sum w_mj`` with
@@ -174,7 +233,7 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
         query: [M, D] or [B, M, D] floating; ref: [N, D] or [B, N, D].
         features: [N, C] or [B, N, C], same dtype and device as ref.
         radius: finite float >= 0 (inclusive). sigma: > 0, coordinate units.
-        query_lengths, ref_lengths, backend: as in :func:`knn`.
+        query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
 
     Returns:
         [..., M, C] in the input dtype, differentiable w.r.t. query, ref and features.
@@ -184,6 +243,9 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
         >>> fullgraph.radius_aggregate(torch.rand(20, 3), ref, feats, radius=0.2).shape
         torch.Size([20, 8])
     """
+    if batch_query is not None or batch_ref is not None:
+        return _aggregate_batch_vectors(radius_aggregate, query, ref, features, radius, sigma, batch_query,
+                                        batch_ref, query_lengths, ref_lengths, backend)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
     radius = _real("radius", radius, strict=False)
@@ -238,3 +300,6 @@ def knn_gather(values, idx, *, fill: float = 0.0):
     out = values.reshape(batch * rows, -1)[(idx.clamp(min=0) + offsets).reshape(-1)]
     out = out.reshape(*idx.shape, values.shape[-1]).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
+
+
+fullgraph_radius = radius  # the function, where a parameter is named radius

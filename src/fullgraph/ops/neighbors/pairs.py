@@ -62,6 +62,17 @@ def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
             query.new_zeros((batch, rows), dtype=torch.int64))
 
 
+def norm_of_difference(query: Tensor, ref: Tensor) -> Tensor:
+    """sqrt(sum_c (query_c - ref_c)^2) over the last dim, broadcasting, the coordinates
+    summed one after the other: the one distance arithmetic of the neighbour backends (the
+    reference's matrix and every re-measure give the same bits). One [...] pass per
+    coordinate: no [..., D] difference is held."""
+    total = (query[..., 0] - ref[..., 0]).square()
+    for c in range(1, query.shape[-1]):
+        total += (query[..., c] - ref[..., c]).square()
+    return total.sqrt_()
+
+
 def pair_distances(query: Tensor, ref: Tensor) -> Tensor:
     """[...] distances between matching rows of query [..., D] and ref [..., D]
     (broadcasting), in the accumulation dtype: the arithmetic of the reference's distance
@@ -69,7 +80,7 @@ def pair_distances(query: Tensor, ref: Tensor) -> Tensor:
     acc = accumulation_dtype(query.dtype)
     query, ref = query.to(acc), ref.to(acc)
     scale = safe_scale(torch.maximum(magnitude(query), magnitude(ref)))[..., None]
-    return torch.linalg.vector_norm(query / scale - ref / scale, dim=-1) * scale[..., 0]
+    return norm_of_difference(query / scale, ref / scale) * scale[..., 0]
 
 
 def order_by_distance(d: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,15 +18,15 @@ import torch
 
 from ...backends import ANY_DEVICE, Backend
 from ..scaling import magnitude, safe_scale
-from .pairs import Kernels, accumulation_dtype, query_chunks, valid_points
+from .pairs import Kernels, accumulation_dtype, norm_of_difference, query_chunks, valid_points
 
 
 def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype,
-    computed on the points divided by ``scale`` (a power of two, ``ops.scaling.safe_scale``)."""
+    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype, in
+    units of ``scale`` (a power of two, ``ops.scaling.safe_scale``): times scale, exactly
+    ``pairs.pair_distances``."""
     acc = accumulation_dtype(query.dtype)
-    query, ref = query.to(acc) / scale, ref.to(acc) / scale
-    return torch.linalg.vector_norm(query[:, None, :] - ref[None, :, :], dim=-1) * scale
+    return norm_of_difference(query.to(acc)[:, None, :] / scale, ref.to(acc)[None, :, :] / scale)
 
 
 def nearest(
@@ -45,31 +45,36 @@ def nearest(
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     take = min(k, columns)
-    for b, chunk, d, ok in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
-        # NaN sorts after +inf, so excluded pairs land last even behind overflowed ones.
-        values, order = smallest(d.masked_fill(~ok, math.nan), take)
-        found = ok.gather(1, order)
-        dists[b, chunk, :take] = values.masked_fill(~found, math.inf)
+    for b, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+        # Excluded pairs become NaN, which ranks after every distance (+inf included).
+        values, order = smallest(torch.where(ok, d, math.nan), take)
+        found = ~torch.isnan(values)
+        dists[b, chunk, :take] = torch.where(found, values * scale, math.inf)
         idx[b, chunk, :take] = order.masked_fill(~found, -1)
         counts[b, chunk] = ok.sum(dim=1)
     return dists.to(query.dtype), idx, counts
 
 
 def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
-    """Bounded blocks of the distance matrix: yields (b, rows, d [m, N], ok [m, N]) where
+    """Bounded blocks of the distance matrix: yields (b, rows, d [m, N], ok [m, N], scale)
+    where d is in units of ``scale`` (multiply to get distances: exact, a power of two) and
     ok marks valid pairs within the radius."""
     batch, rows, dim = query.shape
     query_ok = valid_points(query, query_lengths)
     ref_ok = valid_points(ref, ref_lengths)
+    acc = accumulation_dtype(query.dtype)
     for b in range(batch):
         # One scale per item (the pairs' own would cost a pass over [m, N, D]): far apart
         # points stay finite; only in clouds that also hold points within ~1e-30 of each
         # other do those underflow to distance 0 (ties, broken by index).
         size = torch.maximum(largest(query[b], query_ok[b]), largest(ref[b], ref_ok[b]))
-        scale = safe_scale(size.to(accumulation_dtype(query.dtype)))
-        for chunk in query_chunks(rows, ref.shape[1], dim, query.device):
+        scale = safe_scale(size.to(acc))
+        # d * scale <= radius exactly when d <= radius / scale (both rounded to acc like d).
+        within = torch.tensor(radius, dtype=acc, device=query.device) / scale if math.isfinite(radius) else None
+        for chunk in query_chunks(rows, ref.shape[1], 0, query.device):
             d = pairwise_distances(query[b, chunk], ref[b], scale)
-            yield b, chunk, d, query_ok[b, chunk, None] & ref_ok[b, None, :] & (d <= radius)
+            ok = query_ok[b, chunk, None] & ref_ok[b, None, :]
+            yield b, chunk, d, ok if within is None else ok & (d <= within), scale
 
 
 def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -89,6 +94,8 @@ def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows, columns = d.shape
     if take == 0:
         return d[:, :0], torch.zeros((rows, 0), dtype=torch.int64, device=d.device)
+    if d.device.type == "cpu":  # a host read costs nothing here: topk, then repair ties at the cut
+        return _smallest_repairing_ties(d, take)
     column = torch.arange(columns, device=d.device)
     if d.dtype == torch.float32 and columns < 2**31:
         bits = d.masked_fill(torch.isnan(d), math.nan).view(torch.int32).to(torch.int64)
@@ -105,6 +112,22 @@ def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, order.gather(1, by_value)
 
 
+def _smallest_repairing_ties(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``smallest`` with one host read: topk, ordered by (value, column); rows where more
+    columns equal the cut than were taken are redone with a stable sort."""
+    values, order = torch.topk(d, take, dim=1, largest=False, sorted=True)
+    cut = values[:, -1:]
+    ambiguous = (d == cut).sum(1) > (values == cut).sum(1)
+    order = order.sort(dim=1).values
+    values, permutation = d.gather(1, order).sort(dim=1, stable=True)
+    order = order.gather(1, permutation)
+    if ambiguous.any():
+        rows = ambiguous.nonzero()[:, 0]
+        tied_values, tied_order = torch.sort(d[rows], dim=1, stable=True)
+        values[rows], order[rows] = tied_values[:, :take], tied_order[:, :take]
+    return values, order
+
+
 def radius_pairs(
     query: torch.Tensor,
     ref: torch.Tensor,
@@ -113,9 +136,9 @@ def radius_pairs(
     ref_lengths: torch.Tensor | None,
 ) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``pairs.Kernels.radius_pairs``, chunk by chunk of queries."""
-    for b, chunk, d, ok in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+    for b, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
         qi, rj = ok.nonzero(as_tuple=True)
-        yield b, chunk, qi, rj, d[qi, rj]
+        yield b, chunk, qi, rj, d[qi, rj] * scale
 
 
 class ReferenceKernels(Kernels):

@@ -1,0 +1,120 @@
+"""torch_cluster's graph builders, with its names, argument order and keyword names.
+
+``knn_edges(x, y, k, batch_x, batch_y)`` and ``radius_edges(x, y, r, ...)`` are
+``torch_cluster.knn`` / ``torch_cluster.radius``: for each point of ``y`` (the queries) its
+neighbours in ``x`` (the references), as ``edge_index`` [2, E] = (row into y, column into x).
+Mind the order: ``fullgraph.knn(query, ref, k)`` takes the queries first, these take them
+second, like torch_cluster; both type-check on [*, 3], so a ported call must keep its order.
+``knn_graph`` / ``radius_graph`` build the graph of one cloud with torch_cluster's ``loop``
+and ``flow`` conventions.
+
+Differences from torch_cluster: lists hold the *nearest* neighbours (ties to the smaller
+index), where torch_cluster's radius keeps the first ``max_num_neighbors`` it finds; edges
+come ordered by query, then distance. E depends on the data: each builder is an operator
+(``torch.ops.fullgraph.knn_edges`` ...) whose fake declares a data-dependent size, so
+``torch.compile(fullgraph=True)`` holds without a graph break; they read sizes back to the
+host, so they cannot be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import _validate
+from . import api
+
+Tensor = torch.Tensor
+OptionalTensor = torch.Tensor | None
+FLOWS = ("source_to_target", "target_to_source")
+
+
+def _edges(idx: Tensor, queries: int, drop_self: bool) -> Tensor:
+    """edge_index [2, E] (query row, neighbour) of the found slots of lists idx [M, k],
+    without the edges (i, i) when ``drop_self``."""
+    rows = torch.arange(queries, device=idx.device)[:, None].expand_as(idx)
+    found = (idx >= 0) & (idx != rows) if drop_self else idx >= 0
+    return torch.stack([rows[found], idx[found]])
+
+
+def _lists(x, y, k, r, batch_x, batch_y, backend) -> Tensor:
+    """Neighbour lists [len(y), k] into x (global rows), kNN when r is None."""
+    _validate.floating("x", x)
+    _validate.rank("x", x, (2,), "[N, D]")
+    _validate.floating("y", y)
+    _validate.rank("y", y, (2,), "[M, D]")
+    if (batch_x is None) != (batch_y is None) and x.shape[0] and y.shape[0]:
+        raise ValueError("batch_x, batch_y: pass both batch vectors or neither")
+    batches = dict(batch_query=batch_y, batch_ref=batch_x) if batch_x is not None else {}
+    if r is None:
+        return api.knn(y, x, k, backend=backend, **batches)[1]
+    return api.radius(y, x, r, k, backend=backend, **batches)[1]
+
+
+def _fake_edges(*args):
+    return args[0].new_empty((2, torch.library.get_ctx().new_dynamic_size()), dtype=torch.int64)
+
+
+@torch.library.custom_op("fullgraph::knn_edges", mutates_args=())
+def _knn_edges(x: Tensor, y: Tensor, k: int, batch_x: OptionalTensor, batch_y: OptionalTensor, drop_self: bool,
+               backend: str) -> Tensor:
+    return _edges(_lists(x, y, k, None, batch_x, batch_y, backend), y.shape[0], drop_self)
+
+
+@torch.library.custom_op("fullgraph::radius_edges", mutates_args=())
+def _radius_edges(x: Tensor, y: Tensor, r: float, batch_x: OptionalTensor, batch_y: OptionalTensor,
+                  max_num_neighbors: int, drop_self: bool, backend: str) -> Tensor:
+    return _edges(_lists(x, y, max_num_neighbors, r, batch_x, batch_y, backend), y.shape[0], drop_self)
+
+
+_knn_edges.register_fake(_fake_edges)
+_radius_edges.register_fake(_fake_edges)
+
+
+def knn_edges(x, y, k, batch_x=None, batch_y=None, *, backend="auto"):
+    """``torch_cluster.knn``: for each point of ``y``, its ``k`` nearest points in ``x``.
+
+    Args:
+        x: [N, D] the points searched (references). y: [M, D] the queries.
+        k: >= 1. batch_x, batch_y: sorted int64 item ids [N] / [M] (both or neither).
+
+    Returns:
+        edge_index [2, E] int64: row 0 indexes ``y``, row 1 ``x``; missing neighbours (items
+        with fewer than k points) have no edge.
+    """
+    return torch.ops.fullgraph.knn_edges(x, y, k, batch_x, batch_y, False, backend)
+
+
+def radius_edges(x, y, r, batch_x=None, batch_y=None, max_num_neighbors=32, *, backend="auto"):
+    """``torch_cluster.radius``: for each point of ``y``, the points of ``x`` within ``r``
+    (inclusive), at most ``max_num_neighbors`` (the nearest ones). Returns edge_index [2, E]
+    (row 0 into ``y``, row 1 into ``x``)."""
+    return torch.ops.fullgraph.radius_edges(x, y, r, batch_x, batch_y, max_num_neighbors, False, backend)
+
+
+def _oriented(edge_index: Tensor, flow: str) -> Tensor:
+    """source_to_target: [neighbour, point] (PyG's message direction); else [point, neighbour]."""
+    return edge_index.flip(0) if flow == "source_to_target" else edge_index
+
+
+def knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend="auto"):
+    """``torch_cluster.knn_graph``: the k-nearest-neighbour graph of the points x [N, D].
+
+    Without ``loop`` each point's k + 1 nearest are searched and itself dropped (so a point
+    with an exact duplicate of smaller index may keep k + 1 others, as in torch_cluster).
+    ``flow="source_to_target"`` returns edges (neighbour j, point i), the message-passing
+    direction PyG uses; "target_to_source" returns (i, j). Returns edge_index [2, E].
+    """
+    _validate.integer("k", k, minimum=1)
+    _validate.choice("flow", flow, FLOWS)
+    edges = torch.ops.fullgraph.knn_edges(x, x, k if loop else k + 1, batch, batch, not loop, backend)
+    return _oriented(edges, flow)
+
+
+def radius_graph(x, r, batch=None, loop=False, max_num_neighbors=32, flow="source_to_target", *, backend="auto"):
+    """``torch_cluster.radius_graph``: edges between points of x [N, D] within ``r``, at most
+    ``max_num_neighbors`` per point (the nearest; without ``loop`` one more is searched and
+    the point itself dropped). ``flow`` as in :func:`knn_graph`. Returns edge_index [2, E]."""
+    _validate.integer("max_num_neighbors", max_num_neighbors, minimum=1)
+    _validate.choice("flow", flow, FLOWS)
+    cap = max_num_neighbors if loop else max_num_neighbors + 1
+    return _oriented(torch.ops.fullgraph.radius_edges(x, x, r, batch, batch, cap, not loop, backend), flow)

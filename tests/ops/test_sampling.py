@@ -1,0 +1,101 @@
+"""Farthest-point sampling against a float64 loop: both calling forms, ties, ragged, graphs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import fullgraph
+from conftest import DEVICES, points
+
+
+def _oracle(x: np.ndarray, count: int, start: int) -> list[int]:
+    """The textbook loop in float64: farthest from the taken set, ties to the smaller index."""
+    taken = [start]
+    gap = np.full(len(x), np.inf)
+    while len(taken) < min(count, len(x)):
+        gap = np.minimum(gap, ((x - x[taken[-1]]) ** 2).sum(-1))
+        taken.append(int(np.argmax(gap)))
+    return taken
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("distribution", ["uniform", "clustered", "duplicates", "grid", "far"])
+def test_padded_form_matches_the_float64_loop(device, distribution, generator):
+    x = torch.stack([points(distribution, 80, 3, generator) for _ in range(3)])
+    lengths = torch.tensor([80, 33, 5])
+    idx = fullgraph.fps(x.to(device), n_samples=12, lengths=lengths.to(device), random_start=False)
+    assert idx.shape == (3, 12) and idx.dtype == torch.int64
+    for b in range(3):
+        want = _oracle(x[b, :int(lengths[b])].numpy(), 12, 0)
+        assert idx[b].tolist() == want + [-1] * (12 - len(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flat_form_like_torch_cluster(device, generator):
+    sizes = [10, 1, 25]
+    x = torch.rand(sum(sizes), 2, generator=generator, dtype=torch.float64)
+    batch = torch.cat([torch.full((n,), b) for b, n in enumerate(sizes)])
+    idx = fullgraph.fps(x.to(device), 0.3, batch=batch.to(device), random_start=False)
+    want, start = [], 0
+    for n in sizes:
+        want += [start + i for i in _oracle(x[start:start + n].numpy(), math.ceil(0.3 * n), 0)]
+        start += n
+    assert idx.tolist() == want
+    assert fullgraph.fps(x.to(device), n_samples=4, batch=batch.to(device), random_start=False).shape == (4 + 1 + 4,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_random_start_is_a_valid_point_and_seeded(device, generator):
+    x = torch.rand(4, 50, 3, generator=generator).to(device)
+    x[0, 0] = math.nan  # a non-finite point is never taken
+    lengths = torch.tensor([50, 3, 20, 1], device=device)
+    first = fullgraph.fps(x, n_samples=5, lengths=lengths, generator=torch.Generator(device).manual_seed(5))
+    again = fullgraph.fps(x, n_samples=5, lengths=lengths, generator=torch.Generator(device).manual_seed(5))
+    assert torch.equal(first, again)
+    for b in range(4):
+        row = first[b][first[b] >= 0]
+        assert len(set(row.tolist())) == len(row) == min(5, int(lengths[b]) - (b == 0))
+        assert (row < lengths[b]).all() and not (b == 0 and (row == 0).any())
+
+
+def test_bad_input_is_named():
+    x = torch.rand(2, 10, 3)
+    cases = [
+        (lambda: fullgraph.fps(x, n_samples=11), ValueError, "n_samples: expected at most N = 10"),
+        (lambda: fullgraph.fps(x, 1.5), ValueError, r"ratio: expected a fraction in \(0, 1\], got 1.5"),
+        (lambda: fullgraph.fps(x, 0.0), ValueError, "ratio: expected a finite float > 0"),
+        (lambda: fullgraph.fps(x), ValueError, "ratio, n_samples: expected exactly one of them"),
+        (lambda: fullgraph.fps(x, n_samples=0), ValueError, "n_samples: expected an int >= 1"),
+        (lambda: fullgraph.fps(x[0], 0.5, batch=torch.tensor([1, 0] * 5)), ValueError, "batch: expected a sorted"),
+        (lambda: fullgraph.fps(x, 0.5, batch=torch.zeros(10, dtype=torch.int64)), ValueError, "batch: only for flat"),
+        (lambda: fullgraph.fps(x.long(), 0.5), TypeError, "x: expected a floating-point tensor"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+
+@pytest.mark.slow
+def test_compiles_once_across_sizes(generator):
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(lambda x, n: fullgraph.fps(x, n_samples=8, lengths=n, random_start=False),
+                             backend=counter, fullgraph=True, dynamic=True)
+    for size in (20, 37, 64):
+        x = torch.rand(2, size, 3, generator=generator)
+        lengths = torch.tensor([size, size // 2])
+        assert torch.equal(compiled(x, lengths), fullgraph.fps(x, n_samples=8, lengths=lengths, random_start=False))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_padded_form_replays_from_a_cuda_graph(generator):
+    sample = fullgraph.graphs.graphed(lambda x: fullgraph.fps(x, n_samples=16, random_start=False))
+    for _ in range(3):
+        x = torch.rand(4, 500, 3, generator=generator).cuda()
+        assert torch.equal(sample(x), fullgraph.fps(x, n_samples=16, random_start=False))
