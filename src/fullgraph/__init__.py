@@ -12,13 +12,13 @@ from .ops.neighbors import (
     ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, radius, radius_aggregate, radius_edges,
     radius_graph,
 )
-from .ops.sampling import fps
+from .ops.sampling import fps, voxel_grid
 
 __version__ = "0.1.0"
 
 __all__ = [
     "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
-    "ball_query",
+    "ball_query", "voxel_grid",
     "kmeans", "kmeans_assign", "KMeansResult", "lltm", "__version__",
 ]

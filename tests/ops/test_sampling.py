@@ -99,3 +99,34 @@ def test_padded_form_replays_from_a_cuda_graph(generator):
     for _ in range(3):
         x = torch.rand(4, 500, 3, generator=generator).cuda()
         assert torch.equal(sample(x), fullgraph.fps(x, n_samples=16, random_start=False))
+
+
+def _voxel_oracle(pos, size, batch, start=None, end=None):
+    """PyG's voxel_grid numbering in float64 Python (the item id as a last coordinate)."""
+    pos = np.concatenate([pos, batch[:, None]], 1)
+    size = np.append(np.broadcast_to(size, pos.shape[1] - 1), 1.0)
+    start = pos.min(0) if start is None else np.append(np.broadcast_to(start, pos.shape[1] - 1), 0.0)
+    end = pos.max(0) if end is None else np.append(np.broadcast_to(end, pos.shape[1] - 1), batch.max())
+    counts = np.floor((end - start) / size).astype(np.int64) + 1
+    strides = np.concatenate([[1], np.cumprod(counts)[:-1]])
+    return (np.floor((pos - start) / size).astype(np.int64) * strides).sum(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_voxel_grid_numbers_voxels_like_pyg(device, generator):
+    pos = torch.rand(200, 3, generator=generator, dtype=torch.float64) * 4 - 1
+    batch = torch.sort(torch.randint(0, 3, (200,), generator=generator)).values
+    for size, start, end in ((0.5, None, None), ([0.3, 0.7, 1.1], -1.0, 3.0)):
+        got = fullgraph.voxel_grid(pos.to(device), size, batch.to(device), start, end)
+        np.testing.assert_array_equal(got.cpu().numpy(), _voxel_oracle(pos.numpy(), np.asarray(size), batch.numpy(),
+                                                                       start, end))
+    # Points in one voxel share its id; a voxel never spans two items.
+    ids = fullgraph.voxel_grid(pos, 0.5, batch)
+    for voxel in ids.unique():
+        members = ids == voxel
+        assert batch[members].unique().numel() == 1
+        assert (torch.floor((pos[members] - pos.min(0).values) / 0.5).unique(dim=0).shape[0]) == 1
+    with pytest.raises(ValueError, match="size: expected voxel edges > 0"):
+        fullgraph.voxel_grid(pos, 0.0)
+    with pytest.raises(ValueError, match="size: expected a float or 3 of them"):
+        fullgraph.voxel_grid(pos, [0.1, 0.2])

@@ -74,13 +74,13 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             rows.append(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    _add_ratios(rows)
+    _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
 
 
-def _add_ratios(rows: list[dict]) -> None:
+def _add_ratios(rows: list[dict], baseline_variant: str = BASELINE) -> None:
     """speedup = baseline median / variant median, per phase (> 1 is faster than eager)."""
-    baseline = {r["phase"]: r.get("median_ms") for r in rows if r["variant"] == BASELINE}
+    baseline = {r["phase"]: r.get("median_ms") for r in rows if r["variant"] == baseline_variant}
     for row in rows:
         base = baseline.get(row["phase"])
         row["speedup_vs_eager"] = base / row["median_ms"] if base and row.get("median_ms") else None

@@ -23,26 +23,37 @@ from .neighbors.pairs import accumulation_dtype, full_lengths, valid_points
 from .scaling import magnitude, safe_scale
 
 
-def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, random_start: bool,
-                    generator: torch.Generator | None) -> torch.Tensor:
-    """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
+def _starts(x, valid, random_start: bool, generator) -> torch.Tensor:
+    """[B] int64: each item's first sample, uniform among its valid points or its first valid one."""
+    batch, size = valid.shape
+    if size == 0:
+        return torch.zeros(batch, dtype=torch.int64, device=x.device)
+    if random_start:
+        draw = torch.rand((batch, size), generator=generator, device=x.device)
+        return torch.where(valid, draw, -1.0).argmax(1)
+    return valid.to(torch.int8).argmax(1)
+
+
+@torch.library.custom_op("fullgraph::farthest_points", mutates_args=())
+def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor, count: int) -> torch.Tensor:
+    """idx [B, count] int64 of padded clouds x [B, N, D] from the samples ``start`` [B] (-1
+    beyond an item's valid points). An operator, so that torch.compile sees one call instead
+    of unrolling ``count`` iterations."""
+    _validate.floating("x", x)
+    _validate.rank("x", x, (3,), "[B, N, D]")
+    _validate.integer("count", count, minimum=1)
     batch, size, _ = x.shape
     valid = valid_points(x, lengths)
     acc = accumulation_dtype(x.dtype)
     largest = torch.where(valid, magnitude(x).to(acc), 0).amax(1) if size else x.new_zeros(batch, dtype=acc)
     points = torch.where(valid[..., None], x.to(acc) / safe_scale(largest)[:, None, None], 0)
-    if random_start:
-        draw = torch.rand((batch, size), generator=generator, device=x.device)
-        current = torch.where(valid, draw, -1.0).argmax(1) if size else torch.zeros(batch, dtype=torch.int64,
-                                                                                     device=x.device)
-    else:
-        current = valid.to(torch.int8).argmax(1) if size else torch.zeros(batch, dtype=torch.int64, device=x.device)
     idx = torch.empty((batch, count), dtype=torch.int64, device=x.device)
     gap = torch.where(valid, math.inf, -1.0).to(acc)  # squared distance to the nearest sample; -1: never taken
     items = torch.arange(batch, device=x.device)
+    current = start
     for i in range(count):
         idx[:, i] = current
-        if i + 1 == count:
+        if i + 1 == count or size == 0:
             break
         last = points[items, current]
         d2 = (points[..., 0] - last[:, None, 0]).square()
@@ -52,6 +63,18 @@ def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, r
         current = gap.argmax(1)  # the first of the largest: ties go to the smaller index
     taken = valid.sum(1, keepdim=True)
     return torch.where(torch.arange(count, device=x.device)[None, :] < taken, idx, -1)
+
+
+@farthest_points_op.register_fake
+def _(x, lengths, start, count):
+    return x.new_empty((x.shape[0], count), dtype=torch.int64)
+
+
+def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, random_start: bool,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
+    start = _starts(x, valid_points(x, lengths), random_start, generator)
+    return torch.ops.fullgraph.farthest_points(x, lengths, start, count)
 
 
 def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start=True, generator=None):
@@ -115,3 +138,57 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
     keep = torch.arange(idx.shape[1], device=x.device)[None, :] < torch.tensor(wanted, device=x.device)[:, None]
     rows = layout.global_index(idx, torch.arange(layout.items, device=x.device))
     return rows[keep & (rows >= 0)]
+
+
+def voxel_grid(pos, size, batch=None, start=None, end=None):
+    """Voxel of every point: torch_cluster's ``grid_cluster`` / PyG's ``voxel_grid``.
+
+    Args:
+        pos: [N, D] floating points. size: the voxel edge, a float or one per dimension
+            (a sequence or [D] tensor). batch: [N] sorted int64 item ids (a voxel never
+            spans two items). start, end: the grid's corners (float or per dimension;
+            default: the points' minimum and maximum).
+
+    Returns:
+        cluster [N] int64: sum_d floor((pos_d - start_d) / size_d) * prod_{e < d} n_e, with
+        n_e = floor((end_e - start_e) / size_e) + 1 voxels along dimension e (the batch
+        item is one more dimension of size 1), as torch_cluster numbers them. Ids are not
+        consecutive: ``torch.unique(cluster, return_inverse=True)`` relabels them. No host
+        read: capture-safe.
+
+    Example:
+        >>> pos = torch.tensor([[0.0, 0.0], [0.4, 0.1], [1.2, 0.0]])
+        >>> fullgraph.voxel_grid(pos, 0.5).tolist()
+        [0, 0, 2]
+    """
+    _validate.floating("pos", pos)
+    _validate.rank("pos", pos, (2,), "[N, D]")
+    dim = pos.shape[1]
+    readable = _validate.values_readable(pos.device)
+
+    def per_dim(name, value):
+        tensor = torch.as_tensor(value, dtype=pos.dtype, device=pos.device).reshape(-1)
+        if tensor.numel() not in (1, dim):
+            raise ValueError(f"{name}: expected a float or {dim} of them (one per dimension), got {value!r}")
+        if readable and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{name}: expected finite values, got {value!r}")
+        return tensor.expand(dim)
+
+    size = per_dim("size", size)
+    if readable and not bool((size > 0).all()):
+        raise ValueError(f"size: expected voxel edges > 0, got {size.tolist()}")
+    if readable and pos.shape[0] and not bool(torch.isfinite(pos).all()):
+        raise ValueError("pos: expected finite coordinates (a voxel of NaN has no meaning)")
+    if batch is not None:
+        check_batch("batch", batch, pos)
+    # PyG's layout: the item id is one more coordinate, with voxels of size 1.
+    items = batch if batch is not None else torch.zeros(pos.shape[0], dtype=torch.int64, device=pos.device)
+    pos = torch.cat([pos, items[:, None].to(pos.dtype)], 1)
+    size = torch.cat([size, size.new_ones(1)])
+    zero, empty = pos.new_zeros(1), pos.new_zeros(dim + 1)
+    last_item = items.amax()[None].to(pos.dtype) if items.numel() else zero
+    start = torch.cat([per_dim("start", start), zero]) if start is not None else (pos.amin(0) if pos.shape[0] else empty)
+    end = torch.cat([per_dim("end", end), last_item]) if end is not None else (pos.amax(0) if pos.shape[0] else empty)
+    counts = torch.floor((end - start) / size).to(torch.int64) + 1
+    strides = torch.cat([counts.new_ones(1), torch.cumprod(counts, 0)[:-1]])
+    return (torch.floor((pos - start) / size).to(torch.int64) * strides).sum(1)

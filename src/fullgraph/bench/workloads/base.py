@@ -31,6 +31,7 @@ class Workload:
     sizes: dict[str, dict]
     build: Callable[[dict, torch.device], list[Case]]
     notes: list[str] = field(default_factory=list)
+    baseline: str = BASELINE  # the variant the "x eager" ratios divide by
 
 
 WORKLOADS: dict[str, Workload] = {}

@@ -1,0 +1,69 @@
+"""PointNet++ SSG classification (fps + ball query + grouping + shared MLP + max, three
+levels): the plain-PyTorch sampling and grouping users write against fullgraph's
+operators, eager, compiled and with CUDA graphs; forward and an Adam train step."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ...models import PointNet2
+from .base import Case, Workload, register
+
+PLAIN_EAGER = "plain eager"
+
+
+def _variants(device: torch.device):
+    """(name, implementation, torch.compile options or None for eager)."""
+    variants = [
+        (PLAIN_EAGER, "plain", None),
+        ("plain compiled", "plain", {}),
+        ("fullgraph eager", "fullgraph", None),
+        ("fullgraph compiled", "fullgraph", {"fullgraph": True}),
+    ]
+    if device.type == "cuda":
+        variants.append(("fullgraph compiled+graphs", "fullgraph", {"fullgraph": True, "mode": "reduce-overhead"}))
+    return variants
+
+
+def _cases(params: dict, device: torch.device) -> list[Case]:
+    generator = torch.Generator().manual_seed(0)
+    xyz = torch.rand(params["batch"], params["points"], 3, generator=generator).to(device)
+    labels = torch.randint(0, 40, (params["batch"],), generator=generator).to(device)
+    torch.manual_seed(0)
+    model = PointNet2(num_classes=40)
+    cases = []
+    for name, implementation, options in _variants(device):
+        variant = copy.deepcopy(model).to(device)
+        variant.implementation = implementation
+        run = variant if options is None else torch.compile(variant, **options)
+        optimizer = torch.optim.Adam(variant.parameters(), lr=1e-3)
+
+        def forward(run=run, variant=variant):
+            variant.eval()
+            with torch.no_grad():
+                return run(xyz)
+
+        def train_step(run=run, variant=variant, optimizer=optimizer):
+            variant.train()
+            optimizer.zero_grad()
+            loss = torch.nn.functional.cross_entropy(run(xyz), labels)
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        cases.append(Case(name, forward, train_step, explain=(variant, (xyz,)) if options is None else None))
+    return cases
+
+
+register(Workload(
+    name="pointnet2",
+    description="PointNet++ SSG classification: fps + ball query + grouping + shared MLP + max, three levels",
+    sizes={"seed": {"batch": 32, "points": 1024}, "small": {"batch": 4, "points": 1024},
+           "tiny": {"batch": 2, "points": 600}},
+    build=_cases,
+    notes=["plain: the FPS loop, a dense cdist for the ball query and a sort, as PointNet++ ports write them; "
+           "fullgraph: fullgraph.fps (one operator), ball_query(order='first') and knn_gather"],
+    baseline=PLAIN_EAGER,
+))
