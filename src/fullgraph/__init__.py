@@ -6,7 +6,7 @@ Importing the package registers its operators under ``torch.ops.fullgraph``.
 from . import diffusion, extern, graphs, memory, models, numpy
 from .explain import explain
 from .ops.ddpm import ddpm_step
-from .ops.kmeans import KMeansResult, kmeans, kmeans_assign
+from .ops.kmeans import KMeans, KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
 from .ops.neighbors import (
     ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, radius, radius_aggregate, radius_edges,
@@ -20,5 +20,5 @@ __all__ = [
     "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",
-    "kmeans", "kmeans_assign", "KMeansResult", "lltm", "__version__",
+    "kmeans", "kmeans_assign", "KMeans", "KMeansResult", "lltm", "__version__",
 ]

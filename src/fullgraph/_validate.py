@@ -12,7 +12,10 @@ import torch
 def _describe(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
-    return f"{type(value).__name__} {value!r}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # an array: never its values
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}, {value.dtype}"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def tensor(name: str, value) -> torch.Tensor:

@@ -95,3 +95,24 @@ def test_any_finite_scale_clusters_like_unit_scale(device, scale):
     assert torch.equal(scaled.labels, unit.labels)
     torch.testing.assert_close(scaled.centroids / scale, unit.centroids, rtol=1e-5, atol=1e-6)
     assert torch.equal(fullgraph.kmeans_assign(x * scale, scaled.centroids), unit.labels)
+
+
+def test_scikit_learn_estimator_interface():
+    from sklearn.cluster import KMeans as SKLearnKMeans
+
+    x = _blobs(200, torch.float64).numpy()
+    init = x[[0, 250, 500]]
+    ours = fullgraph.KMeans(n_clusters=3, init=init, max_iter=50).fit(x)
+    theirs = SKLearnKMeans(n_clusters=3, init=init, n_init=1, max_iter=50).fit(x)
+    assert isinstance(ours.cluster_centers_, np.ndarray) and isinstance(ours.labels_, np.ndarray)
+    np.testing.assert_array_equal(ours.labels_, theirs.labels_)
+    np.testing.assert_allclose(ours.cluster_centers_, theirs.cluster_centers_, rtol=1e-10)
+    assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=1e-10) and ours.n_iter_ == theirs.n_iter_
+    np.testing.assert_array_equal(ours.predict(x[:40]), theirs.predict(x[:40]))
+    restarts = fullgraph.KMeans(n_clusters=3, n_init=4, random_state=0)
+    assert restarts.fit_predict(torch.from_numpy(x)).shape == (600,)
+    assert isinstance(restarts.labels_, torch.Tensor)
+    with pytest.raises(RuntimeError, match="call fit before predict"):
+        fullgraph.KMeans(3).predict(x)
+    with pytest.raises(TypeError, match=r"X: expected a torch.Tensor, got list \["):
+        fullgraph.KMeans(3).fit([[0.0, 1.0]] * 1000)

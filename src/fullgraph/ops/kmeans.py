@@ -231,3 +231,68 @@ def _reseed_empty(x, previous, centroids, counts):
     centroids = centroids.clone()
     centroids[empty] = x[farthest]
     return centroids
+
+
+class KMeans:
+    """scikit-learn's ``KMeans`` interface over ``kmeans``: NumPy arrays or tensors, any device.
+
+    Args:
+        n_clusters: k. init: "k-means++" or initial centroids [k, d] (array or tensor).
+        n_init: k-means++ restarts; the fit with the lowest inertia is kept (1 with explicit
+            centroids). max_iter, tol: as in :func:`kmeans` (scikit-learn's stopping rule).
+        random_state: an int seeding the restarts (None: random).
+
+    Attributes after ``fit``: ``cluster_centers_`` [k, d], ``labels_`` [n], ``inertia_``
+    (float), ``n_iter_`` (int); arrays are NumPy arrays when ``fit`` got one, else tensors.
+
+    Example:
+        >>> import numpy as np
+        >>> x = np.concatenate([np.zeros((20, 2)), np.ones((20, 2)) * 9]).astype(np.float32)
+        >>> model = fullgraph.KMeans(n_clusters=2, random_state=0).fit(x)
+        >>> sorted(np.bincount(model.labels_).tolist()), type(model.cluster_centers_).__name__
+        ([20, 20], 'ndarray')
+    """
+
+    def __init__(self, n_clusters: int = 8, *, init="k-means++", n_init: int = 1, max_iter: int = 300,
+                 tol: float = 1e-4, random_state: int | None = None):
+        if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
+            raise ValueError(f"n_init: expected an int >= 1, got {n_init!r}")
+        if random_state is not None and (isinstance(random_state, bool) or not isinstance(random_state, int)):
+            raise TypeError(f"random_state: expected an int or None, got {type(random_state).__name__}")
+        self.n_clusters, self.init, self.n_init = n_clusters, init, n_init
+        self.max_iter, self.tol, self.random_state = max_iter, tol, random_state
+
+    @staticmethod
+    def _tensor(name: str, x):
+        if isinstance(x, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(x)), True
+        _validate.tensor(name, x)
+        return x, False
+
+    def fit(self, X, y=None) -> KMeans:
+        """Cluster X [n, d]; ``y`` is ignored (scikit-learn's signature)."""
+        x, from_numpy = self._tensor("X", X)
+        init = self.init
+        if isinstance(init, np.ndarray):
+            init = torch.from_numpy(init).to(x.device, x.dtype)
+        seeds = np.random.default_rng(self.random_state).integers(0, 2**62, size=self.n_init)
+        runs = 1 if isinstance(init, torch.Tensor) else self.n_init
+        best = min((kmeans(x, self.n_clusters, init=init, max_iter=self.max_iter, tol=self.tol, seed=int(seed))
+                    for seed in seeds[:runs]), key=lambda result: float(result.inertia))
+        convert = (lambda t: t.cpu().numpy()) if from_numpy else (lambda t: t)
+        self.cluster_centers_, self.labels_ = convert(best.centroids), convert(best.labels)
+        self.inertia_, self.n_iter_ = float(best.inertia), best.n_iter
+        self._centroids = best.centroids
+        return self
+
+    def predict(self, X):
+        """The nearest fitted centroid of each row of X [n, d]: labels [n] (int64)."""
+        if not hasattr(self, "_centroids"):
+            raise RuntimeError("KMeans: call fit before predict")
+        x, from_numpy = self._tensor("X", X)
+        labels = kmeans_assign(x, self._centroids.to(x.device, x.dtype))
+        return labels.cpu().numpy() if from_numpy else labels
+
+    def fit_predict(self, X, y=None):
+        return self.fit(X).labels_
+
