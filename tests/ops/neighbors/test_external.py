@@ -112,7 +112,7 @@ def test_warp_aggregate_and_gradients_match_the_reference(distribution, generato
 
 
 @needs_warp
-def test_warp_compiles_in_one_graph_and_replays_in_a_cuda_graph(generator):
+def test_warp_compiles_in_one_graph(generator):
     from torch._dynamo.testing import CompileCounter
 
     features = torch.randn(300, 5, device="cuda")
@@ -126,40 +126,27 @@ def test_warp_compiles_in_one_graph_and_replays_in_a_cuda_graph(generator):
         query, ref = _cloud("uniform", rows, generator), _cloud("uniform", 300, generator)
         torch.testing.assert_close(compiled(query, ref, features), step(query, ref, features))
     assert counter.frame_count == 1
-    graphed = fullgraph.graphs.graphed(lambda q, r: fullgraph.radius(q, r, 0.3, 8, backend="warp"))
-    for _ in range(3):  # capture, then replays on new data
-        query, ref = _cloud("normal", 64, generator), _cloud("normal", 300, generator)
-        got = [t.clone() for t in graphed(query, ref)]
-        want = fullgraph.radius(query, ref, 0.3, 8, backend="torch")
-        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 @needs_warp
-def test_warp_under_reduce_overhead_a_thousand_calls_with_changing_shapes(generator):
-    """CUDA-graph trees with an external kernel: no graph-pool block kept alive by a Warp
-    launch ("tensor(s) in the cudagraph pool not tracked as outputs"), results equal eager,
-    memory back where it began, over 1,000 calls cycling through three cloud sizes."""
+def test_warp_refuses_cuda_graphs_instead_of_replaying_wrong_results(generator):
+    """Under torch.compile(mode="reduce-overhead"), cycling through three cloud sizes, the
+    Warp backend's graphs replayed wrong results on the H100 (cause not yet found): it is
+    declared not capturable, so a capture now says so instead."""
+    from fullgraph.graphs import GraphCaptureError
+
     def step(query, ref, feats):
         dists, idx, counts = fullgraph.radius(query, ref, 0.25, 8, backend="warp")
         out = fullgraph.radius_aggregate(query, ref, feats, 0.25, backend="warp")
         return out.sum(-1) + dists.masked_fill(idx < 0, 0).sum(-1) + counts
 
-    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
-    data = [(_cloud("uniform", m, generator), _cloud("normal", n, generator), torch.randn(n, 4, device="cuda"))
-            for m, n in ((200, 900), (350, 1500), (120, 600))]
-    for inputs in data:  # warm-up and capture each size
-        for _ in range(3):
-            compiled(*inputs)
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    for i in range(1000):
-        inputs = data[i % len(data)]
-        out = compiled(*inputs)
-        if i % 97 == 0:
-            torch.testing.assert_close(out, step(*inputs), rtol=1e-4, atol=1e-4)
-    del out
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_allocated() <= before
+    query, ref = _cloud("uniform", 200, generator), _cloud("normal", 900, generator)
+    feats = torch.randn(900, 4, device="cuda")
+    with pytest.raises(GraphCaptureError, match='backend="warp" runs radius'):
+        fullgraph.graphs.graphed(step)(query, ref, feats)
+    assert torch.isfinite(torch.randn(3, device="cuda")).all()
+    compiled = torch.compile(step, fullgraph=True)  # without CUDA graphs: one graph, eager launches
+    torch.testing.assert_close(compiled(query, ref, feats), step(query, ref, feats))
 
 
 @needs_cuml

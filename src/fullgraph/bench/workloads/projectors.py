@@ -11,6 +11,7 @@ import importlib.util
 import torch
 
 from ...models import KNNProjector, RadiusProjector
+from ...ops.neighbors.registration import BACKENDS
 from .base import Case, Workload, outside_torch_pool, register, seed_point_clouds
 
 
@@ -31,10 +32,9 @@ def _variants(device: torch.device, external: str | None):
             ("fullgraph compiled+graphs", "fullgraph", with_graphs, "auto"),
         ]
         if external is not None and importlib.util.find_spec(external) is not None:
-            variants += [
-                (f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external),
-                (f"fullgraph {external} compiled+graphs", "fullgraph", with_graphs, external),
-            ]
+            variants.append((f"fullgraph {external} compiled", "fullgraph", {"fullgraph": True}, external))
+            if BACKENDS.get(external).capturable is True:
+                variants.append((f"fullgraph {external} compiled+graphs", "fullgraph", with_graphs, external))
     return variants
 
 

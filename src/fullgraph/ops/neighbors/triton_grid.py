@@ -202,10 +202,13 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     width = source.shape[-1]
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
-    if refs:
+    if refs and width:  # (no columns: nothing to sum; Triton 3.6 also fails to compile a width of 0)
         kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
             order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
             PER_SLOT=per_slot)
+    elif refs:
+        sums.zero_()
+        totals.zero_()
     return sums, totals
 
 

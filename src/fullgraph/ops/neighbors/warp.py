@@ -3,9 +3,12 @@
 Float32 points in 3-D on CUDA. Each batch item is one group of a grouped HashGrid (invalid
 points get group -1, which no query asks for), so a batch needs no per-item loop and no
 host sync. The kernels are fullgraph.extern ops (library="warp"): they run on PyTorch's
-current stream and write only into tensors PyTorch allocated, so they can be captured in
-CUDA graphs (the grid itself is created, and its memory reserved, outside any capture;
-Warp keeps one sort scratch buffer per capture, since PyTorch, not Warp, owns it).
+current stream and write only into tensors PyTorch allocated (the grid itself is created,
+and its memory reserved, outside any capture). The backend is declared not capturable:
+on the H100 (torch 2.11, Warp 1.19) a torch.compile(mode="reduce-overhead") step cycling
+through three cloud sizes replayed wrong results (98% of outputs off, cause not yet found),
+though one graph per call of ``fullgraph.graphs.graphed`` replayed correctly; until that is
+understood a capture gets GraphCaptureError instead of a silently wrong graph.
 
 Search keeps, per query, the ``k`` nearest candidates within the radius in its output row,
 ordered by (distance, index) by insertion: the nearest, never the first found. The
@@ -294,5 +297,5 @@ _HAVE_WARP = importlib.util.find_spec("warp") is not None
 BACKEND = Backend(
     "warp", ops=("radius", "radius_aggregate"), devices=("cuda",), dtypes=(torch.float32,), dims=(3,),
     install='warp: pip install "fullgraph[warp]" (NVIDIA Warp)', available=lambda device: _HAVE_WARP,
-    implementation=HashGridKernels(), note='computes in float32 (convert, or use "triton")',
+    implementation=HashGridKernels(), note='computes in float32 (convert, or use "triton")', capturable=False,
 )
