@@ -19,10 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fullgraph {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
-    bench.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
+    bench.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
     sizes = sorted({size for workload in WORKLOADS.values() for size in workload.sizes})
     bench.add_argument("--size", choices=sizes, default=None,
-                       help="problem size: seed (the document's) is the default on CUDA, small on CPU; "
+                       help="problem size: seed (the tutorial's own size) is the default on CUDA, small on CPU; "
                             "tiny is a smoke test")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
     explain = commands.add_parser("explain", help="how torch.compile splits a workload's eager variants: graphs, "
                                                   "graph breaks with reasons and source lines, generated code")
-    explain.add_argument("workload", choices=sorted(WORKLOADS), help="which source document's workload")
+    explain.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
     explain.add_argument("--size", choices=sizes, default="tiny", help="problem size (default tiny)")
     explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "

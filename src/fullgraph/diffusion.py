@@ -1,4 +1,4 @@
-"""DDPM sampling for Diffusion Policy (seed 003): the whole denoising loop, eager or
+"""DDPM sampling for Diffusion Policy (the Diffusion Policy series): the whole denoising loop, eager or
 replayed from one CUDA graph.
 
     unet = fullgraph.models.ConditionalUnet1D().cuda().eval()

@@ -89,7 +89,7 @@ def routed() -> tuple[str, ...]:
 
 
 def use_rmm(pool: bool = True, initial_pool_size: int | None = None) -> None:
-    """The document's recipe: PyTorch, CuPy, Numba and Warp all allocate from one RMM pool.
+    """The tutorial's recipe: PyTorch, CuPy, Numba and Warp all allocate from one RMM pool.
 
     Call once at start-up, before PyTorch allocates CUDA memory (PyTorch cannot swap its
     allocator afterwards); it cannot be undone. ``initial_pool_size`` in bytes (RMM's

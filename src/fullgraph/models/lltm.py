@@ -1,4 +1,4 @@
-"""The LLTM recurrent cell of seed 001 as a module, on fullgraph's operator."""
+"""The LLTM recurrent cell of PyTorch's LLTM extension tutorial as a module, on fullgraph's operator."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..ops.lltm import lltm
 
 class LLTM(torch.nn.Module):
     """LLTM(input_features, state_size): ``forward(input [B, F], (h [B, S], cell [B, S]))
-    -> (new_h, new_cell)``. Parameters as in the document: ``weights`` [3 S, F + S] and
+    -> (new_h, new_cell)``. Parameters as in the tutorial: ``weights`` [3 S, F + S] and
     ``bias`` [3 S], uniform in +-1/sqrt(S). ``backend`` as in ``fullgraph.lltm``."""
 
     def __init__(self, input_features: int, state_size: int, *, backend: str = "auto"):

@@ -1,8 +1,8 @@
-"""The point-cloud projector models of the source document (seed 000).
+"""The point-cloud projector models of the source document (PhysicsNeMo's projector tutorial).
 
 An MLP learns features on the reference cloud, a neighbour aggregation carries them to
 the query points, and a second MLP maps them out. ``aggregation="fullgraph"`` uses the
-fullgraph operators; ``aggregation="document"`` the document's own plain-PyTorch code
+fullgraph operators; ``aggregation="document"`` the tutorial's own plain-PyTorch code
 (dense M x N distances), kept as the baseline the benchmarks compare against.
 """
 
@@ -28,7 +28,7 @@ class MLP(torch.nn.Module):
 
 
 def document_knn_aggregation(p1, p2, p2_features, k: int, sigma: float):
-    """The document's kNN aggregation: dense [M, N] norms, topk, softmax, weighted sum."""
+    """The tutorial's kNN aggregation: dense [M, N] norms, topk, softmax, weighted sum."""
     dists = torch.norm(p1[:, None, :] - p2[None, :, :], dim=-1)
     topk_dists, topk_idx = torch.topk(dists, k=k, dim=1, largest=False)
     weights = torch.softmax(-topk_dists / sigma, dim=1)
@@ -36,7 +36,7 @@ def document_knn_aggregation(p1, p2, p2_features, k: int, sigma: float):
 
 
 def document_radius_aggregation(p1, p2, p2_features, radius: float, sigma: float):
-    """The document's radius aggregation: softmax over all N, masked, renormalized."""
+    """The tutorial's radius aggregation: softmax over all N, masked, renormalized."""
     dists = torch.norm(p1[:, None, :] - p2[None, :, :], dim=-1)
     weights = torch.softmax(-dists / sigma, dim=-1)
     weights = torch.where(dists <= radius, weights, torch.zeros_like(weights))
@@ -60,7 +60,7 @@ class _Projector(torch.nn.Module):
 
 
 class KNNProjector(_Projector):
-    """The document's ``kNN_Projector``: features of the k nearest, softmax-weighted."""
+    """The tutorial's ``kNN_Projector``: features of the k nearest, softmax-weighted."""
 
     def __init__(self, k: int = 7, input_dim: int = 3, hidden_dim: int = 25, output_dim: int = 1,
                  sigma: float = 0.1, aggregation: str = "fullgraph", backend: str = "auto"):
@@ -74,7 +74,7 @@ class KNNProjector(_Projector):
 
 
 class RadiusProjector(_Projector):
-    """The document's radius-bounded projector: all references within ``radius``."""
+    """The tutorial's radius-bounded projector: all references within ``radius``."""
 
     def __init__(self, radius: float = 0.1, input_dim: int = 3, hidden_dim: int = 25, output_dim: int = 1,
                  sigma: float = 0.1, aggregation: str = "fullgraph", backend: str = "auto"):

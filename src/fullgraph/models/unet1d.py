@@ -1,10 +1,10 @@
-"""Diffusion Policy's 1-D conditional U-Net (seed 003's network), in plain PyTorch.
+"""Diffusion Policy's 1-D conditional U-Net (the Diffusion Policy series's network), in plain PyTorch.
 
 The denoiser predicts the noise in an action sequence (B, horizon, action_dim) given the
 diffusion step and a global condition (the encoded observations). Residual blocks of
 Conv1d -> GroupNorm -> Mish, each conditioned by FiLM (a per-channel scale and bias computed
 from the step embedding and the condition), a down path, two middle blocks and an up path
-with skip connections. Defaults are the sizes of the document's series.
+with skip connections. Defaults are the sizes of the tutorial's series.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One DDPM scheduler step (seed 003), fused into one Triton kernel: ``fullgraph.ddpm_step``.
+"""One DDPM scheduler step (the Diffusion Policy series), fused into one Triton kernel: ``fullgraph.ddpm_step``.
 
 epsilon prediction, the x0 estimate clipped to [-1, 1], the posterior mean, fixed-small
 variance, and noise added only when t > 0, as diffusers' ``DDPMScheduler.step`` with as many

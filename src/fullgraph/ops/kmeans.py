@@ -1,6 +1,6 @@
-"""k-means written in NumPy and compiled through ``fullgraph.numpy`` (seed 002).
+"""k-means written in NumPy and compiled through ``fullgraph.numpy`` (the NumPy-compilation tutorial).
 
-The assignment step is the document's NumPy code; a Lloyd iteration adds the centroid
+The assignment step is the tutorial's NumPy code; a Lloyd iteration adds the centroid
 update. Both run where the data is (CPU or CUDA) without copies. The loop follows
 scikit-learn's Lloyd iteration (same stopping rule, same relabelling at the end), so a run
 from the same initial centroids gives the same result; it reads three flags back per
@@ -98,7 +98,7 @@ def _scale(name: str, *tensors: torch.Tensor) -> float:
 
 
 def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """The nearest centroid of every point (the document's k-means step).
+    """The nearest centroid of every point (the tutorial's k-means step).
 
     Args:
         x: [n, d] float32/float64 points, any device. centroids: [k, d], same dtype and device.

@@ -43,7 +43,7 @@ def register(workload: Workload) -> Workload:
 
 
 def seed_point_clouds(n_cloud: int, grid_side: int, target_features: int, device, dtype=torch.float32):
-    """The document's data: a normal cloud [n_cloud, 3], a [-1, 1]^3 grid [grid_side^3, 3],
+    """The tutorial's data: a normal cloud [n_cloud, 3], a [-1, 1]^3 grid [grid_side^3, 3],
     and random targets [grid_side^3, target_features]."""
     generator = torch.Generator(device="cpu").manual_seed(42)
     cloud = torch.randn(n_cloud, 3, generator=generator, dtype=dtype)

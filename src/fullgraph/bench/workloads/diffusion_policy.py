@@ -1,4 +1,4 @@
-"""Seed 003's Diffusion Policy sampler: 100 DDPM steps of the ConditionalUnet1D, from the
+"""The Diffusion Policy series's Diffusion Policy sampler: 100 DDPM steps of the ConditionalUnet1D, from the
 document's eager loop to the whole loop replayed from one CUDA graph."""
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _diffusion_policy(params, device):
 
 register(Workload(
     name="diffusion-policy",
-    description="seed 003: DDPM sampling of Diffusion Policy's ConditionalUnet1D (79.9 M parameters at the "
+    description="Diffusion Policy: DDPM sampling of Diffusion Policy's ConditionalUnet1D (79.9 M parameters at the "
                 "seed size), the whole loop from fixed noise",
     sizes={"seed": {"batch": 1, "steps": 100, "down_dims": (256, 512, 1024), "cond": 1028},
            "batch8": {"batch": 8, "steps": 100, "down_dims": (256, 512, 1024), "cond": 1028},

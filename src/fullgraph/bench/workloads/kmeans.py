@@ -1,4 +1,4 @@
-"""Seed 002's k-means in NumPy: the document's code, compiled, on tensors, and scikit-learn."""
+"""The NumPy-compilation tutorial's k-means in NumPy: the tutorial's code, compiled, on tensors, and scikit-learn."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .base import Case, Workload, register
 
 
 def _document_kmeans(x, means):
-    """Seed 002's NumPy assignment step, verbatim."""
+    """The NumPy-compilation tutorial's NumPy assignment step, verbatim."""
     return np.argmin(np.linalg.norm(x - means[:, None], axis=2), axis=0)
 
 
@@ -23,7 +23,7 @@ def _kmeans(params, device):
     means = np.array([[5, 5], [10, 10]], dtype=np.float32)
     x_device, means_device = torch.from_numpy(x).to(device), torch.from_numpy(means).to(device)
     compiled_document = torch.compile(_document_kmeans)
-    # The document's tensor wrapper; called without its `with torch.device("cuda")`, which
+    # The tutorial's tensor wrapper; called without its `with torch.device("cuda")`, which
     # fails inside the compiler on torch 2.11.
     document_on_tensors = torch.compile(lambda x, m: torch.from_numpy(_document_kmeans(x.numpy(), m.numpy())))
     cases = [
@@ -46,7 +46,7 @@ def _kmeans(params, device):
 
 register(Workload(
     name="kmeans",
-    description="seed 002: k-means assignment step (forward) and one Lloyd iteration (train), 2-D float32 points, "
+    description="NumPy k-means: the assignment step (forward) and one Lloyd iteration (train), 2-D float32 points, "
                 "2 clusters; NumPy and scikit-learn on the CPU, fullgraph on the chosen device",
     sizes={"seed": {"points": 20_000_000}, "small": {"points": 1_000_000}, "tiny": {"points": 20_000}},
     build=_kmeans,

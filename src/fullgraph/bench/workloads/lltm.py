@@ -1,4 +1,4 @@
-"""Seed 001's LLTM cell: the document's PyTorch cell against the C++/CUDA extension."""
+"""PyTorch's LLTM extension tutorial's LLTM cell: the tutorial's PyTorch cell against the C++/CUDA extension."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .base import Case, Workload, register, replayed
 
 
 def _lltm(params, device):
-    """forward = one cell step; train = the step and its backward (the document's loop body:
+    """forward = one cell step; train = the step and its backward (the tutorial's loop body:
     ``(new_h.sum() + new_cell.sum()).backward()``), gradients for the weights and bias.
     "graphed" variants capture the eager step (and its backward) in one CUDA graph."""
     generator = torch.Generator().manual_seed(0)
@@ -53,11 +53,11 @@ def _lltm(params, device):
 
 register(Workload(
     name="lltm",
-    description="seed 001: one LLTM cell step (forward) and step + backward (train); C++ kernel on CPUs, "
+    description="PyTorch's LLTM tutorial: one cell step (forward) and step + backward (train); C++ kernel on CPUs, "
                 "CUDA kernel on GPUs",
     sizes={"seed": {"batch": 16, "features": 32, "state": 128}, "small": {"batch": 16, "features": 32, "state": 128},
            "tiny": {"batch": 4, "features": 8, "state": 16}},
     build=_lltm,
-    notes=[("floor at the document's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
+    notes=[("floor at the tutorial's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
             "what remains is launch latency (3 kernels forward, 4-6 backward)")],
 ))

@@ -1,5 +1,5 @@
-"""Seed 000's projectors (kNN and radius): MLP -> neighbour aggregation -> MLP, forward and
-an Adam train step, in the document's formulation and fullgraph's, eager, compiled and with
+"""PhysicsNeMo's projector tutorial's projectors (kNN and radius): MLP -> neighbour aggregation -> MLP, forward and
+an Adam train step, in the tutorial's formulation and fullgraph's, eager, compiled and with
 CUDA graphs; external backends (cuML, Warp) where installed."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def _radius_projector(params, device):
 
 register(Workload(
     name="knn-projector",
-    description="seed 000: MLP -> kNN-weighted aggregation -> MLP, forward and Adam train step",
+    description="PhysicsNeMo's projector: MLP -> kNN-weighted aggregation -> MLP, forward and Adam train step",
     sizes={"seed": {"grid": 30, "cloud": 100_000, "k": 7}, "small": {"grid": 12, "cloud": 8_000, "k": 7},
            "tiny": {"grid": 5, "cloud": 500, "k": 7}},
     build=_knn_projector,
@@ -85,7 +85,7 @@ register(Workload(
 
 register(Workload(
     name="radius-projector",
-    description="seed 000: MLP -> radius-bounded aggregation -> MLP, forward and Adam train step",
+    description="PhysicsNeMo's projector: MLP -> radius-bounded aggregation -> MLP, forward and Adam train step",
     sizes={"seed": {"grid": 30, "cloud": 25_000, "radius": 0.1},
            "small": {"grid": 12, "cloud": 4_000, "radius": 0.1},
            "tiny": {"grid": 5, "cloud": 500, "radius": 0.5}},

@@ -1,4 +1,4 @@
-"""The LLTM recurrent cell (seed 001) as C++/CUDA operators that torch.compile traces."""
+"""The LLTM recurrent cell (PyTorch's LLTM extension tutorial) as C++/CUDA operators that torch.compile traces."""
 
 from .api import BACKENDS, lltm, register
 from .build import ExtensionBuildError

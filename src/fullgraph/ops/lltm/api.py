@@ -134,7 +134,7 @@ def _check(input, weights, bias, old_h, old_cell) -> None:
 
 
 def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):
-    """One step of the LLTM cell (seed 001): gates from [old_h, input] in one matrix product,
+    """One step of the LLTM cell (PyTorch's LLTM extension tutorial): gates from [old_h, input] in one matrix product,
     sigmoid input and output gates, an ELU candidate cell and no forget gate.
 
     Args:

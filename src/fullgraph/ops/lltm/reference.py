@@ -1,4 +1,4 @@
-"""The LLTM cell in plain PyTorch, as the document writes it: the reference backend."""
+"""The LLTM cell in plain PyTorch, as the tutorial writes it: the reference backend."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""cuML backend for knn and knn_aggregate: RAPIDS cuML's NearestNeighbors, as in the document.
+"""cuML backend for knn and knn_aggregate: RAPIDS cuML's NearestNeighbors, as in the tutorial.
 
 cuML proposes ``k + CANDIDATE_SLACK`` candidates per query (its distances come from the
 |q|^2 + |r|^2 - 2 q.r expansion, which may misorder near-equal ones); fullgraph measures

@@ -1,4 +1,4 @@
-// The LLTM cell (seed 001): gate maths shared by the CPU and CUDA kernels.
+// The LLTM cell (PyTorch's LLTM extension tutorial): gate maths shared by the CPU and CUDA kernels.
 //
 // gates [B, 3S] = [old_h, input] @ weights^T + bias, split into input gate, output gate and
 // candidate cell. new_cell = old_cell + elu(candidate) * sigmoid(input gate);
