@@ -19,8 +19,9 @@ SCALE_BELOW, SCALE_ABOVE = 2.0**-30, 2.0**40
 
 
 def magnitude(points: Tensor) -> Tensor:
-    """[...]: the largest finite |coordinate| of each point [..., D] (0 if none)."""
-    return torch.where(torch.isfinite(points), points.abs(), 0).amax(-1)
+    """[...]: the largest |coordinate| of each point [..., D]; NaN or inf for a point with a
+    non-finite coordinate (``safe_scale`` leaves those unscaled: such points take no part)."""
+    return points.abs().amax(-1)
 
 
 def safe_scale(size: Tensor) -> Tensor:

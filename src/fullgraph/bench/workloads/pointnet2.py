@@ -27,12 +27,13 @@ def _variants(device: torch.device):
     return variants
 
 
-def _cases(params: dict, device: torch.device) -> list[Case]:
+def model_cases(model: torch.nn.Module, params: dict, device: torch.device, task: str) -> list[Case]:
+    """The variants of a point-cloud model with an ``implementation`` switch ("plain" /
+    "fullgraph") on random clouds [batch, points, 3]: forward, and an Adam step on a
+    classification (40 classes) or per-point regression loss."""
     generator = torch.Generator().manual_seed(0)
     xyz = torch.rand(params["batch"], params["points"], 3, generator=generator).to(device)
     labels = torch.randint(0, 40, (params["batch"],), generator=generator).to(device)
-    torch.manual_seed(0)
-    model = PointNet2(num_classes=40)
     cases = []
     for name, implementation, options in _variants(device):
         variant = copy.deepcopy(model).to(device)
@@ -48,13 +49,19 @@ def _cases(params: dict, device: torch.device) -> list[Case]:
         def train_step(run=run, variant=variant, optimizer=optimizer):
             variant.train()
             optimizer.zero_grad()
-            loss = torch.nn.functional.cross_entropy(run(xyz), labels)
+            out = run(xyz)
+            loss = torch.nn.functional.cross_entropy(out, labels) if task == "classification" else out.square().mean()
             loss.backward()
             optimizer.step()
             return loss
 
         cases.append(Case(name, forward, train_step, explain=(variant, (xyz,)) if options is None else None))
     return cases
+
+
+def _cases(params: dict, device: torch.device) -> list[Case]:
+    torch.manual_seed(0)
+    return model_cases(PointNet2(num_classes=40), params, device, "classification")
 
 
 register(Workload(
