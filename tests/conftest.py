@@ -187,3 +187,21 @@ def assert_compiled_model_trains(model, compiled, query, ref, target, steps: int
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+def assert_compiles_once_and_trains(model, inputs, loss_fn, steps: int = 4, lr: float = 1e-3):
+    """torch.compile(model, fullgraph=True) makes one graph, and Adam steps through it
+    lower ``loss_fn(output)``."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = loss_fn(compiled(*inputs))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert counter.frame_count == 1 and losses[-1] < losses[0], (counter.frame_count, losses)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_compiles_once_and_trains
 from fullgraph.models import DGCNN, EdgeConv
 
 
@@ -26,21 +27,9 @@ def test_gradients_reach_the_features():
 
 @pytest.mark.slow
 def test_dgcnn_compiles_in_one_graph_and_trains():
-    from torch._dynamo.testing import CompileCounter
-
     generator = torch.Generator().manual_seed(2)
     xyz = torch.rand(2, 256, 3, generator=generator)
     target = torch.randn(2, 256, 8, generator=generator)
     torch.manual_seed(0)
     model = DGCNN(out_channels=8, k=10)
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(4):
-        optimizer.zero_grad()
-        loss = (compiled(xyz) - target).square().mean()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert counter.frame_count == 1 and losses[-1] < losses[0]
+    assert_compiles_once_and_trains(model, (xyz,), lambda out: (out - target).square().mean(), lr=1e-2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_compiles_once_and_trains
 from fullgraph.models import PointNet2
 from fullgraph.models.pointnet2 import SetAbstraction
 
@@ -23,24 +24,12 @@ def test_set_abstraction_equals_the_plain_pytorch_one():
 
 @pytest.mark.slow
 def test_compiles_in_one_graph_and_trains():
-    from torch._dynamo.testing import CompileCounter
-
     generator = torch.Generator().manual_seed(1)
     xyz = torch.rand(4, 600, 3, generator=generator)
     labels = torch.randint(0, 5, (4,), generator=generator)
     torch.manual_seed(0)
     model = PointNet2(num_classes=5)
-    counter = CompileCounter()
-    compiled = torch.compile(model, backend=counter, fullgraph=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-    losses = []
-    for _ in range(4):
-        optimizer.zero_grad()
-        loss = torch.nn.functional.cross_entropy(compiled(xyz), labels)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert counter.frame_count == 1 and losses[-1] < losses[0]
+    assert_compiles_once_and_trains(model, (xyz,), lambda out: torch.nn.functional.cross_entropy(out, labels))
     model.eval()
     plain = PointNet2(num_classes=5, implementation="plain").eval()
     plain.load_state_dict(model.state_dict())

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from .. import _validate
+from .switchable import IMPLEMENTATIONS, Switchable
 from ..ops.neighbors import knn, knn_gather
 
-IMPLEMENTATIONS = ("fullgraph", "plain")
 
 
 def plain_knn(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -49,7 +49,7 @@ class EdgeConv(nn.Module):
         return self.mlp(edges).amax(-1).transpose(1, 2)
 
 
-class DGCNN(nn.Module):
+class DGCNN(Switchable):
     """A DGCNN-style stack: EdgeConv 3 -> 64 -> 64 -> 64 (k nearest in each layer's input
     space), then a per-point linear layer on the concatenated features: xyz [B, N, 3] ->
     [B, N, out_channels]."""
@@ -59,15 +59,6 @@ class DGCNN(nn.Module):
         self.convs = nn.ModuleList([EdgeConv(3, 64, k, implementation), EdgeConv(64, 64, k, implementation),
                                     EdgeConv(64, 64, k, implementation)])
         self.head = nn.Linear(3 * 64, out_channels)
-
-    @property
-    def implementation(self) -> str:
-        return self.convs[0].implementation
-
-    @implementation.setter
-    def implementation(self, value: str) -> None:
-        for conv in self.convs:
-            conv.implementation = _validate.choice("implementation", value, IMPLEMENTATIONS)
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:
         features, x = [], xyz

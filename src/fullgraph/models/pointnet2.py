@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from .. import _validate
+from .switchable import IMPLEMENTATIONS, Switchable
 from ..ops.neighbors import ball_query, knn_gather
 from ..ops.sampling import fps
 
-IMPLEMENTATIONS = ("fullgraph", "plain")
 
 
 def plain_fps(xyz: torch.Tensor, count: int) -> torch.Tensor:
@@ -90,7 +90,7 @@ class SetAbstraction(nn.Module):
         return centres, out.amax(-1).transpose(1, 2)
 
 
-class PointNet2(nn.Module):
+class PointNet2(Switchable):
     """PointNet++ SSG classifier: xyz [B, N, 3] -> logits [B, num_classes]."""
 
     def __init__(self, num_classes: int = 40, implementation: str = "fullgraph"):
@@ -103,15 +103,6 @@ class PointNet2(nn.Module):
         self.head = nn.Sequential(
             nn.Linear(1024, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.4),
             nn.Linear(512, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Dropout(0.4), nn.Linear(256, num_classes))
-
-    @property
-    def implementation(self) -> str:
-        return self.levels[0].implementation
-
-    @implementation.setter
-    def implementation(self, value: str) -> None:
-        for level in self.levels:
-            level.implementation = _validate.choice("implementation", value, IMPLEMENTATIONS)
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:
         features = None
