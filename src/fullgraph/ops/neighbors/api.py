@@ -173,13 +173,8 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         True
     """
     if batch_query is not None or batch_ref is not None:
-        padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
-                                                                  ref_lengths)
-        dists, idx, counts = fullgraph_radius(padded_query, padded_ref, radius, max_neighbors,
-                                              query_lengths=queries.lengths, ref_lengths=refs.lengths,
-                                              backend=backend)
-        idx = refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
-        return queries.unpad(dists), idx, queries.unpad(counts)
+        return _radius_batch_vectors(query, ref, radius, max_neighbors, batch_query, batch_ref, query_lengths,
+                                     ref_lengths, backend)
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius = _real("radius", radius, strict=False)
     max_neighbors = _integer("max_neighbors", max_neighbors)
@@ -302,4 +297,11 @@ def knn_gather(values, idx, *, fill: float = 0.0):
     return out[0] if unbatched else out
 
 
-fullgraph_radius = radius  # the function, where a parameter is named radius
+def _radius_batch_vectors(query, ref, r, max_neighbors, batch_query, batch_ref, query_lengths, ref_lengths, backend):
+    """``radius`` of flat clouds with batch vectors, through the padded layout."""
+    padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+                                                              ref_lengths)
+    dists, idx, counts = radius(padded_query, padded_ref, r, max_neighbors, query_lengths=queries.lengths,
+                                ref_lengths=refs.lengths, backend=backend)
+    idx = refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
+    return queries.unpad(dists), idx, queries.unpad(counts)

@@ -84,12 +84,13 @@ def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``take`` smallest entries of each row of d [m, n] (>= 0 or NaN), ordered by
-    (value, column), NaN counting as largest; without reading anything back to the host.
+    (value, column), NaN counting as largest (the order among NaN entries is unspecified).
 
-    ``topk`` alone picks arbitrarily among values tied at the cut. float32 rows are ranked
-    by one int64 key per entry, (bits of d) << 32 | column: non-negative float32 bit patterns
-    order like the values, NaN's above +inf's, and the column breaks ties. float64 rows keep
-    topk's cut and take the tied entries by column (a running count of them).
+    ``topk`` alone picks arbitrarily among values tied at the cut. On CPUs, where a host
+    read costs nothing, tied rows are repaired after it. Elsewhere nothing is read back (so
+    it captures): float32 rows are ranked by one int64 key per entry, (bits of d) << 32 |
+    column (non-negative float32 bit patterns order like the values, NaN's above +inf's,
+    the column breaks ties); float64 rows keep topk's cut and take the tied entries by column.
     """
     rows, columns = d.shape
     if take == 0:
