@@ -43,6 +43,12 @@ def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: tor
     _validate.rank("x", x, (3,), "[B, N, D]")
     _validate.integer("count", count, minimum=1)
     batch, size, _ = x.shape
+    if lengths is not None:
+        _validate.lengths("lengths", lengths, batch, size, x.device)
+    _validate.tensor("start", start)
+    if start.dtype != torch.int64 or tuple(start.shape) != (batch,) or start.device != x.device:
+        raise ValueError(f"start: expected [{batch}] int64 indices on {x.device}, got {start.dtype} of shape "
+                         f"{tuple(start.shape)} on {start.device}")
     valid = valid_points(x, lengths)
     acc = accumulation_dtype(x.dtype)
     largest = torch.where(valid, magnitude(x).to(acc), 0).amax(1) if size else x.new_zeros(batch, dtype=acc)
