@@ -8,7 +8,8 @@ queries is the fast formulation. Per batch item and block of queries:
    cancellation error below) and approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
 2. the ``k + SLACK`` smallest per query (``topk``) are re-measured with the reference's
-   arithmetic (``pairs.pair_distances``) and ordered by (distance, index);
+   arithmetic (``pairs.norm_of_difference`` on the same scaled points) and ordered by
+   (distance, index);
 3. a certificate checks that no reference outside the candidates can be nearer than, or tie
    with, the k-th: rows that fail it are searched again by the reference.
 
@@ -59,6 +60,7 @@ def _item(query, ref, query_ok, ref_ok, k, radius, acc):
     # of a power of two (exact) where needed; the exact distances stay in the caller's units.
     scale = safe_scale(torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok)).to(acc))
     q, r = query.to(acc) / scale, ref.to(acc) / scale
+    measured_q, measured_r = q, r  # the reference's operands: the exact re-measure is its arithmetic
     all_valid = bool(ref_ok.all()) and bool(query_ok.all())
     if not all_valid:
         q, r = _centred(q, query_ok, 0), _centred(r, ref_ok, 0)
@@ -84,7 +86,7 @@ def _item(query, ref, query_ok, ref_ok, k, radius, acc):
         if not all_valid:
             approx.masked_fill_(~ref_ok[None, :], math.inf)
         values, candidates = torch.topk(approx, take, dim=1, largest=False, sorted=True)
-        exact = pairs.pair_distances(query[block][:, None, :].expand(-1, take, -1), ref[candidates])
+        exact = pairs.norm_of_difference(measured_q[block][:, None, :], measured_r[candidates]) * scale
         keep = ref_ok[candidates] & (exact <= radius)
         d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
         width = min(k, take)

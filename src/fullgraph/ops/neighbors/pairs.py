@@ -62,11 +62,18 @@ def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
             query.new_zeros((batch, rows), dtype=torch.int64))
 
 
+# Up to this many coordinates, differences are summed one coordinate at a time (no
+# [..., D] block is held); beyond, one fused reduction over D beats a Python loop.
+PER_COORDINATE_MAX_DIM = 4
+
+
 def norm_of_difference(query: Tensor, ref: Tensor) -> Tensor:
-    """sqrt(sum_c (query_c - ref_c)^2) over the last dim, broadcasting, the coordinates
-    summed one after the other: the one distance arithmetic of the neighbour backends (the
-    reference's matrix and every re-measure give the same bits). One [...] pass per
-    coordinate: no [..., D] difference is held."""
+    """sqrt(sum_c (query_c - ref_c)^2) over the last dim, broadcasting: the one distance
+    arithmetic of the neighbour backends (the reference's matrix and every re-measure give
+    the same bits). For D <= PER_COORDINATE_MAX_DIM one [...] pass per coordinate, summed in
+    order; above, a contiguous [..., D] difference reduced by ``sum``."""
+    if query.shape[-1] > PER_COORDINATE_MAX_DIM:
+        return (query - ref).square().sum(-1).sqrt()
     total = (query[..., 0] - ref[..., 0]).square()
     for c in range(1, query.shape[-1]):
         total += (query[..., c] - ref[..., c]).square()

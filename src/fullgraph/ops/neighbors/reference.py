@@ -18,7 +18,7 @@ import torch
 
 from ...backends import ANY_DEVICE, Backend
 from ..scaling import magnitude, safe_scale
-from .pairs import Kernels, accumulation_dtype, norm_of_difference, query_chunks, valid_points
+from .pairs import PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks, valid_points
 
 
 def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,8 @@ def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
         scale = safe_scale(size.to(acc))
         # d * scale <= radius exactly when d <= radius / scale (both rounded to acc like d).
         within = torch.tensor(radius, dtype=acc, device=query.device) / scale if math.isfinite(radius) else None
-        for chunk in query_chunks(rows, ref.shape[1], 0, query.device):
+        width = dim if dim > PER_COORDINATE_MAX_DIM else 0  # the [m, N, D] block norm_of_difference holds
+        for chunk in query_chunks(rows, ref.shape[1], width, query.device):
             d = pairwise_distances(query[b, chunk], ref[b], scale)
             ok = query_ok[b, chunk, None] & ref_ok[b, None, :]
             yield b, chunk, d, ok if within is None else ok & (d <= within), scale
