@@ -19,7 +19,7 @@ import torch
 
 from .. import _validate
 from .neighbors.batching import Padded, check_batch
-from .neighbors.pairs import accumulation_dtype, full_lengths, valid_points
+from .neighbors.pairs import accumulation_dtype, squared_difference, valid_points
 from .scaling import magnitude, safe_scale
 
 
@@ -61,10 +61,7 @@ def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: tor
         idx[:, i] = current
         if i + 1 == count or size == 0:
             break
-        last = points[items, current]
-        d2 = (points[..., 0] - last[:, None, 0]).square()
-        for c in range(1, points.shape[-1]):
-            d2 += (points[..., c] - last[:, None, c]).square()
+        d2 = squared_difference(points, points[items, current][:, None, :])
         gap = torch.where(valid, torch.minimum(gap, d2), -1.0)
         current = gap.argmax(1)  # the first of the largest: ties go to the smaller index
     taken = valid.sum(1, keepdim=True)
@@ -139,8 +136,7 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
     wanted = [min(n, n_samples) if n_samples is not None else math.ceil(ratio * n) for n in sizes]
     if not sizes or max(wanted) == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
-    idx = farthest_points(layout.pad(x), full_lengths(layout.lengths, layout.items, layout.width, x.device),
-                          max(wanted), random_start, generator)
+    idx = farthest_points(layout.pad(x), layout.lengths, max(wanted), random_start, generator)
     keep = torch.arange(idx.shape[1], device=x.device)[None, :] < torch.tensor(wanted, device=x.device)[:, None]
     rows = layout.global_index(idx, torch.arange(layout.items, device=x.device))
     return rows[keep & (rows >= 0)]

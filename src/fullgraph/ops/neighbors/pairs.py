@@ -67,17 +67,22 @@ def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
 PER_COORDINATE_MAX_DIM = 4
 
 
-def norm_of_difference(query: Tensor, ref: Tensor) -> Tensor:
-    """sqrt(sum_c (query_c - ref_c)^2) over the last dim, broadcasting: the one distance
-    arithmetic of the neighbour backends (the reference's matrix and every re-measure give
-    the same bits). For D <= PER_COORDINATE_MAX_DIM one [...] pass per coordinate, summed in
-    order; above, a contiguous [..., D] difference reduced by ``sum``."""
+def squared_difference(query: Tensor, ref: Tensor) -> Tensor:
+    """sum_c (query_c - ref_c)^2 over the last dim, broadcasting. For D <=
+    PER_COORDINATE_MAX_DIM one [...] pass per coordinate, summed in order; above, a
+    contiguous [..., D] difference reduced by ``sum``."""
     if query.shape[-1] > PER_COORDINATE_MAX_DIM:
-        return (query - ref).square().sum(-1).sqrt()
+        return (query - ref).square().sum(-1)
     total = (query[..., 0] - ref[..., 0]).square()
     for c in range(1, query.shape[-1]):
         total += (query[..., c] - ref[..., c]).square()
-    return total.sqrt_()
+    return total
+
+
+def norm_of_difference(query: Tensor, ref: Tensor) -> Tensor:
+    """sqrt of ``squared_difference``: the one distance arithmetic of the neighbour backends
+    (the reference's matrix and every re-measure give the same bits)."""
+    return squared_difference(query, ref).sqrt_()
 
 
 def pair_distances(query: Tensor, ref: Tensor) -> Tensor:
