@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import HAVE_TRITON
 from fullgraph import backends
 from fullgraph.ops.neighbors.registration import BACKENDS
 
@@ -60,7 +61,7 @@ def test_unknown_names_and_types():
 
 def test_neighbour_backends_are_declared_once():
     names = BACKENDS.names
-    assert names == ("auto", "triton", "dense", "cpu", "torch", "warp", "cuml")
+    assert names == ("auto", "dense", "triton", "cpu", "torch", "warp", "cuml")
     for backend in BACKENDS.backends:
         assert backend.implementation is not None and backend.ops
     assert BACKENDS.resolve("auto", "knn", CPU, torch.float32, 3, 4).name == "cpu"
@@ -68,3 +69,10 @@ def test_neighbour_backends_are_declared_once():
     assert BACKENDS.resolve("auto", "knn", CPU, torch.float32, 16, 4).name == "dense"  # feature space
     assert BACKENDS.resolve("auto", "radius", CPU, torch.float32, 16, 4).name == "cpu"  # dense has no radius
     assert BACKENDS.resolve("auto", "knn", torch.device("meta"), torch.float32, 3, 4).name == "torch"
+    if HAVE_TRITON:  # resolving needs no GPU
+        cuda = torch.device("cuda")
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 3, 4).name == "triton"
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 4).name == "dense"
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 16, 4).name == "torch"  # dense would sync
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 257).name == "torch"

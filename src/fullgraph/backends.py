@@ -31,7 +31,7 @@ def _always(device_type: str) -> bool:
     return True
 
 
-def _everywhere(dim, k) -> bool:
+def _everywhere(device_type, dtype, dim, k) -> bool:
     return True
 
 
@@ -40,10 +40,11 @@ class Backend:
     """One implementation of an operator family.
 
     devices / auto_devices: torch device types it runs on / where "auto" may pick it
-    (``ANY_DEVICE`` for all); auto_when(dim, k): the shapes where "auto" prefers it (the
+    (``ANY_DEVICE`` for all); auto_when(device_type, dtype, dim, k): where "auto" prefers it (the
     measured crossovers against the backends after it). dims: the D it accepts (None: any). max_k: the longest
     neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
-    capture (no host sync, no allocation outside PyTorch): True, False, or the ops that may. available(device_type): whether
+    capture (no host sync, no allocation outside PyTorch): True, False, the ops that may, or a
+    function (op, dtype, k) -> bool. available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
     what brings it there. implementation: the family's kernel interface.
     """
@@ -55,12 +56,12 @@ class Backend:
     auto_devices: tuple[str, ...] = ()
     dims: tuple[int, ...] | None = None
     max_k: int | None = None
-    capturable: bool | tuple[str, ...] = True
+    capturable: bool | tuple[str, ...] | Callable[[str, torch.dtype, int], bool] = True
     install: str = ""
     available: Callable[[str], bool] = _always
     implementation: object = None
     note: str = ""  # why a dtype is refused, e.g. "computes in float32"
-    auto_when: Callable[[object, int], bool] = _everywhere  # (dim, k): the measured crossovers for "auto"
+    auto_when: Callable[[str, torch.dtype, object, int], bool] = _everywhere  # the measured crossovers for "auto"
 
     def runs_on(self, device_type: str) -> bool:
         return ANY_DEVICE in self.devices or device_type in self.devices
@@ -69,7 +70,7 @@ class Backend:
         """Whether "auto" may pick it for these tensors (installed included)."""
         return (op in self.ops and (ANY_DEVICE in self.auto_devices or device_type in self.auto_devices)
                 and dtype in self.dtypes and (self.dims is None or dim is None or dim in self.dims)
-                and (self.max_k is None or k <= self.max_k) and self.auto_when(dim, k)
+                and (self.max_k is None or k <= self.max_k) and self.auto_when(device_type, dtype, dim, k)
                 and self.available(device_type))
 
     def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str,
@@ -92,17 +93,21 @@ class Backend:
             raise ValueError(f'{k_argument}: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
 
 
-    def captures(self, op: str) -> bool:
+    def captures(self, op: str, dtype: torch.dtype = torch.float32, k: int = 1) -> bool:
+        if callable(self.capturable):
+            return self.capturable(op, dtype, k)
         return self.capturable is True or (isinstance(self.capturable, tuple) and op in self.capturable)
 
-    def check_capture(self, device: torch.device, op: str) -> None:
-        """Refuse to run ``op`` inside a CUDA graph capture when its kernels cannot be captured,
-        before anything is launched (a failed capture would invalidate the whole graph)."""
-        if not self.captures(op) and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    def check_capture(self, device: torch.device, op: str, dtype: torch.dtype = torch.float32, k: int = 1) -> None:
+        """Refuse to run ``op`` (on ``dtype``, lists of ``k``) inside a CUDA graph capture when
+        its kernels cannot be captured, before anything is launched (a failed capture would
+        invalidate the whole graph)."""
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not self.captures(op, dtype, k):
             raise GraphCaptureError(
-                f'backend="{self.name}" runs {op} with a host synchronization or allocations outside PyTorch, so it '
-                "cannot run inside a CUDA graph capture; choose a capturable backend, or leave this call out of the "
-                "graph (torch.compile without mode=\"reduce-overhead\")")
+                f'backend="{self.name}" runs {op} ({str(dtype).removeprefix("torch.")}, lists of {k}) with a host '
+                "synchronization or allocations outside PyTorch, so it cannot run inside a CUDA graph capture; "
+                'choose a capturable backend, or leave this call out of the graph (torch.compile without '
+                'mode="reduce-overhead")')
 
 
 @dataclass(frozen=True)

@@ -116,3 +116,38 @@ def test_a_thousand_replays_on_fresh_data_equal_eager(generator):
         if i % 97 == 0 or i >= 992:
             torch.testing.assert_close(out, _step(*fresh))
     assert replayed.captures == 1
+
+
+def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(generator):
+    """auto takes "dense" for D >= 4 on CUDA: the rows its certificate cannot prove (ties
+    wider than the slack) are redone inside the graph, on every replay."""
+    from fullgraph.ops.neighbors import dense
+
+    def tied():
+        pool = points("normal", 5, 16, generator).float().cuda()
+        ref = pool[torch.randint(0, 5, (700,), generator=generator).cuda()]
+        query = torch.cat([pool[torch.randint(0, 5, (30,), generator=generator).cuda()] + 0.01,
+                           points("normal", 30, 16, generator).float().cuda()])
+        return query, ref
+
+    for k in (6, 100):  # 100: beyond the Triton backend's own MAX_K
+        assert fullgraph.ops.neighbors.registration.BACKENDS.resolve(
+            "auto", "knn", torch.device("cuda"), torch.float32, 16, k) is dense.BACKEND
+        replayed = fullgraph.graphs.graphed(lambda query, ref, k=k: fullgraph.knn(query, ref, k))
+        for _ in range(3):
+            query, ref = tied()
+            got, want = replayed(query, ref), fullgraph.knn(query, ref, k, backend="torch")
+            assert torch.equal(got[1], want[1])
+            torch.testing.assert_close(got[0], want[0])
+        assert replayed.captures == 1
+
+
+def test_feature_space_paths_that_need_a_host_read_are_refused_in_a_capture(generator):
+    from fullgraph.graphs import GraphCaptureError
+
+    query, ref = (points("normal", n, 16, generator).cuda() for n in (20, 300))
+    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float64, lists of 6\)'):
+        fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 6, backend="dense"))(query, ref)
+    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float32, lists of 257\)'):
+        fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 257, backend="dense"))(query.float(), ref.float())
+    assert torch.isfinite(torch.randn(3, device="cuda")).all()

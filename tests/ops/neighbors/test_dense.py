@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, DISTRIBUTIONS, assert_neighbors, oracle_distances, oracle_nearest, points, tolerance
+from conftest import DEVICES, DISTRIBUTIONS, HAVE_TRITON, assert_neighbors, oracle_distances, oracle_nearest, points, tolerance
 from fullgraph.ops.neighbors import dense
 
 
@@ -47,15 +47,54 @@ def test_far_from_the_origin(offset, precision, generator):
 
 def test_ties_wider_than_the_slack_take_the_reference_path(monkeypatch, generator):
     """Many exact duplicates at the k-th place fail the certificate; those rows are redone."""
-    pool = points("normal", 5, 8, generator).float()
-    ref = pool[torch.randint(0, 5, (600,), generator=generator)]
-    query = pool[torch.randint(0, 5, (40,), generator=generator)] + 0.01
+    monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: False)
+    query, ref = _tied(generator)
     redone = []
     original = dense.reference.nearest
     monkeypatch.setattr(dense.reference, "nearest", lambda q, *a: redone.append(q.shape[1]) or original(q, *a))
     dists, idx = fullgraph.knn(query, ref, 6, backend="dense")
     assert sum(redone) > 0
     assert torch.equal(idx, fullgraph.knn(query, ref, 6, backend="torch")[1])
+
+
+def _tied(generator, device="cpu", rows=40, columns=600, dim=8):
+    """Queries near a pool of 5 points that the references duplicate: ties wider than the slack."""
+    pool = points("normal", 5, dim, generator).float()
+    ref = pool[torch.randint(0, 5, (columns,), generator=generator)]
+    query = pool[torch.randint(0, 5, (rows,), generator=generator)] + 0.01
+    return query.to(device), ref.to(device)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_the_triton_search_restricted_to_flagged_rows(generator):
+    """What redoes failed rows on CUDA without a host read: the flagged rows equal a full search."""
+    from fullgraph.ops.neighbors import triton_grid
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = (t.to(device) for t in _clouds("normal", 16, generator, rows=24, columns=90))
+    query, ref = query[None].float().contiguous(), ref[None].float().contiguous()
+    needed = torch.zeros(1, 24, dtype=torch.bool, device=device)
+    needed[0, torch.tensor([0, 5, 6, 23])] = True
+    full = triton_grid.nearest(query, ref, 7, math.inf, None, None)
+    some = triton_grid.nearest(query, ref, 7, math.inf, None, None, needed=needed)
+    assert torch.equal(some[1][needed], full[1][needed]) and torch.equal(some[0][needed], full[0][needed])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
+    """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
+    monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)
+    flagged = []
+    original = dense.triton_grid.nearest
+    monkeypatch.setattr(dense.triton_grid, "nearest",
+                        lambda *a, needed: flagged.append(int(needed.sum())) or original(*a, needed=needed))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = _tied(generator, device)
+    dists, idx = fullgraph.knn(query, ref, 6, backend="dense")
+    assert flagged and flagged[0] > 0
+    want_dists, want_idx = fullgraph.knn(query, ref, 6, backend="torch")
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(dists, want_dists, **tolerance(torch.float32))
 
 
 def test_ragged_batches_non_finite_points_and_small_sets(generator):

@@ -1,17 +1,19 @@
 """The "dense" backend: kNN as matrix products (BLAS, cuBLAS), exact by a certificate.
 
-For feature-space points (D >= 4) a k-d tree degrades towards brute force and the
-reference's broadcast differences move D times the memory; one matrix product per block of
-queries is the fast formulation. Per batch item and block of queries:
+For feature-space points (D >= 4) a k-d tree degrades towards brute force, the grid of the
+Triton backend to one cell, and the reference's broadcast differences move D times the
+memory; one batched matrix product per block of queries is the fast formulation. Per block
+of queries, for every batch item at once:
 
-1. both clouds are centred on the mean of the item's valid references (which shrinks the
-   cancellation error below) and approximate squared distances come from one product,
+1. both clouds are scaled by the item's power of two (``ops.scaling.safe_scale``) and
+   centred on the mean of its valid references (which shrinks the cancellation error
+   below); approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
 2. the ``k + SLACK`` smallest per query (``topk``) are re-measured with the reference's
    arithmetic (``pairs.norm_of_difference`` on the same scaled points) and ordered by
    (distance, index);
 3. a certificate checks that no reference outside the candidates can be nearer than, or tie
-   with, the k-th: rows that fail it are searched again by the reference.
+   with, the k-th: rows that fail it are searched again exactly.
 
 Error bound. With unit roundoff u (2^-24 in float32, 2^-53 in float64), a dot product of
 length D in any summation order is within ``D u |q| |r| / (1 - D u)`` of the true value, and
@@ -21,9 +23,12 @@ the two norms and two additions add a few u of ``|q|^2 + |r|^2``, so
 value), so its true squared distance is at least ``t_i - e_i``, and its distance as the
 reference computes it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1 - 2(D + 2) u)``.
 When the k-th exact candidate distance squared ``s_i`` is below that, the list is exactly the
-reference's. Near-ties and duplicates wider than the slack fail the check and take the
-reference's path (a host sync, which is why this backend cannot be captured in a CUDA
-graph, and why "auto" takes it on CPUs only; on CUDA it is there to be asked for by name).
+reference's. Near-ties and duplicates wider than the slack fail the check.
+
+Failed rows. On CUDA (float16/bfloat16/float32, k <= REDO_MAX_K) the Triton
+search runs restricted to them: no host read, so the backend captures in CUDA graphs (its
+programs without a failed row return at once). Elsewhere the reference redoes them (one
+host read: float64 or longer lists on CUDA cannot be captured).
 """
 
 from __future__ import annotations
@@ -32,12 +37,16 @@ import math
 
 import torch
 
+from ... import _triton
 from ...backends import FLOATING, Backend
 from ..scaling import safe_scale
-from . import pairs, reference
+from . import pairs, reference, triton_grid
 
 SLACK = 8
 BLOCK_BYTES = 256 * 2**20
+# The longest lists the Triton search redoes failed rows for (it keeps them in registers;
+# beyond its own MAX_K for speed, not correctness: only failed rows take it).
+REDO_MAX_K = 256
 
 
 def _roundoff(dtype: torch.dtype) -> float:
@@ -48,77 +57,96 @@ def _roundoff(dtype: torch.dtype) -> float:
     return {"highest": 2.0**-24, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(), 2.0**-8)
 
 
-def _centred(points, valid, centre):
-    """Points minus the centre, invalid rows zeroed (so no NaN enters the product)."""
-    return torch.where(valid[:, None], points - centre, 0)
+def _gather_rows(points, rows):
+    """points [B, N, D] at rows [B, ...] -> [B, ..., D]."""
+    flat = rows.reshape(rows.shape[0], -1, 1).clamp(min=0).expand(-1, -1, points.shape[-1])
+    return points.gather(1, flat).reshape(*rows.shape, points.shape[-1])
 
 
-def _item(query, ref, query_ok, ref_ok, k, radius, acc):
-    """dists [M, k], idx [M, k] of one batch item (rows of invalid queries are filled by the caller)."""
-    rows, columns, dim = query.shape[0], ref.shape[0], query.shape[1]
-    # Products of far-out (or tiny) coordinates would overflow (underflow): work in units
-    # of a power of two (exact) where needed; the exact distances stay in the caller's units.
-    scale = safe_scale(torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok)).to(acc))
-    q, r = query.to(acc) / scale, ref.to(acc) / scale
-    measured_q, measured_r = q, r  # the reference's operands: the exact re-measure is its arithmetic
-    all_valid = bool(ref_ok.all()) and bool(query_ok.all())
-    if not all_valid:
-        q, r = _centred(q, query_ok, 0), _centred(r, ref_ok, 0)
-    r_norms = (r * r).sum(1)
-    # Centring pays (two passes over the points) only when the cloud sits far from the
-    # origin, where |q|^2 + |r|^2 would dwarf the differences (the bound grows with it).
-    centre = r.sum(0) / max(1, int(ref_ok.sum()))
-    if float((centre * centre).sum()) * columns > float(r_norms.sum()) / 4:
-        q, r = _centred(q, query_ok, centre), _centred(r, ref_ok, centre)
-        r_norms = (r * r).sum(1)
-    reach = math.sqrt(float(r_norms.max())) if columns else 0.0
-    gamma = 2 * (dim + 4) * _roundoff(acc)
-    take = min(k + SLACK, columns)
-    dists = torch.full((rows, k), math.inf, dtype=acc, device=query.device)
-    idx = torch.full((rows, k), -1, dtype=torch.int64, device=query.device)
-    failed = []
-    step = max(1, BLOCK_BYTES // (max(columns, 1) * 4 * q.element_size()))
-    for start in range(0, rows, step):
-        block = slice(start, min(start + step, rows))
-        q_block = q[block]
-        # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r (one pass less).
-        approx = torch.addmm(r_norms[None, :], q_block, r.t(), alpha=-2)
-        if not all_valid:
-            approx.masked_fill_(~ref_ok[None, :], math.inf)
-        values, candidates = torch.topk(approx, take, dim=1, largest=False, sorted=True)
-        exact = pairs.norm_of_difference(measured_q[block][:, None, :], measured_r[candidates]) * scale
-        keep = ref_ok[candidates] & (exact <= radius)
-        d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
-        width = min(k, take)
-        dists[block, :width], idx[block, :width] = d[:, :width], candidates[:, :width]
-        if take < columns:
-            q_norms = (q_block * q_block).sum(1)
-            bound = gamma * (q_norms.sqrt() + reach) ** 2
-            outside = (values[:, -1] + q_norms - bound) * (1 - 2 * (dim + 2) * _roundoff(acc))
-            # A last candidate at +inf: every valid reference is a candidate already.
-            certified = ((d[:, k - 1] / scale) ** 2 < outside) | torch.isinf(values[:, -1])
-            failed.append(start + (query_ok[block] & ~certified).nonzero()[:, 0])
-    return dists, idx, torch.cat(failed) if failed else torch.zeros(0, dtype=torch.int64, device=query.device)
+class _Frames:
+    """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
+    the reference measures them (``q``, ``r``), and centred on the mean valid reference with
+    invalid rows zeroed (``qc``, ``rc``, the operands of the products)."""
+
+    def __init__(self, query, ref, query_ok, ref_ok, acc):
+        largest = torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok))
+        self.scale = safe_scale(largest.to(acc))[:, None]
+        self.q, self.r = query.to(acc) / self.scale[..., None], ref.to(acc) / self.scale[..., None]
+        valid_r = torch.where(ref_ok[..., None], self.r, 0)
+        centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
+        self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
+        self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
+        self.r_norms = (self.rc * self.rc).sum(-1)
+        self.reach = self.r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
+
+
+def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
+    """dists, idx [B, m, min(k, take)] of the queries ``rows`` and which of them the
+    certificate leaves unproven [B, m]."""
+    qc = frames.qc[:, rows]
+    dim, columns = qc.shape[-1], frames.rc.shape[1]
+    # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
+    approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
+    approx.masked_fill_(~ref_ok[:, None, :], math.inf)
+    values, candidates = torch.topk(approx, take, dim=2, largest=False, sorted=True)
+    exact = pairs.norm_of_difference(frames.q[:, rows, None, :], _gather_rows(frames.r, candidates))
+    keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
+    keep &= exact * frames.scale[..., None] <= radius
+    d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
+    if take == columns:
+        return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(keep[..., 0])
+    u = _roundoff(qc.dtype)
+    q_norms = (qc * qc).sum(-1)
+    bound = 2 * (dim + 4) * u * (q_norms.sqrt() + frames.reach) ** 2
+    outside = (values[..., -1] + q_norms - bound) * (1 - 2 * (dim + 2) * u)
+    # A last candidate at +inf: every valid reference is a candidate already.
+    certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
+    return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+
+
+def _redone_in_triton(query, k) -> bool:
+    return query.device.type == "cuda" and _captures("knn", query.dtype, k)
+
+
+def _redo(query, ref, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+    """Search the ``failed`` [B, M] rows again exactly, in place."""
+    if _redone_in_triton(query, k):
+        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and not bool(failed.any()):
+            return
+        d, i, _ = triton_grid.nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=failed)
+        dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
+        idx.copy_(torch.where(failed[..., None], i, idx))
+        return
+    for b, rows in enumerate(failed):
+        rows = rows.nonzero()[:, 0]
+        if rows.numel():
+            lengths = None if ref_lengths is None else ref_lengths[b:b + 1]
+            d, i, _ = reference.nearest(query[b:b + 1, rows], ref[b:b + 1], k, radius, None, lengths)
+            dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
     batch, rows, _ = query.shape
+    columns = ref.shape[1]
     acc = pairs.accumulation_dtype(query.dtype)
     dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
-    query_ok = pairs.valid_points(query, query_lengths)
-    ref_ok = pairs.valid_points(ref, ref_lengths)
-    for b in range(batch):
-        if rows == 0 or not bool(ref_ok[b].any()):
-            continue
-        d, i, failed = _item(query[b], ref[b], query_ok[b], ref_ok[b], k, radius, acc)
-        if failed.numel():
-            lengths = None if ref_lengths is None else ref_lengths[b:b + 1]
-            exact_d, exact_i, _ = reference.nearest(query[b:b + 1, failed], ref[b:b + 1], k, radius, None, lengths)
-            d[failed], i[failed] = exact_d[0].to(acc), exact_i[0]
-        ok = query_ok[b][:, None]
-        dists[b], idx[b] = d.masked_fill(~ok, math.inf), i.masked_fill(~ok, -1)
+    if batch * rows * columns == 0:
+        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+    frames = _Frames(query, ref, query_ok, ref_ok, acc)
+    take = min(k + SLACK, columns)
+    failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
+    step = max(1, BLOCK_BYTES // (batch * columns * frames.q.element_size()))
+    for start in range(0, rows, step):
+        block = slice(start, min(start + step, rows))
+        d, i, failed[:, block] = _block(frames, block, ref_ok, k, radius, take)
+        dists[:, block, :d.shape[-1]], idx[:, block, :d.shape[-1]] = d, i
+    _redo(query, ref, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    ok = query_ok[..., None]
+    dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
     return dists.to(query.dtype), idx, (idx >= 0).sum(-1)
 
 
@@ -126,15 +154,32 @@ class DenseKernels(pairs.Kernels):
     nearest = staticmethod(nearest)
 
 
-# Where "auto" takes it over the k-d tree: measured on the 2-core development CPU, normal
-# clouds (benchmarks/results/cpu-2core-torch2.13/dense-crossover.log), ms dense / tree:
+# Where "auto" takes it. CPU, over the k-d tree: measured on the 2-core development CPU,
+# normal clouds (benchmarks/results/cpu-2core-torch2.13/dense-crossover.log), ms dense / tree:
 #   M=5000, N=100000, k=10:  D=8 1342/354, D=10 1241/859, D=12 1234/2263, D=16 601/1904
 #   B=8, M=N=2048, k=20:     D=8 120/243,  D=12 120/293,  D=64 267/831
 # The tree wins up to D = 10 on large clouds; from D = 12 on the products win everywhere.
 AUTO_MIN_DIM = 12
+# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3):
+# see benchmarks/results/h100-torch2.11/dense-crossover.log.
+CUDA_AUTO_MIN_DIM = 4
+
+
+def _auto(device_type, dtype, dim, k) -> bool:
+    if dim is None:
+        return False
+    if device_type == "cuda":
+        return dim >= CUDA_AUTO_MIN_DIM and _captures("knn", dtype, k)
+    return dim >= AUTO_MIN_DIM
+
+
+def _captures(op, dtype, k) -> bool:
+    """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 up to
+    REDO_MAX_K (see the module docstring)."""
+    return dtype != torch.float64 and k <= REDO_MAX_K and _triton.available()
+
 
 BACKEND = Backend(
-    "dense", ops=("knn", "knn_aggregate"), devices=("cpu", "cuda"), dtypes=FLOATING, auto_devices=("cpu",),
-    auto_when=lambda dim, k: dim is not None and dim >= AUTO_MIN_DIM, capturable=False,
-    implementation=DenseKernels(),
+    "dense", ops=("knn", "knn_aggregate"), devices=("cpu", "cuda"), dtypes=FLOATING, auto_devices=("cpu", "cuda"),
+    auto_when=_auto, capturable=_captures, implementation=DenseKernels(),
 )

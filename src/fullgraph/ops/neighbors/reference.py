@@ -79,8 +79,8 @@ def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
 
 
 def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The largest |coordinate| of the valid points [L, D] (0 if none)."""
-    return torch.where(valid, magnitude(points), 0).amax() if points.shape[0] else points.new_zeros(())
+    """The largest |coordinate| of the valid points [..., L, D] (valid [..., L]) -> [...] (0 if none)."""
+    return torch.where(valid, magnitude(points), 0).amax(-1) if points.shape[-2] else points.new_zeros(points.shape[:-2])
 
 
 def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,8 +20,8 @@ from . import cpu, cuml, dense, pairs, reference, triton_grid, warp
 
 BACKENDS = backends.family(
     "neighbors",
+    dense.BACKEND,  # first where its measured crossovers say (feature space), else the grid
     triton_grid.BACKEND,
-    dense.BACKEND,
     cpu.BACKEND,
     reference.BACKEND,
     warp.BACKEND,
@@ -99,7 +99,7 @@ def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
     with D = dim (None: not known to this op), lists of k."""
     chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k,
                               k_argument="max_neighbors" if op == "radius" else "k")
-    chosen.check_capture(like.device, op)
+    chosen.check_capture(like.device, op, like.dtype, k)
     return chosen.implementation
 
 

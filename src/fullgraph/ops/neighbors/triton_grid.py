@@ -83,8 +83,9 @@ def _squared(radius: float) -> float:
     return float(t)
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous."""
+def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None):
+    """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
+    bool: search only these queries (the other rows of the results are unspecified)."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
@@ -97,9 +98,10 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     block_m, block_n, warps = SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
-        frame.values, frame.shape, dists, idx, counts, rows, columns, frame.cells,
-        _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
-        D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, BLOCK_M=block_m, BLOCK_N=block_n,
+        frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
+        rows, columns, frame.cells, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
+        D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES,
         num_warps=warps,
     )

@@ -173,8 +173,8 @@ if triton is not None:
     @triton.jit
     def search_kernel(
         q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, values, shape,
-        out_dist, out_idx, out_count, rows, columns, cells, radius2, reach,
-        D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr,
+        out_dist, out_idx, out_count, needed, rows, columns, cells, radius2, reach,
+        D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr, MASKED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -185,6 +185,9 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, SEARCH_SPREAD, D)
+        if MASKED:  # only the queries flagged in needed [B*M] are searched (the others' rows are garbage)
+            flat_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
+            live = live & (tl.load(needed + flat_rows, mask=offs_m < rows, other=0) != 0)
         radius2, reach, scale = _in_item_units(values, b, radius2, reach)
         side = tl.load(values + b * VALUES + SIDE)
         slack = tl.load(values + b * VALUES + SLACK)
