@@ -124,15 +124,15 @@ def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(generator
     from fullgraph.ops.neighbors import dense
 
     def tied():
-        pool = points("normal", 5, 16, generator).float().cuda()
+        pool = points("normal", 5, 32, generator).float().cuda()
         ref = pool[torch.randint(0, 5, (700,), generator=generator).cuda()]
         query = torch.cat([pool[torch.randint(0, 5, (30,), generator=generator).cuda()] + 0.01,
-                           points("normal", 30, 16, generator).float().cuda()])
+                           points("normal", 30, 32, generator).float().cuda()])
         return query, ref
 
     for k in (6, 100):  # 100: beyond the Triton backend's own MAX_K
         assert fullgraph.ops.neighbors.registration.BACKENDS.resolve(
-            "auto", "knn", torch.device("cuda"), torch.float32, 16, k) is dense.BACKEND
+            "auto", "knn", torch.device("cuda"), torch.float32, 32, k) is dense.BACKEND
         replayed = fullgraph.graphs.graphed(lambda query, ref, k=k: fullgraph.knn(query, ref, k))
         for _ in range(3):
             query, ref = tied()

@@ -43,7 +43,7 @@ from ..scaling import safe_scale
 from . import pairs, reference, triton_grid
 
 SLACK = 8
-BLOCK_BYTES = 256 * 2**20
+BLOCK_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}  # the products of one block of queries, at most
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
@@ -76,8 +76,10 @@ class _Frames:
         centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
         self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
         self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
-        self.r_norms = (self.rc * self.rc).sum(-1)
-        self.reach = self.r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
+        r_norms = (self.rc * self.rc).sum(-1)
+        self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
+        # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
+        self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
 
 
 def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
@@ -87,7 +89,6 @@ def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
     approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
-    approx.masked_fill_(~ref_ok[:, None, :], math.inf)
     values, candidates = torch.topk(approx, take, dim=2, largest=False, sorted=True)
     exact = pairs.norm_of_difference(frames.q[:, rows, None, :], _gather_rows(frames.r, candidates))
     keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
@@ -139,7 +140,8 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     frames = _Frames(query, ref, query_ok, ref_ok, acc)
     take = min(k + SLACK, columns)
     failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
-    step = max(1, BLOCK_BYTES // (batch * columns * frames.q.element_size()))
+    budget = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
+    step = max(1, budget // (batch * columns * frames.q.element_size()))
     for start in range(0, rows, step):
         block = slice(start, min(start + step, rows))
         d, i, failed[:, block] = _block(frames, block, ref_ok, k, radius, take)
@@ -160,16 +162,20 @@ class DenseKernels(pairs.Kernels):
 #   B=8, M=N=2048, k=20:     D=8 120/243,  D=12 120/293,  D=64 267/831
 # The tree wins up to D = 10 on large clouds; from D = 12 on the products win everywhere.
 AUTO_MIN_DIM = 12
-# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3):
-# see benchmarks/results/h100-torch2.11/dense-crossover.log.
-CUDA_AUTO_MIN_DIM = 4
+# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3),
+# H100, ms cdist+topk / dense / triton (benchmarks/results/h100-torch2.11/knn-crossover.log):
+#   B=8, M=N=4096, D=64, k=20: 3.7 / 7.1 / 22.1;  B=32, M=N=1024, D=64, k=20: 1.7 / 4.4 / 7.6
+#   M=20000, N=200000, D=16, k=10: 81.0 / 104.4 / 69.8
+# and for lists longer than Triton's MAX_K from D = 4 on (the alternative is the reference).
+CUDA_AUTO_MIN_DIM = 32
 
 
 def _auto(device_type, dtype, dim, k) -> bool:
     if dim is None:
         return False
     if device_type == "cuda":
-        return dim >= CUDA_AUTO_MIN_DIM and _captures("knn", dtype, k)
+        wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
+        return wanted and _captures("knn", dtype, k)
     return dim >= AUTO_MIN_DIM
 
 

@@ -30,10 +30,16 @@ if triton is not None:
     def _tile_d2(q_base, r_base, offs_m, offs_n, rows, columns, D: tl.constexpr):
         """Squared distances [BLOCK_M, BLOCK_N] between rows of two [*, D] arrays."""
         d2 = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
-        for dim in tl.static_range(D):
-            diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
-                r_base, offs_n, columns, D, D, dim)[None, :]
-            d2 += diff * diff
+        if D <= 4:
+            for dim in tl.static_range(D):
+                diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
+                    r_base, offs_n, columns, D, D, dim)[None, :]
+                d2 += diff * diff
+        else:  # a loop, not unrolled: feature-space D (up to hundreds) compiles in seconds
+            for dim in range(D):
+                diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
+                    r_base, offs_n, columns, D, D, dim)[None, :]
+                d2 += diff * diff
         return d2
 
     @triton.jit
