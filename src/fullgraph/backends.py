@@ -44,7 +44,7 @@ class Backend:
     measured crossovers against the backends after it). dims: the D it accepts (None: any). max_k: the longest
     neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
     capture (no host sync, no allocation outside PyTorch): True, False, the ops that may, or a
-    function (op, dtype, k) -> bool. available(device_type): whether
+    function (op, dtype, dim, k) -> bool. available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
     what brings it there. implementation: the family's kernel interface.
     """
@@ -56,7 +56,7 @@ class Backend:
     auto_devices: tuple[str, ...] = ()
     dims: tuple[int, ...] | None = None
     max_k: int | None = None
-    capturable: bool | tuple[str, ...] | Callable[[str, torch.dtype, int], bool] = True
+    capturable: bool | tuple[str, ...] | Callable[[str, torch.dtype, object, int], bool] = True
     install: str = ""
     available: Callable[[str], bool] = _always
     implementation: object = None
@@ -93,18 +93,19 @@ class Backend:
             raise ValueError(f'{k_argument}: backend="{self.name}" supports up to {self.max_k} neighbours, got {k}')
 
 
-    def captures(self, op: str, dtype: torch.dtype = torch.float32, k: int = 1) -> bool:
+    def captures(self, op: str, dtype: torch.dtype = torch.float32, dim=None, k: int = 1) -> bool:
         if callable(self.capturable):
-            return self.capturable(op, dtype, k)
+            return self.capturable(op, dtype, dim, k)
         return self.capturable is True or (isinstance(self.capturable, tuple) and op in self.capturable)
 
-    def check_capture(self, device: torch.device, op: str, dtype: torch.dtype = torch.float32, k: int = 1) -> None:
-        """Refuse to run ``op`` (on ``dtype``, lists of ``k``) inside a CUDA graph capture when
+    def check_capture(self, device: torch.device, op: str, dtype: torch.dtype = torch.float32, dim=None,
+                      k: int = 1) -> None:
+        """Refuse to run ``op`` (on ``dtype``, D = ``dim``, lists of ``k``) inside a CUDA graph capture when
         its kernels cannot be captured, before anything is launched (a failed capture would
         invalidate the whole graph)."""
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not self.captures(op, dtype, k):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing() and not self.captures(op, dtype, dim, k):
             raise GraphCaptureError(
-                f'backend="{self.name}" runs {op} ({str(dtype).removeprefix("torch.")}, lists of {k}) with a host '
+                f'backend="{self.name}" runs {op} ({str(dtype).removeprefix("torch.")}, D = {dim}, lists of {k}) with a host '
                 "synchronization or allocations outside PyTorch, so it cannot run inside a CUDA graph capture; "
                 'choose a capturable backend, or leave this call out of the graph (torch.compile without '
                 'mode="reduce-overhead")')

@@ -146,8 +146,8 @@ def test_feature_space_paths_that_need_a_host_read_are_refused_in_a_capture(gene
     from fullgraph.graphs import GraphCaptureError
 
     query, ref = (points("normal", n, 16, generator).cuda() for n in (20, 300))
-    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float64, lists of 6\)'):
+    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float64, D = 16, lists of 6\)'):
         fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 6, backend="dense"))(query, ref)
-    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float32, lists of 257\)'):
+    with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float32, D = 16, lists of 257\)'):
         fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 257, backend="dense"))(query.float(), ref.float())
     assert torch.isfinite(torch.randn(3, device="cuda")).all()

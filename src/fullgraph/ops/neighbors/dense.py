@@ -25,7 +25,7 @@ reference computes it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1
 When the k-th exact candidate distance squared ``s_i`` is below that, the list is exactly the
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
-Failed rows. On CUDA (float16/bfloat16/float32, k <= REDO_MAX_K) the Triton
+Failed rows. On CUDA (float16/bfloat16/float32, k <= REDO_MAX_K, D <= REDO_MAX_DIM) the Triton
 search runs restricted to them: no host read, so the backend captures in CUDA graphs (its
 programs without a failed row return at once). Elsewhere the reference redoes them (one
 host read: float64 or longer lists on CUDA cannot be captured).
@@ -47,6 +47,8 @@ BLOCK_BYTES = {"cpu": 256 * 2**20, "cuda": 2**30}  # the products of one block o
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
+# ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
+REDO_MAX_DIM = 128
 
 
 def _roundoff(dtype: torch.dtype) -> float:
@@ -106,7 +108,7 @@ def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
 
 
 def _redone_in_triton(query, k) -> bool:
-    return query.device.type == "cuda" and _captures("knn", query.dtype, k)
+    return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
 
 
 def _redo(query, ref, k, radius, query_lengths, ref_lengths, failed, dists, idx):
@@ -175,14 +177,15 @@ def _auto(device_type, dtype, dim, k) -> bool:
         return False
     if device_type == "cuda":
         wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
-        return wanted and _captures("knn", dtype, k)
+        return wanted and _captures("knn", dtype, dim, k)
     return dim >= AUTO_MIN_DIM
 
 
-def _captures(op, dtype, k) -> bool:
+def _captures(op, dtype, dim, k) -> bool:
     """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 up to
-    REDO_MAX_K (see the module docstring)."""
-    return dtype != torch.float64 and k <= REDO_MAX_K and _triton.available()
+    REDO_MAX_K and REDO_MAX_DIM (see the module docstring)."""
+    return (dtype != torch.float64 and k <= REDO_MAX_K and (dim is None or dim <= REDO_MAX_DIM)
+            and _triton.available())
 
 
 BACKEND = Backend(

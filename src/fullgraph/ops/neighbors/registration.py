@@ -99,7 +99,7 @@ def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
     with D = dim (None: not known to this op), lists of k."""
     chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k,
                               k_argument="max_neighbors" if op == "radius" else "k")
-    chosen.check_capture(like.device, op, like.dtype, k)
+    chosen.check_capture(like.device, op, like.dtype, dim, k)
     return chosen.implementation
 
 
