@@ -9,7 +9,7 @@ from conftest import DEVICES, TOLERANCES
 
 import fullgraph
 from fullgraph.ops import lltm as lltm_ops
-from fullgraph.ops.lltm import build
+from fullgraph.ops.lltm import api, build
 
 
 def _inputs(generator, batch=5, features=7, state=6, dtype=torch.float64, device="cpu", scale=1.0):
@@ -195,6 +195,16 @@ def test_bad_input(change, message, generator):
     with pytest.raises((TypeError, ValueError)) as error:
         fullgraph.lltm(**arguments)
     assert message in str(error.value)
+
+
+def test_auto_takes_the_extension_on_cuda_only(recwarn):
+    """On CPUs plain PyTorch measured faster at every size (lltm-threads.log), and saying a
+    compiler is missing there would be beside the point."""
+    assert api.BACKENDS.resolve("auto", "lltm", torch.device("cpu"), torch.float32).name == "torch"
+    assert api._backend("auto", "cpu", torch.float32) == "torch"
+    assert not [w for w in recwarn if "fullgraph.lltm" in str(w.message)]
+    if api._buildable("cuda"):
+        assert api.BACKENDS.resolve("auto", "lltm", torch.device("cuda"), torch.float32).name == "extension"
 
 
 def test_a_missing_compiler_is_named(monkeypatch):

@@ -91,7 +91,10 @@ def _extension(input, weights, bias, old_h, old_cell):
 
 BACKENDS = backends.family(
     "lltm",
-    backends.Backend("extension", ops=("lltm",), devices=("cpu", "cuda"), auto_devices=("cpu", "cuda"),
+    # "auto" takes it on CUDA only: on CPUs plain PyTorch was faster at every size measured
+    # (benchmarks/results/cpu-2core-torch2.13/lltm-threads.log; 1 thread, B = 256: forward
+    # 815 vs 715 us, forward + backward 2,911 vs 1,874 us; 2 threads alike).
+    backends.Backend("extension", ops=("lltm",), devices=("cpu", "cuda"), auto_devices=("cuda",),
                      available=_buildable, implementation=_extension,
                      install='a C++ compiler and ninja (pip install "fullgraph[ext]"), and nvcc for CUDA tensors, '
                              'to build it; or use backend="torch"'),
@@ -104,7 +107,7 @@ BACKENDS = backends.family(
 def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
     """"torch" or "extension" for tensors on ``device_type``, the extension loaded."""
     backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype, argument="input")
-    if choice == "auto" and backend.name == "torch" and device_type in ("cpu", "cuda"):
+    if choice == "auto" and backend.name == "torch" and device_type in BACKENDS.get("extension").auto_devices:
         missing = ", ".join(missing_tools(with_cuda=device_type == "cuda"))
         warnings.warn(f"fullgraph.lltm: using plain PyTorch; the extension needs {missing}", stacklevel=4)
     if backend.name == "extension":
