@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fullgraph.cli import main
 
@@ -26,7 +27,8 @@ def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
         assert row["device"] and row["torch"] and row["params"] == {"grid": 5, "cloud": 500, "radius": 0.5}
     assert out_png.read_bytes()[:4] == b"\x89PNG"
     printed = capsys.readouterr().out
-    assert "fullgraph compiled" in printed and "x eager" in printed
+    assert "fullgraph compiled" in printed and "x base" in printed and "threads" in printed
+    assert all(row["threads"] == torch.get_num_threads() and row["baseline"] == "document eager" for row in rows)
     assert main(["report", str(out_json)]) == 0
     assert "| fullgraph eager | forward |" in capsys.readouterr().out
 

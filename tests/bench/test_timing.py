@@ -2,14 +2,55 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 
-from fullgraph.bench.timing import time_call
+from fullgraph.bench.timing import Timing, time_call
 
 
 def test_percentiles_lie_within_the_runs():
-    delays = iter([0.0, 0.02] * 10)
+    delays = itertools.cycle([0.0, 0.02])
     timing = time_call(lambda: time.sleep(next(delays)), torch.device("cpu"), warmup=0, runs=2)
     assert 0 <= timing.p10_ms <= timing.median_ms <= timing.p90_ms
+
+
+def test_cpu_times_come_from_torch_utils_benchmark_at_a_fixed_thread_count():
+    calls = []
+    timing = time_call(lambda: calls.append(1), torch.device("cpu"), warmup=0, runs=5)
+    assert timing.runs >= 5 and timing.threads == torch.get_num_threads()
+    assert len(calls) > 100  # blocks of many calls each: sized adaptively, not one call per sample
+    assert not timing.noisy or timing.p90_ms > 2 * timing.p10_ms
+
+
+def test_a_busy_machine_is_flagged():
+    """Calls that take 1 ms or 8 ms at random (as when another process takes the core):
+    the spread exceeds 2x and the row says so; steady calls are not flagged."""
+    import random
+
+    rng = random.Random(0)
+    noisy = time_call(lambda: time.sleep(rng.choice([0.001, 0.008])), torch.device("cpu"), warmup=0, runs=12)
+    assert noisy.noisy and noisy.p90_ms > 2 * noisy.p10_ms
+    steady = Timing(median_ms=1.0, p10_ms=0.95, p90_ms=1.1, runs=10)
+    assert not steady.noisy
+
+
+def test_the_table_stays_whole_in_80_columns():
+    from rich.console import Console
+
+    from fullgraph.bench import report
+
+    base = {"workload": "diffusion-policy", "size": "seed", "params": {"batch": 1, "steps": 100},
+            "device": "x86_64 CPU, 2 cores", "threads": 2, "torch": "2.13.0", "phase": "forward",
+            "peak_memory_bytes": 20 * 2**20, "first_call_s": 14.58, "speedup_vs_eager": 10.4, "baseline": "eager"}
+    rows = [dict(base, variant="fullgraph graphed loop, compiled matmul-conv bf16 U-Net", median_ms=48.443,
+                 p10_ms=48.2, p90_ms=48.9),
+            dict(base, variant="document compiled+graphs", median_ms=204.581, p10_ms=90.0, p90_ms=230.0, noisy=True)]
+    console = Console(width=80, record=True)
+    console.print(report.table(rows))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for cell in ("48.443", "204.581", "1.01x", "2.56x!", "10.4", "14.58", "2 threads", "compiled+graphs"):
+        assert cell in text, cell
+    assert "machine was busy" in text

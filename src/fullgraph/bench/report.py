@@ -22,25 +22,42 @@ def _mib(row: dict, key: str) -> str:
     return _fmt(None if row.get(key) is None else row[key] / 2**20, "{:.0f}")
 
 
+def _title(first: dict) -> str:
+    threads = f", {first['threads']} threads" if first.get("threads") else ""
+    return f"{first['workload']} ({first['size']}) on {first['device']}{threads}, torch {first['torch']}"
+
+
+def _spread(row: dict) -> str:
+    """p90 / p10, marked "!" when the row is flagged noisy."""
+    ratio = row["p90_ms"] / row["p10_ms"] if row["p10_ms"] > 0 else float("inf")
+    return f"{ratio:.2f}x" + ("!" if row.get("noisy") else "")
+
+
 def table(rows: list[dict]):
-    """A rich Table: one line per variant and phase."""
+    """A rich Table, one line per variant and phase, that stays whole in 80 columns:
+    numbers never wrap or get cut; long variant names wrap onto their own lines."""
+    from rich import box
     from rich.table import Table
 
     first = rows[0]
-    title = f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}, torch {first['torch']}"
-    out = Table(title=title)
+    noisy = any(r.get("noisy") for r in rows)
+    caption = (f"sizes {first['params']}; spread: p90 / p10 of the timed runs; x base: speed-up over "
+               f"{first.get('baseline') or 'the first variant'}; MiB: peak memory; 1st s: first call (compiling)")
+    if noisy:
+        caption += "; ! = over 2x: the machine was busy, the median may mislead (run again)"
+    out = Table(title=_title(first), caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
     extras = _extras(rows)
-    columns = ["variant", "phase", "median ms", "p10-p90 ms", "x eager", "peak MiB", "first call s"]
-    for column in columns + [EXTRA_COLUMNS[key] for key in extras]:
-        out.add_column(column, justify="left" if column in ("variant", "phase") else "right")
+    out.add_column("variant", ratio=1, overflow="fold", min_width=12)
+    out.add_column("phase", no_wrap=True)
+    for column in ["median ms", "spread", "x base", "MiB", "1st s"] + [EXTRA_COLUMNS[key] for key in extras]:
+        out.add_column(column, justify="right", no_wrap=True)
     for r in rows:
         if "error" in r:
             out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", *[""] * (4 + len(extras)))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
-        out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}",
-                    _fmt(r["speedup_vs_eager"], "{:.1f}"), _fmt(peak, "{:.1f}"), f"{r['first_call_s']:.2f}",
-                    *[_mib(r, key) for key in extras])
+        out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", _spread(r), _fmt(r["speedup_vs_eager"], "{:.1f}"),
+                    _fmt(peak, "{:.0f}"), f"{r['first_call_s']:.2f}", *[_mib(r, key) for key in extras])
     return out
 
 
@@ -84,7 +101,8 @@ def read_json(path: Path) -> list[dict]:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """Horizontal bars of the median time per variant, forward and train, log scale."""
+    """Horizontal bars of the median time per variant, forward and train, log scale, with
+    p10-p90 whiskers and the median written beside each bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,16 +111,23 @@ def plot(rows: list[dict], path: Path) -> None:
     ok = [r for r in rows if "error" not in r]
     variants = list(dict.fromkeys(r["variant"] for r in ok))
     phases = list(dict.fromkeys(r["phase"] for r in ok))
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(variants) * len(phases) + 1.5))
-    height = 0.8 / len(phases)
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(variants) * len(phases) + 1.8))
+    height = 0.8 / max(1, len(phases))
     for p, phase in enumerate(phases):
-        times = {r["variant"]: r["median_ms"] for r in ok if r["phase"] == phase}
-        ys = [v + p * height for v in range(len(variants))]
-        ax.barh(ys, [times.get(v, 0) for v in variants], height=height, label=phase)
-    ax.set_yticks([v + 0.4 - height / 2 for v in range(len(variants))], variants)
+        by_variant = {r["variant"]: r for r in ok if r["phase"] == phase}
+        shown = [v for v in variants if v in by_variant]
+        ys = [variants.index(v) + p * height for v in shown]
+        medians = [by_variant[v]["median_ms"] for v in shown]
+        whiskers = [[m - by_variant[v]["p10_ms"] for v, m in zip(shown, medians)],
+                    [by_variant[v]["p90_ms"] - m for v, m in zip(shown, medians)]]
+        ax.barh(ys, medians, height=height, label=phase, xerr=whiskers, capsize=2)
+        for y, median in zip(ys, medians):
+            ax.annotate(f"{median:.3g} ms", (median, y), xytext=(4, 0), textcoords="offset points", va="center",
+                        fontsize=7)
+    ax.set_yticks([v + 0.4 - height / 2 for v in range(len(variants))], variants, fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("median time per call (ms, log scale)")
-    ax.set_title(f"{rows[0]['workload']} on {rows[0]['device']}")
+    ax.set_xlabel("median time per call (ms, log scale); whiskers: 10th-90th percentile")
+    ax.set_title(f"{_title(rows[0])}\nsizes {rows[0]['params']}", fontsize=9)
     ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -115,7 +140,8 @@ def markdown(rows: list[dict]) -> str:
     first = rows[0]
     extras = _extras(rows)
     lines = [
-        f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}, "
+        f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}"
+        f"{', ' + str(first['threads']) + ' threads' if first.get('threads') else ''}, "
         f"torch {first['torch']}, triton {first['triton']}, commit {first['commit']}",
         "",
         "| variant | phase | median ms | x eager | peak MiB | first call s |"

@@ -66,7 +66,9 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                 with PeakMemory(device) as memory:
                     timing = time_call(fn, device, warmup, runs)
                 row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
-                           runs=timing.runs, peak_memory_bytes=memory.bytes)
+                           runs=timing.runs, noisy=timing.noisy, peak_memory_bytes=memory.bytes)
+                if timing.threads is not None:
+                    row["threads"] = timing.threads
                 if phase == "forward" and case.check is not None:
                     row.update(case.check())
             except Exception as error:  # a failing variant is reported, not fatal
@@ -83,4 +85,5 @@ def _add_ratios(rows: list[dict], baseline_variant: str = BASELINE) -> None:
     baseline = {r["phase"]: r.get("median_ms") for r in rows if r["variant"] == baseline_variant}
     for row in rows:
         base = baseline.get(row["phase"])
+        row["baseline"] = baseline_variant
         row["speedup_vs_eager"] = base / row["median_ms"] if base and row.get("median_ms") else None

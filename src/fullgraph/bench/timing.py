@@ -1,4 +1,4 @@
-"""Timing and memory measurement: CUDA events on GPUs, perf_counter on CPUs."""
+"""Timing and memory measurement: CUDA events on GPUs, ``torch.utils.benchmark`` on CPUs."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ from pathlib import Path
 import torch
 
 _PROC = Path("/proc/self")
+# Blocks of calls on CPUs last at least this long (torch.utils.benchmark sizes them).
+CPU_MIN_RUN_S = 0.2
+# A row whose 90th percentile exceeds its 10th by more than this factor is flagged: the
+# machine was busy (another process on a core, frequency changes) and the median may mislead.
+NOISY_SPREAD = 2.0
 
 
 @dataclass
@@ -18,6 +23,11 @@ class Timing:
     p10_ms: float
     p90_ms: float
     runs: int
+    threads: int | None = None  # CPU: the intra-op threads the calls ran with
+
+    @property
+    def noisy(self) -> bool:
+        return self.p90_ms > NOISY_SPREAD * self.p10_ms
 
 
 def synchronize(device: torch.device) -> None:
@@ -25,26 +35,41 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cuda_times(fn, runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def _cpu_times(fn, runs: int, threads: int) -> list[float]:
+    """Per-call times (ms), one per block: ``torch.utils.benchmark`` sizes the blocks
+    (adaptively, so that each lasts long enough to time) at a fixed thread count."""
+    from torch.utils import benchmark
+
+    timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
+    first = timer.blocked_autorange(min_run_time=CPU_MIN_RUN_S)
+    times = list(first.times)
+    while len(times) < runs:
+        times += timer.timeit(first.number_per_run).times
+    return [t * 1e3 for t in times]
+
+
 def time_call(fn, device: torch.device, warmup: int, runs: int) -> Timing:
-    """Per-call times of ``fn()`` after ``warmup`` calls: median and 10th/90th percentiles."""
+    """Per-call times of ``fn()`` after ``warmup`` calls: median and 10th/90th percentiles of
+    ``runs`` samples (at least; on CPUs each sample is a block's mean per call)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
-    times = []
-    for _ in range(runs):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
+    threads = torch.get_num_threads() if device.type == "cpu" else None
+    times = _cuda_times(fn, runs) if device.type == "cuda" else _cpu_times(fn, runs, threads)
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
-    return Timing(statistics.median(times), deciles[0], deciles[-1], len(times))
+    return Timing(statistics.median(times), deciles[0], deciles[-1], len(times), threads)
 
 
 def first_call_seconds(fn, device: torch.device) -> float:
