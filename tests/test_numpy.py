@@ -131,3 +131,24 @@ def test_python_containers_get_a_clear_error():
     double = fullgraph.numpy.jit(lambda x: 2 * x)
     with pytest.raises(TypeError, match="argument 0 is a Python list; pass a tensor or a NumPy array"):
         double([1.0, 2.0])
+
+
+def test_np_random_follows_torch_manual_seed_compiled_and_numpy_seed_eagerly():
+    """As documented in jit: torch's generator inside the compiled code, NumPy's with eager=True."""
+    def noisy(x):
+        return x + np.random.rand(*x.shape)
+
+    compiled, eager = fullgraph.numpy.jit(noisy), fullgraph.numpy.jit(noisy, eager=True)
+    x = torch.arange(4.0)
+    torch.manual_seed(5)
+    first = compiled(x)
+    torch.manual_seed(5)
+    assert torch.equal(compiled(x), first)
+    np.random.seed(5)
+    after_numpy_seed = compiled(x)
+    np.random.seed(5)
+    assert not torch.equal(compiled(x), after_numpy_seed)  # np.random.seed does not reach it
+    np.random.seed(5)
+    want = x.numpy() + np.random.rand(4)
+    np.random.seed(5)
+    np.testing.assert_array_equal(eager(x).numpy(), want)

@@ -166,6 +166,11 @@ def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None,
         eager: run the function in NumPy instead (tensors copied to the host and back):
             for debugging, never for speed.
 
+    Random numbers: compiled, ``np.random`` draws from torch's generator, so
+    ``torch.manual_seed`` repeats a run and ``np.random.seed`` has no effect (the compiler
+    maps NumPy's sampling onto torch's); with ``eager=True`` NumPy's own generator and seed
+    apply, so the two modes draw different numbers.
+
     Returns:
         A callable taking tensors (all on one device) or NumPy arrays and returning the
         function's results as tensors on that device (NumPy arrays if any NumPy array came in).
