@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -97,12 +99,15 @@ def test_any_finite_scale_clusters_like_unit_scale(device, scale):
     assert torch.equal(fullgraph.kmeans_assign(x * scale, scaled.centroids), unit.labels)
 
 
-def test_scikit_learn_estimator_interface():
+@pytest.mark.parametrize("backend", ["fullgraph", "sklearn", "auto"])
+def test_scikit_learn_estimator_interface(backend):
     from sklearn.cluster import KMeans as SKLearnKMeans
 
     x = _blobs(200, torch.float64).numpy()
     init = x[[0, 250, 500]]
-    ours = fullgraph.KMeans(n_clusters=3, init=init, max_iter=50).fit(x)
+    ours = fullgraph.KMeans(n_clusters=3, init=init, max_iter=50, backend=backend).fit(x)
+    assert ours.backend_ == ("sklearn" if backend == "auto" else backend)  # auto: scikit-learn on CPUs
+    assert ours.labels_.dtype == np.int64
     theirs = SKLearnKMeans(n_clusters=3, init=init, n_init=1, max_iter=50).fit(x)
     assert isinstance(ours.cluster_centers_, np.ndarray) and isinstance(ours.labels_, np.ndarray)
     np.testing.assert_array_equal(ours.labels_, theirs.labels_)
@@ -116,3 +121,25 @@ def test_scikit_learn_estimator_interface():
         fullgraph.KMeans(3).predict(x)
     with pytest.raises(TypeError, match=r"X: expected a torch.Tensor, got list \["):
         fullgraph.KMeans(3).fit([[0.0, 1.0]] * 1000)
+
+
+def test_estimator_backends_refuse_alike():
+    x = _blobs(20, torch.float32)
+    x[5, 1] = math.nan
+    for backend in ("fullgraph", "sklearn"):
+        with pytest.raises(ValueError, match="x: expected finite values"):
+            fullgraph.KMeans(3, backend=backend).fit(x)
+        with pytest.raises(ValueError, match=r"n_clusters: expected an int in \[1, 60\]"):
+            fullgraph.KMeans(61, backend=backend).fit(x)
+    with pytest.raises(ValueError, match=r'backend: "sklearn" clusters data on the CPU, got X on meta'):
+        fullgraph.KMeans(3, backend="sklearn").fit(torch.empty(10, 2, device="meta"))
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'fullgraph', 'sklearn'\), got 'cuml'"):
+        fullgraph.KMeans(3, backend="cuml")
+
+
+def test_huge_coordinates_cluster_through_either_backend():
+    x = _blobs(30, torch.float64) * 1e200
+    for backend in ("fullgraph", "sklearn"):
+        model = fullgraph.KMeans(3, random_state=0, backend=backend).fit(x)
+        assert sorted(np.bincount(model.labels_.numpy()).tolist()) == [30, 30, 30]
+        assert torch.isfinite(model.cluster_centers_).all()
