@@ -1,44 +1,14 @@
-"""The ``fullgraph`` command line: ``fullgraph bench WORKLOAD``."""
+"""The ``fullgraph`` command line: ``fullgraph bench WORKLOAD``. Its arguments are parsed by
+``fullgraph_cli`` (outside the package, so that ``--help`` needs no torch); the commands
+run here."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 import torch
-
-
-def _parser() -> argparse.ArgumentParser:
-    from .bench import WORKLOADS
-
-    from . import __version__
-
-    parser = argparse.ArgumentParser(prog="fullgraph", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"fullgraph {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
-    bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
-    bench.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
-    sizes = sorted({size for workload in WORKLOADS.values() for size in workload.sizes})
-    bench.add_argument("--size", choices=sizes, default=None,
-                       help="problem size: seed (the tutorial's own size) is the default on CUDA, small on CPU; "
-                            "tiny is a smoke test")
-    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
-    bench.add_argument("--runs", type=int, default=None, help="timed calls; the median is reported (default 30 GPU, 10 CPU)")
-    bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
-    bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
-    explain = commands.add_parser("explain", help="how torch.compile splits a workload's eager variants: graphs, "
-                                                  "graph breaks with reasons and source lines, generated code")
-    explain.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
-    explain.add_argument("--size", choices=sizes, default="tiny", help="problem size (default tiny)")
-    explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "
-                                                                 "the generated code")
-    show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
-    show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
-    return parser
 
 
 def _usage(message: str):
@@ -139,7 +109,14 @@ def _explain(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """``fullgraph ...``: parse (``fullgraph_cli.parser``) and run."""
+    from fullgraph_cli import parser
+
+    return run(parser().parse_args(argv))
+
+
+def run(args) -> int:
+    """Run parsed ``fullgraph`` arguments."""
     if args.command == "bench":
         return _bench(args)
     if args.command == "explain":

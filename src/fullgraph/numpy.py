@@ -87,8 +87,12 @@ class NumpyFunction:
     def __init__(self, fn, default_float: str, dynamic: bool | None, eager: bool):
         functools.update_wrapper(self, fn)
         self.fn, self.default_float, self.eager, self.dynamic = fn, default_float, eager, dynamic
-        self._compiled = torch.compile(_traced(fn), fullgraph=True, dynamic=dynamic)
         self._static = collections.OrderedDict()
+
+    @functools.cached_property
+    def _compiled(self):
+        """Made on first use: importing a module of jitted functions loads no compiler."""
+        return torch.compile(_traced(self.fn), fullgraph=True, dynamic=self.dynamic)
 
     def _compiled_for(self, args, kwargs):
         """The compiled function for these arguments. dynamic=False keeps one per signature,

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+import fullgraph
 from fullgraph.cli import main
 
 
@@ -96,3 +97,39 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["--version"])
     assert exited.value.code == 0 and capsys.readouterr().out.startswith("fullgraph ")
+
+
+def test_help_and_version_need_no_torch():
+    """fullgraph --help answers at once: the entry point imports neither torch nor the package."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fullgraph_cli\n"
+            "for argv in (['--help'], ['bench', '--help'], ['--version']):\n"
+            "    try:\n"
+            "        fullgraph_cli.main(argv)\n"
+            "    except SystemExit as exit:\n"
+            "        assert exit.code == 0, exit.code\n"
+            "assert 'torch' not in sys.modules and 'fullgraph' not in sys.modules, 'imported torch'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "knn-projector" in out.stdout and "fullgraph 0." in out.stdout
+
+
+def test_the_entry_points_catalogue_is_the_registry():
+    import fullgraph_cli
+    from fullgraph.bench import WORKLOADS
+
+    assert fullgraph_cli.WORKLOADS == {name: tuple(w.sizes) for name, w in WORKLOADS.items()}
+    assert fullgraph_cli._version() == fullgraph.__version__
+
+
+def test_importing_the_package_loads_no_compiler():
+    """`import fullgraph` registers the operators but leaves torch.compile's machinery
+    (torch._dynamo, seconds to import) to the first compiled call."""
+    import subprocess
+    import sys
+
+    code = "import sys, fullgraph\nassert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr

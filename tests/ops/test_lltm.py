@@ -207,6 +207,16 @@ def test_auto_takes_the_extension_on_cuda_only(recwarn):
         assert api.BACKENDS.resolve("auto", "lltm", torch.device("cuda"), torch.float32).name == "extension"
 
 
+def test_the_backend_choice_carries_the_compilers_constant_mark():
+    """api._backend is marked by hand (importing the compiler up front costs seconds): the
+    mark must be what torch.compiler.assume_constant_result puts on a function."""
+    def probe():
+        return 0
+
+    torch.compiler.assume_constant_result(probe)
+    assert vars(probe) and all(getattr(api._backend, key, None) == value for key, value in vars(probe).items())
+
+
 def test_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert any("no-such-compiler" in tool for tool in build.missing_tools(with_cuda=False))

@@ -103,7 +103,6 @@ BACKENDS = backends.family(
 )
 
 
-@torch.compiler.assume_constant_result  # under torch.compile: runs while tracing, not traced
 def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
     """"torch" or "extension" for tensors on ``device_type``, the extension loaded."""
     backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype, argument="input")
@@ -116,6 +115,12 @@ def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
             raise ValueError('backend: "extension" has kernels for CPU tensors, got tensors on cuda (it was built '
                              "without CUDA: no GPU or no nvcc at build time)")
     return backend.name
+
+
+# Under torch.compile _backend runs while tracing and its result is a constant: the mark
+# torch.compiler.assume_constant_result sets, set here without importing the compiler
+# (seconds) when the package is imported (tests/ops/test_lltm.py checks it is the same mark).
+_backend._dynamo_marked_constant = True
 
 
 def _check(input, weights, bias, old_h, old_cell) -> None:

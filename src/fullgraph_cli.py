@@ -1,0 +1,88 @@
+"""The ``fullgraph`` command line: ``fullgraph bench WORKLOAD``.
+
+This entry point lives outside the ``fullgraph`` package so that ``fullgraph --help`` and
+``--version`` answer at once: importing the package registers its operators, which needs
+torch (seconds). The commands themselves run in ``fullgraph.cli``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import metadata
+from pathlib import Path
+
+# The workloads of ``fullgraph bench`` and their sizes, as ``fullgraph.bench.WORKLOADS``
+# registers them (tests/bench/test_cli.py keeps the two equal).
+WORKLOADS = {
+    "diffusion-policy": ("seed", "batch8", "small", "tiny"),
+    "edgeconv": ("seed", "small", "tiny"),
+    "extern-pool": ("seed", "small", "tiny"),
+    "kmeans": ("seed", "small", "tiny"),
+    "knn-projector": ("seed", "small", "tiny"),
+    "lltm": ("seed", "small", "tiny"),
+    "neighbor-ops": ("seed", "large", "feature", "feature-small"),
+    "pointnet2": ("seed", "small", "tiny"),
+    "radius-projector": ("seed", "small", "tiny"),
+}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("fullgraph")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        from fullgraph import __version__
+
+        return __version__
+
+
+class _Version(argparse.Action):
+    """--version, looked up only when asked for."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show the version and exit", **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"fullgraph {_version()}")
+        parser.exit()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``fullgraph`` (needs neither torch nor the package)."""
+    out = argparse.ArgumentParser(prog="fullgraph", description="fullgraph's benchmarks and tools: time every "
+                                  "variant of a workload side by side, explain its graphs, report saved runs")
+    out.add_argument("--version", action=_Version)
+    commands = out.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser("bench", help="time a workload in every variant, side by side")
+    bench.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
+    sizes = sorted({size for names in WORKLOADS.values() for size in names})
+    bench.add_argument("--size", choices=sizes, default=None,
+                       help="problem size: seed (the tutorial's own size) is the default on CUDA, small on CPU; "
+                            "tiny is a smoke test")
+    bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
+    bench.add_argument("--runs", type=int, default=None,
+                       help="timed samples; the median is reported (default 30 GPU, 10 CPU)")
+    bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
+    explain = commands.add_parser("explain", help="how torch.compile splits a workload's eager variants: graphs, "
+                                                  "graph breaks with reasons and source lines, generated code")
+    explain.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
+    explain.add_argument("--size", choices=sizes, default="tiny", help="problem size (default tiny)")
+    explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "
+                                                                 "the generated code")
+    show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
+    show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from fullgraph.cli import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
