@@ -133,3 +133,15 @@ def test_importing_the_package_loads_no_compiler():
     code = "import sys, fullgraph\nassert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'\n"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.slow
+def test_bench_diffusion_policy_compares_fullgraph_on_a_cpu(tmp_path):
+    out_json = tmp_path / "rows.json"
+    assert main(["bench", "diffusion-policy", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
+                 "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert {r["variant"] for r in rows} >= {"document eager", "fullgraph loop, compiled matmul-conv U-Net"}
+    for row in rows:
+        assert "error" not in row, row
+        assert row["max_abs_diff_vs_eager"] < 1e-3

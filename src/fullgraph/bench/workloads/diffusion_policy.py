@@ -35,14 +35,19 @@ def _diffusion_policy(params, device):
     def deviation(run):
         return lambda: {"max_abs_diff_vs_eager": float((run().float() - baseline).abs().max())}
 
+    def fused_loop(net):
+        return torch.no_grad()(functools.partial(denoise, net, x, noise, cond, alphas, True))
+
     def cases():
         yield "document eager", unfused_loop(unet)
         yield "document compiled", unfused_loop(torch.compile(unet))
-        if device.type != "cuda":
+        streamlined = matmul_convolutions(copy.deepcopy(unet))
+        if device.type != "cuda":  # no CUDA graphs: the fused step and the compiled U-Nets alone
+            yield "fullgraph loop, compiled U-Net", fused_loop(torch.compile(unet, fullgraph=True))
+            yield "fullgraph loop, compiled matmul-conv U-Net", fused_loop(torch.compile(streamlined, fullgraph=True))
             return
         yield "document compiled+graphs", unfused_loop(torch.compile(unet, mode="reduce-overhead"))
         yield "document recipe (U-Net graphed)", unfused_loop(graphs.graphed(unet))
-        streamlined = matmul_convolutions(copy.deepcopy(unet))
         for name, net in (
                 ("fullgraph graphed loop", unet),
                 ("fullgraph graphed loop, compiled U-Net", torch.compile(unet, fullgraph=True)),
