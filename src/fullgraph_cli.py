@@ -65,6 +65,9 @@ def parser() -> argparse.ArgumentParser:
                        help="timed samples; the median is reported (default 30 GPU, 10 CPU)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
+    bench.add_argument("--explain", action="store_true",
+                       help="also count the graphs and graph breaks torch.compile makes of each eager variant "
+                            "(columns graphs, breaks; `fullgraph explain` shows the reasons)")
     explain = commands.add_parser("explain", help="how torch.compile splits a workload's eager variants: graphs, "
                                                   "graph breaks with reasons and source lines, generated code")
     explain.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")

@@ -72,7 +72,7 @@ def _bench(args) -> int:
                   console=console, transient=True) as progress:
         task = progress.add_task(f"{args.workload} ({size}) on {device}", total=None)
         try:
-            rows = bench.run_workload(args.workload, size, device, warmup, runs,
+            rows = bench.run_workload(args.workload, size, device, warmup, runs, explain=args.explain,
                                       on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
         except ValueError as error:  # a workload that cannot run here says why
             _usage(f"{args.workload}: {error}")

@@ -34,6 +34,18 @@ def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
     assert "| fullgraph eager | forward |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_bench_explain_counts_graphs_and_breaks(tmp_path, capsys):
+    out_json = tmp_path / "rows.json"
+    assert main(["bench", "radius-projector", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
+                 "--explain", "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    explained = [r for r in rows if "graphs" in r]
+    assert explained and all(r["phase"] == "forward" and r["variant"].endswith("eager") for r in explained)
+    assert all(r["graphs"] >= 1 and r["graph_breaks"] >= 0 for r in explained)
+    assert "breaks" in capsys.readouterr().out
+
+
 def _usage_error(argv, capsys) -> str:
     """The one line a usage error prints; exit status 2."""
     with pytest.raises(SystemExit) as exited:

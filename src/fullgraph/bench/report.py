@@ -11,15 +11,19 @@ def _fmt(value, pattern: str) -> str:
 
 
 # Memory measured by some workloads' checks, shown as extra columns (MiB) when present.
-EXTRA_COLUMNS = {"outside_torch_pool_bytes": "outside pool MiB", "library_pool_bytes": "library pool MiB"}
+EXTRA_COLUMNS = {"outside_torch_pool_bytes": "outside pool MiB", "library_pool_bytes": "library pool MiB",
+                 "graphs": "graphs", "graph_breaks": "breaks"}
 
 
 def _extras(rows: list[dict]) -> list[str]:
     return [key for key in EXTRA_COLUMNS if any(key in r for r in rows)]
 
 
-def _mib(row: dict, key: str) -> str:
-    return _fmt(None if row.get(key) is None else row[key] / 2**20, "{:.0f}")
+def _extra(row: dict, key: str) -> str:
+    """An extra column's cell: bytes as MiB, counts as they are."""
+    if key.endswith("_bytes"):
+        return _fmt(None if row.get(key) is None else row[key] / 2**20, "{:.0f}")
+    return _fmt(row.get(key), "{}")
 
 
 def _title(first: dict) -> str:
@@ -57,7 +61,7 @@ def table(rows: list[dict]):
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", _spread(r), _fmt(r["speedup_vs_eager"], "{:.1f}"),
-                    _fmt(peak, "{:.0f}"), f"{r['first_call_s']:.2f}", *[_mib(r, key) for key in extras])
+                    _fmt(peak, "{:.0f}"), f"{r['first_call_s']:.2f}", *[_extra(r, key) for key in extras])
     return out
 
 
@@ -154,5 +158,5 @@ def markdown(rows: list[dict]) -> str:
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         lines.append(f"| {r['variant']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['speedup_vs_eager'], '{:.2f}')} "
-                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + "".join(f" {_mib(r, key)} |" for key in extras))
+                     f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + "".join(f" {_extra(r, key)} |" for key in extras))
     return "\n".join(lines)

@@ -46,8 +46,20 @@ def _commit() -> str | None:
         return None
 
 
-def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: int, on_step=None) -> list[dict]:
-    """Time every variant's forward and train step; ``on_step(description)`` reports progress."""
+def _graph_counts(case) -> dict:
+    """graphs and graph breaks torch.compile makes of an eager variant's declared call."""
+    from ..explain import explain
+
+    fn, args = case.explain
+    with torch.no_grad():
+        found = explain(fn, *args, generated_code=False)
+    return {"graphs": found.graphs, "graph_breaks": len(found.breaks)}
+
+
+def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: int, on_step=None,
+                 explain: bool = False) -> list[dict]:
+    """Time every variant's forward and train step; ``on_step(description)`` reports progress;
+    ``explain``: add the graph and break counts of the variants that declare a call to explain."""
     workload = WORKLOADS[name]
     params = workload.sizes[size]
     # Every variant compiles the same forward code on its own module: a cache entry each.
@@ -71,6 +83,8 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                     row["threads"] = timing.threads
                 if phase == "forward" and case.check is not None:
                     row.update(case.check())
+                if phase == "forward" and explain and case.explain is not None:
+                    row.update(_graph_counts(case))
             except Exception as error:  # a failing variant is reported, not fatal
                 row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
             rows.append(row)
