@@ -38,6 +38,27 @@ def _redone_rows(query, ref, k) -> int:
     return sum(counted)
 
 
+def _row(batch, m, n, dim, k, device, rival, runs, generator) -> str:
+    """One shape's line of the log."""
+    query = torch.randn(batch, m, dim, generator=generator, device=device)
+    ref = torch.randn(batch, n, dim, generator=generator, device=device)
+    calls = {
+        "cdist+topk": lambda: torch.topk(torch.cdist(query, ref), k, largest=False),
+        "dense": lambda: fullgraph.knn(query, ref, k, backend="dense"),
+        rival: lambda: fullgraph.knn(query, ref, k, backend=rival),
+    }
+    times = {}
+    for label, call in calls.items():
+        try:
+            first = time_call(call, device, 1, 1).median_ms  # slow rivals: fewer calls
+            times[label] = f"{time_call(call, device, 1, runs if first < 100 else 3).median_ms:.3f}"
+        except (torch.OutOfMemoryError, ValueError) as error:
+            times[label] = type(error).__name__
+    picked = fullgraph.ops.neighbors.registration.BACKENDS.resolve("auto", "knn", device, query.dtype, dim, k).name
+    return (f"{batch} {m} {n} {dim} {k} | {times['cdist+topk']} | {times['dense']} | {times[rival]} | {picked} | "
+            f"{_redone_rows(query, ref, k)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -49,25 +70,8 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"# fullgraph.knn on {name}, torch {torch.__version__}: medians of {args.runs} calls (ms), normal clouds")
     print(f"B M N D k | cdist+topk | dense | {rival} | auto picks | dense rows redone")
-    for batch, m, n, dim, k in CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES:
-        query = torch.randn(batch, m, dim, generator=generator, device=device)
-        ref = torch.randn(batch, n, dim, generator=generator, device=device)
-        calls = {
-            "cdist+topk": lambda: torch.topk(torch.cdist(query, ref), k, largest=False),
-            "dense": lambda: fullgraph.knn(query, ref, k, backend="dense"),
-            rival: lambda: fullgraph.knn(query, ref, k, backend=rival),
-        }
-        times = {}
-        for label, call in calls.items():
-            try:
-                first = time_call(call, device, 1, 1).median_ms  # slow rivals: fewer calls
-                times[label] = f"{time_call(call, device, 1, args.runs if first < 100 else 3).median_ms:.3f}"
-            except (torch.OutOfMemoryError, ValueError) as error:
-                times[label] = type(error).__name__
-        picked = fullgraph.ops.neighbors.registration.BACKENDS.resolve("auto", "knn", device, query.dtype, dim, k).name
-        print(f"{batch} {m} {n} {dim} {k} | {times['cdist+topk']} | {times['dense']} | {times[rival]} | {picked} | "
-              f"{_redone_rows(query, ref, k)}", flush=True)
-        del query, ref
+    for shape in CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES:
+        print(_row(*shape, device, rival, args.runs, generator), flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
