@@ -46,7 +46,10 @@ def test_the_table_stays_whole_in_80_columns():
             "peak_memory_bytes": 20 * 2**20, "first_call_s": 14.58, "speedup_vs_eager": 10.4, "baseline": "eager"}
     rows = [dict(base, variant="fullgraph graphed loop, compiled matmul-conv bf16 U-Net", median_ms=48.443,
                  p10_ms=48.2, p90_ms=48.9),
-            dict(base, variant="document compiled+graphs", median_ms=204.581, p10_ms=90.0, p90_ms=230.0, noisy=True)]
+            dict(base, variant="document compiled+graphs", median_ms=204.581, p10_ms=90.0, p90_ms=230.0, noisy=True),
+            {key: base[key] for key in ("workload", "size", "params", "device", "threads", "torch", "phase")}
+            | {"variant": "plain compiled", "error": "InductorError: TypeError: cannot determine truth value of "
+                                                     "Relational: 3*s37*s40 < 5 " + "x" * 80}]
     console = Console(width=80, record=True)
     console.print(report.table(rows))
     text = console.export_text()
@@ -54,3 +57,5 @@ def test_the_table_stays_whole_in_80_columns():
     for cell in ("48.443", "204.581", "1.01x", "2.56x!", "10.4", "14.58", "2 threads", "compiled+graphs"):
         assert cell in text, cell
     assert "machine was busy" in text
+    assert "failed (1)" in text and "failed (1): plain compiled / forward: InductorError" in text
+    assert "x" * 40 in text.replace("\n", "").replace(" ", "")  # the whole message, wrapped, not cut

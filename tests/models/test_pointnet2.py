@@ -34,3 +34,16 @@ def test_compiles_in_one_graph_and_trains():
     plain = PointNet2(num_classes=5, implementation="plain").eval()
     plain.load_state_dict(model.state_dict())
     torch.testing.assert_close(model(xyz), plain(xyz))
+
+
+@pytest.mark.slow
+def test_the_plain_model_compiles_with_its_sampling_left_outside():
+    """Compiling the plain FPS loop unrolls it (minutes, then a C++ compiler failure on a CPU):
+    sample_outside_the_graph keeps it eager, and the compiled plain model equals the eager one."""
+    xyz = torch.rand(2, 600, 3, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    plain = PointNet2(num_classes=5, implementation="plain").eval()
+    want = plain(xyz)
+    compiled = torch.compile(plain.sample_outside_the_graph())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(xyz), want)

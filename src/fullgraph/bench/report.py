@@ -49,15 +49,20 @@ def table(rows: list[dict]):
                f"{first.get('baseline') or 'the first variant'}; MiB: peak memory; 1st s: first call (compiling)")
     if noisy:
         caption += "; ! = over 2x: the machine was busy, the median may mislead (run again)"
+    failures = [f"failed ({i}): {r['variant']} / {r['phase']}: {r['error']}"
+                for i, r in enumerate((r for r in rows if "error" in r), 1)]
+    caption = "\n".join([caption, *failures])
     out = Table(title=_title(first), caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
     extras = _extras(rows)
     out.add_column("variant", ratio=1, overflow="fold", min_width=12)
     out.add_column("phase", no_wrap=True)
     for column in ["median ms", "spread", "x base", "MiB", "1st s"] + [EXTRA_COLUMNS[key] for key in extras]:
         out.add_column(column, justify="right", no_wrap=True)
+    failed = 0
     for r in rows:
         if "error" in r:
-            out.add_row(r["variant"], r["phase"], f"[red]failed: {r['error']}[/red]", *[""] * (4 + len(extras)))
+            failed += 1
+            out.add_row(r["variant"], r["phase"], f"[red]failed ({failed})[/red]", *[""] * (4 + len(extras)))
             continue
         peak = None if r["peak_memory_bytes"] is None else r["peak_memory_bytes"] / 2**20
         out.add_row(r["variant"], r["phase"], f"{r['median_ms']:.3f}", _spread(r), _fmt(r["speedup_vs_eager"], "{:.1f}"),

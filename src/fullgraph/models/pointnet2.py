@@ -62,6 +62,7 @@ class SetAbstraction(nn.Module):
         super().__init__()
         self.npoint, self.radius, self.nsample = npoint, radius, nsample
         self.implementation = _validate.choice("implementation", implementation, IMPLEMENTATIONS)
+        self.plain_sampler = plain_fps  # the plain implementation's FPS (see PointNet2.sample_outside_the_graph)
         layers, width = [], in_channels + 3
         for out in widths:
             layers += [nn.Conv2d(width, out, 1), nn.BatchNorm2d(out), nn.ReLU()]
@@ -71,7 +72,7 @@ class SetAbstraction(nn.Module):
     def _group(self, xyz: torch.Tensor):
         """(centroids [B, S, 3], group indices [B, S, nsample])."""
         if self.implementation == "plain":
-            centres = _gather(xyz, plain_fps(xyz, self.npoint))
+            centres = _gather(xyz, self.plain_sampler(xyz, self.npoint))
             return centres, plain_ball_query(self.radius, self.nsample, xyz, centres)
         centres = knn_gather(xyz, fps(xyz, n_samples=self.npoint, random_start=False)[..., None])[:, :, 0]
         _, idx, _ = ball_query(centres, xyz, K=self.nsample, radius=self.radius, return_nn=False)
@@ -103,6 +104,15 @@ class PointNet2(Switchable):
         self.head = nn.Sequential(
             nn.Linear(1024, 512), nn.BatchNorm1d(512), nn.ReLU(), nn.Dropout(0.4),
             nn.Linear(512, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Dropout(0.4), nn.Linear(256, num_classes))
+
+    def sample_outside_the_graph(self) -> PointNet2:
+        """Leave the plain implementation's FPS loop out of torch.compile's graph, as a user
+        must: compiled, its Python loop unrolls (512 + 128 steps), which on the development
+        CPU compiled for 275 s and then failed in the C++ compiler. Returns the model."""
+        outside = torch.compiler.disable(plain_fps)
+        for level in self.levels:
+            level.plain_sampler = outside
+        return self
 
     def forward(self, xyz: torch.Tensor) -> torch.Tensor:
         features = None
