@@ -69,6 +69,23 @@ def _gather_rows(points, rows):
     return points[items, rows]
 
 
+# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
+# (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
+# once, the same bits).
+CPU_REMEASURE_BYTES = 2 * 2**20
+
+
+def _remeasure(q, r, candidates):
+    """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
+    in the reference's arithmetic."""
+    if q.is_cuda:
+        return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
+    per_row = candidates.shape[0] * candidates.shape[2] * q.shape[-1] * q.element_size()
+    step = max(1, CPU_REMEASURE_BYTES // per_row)
+    return torch.cat([pairs.norm_of_difference(q[:, s:s + step, None, :], _gather_rows(r, candidates[:, s:s + step]))
+                      for s in range(0, q.shape[1], step)], dim=1)
+
+
 class _Frames:
     """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
@@ -102,7 +119,7 @@ def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
     approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
     values, candidates = torch.topk(approx, take, dim=2, largest=False, sorted=True)
-    exact = pairs.norm_of_difference(frames.q[:, rows, None, :], _gather_rows(frames.r, candidates))
+    exact = _remeasure(frames.q[:, rows], frames.r, candidates)
     keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
     keep &= exact * frames.scale[..., None] <= radius
     d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
