@@ -171,7 +171,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
     budget = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
     # On CUDA every item at once (fewer launches); on CPUs one item at a time, whose products
-    # stay nearer the caches (8 x 2048^2, D=64: see BLOCK_BYTES).
+    # stay nearer the caches (also measured no slower for tiny clouds, 2-16 items).
     groups = [slice(None)] if query.is_cuda else [slice(b, b + 1) for b in range(batch)]
     for items in groups:
         part = frames.items(items)
