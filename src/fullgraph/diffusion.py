@@ -1,5 +1,5 @@
-"""DDPM sampling for Diffusion Policy (the Diffusion Policy series): the whole denoising loop, eager or
-replayed from one CUDA graph.
+"""DDPM and DDIM sampling for Diffusion Policy (the Diffusion Policy series): the whole denoising
+loop, eager or replayed from one CUDA graph.
 
     unet = fullgraph.models.ConditionalUnet1D().cuda().eval()
     actions = fullgraph.diffusion.sample(unet, global_cond)   # [B, horizon, action_dim]
@@ -20,7 +20,7 @@ import torch
 
 from . import _validate
 from .graphs import graphed as _graphed
-from .ops.ddpm import ddpm_step, squaredcos_cap_v2
+from .ops.ddpm import ddim_step, ddim_timesteps, ddpm_step, squaredcos_cap_v2
 
 _GRAPHED_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -35,24 +35,44 @@ def denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample: bool = Tru
     return x
 
 
-def _graphed_loop(unet):
-    if unet not in _GRAPHED_LOOPS:
-        _GRAPHED_LOOPS[unet] = _graphed(functools.partial(denoise, unet), max_graphs=4, warmup=1, clone_outputs=True)
-    return _GRAPHED_LOOPS[unet]
+def denoise_ddim(unet, x, global_cond, alphas_cumprod, timesteps, clip_sample: bool = True):
+    """The deterministic DDIM loop (eta = 0): x [B, H, A] through the descending
+    ``timesteps`` [S] int64 on the device (``ops.ddpm.ddim_timesteps``), the last step to
+    the final alpha."""
+    previous = torch.cat([timesteps[1:], timesteps.new_full((1,), -1)])
+    for i in range(timesteps.shape[0]):
+        x = ddim_step(unet(x, timesteps[i], global_cond), x, timesteps[i], previous[i], alphas_cumprod,
+                      clip_sample=clip_sample)
+    return x
+
+
+LOOPS = {"ddpm": denoise, "ddim": denoise_ddim}
+
+
+def _graphed_loop(unet, scheduler: str):
+    loops = _GRAPHED_LOOPS.setdefault(unet, {})
+    if scheduler not in loops:
+        loops[scheduler] = _graphed(functools.partial(LOOPS[scheduler], unet), max_graphs=4, warmup=1,
+                                    clone_outputs=True)
+    return loops[scheduler]
 
 
 @torch.no_grad()
 def sample(unet, global_cond, *, steps: int = 100, generator: torch.Generator | None = None, graphed: bool = True,
-           alphas_cumprod: torch.Tensor | None = None, clip_sample: bool = True) -> torch.Tensor:
-    """Sample action sequences with ``steps`` DDPM steps.
+           alphas_cumprod: torch.Tensor | None = None, clip_sample: bool = True, scheduler: str = "ddpm",
+           train_steps: int = 100) -> torch.Tensor:
+    """Sample action sequences with ``steps`` DDPM or DDIM steps.
 
     Args:
         unet: a denoiser ``unet(sample, timestep, global_cond)`` with ``horizon`` and
             ``action_dim`` attributes (``fullgraph.models.ConditionalUnet1D``).
         global_cond: [B, global_cond_dim] observation features; sets batch, device, dtype.
-        steps: diffusion steps (the schedule's length). generator: for the noise, on
-            global_cond's device. graphed: replay the whole loop from one CUDA graph (CUDA only).
-        alphas_cumprod: [steps] schedule (default: squaredcos_cap_v2). clip_sample: clip x0.
+        steps: denoising steps (DDPM: the schedule's length; DDIM: steps through a schedule
+            of ``train_steps``, as Diffusion Policy samples on robots: 10 of 100).
+            generator: for the noise, on global_cond's device. graphed: replay the whole loop
+            from one CUDA graph (CUDA only; a new ``steps`` captures once more).
+        alphas_cumprod: the schedule, [steps] for DDPM, [train_steps] for DDIM (default:
+            squaredcos_cap_v2). clip_sample: clip x0. scheduler: "ddpm" or "ddim" (eta = 0).
 
     Returns:
         [B, horizon, action_dim] actions, a new tensor.
@@ -60,14 +80,21 @@ def sample(unet, global_cond, *, steps: int = 100, generator: torch.Generator | 
     _validate.floating("global_cond", global_cond)
     _validate.rank("global_cond", global_cond, (2,), "[B, global_cond_dim]")
     steps = _validate.integer("steps", steps, 1)
+    scheduler = _validate.choice("scheduler", scheduler, tuple(LOOPS))
+    length = steps if scheduler == "ddpm" else _validate.integer("train_steps", train_steps, 1)
     device, dtype = global_cond.device, global_cond.dtype
     if alphas_cumprod is None:
-        alphas_cumprod = squaredcos_cap_v2(steps, device=device)
-    if alphas_cumprod.shape != (steps,):
-        raise ValueError(f"alphas_cumprod: expected [{steps}] (one per step), got {tuple(alphas_cumprod.shape)}")
+        alphas_cumprod = squaredcos_cap_v2(length, device=device)
+    if alphas_cumprod.shape != (length,):
+        what = "one per step" if scheduler == "ddpm" else "one per training step"
+        raise ValueError(f"alphas_cumprod: expected [{length}] ({what}), got {tuple(alphas_cumprod.shape)}")
     shape = (global_cond.shape[0], unet.horizon, unet.action_dim)
     x = torch.randn(shape, generator=generator, device=device, dtype=dtype)
-    noise = torch.randn((steps, *shape), generator=generator, device=device, dtype=dtype)
+    if scheduler == "ddim":
+        arguments = (x, global_cond, alphas_cumprod, ddim_timesteps(length, steps, device=device), clip_sample)
+    else:
+        noise = torch.randn((steps, *shape), generator=generator, device=device, dtype=dtype)
+        arguments = (x, noise, global_cond, alphas_cumprod, clip_sample)
     if graphed and device.type == "cuda":
-        return _graphed_loop(unet)(x, noise, global_cond, alphas_cumprod, clip_sample)
-    return denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample)
+        return _graphed_loop(unet, scheduler)(*arguments)
+    return LOOPS[scheduler](unet, *arguments)

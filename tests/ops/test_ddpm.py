@@ -1,4 +1,4 @@
-"""fullgraph.ddpm_step against a float64 oracle written from diffusers' formulas."""
+"""fullgraph.ddpm_step and fullgraph.ddim_step against float64 oracles written from diffusers' formulas."""
 
 from __future__ import annotations
 
@@ -144,3 +144,126 @@ def test_bad_input(change, error, message, generator):
     with pytest.raises(error, match=None) as raised:
         fullgraph.ddpm_step(**change(arguments))
     assert message in str(raised.value)
+
+
+# ------------------------------------------------------------------------ DDIM
+
+
+def _ddim_oracle(out, x, t, prev, alphas, noise, eta, clip, predict_sample, alpha_one):
+    """DDIMScheduler.step, one float64 scalar at a time."""
+    a_t = float(alphas[t])
+    a_prev = float(alphas[prev]) if prev >= 0 else (1.0 if alpha_one else float(alphas[0]))
+    b_t = 1 - a_t
+    std = eta * math.sqrt((1 - a_prev) / b_t * (1 - a_t / a_prev))
+    result = []
+    for o, s, n in zip(out.tolist(), x.tolist(), noise.tolist()):
+        if predict_sample:
+            x0, e = o, (s - math.sqrt(a_t) * o) / math.sqrt(b_t)
+        else:
+            x0, e = (s - math.sqrt(b_t) * o) / math.sqrt(a_t), o
+        if clip:
+            x0 = min(max(x0, -1.0), 1.0)
+        result.append(math.sqrt(a_prev) * x0 + math.sqrt(1 - a_prev - std * std) * e + std * n)
+    return torch.tensor(result, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+@pytest.mark.parametrize("t, prev", [(90, 80), (10, 0), (0, -1), (99, 49), (5, -1)])
+@pytest.mark.parametrize("eta, clip, prediction, alpha_one", [
+    (0.0, True, "epsilon", True), (0.7, False, "epsilon", True), (1.0, True, "sample", False),
+    (0.0, False, "sample", True), (0.3, True, "epsilon", False)])
+def test_ddim_matches_the_oracle(backend, device, t, prev, eta, clip, prediction, alpha_one, generator):
+    out, x, noise = _inputs(generator)
+    alphas = ddpm.squaredcos_cap_v2(STEPS, dtype=torch.float64)
+    want = _ddim_oracle(out.flatten(), x.flatten(), t, prev, alphas, noise.flatten(), eta, clip, prediction == "sample",
+                   alpha_one).reshape(x.shape)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    got = fullgraph.ddim_step(*(a.to(device, dtype) for a in (out, x)), torch.tensor(t, device=device),
+                              torch.tensor(prev, device=device), alphas.to(device, dtype), noise.to(device, dtype),
+                              eta=eta, clip_sample=clip, prediction_type=prediction, set_alpha_to_one=alpha_one,
+                              backend=backend)
+    tol = 1e-12 if dtype == torch.float64 else 5e-4  # x0 / sqrt(alpha_99) amplifies float32 rounding
+    torch.testing.assert_close(got.double().cpu(), want, rtol=tol, atol=tol)
+
+
+def test_ddim_schedule_and_a_deterministic_ten_step_loop(generator):
+    """eta = 0 without noise: the 10-step loop is deterministic and ends in [-1, 1]-ish actions."""
+    alphas = ddpm.squaredcos_cap_v2(STEPS)
+    steps = ddpm.ddim_timesteps(STEPS, 10)
+    assert steps.tolist() == [90, 80, 70, 60, 50, 40, 30, 20, 10, 0]
+    assert ddpm.ddim_timesteps(STEPS, 10, steps_offset=1).tolist()[0] == 91
+    x = torch.randn(2, 16, 2, generator=generator)
+    runs = []
+    for _ in range(2):
+        y = x
+        for i, t in enumerate(steps):
+            prev = steps[i + 1] if i + 1 < len(steps) else torch.tensor(-1)
+            y = fullgraph.ddim_step(0.1 * y, y, t, prev, alphas)
+        runs.append(y)
+    assert torch.equal(runs[0], runs[1]) and torch.isfinite(runs[0]).all()
+    with pytest.raises(ValueError, match=r"steps: expected an int in \[1, 100\]"):
+        ddpm.ddim_timesteps(STEPS, 101)
+
+
+@pytest.mark.parametrize("t, prev", [(STEPS, 10), (-2, -1), (50, STEPS)])
+def test_ddim_out_of_range_timesteps_give_nan(t, prev, generator):
+    out, x, _ = (a.float() for a in _inputs(generator))
+    for backend, device in _cases():
+        got = fullgraph.ddim_step(out.to(device), x.to(device), torch.tensor(t, device=device),
+                                  torch.tensor(prev, device=device), ddpm.squaredcos_cap_v2(STEPS, device=device),
+                                  backend=backend)
+        assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+def test_ddim_opcheck(backend, device, generator):
+    out, x, noise = (a.float().to(device) for a in _inputs(generator))
+    steps = [torch.tensor(v, device=device) for v in (70, 60)]
+    alphas = ddpm.squaredcos_cap_v2(STEPS, device=device)
+    torch.library.opcheck(torch.ops.fullgraph.ddim_step.default,
+                          (out, x, *steps, alphas, noise, 0.5, True, False, True, backend))
+    torch.library.opcheck(torch.ops.fullgraph.ddim_step.default,
+                          (out, x, *steps, alphas, None, 0.0, False, True, False, backend))
+
+
+@pytest.mark.slow
+def test_ddim_compiled_loop_is_one_graph(generator):
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    alphas = ddpm.squaredcos_cap_v2(STEPS)
+
+    def step(x, t, prev, out):
+        return fullgraph.ddim_step(out, x, t, prev, alphas)
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    out, x, _ = (a.float() for a in _inputs(generator))
+    for t, prev in ((90, 80), (80, 70), (0, -1)):  # new timesteps are new data, not new graphs
+        args = (x, torch.tensor(t), torch.tensor(prev), out)
+        torch.testing.assert_close(compiled(*args), step(*args))
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda a: {**a, "prev_timestep": 5}, TypeError, "prev_timestep: expected a torch.Tensor"),
+    (lambda a: {**a, "prev_timestep": torch.tensor([5])}, TypeError, "prev_timestep: expected a 0-d int64 tensor"),
+    (lambda a: {**a, "eta": -0.1}, ValueError, "eta: expected a finite float >= 0.0, got -0.1"),
+    (lambda a: {**a, "eta": 0.5}, ValueError, "noise: expected a tensor shaped like sample when eta > 0, got None"),
+    (lambda a: {**a, "prediction_type": "v_prediction"}, ValueError, "prediction_type: expected one of"),
+    (lambda a: {**a, "set_alpha_to_one": 1}, TypeError, "set_alpha_to_one: expected a bool"),
+    (lambda a: {**a, "noise": a["sample"][:1]}, ValueError, "noise: expected the shape of sample"),
+])
+def test_ddim_bad_input(change, error, message, generator):
+    out, x, _ = (a.float() for a in _inputs(generator))
+    arguments = {"model_output": out, "sample": x, "timestep": torch.tensor(30), "prev_timestep": torch.tensor(20),
+                 "alphas_cumprod": ddpm.squaredcos_cap_v2(STEPS)}
+    with pytest.raises(error) as raised:
+        fullgraph.ddim_step(**change(arguments))
+    assert message in str(raised.value)
+
+
+def test_ddim_the_registered_operator_checks_its_contract(generator):
+    out, x, _ = (a.float() for a in _inputs(generator))
+    with pytest.raises(ValueError, match="noise: expected a tensor shaped like sample when eta > 0"):
+        torch.ops.fullgraph.ddim_step(out, x, torch.tensor(30), torch.tensor(20), ddpm.squaredcos_cap_v2(STEPS),
+                                      None, 0.5, True, False, True, "torch")

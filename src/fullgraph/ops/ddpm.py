@@ -1,9 +1,13 @@
-"""One DDPM scheduler step (the Diffusion Policy series), fused into one Triton kernel: ``fullgraph.ddpm_step``.
+"""Diffusion scheduler steps (the Diffusion Policy series), each fused into one Triton kernel:
+``fullgraph.ddpm_step`` and ``fullgraph.ddim_step``.
 
-epsilon prediction, the x0 estimate clipped to [-1, 1], the posterior mean, fixed-small
-variance, and noise added only when t > 0, as diffusers' ``DDPMScheduler.step`` with as many
-inference steps as training steps. The timestep is a 0-d int64 tensor on the device, read
-by the kernel: a captured CUDA graph replays every step of the sampling loop.
+DDPM: epsilon prediction, the x0 estimate clipped to [-1, 1], the posterior mean,
+fixed-small variance, and noise added only when t > 0, as diffusers' ``DDPMScheduler.step``
+with as many inference steps as training steps. DDIM: diffusers' ``DDIMScheduler.step``
+(eta, clip_sample, "epsilon" or "sample" prediction, ``set_alpha_to_one``), the step from t
+to a previous timestep of the caller's inference schedule (``ddim_timesteps``). Timesteps
+are 0-d int64 tensors on the device, read by the kernels: a captured CUDA graph replays
+every step of the sampling loop.
 """
 
 from __future__ import annotations
@@ -51,7 +55,82 @@ def reference(model_output, sample, timestep, alphas_cumprod, noise, clip_sample
     return torch.where(valid, out, torch.full_like(out, math.nan)).to(sample.dtype)
 
 
+def ddim_timesteps(train_steps: int, steps: int, steps_offset: int = 0, device=None) -> torch.Tensor:
+    """[steps] int64, descending: diffusers' "leading" DDIM schedule, (arange(steps) *
+    (train_steps // steps))[::-1] + steps_offset; each step goes to the next entry (the last
+    to -1: the final alpha)."""
+    if not 1 <= steps <= train_steps:
+        raise ValueError(f"steps: expected an int in [1, {train_steps}] (the training steps), got {steps!r}")
+    return (torch.arange(steps, dtype=torch.int64) * (train_steps // steps)).flip(0).add(steps_offset).to(device)
+
+
+def _ddim_alphas(alphas, timestep, prev_timestep, set_alpha_to_one: bool):
+    """alpha_t and alpha_prev (the final alpha for prev_timestep < 0), from [T] alphas."""
+    steps = alphas.shape[0]
+    alpha_t = alphas[timestep.clamp(0, steps - 1)]
+    final = torch.ones_like(alpha_t) if set_alpha_to_one else alphas[0]
+    alpha_prev = torch.where(prev_timestep >= 0, alphas[prev_timestep.clamp(0, steps - 1)], final)
+    return alpha_t, alpha_prev
+
+
+def ddim_reference(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta: float,
+                   clip_sample: bool, predict_sample: bool, set_alpha_to_one: bool):
+    """The DDIM step in PyTorch (unfused), in float32 (float64 for float64), no host read.
+    A timestep outside [0, T), or a previous timestep >= T, gives NaN."""
+    compute = torch.float64 if sample.dtype == torch.float64 else torch.float32
+    steps = alphas_cumprod.shape[0]
+    alpha_t, alpha_prev = _ddim_alphas(alphas_cumprod.to(compute), timestep, prev_timestep, set_alpha_to_one)
+    beta_t = 1 - alpha_t
+    x, out = sample.to(compute), model_output.to(compute)
+    if predict_sample:
+        x0, eps = out, (x - alpha_t.sqrt() * out) / beta_t.sqrt()
+    else:
+        x0, eps = (x - beta_t.sqrt() * out) / alpha_t.sqrt(), out
+    if clip_sample:
+        x0 = x0.clamp(-1, 1)
+    std = eta * ((1 - alpha_prev) / beta_t * (1 - alpha_t / alpha_prev)).sqrt()
+    prev = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std * std).sqrt() * eps
+    if noise is not None:
+        prev = prev + std * noise.to(compute)
+    valid = (timestep >= 0) & (timestep < steps) & (prev_timestep < steps)
+    return torch.where(valid, prev, torch.full_like(prev, math.nan)).to(sample.dtype)
+
+
 if triton is not None:
+
+    @triton.jit
+    def _ddim_kernel(out_ptr_model, x_ptr, t_ptr, prev_ptr, alphas_ptr, noise_ptr, out_ptr, count, steps, eta,
+                     CLIP: tl.constexpr, PREDICT_SAMPLE: tl.constexpr, ALPHA_ONE: tl.constexpr,
+                     NOISE: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < count
+        t_raw = tl.load(t_ptr)
+        prev_raw = tl.load(prev_ptr)
+        alpha_t = tl.load(alphas_ptr + tl.minimum(tl.maximum(t_raw, 0), steps - 1)).to(tl.float32)
+        final = 1.0 if ALPHA_ONE else tl.load(alphas_ptr).to(tl.float32)
+        alpha_prev = tl.where(prev_raw >= 0,
+                              tl.load(alphas_ptr + tl.minimum(tl.maximum(prev_raw, 0), steps - 1)).to(tl.float32),
+                              final)
+        beta_t = 1.0 - alpha_t
+        std = eta * tl.sqrt((1.0 - alpha_prev) / beta_t * (1.0 - alpha_t / alpha_prev))
+        direction = tl.sqrt(1.0 - alpha_prev - std * std)
+        valid = (t_raw >= 0) & (t_raw < steps) & (prev_raw < steps)
+
+        x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+        out = tl.load(out_ptr_model + offsets, mask=mask).to(tl.float32)
+        if PREDICT_SAMPLE:
+            x0 = out
+            eps = (x - tl.sqrt(alpha_t) * out) / tl.sqrt(beta_t)
+        else:
+            x0 = (x - tl.sqrt(beta_t) * out) / tl.sqrt(alpha_t)
+            eps = out
+        if CLIP:
+            x0 = tl.minimum(tl.maximum(x0, -1.0), 1.0)
+        prev = tl.sqrt(alpha_prev) * x0 + direction * eps
+        if NOISE:
+            prev += std * tl.load(noise_ptr + offsets, mask=mask).to(tl.float32)
+        prev = tl.where(valid, prev, float("nan"))
+        tl.store(out_ptr + offsets, prev.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _step_kernel(eps_ptr, x_ptr, t_ptr, alphas_ptr, noise_ptr, out_ptr, count, steps,
@@ -91,6 +170,28 @@ def _triton_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sam
     return out
 
 
+def _triton_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
+                 predict_sample, set_alpha_to_one):
+    out = torch.empty_like(sample)
+    count = sample.numel()
+    if count:
+        _ddim_kernel[(triton.cdiv(count, BLOCK),)](
+            model_output, sample, timestep, prev_timestep, alphas_cumprod, sample if noise is None else noise, out,
+            count, alphas_cumprod.shape[0], float(eta), CLIP=clip_sample, PREDICT_SAMPLE=predict_sample,
+            ALPHA_ONE=set_alpha_to_one, NOISE=noise is not None, BLOCK=BLOCK)
+    return out
+
+
+DDIM_BACKENDS = backends.family(
+    "ddim",
+    backends.Backend("triton", ops=("ddim_step",), devices=_triton.devices(), auto_devices=("cuda",),
+                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
+                     available=_triton.available, implementation=_triton_ddim,
+                     note='computes in float32 (use backend="torch" for float64)'),
+    backends.Backend("torch", ops=("ddim_step",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
+                     implementation=ddim_reference),
+)
+
 BACKENDS = backends.family(
     "ddpm",
     backends.Backend("triton", ops=("ddpm_step",), devices=_triton.devices(), auto_devices=("cuda",),
@@ -102,19 +203,25 @@ BACKENDS = backends.family(
 )
 
 
-def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample) -> None:
+def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep=None) -> None:
+    """The contract both steps share (noise may be None only where the caller allows it)."""
     for name, value in (("sample", sample), ("model_output", model_output), ("noise", noise)):
+        if value is None and name == "noise":
+            continue
         _validate.floating(name, value)
         if name != "sample":
             _validate.same_dtype_and_device(name, value, "sample", sample)
             if value.shape != sample.shape:
                 raise ValueError(f"{name}: expected the shape of sample {tuple(sample.shape)}, got {tuple(value.shape)}")
-    _validate.tensor("timestep", timestep)
-    if timestep.dtype != torch.int64 or timestep.dim() != 0:
-        raise TypeError(f"timestep: expected a 0-d int64 tensor (so a captured graph can replay every step), "
-                        f"got {timestep.dtype} of shape {tuple(timestep.shape)}")
-    if timestep.device != sample.device:
-        raise ValueError(f"timestep: expected a tensor on {sample.device} like sample, got {timestep.device}")
+    for name, value in (("timestep", timestep), ("prev_timestep", prev_timestep)):
+        if value is None and name == "prev_timestep":
+            continue
+        _validate.tensor(name, value)
+        if value.dtype != torch.int64 or value.dim() != 0:
+            raise TypeError(f"{name}: expected a 0-d int64 tensor (so a captured graph can replay every step), "
+                            f"got {value.dtype} of shape {tuple(value.shape)}")
+        if value.device != sample.device:
+            raise ValueError(f"{name}: expected a tensor on {sample.device} like sample, got {value.device}")
     _validate.floating("alphas_cumprod", alphas_cumprod)
     _validate.rank("alphas_cumprod", alphas_cumprod, (1,), "[T]")
     if alphas_cumprod.device != sample.device or alphas_cumprod.shape[0] < 1:
@@ -122,6 +229,17 @@ def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample) -
                          f"on {alphas_cumprod.device}")
     if not isinstance(clip_sample, bool):
         raise TypeError(f"clip_sample: expected a bool, got {type(clip_sample).__name__}")
+
+
+def _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
+                predict_sample, set_alpha_to_one) -> None:
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep)
+    eta = _validate.real("eta", eta, minimum=0.0, strict=False)
+    if eta > 0 and noise is None:
+        raise ValueError(f"noise: expected a tensor shaped like sample when eta > 0, got None (eta = {eta})")
+    for name, value in (("predict_sample", predict_sample), ("set_alpha_to_one", set_alpha_to_one)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
 @torch.library.custom_op("fullgraph::ddpm_step", mutates_args=())
@@ -167,3 +285,64 @@ def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sam
     _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
     backend = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample").name
     return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend)
+
+
+@torch.library.custom_op("fullgraph::ddim_step", mutates_args=())
+def ddim_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor, prev_timestep: torch.Tensor,
+                 alphas_cumprod: torch.Tensor, noise: torch.Tensor | None, eta: float, clip_sample: bool,
+                 predict_sample: bool, set_alpha_to_one: bool, backend: str) -> torch.Tensor:
+    args = (model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample, predict_sample,
+            set_alpha_to_one)
+    _check_ddim(*args)
+    run = DDIM_BACKENDS.resolve(backend, "ddim_step", sample.device, sample.dtype, argument="sample").implementation
+    return run(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
+
+
+@ddim_step_op.register_fake
+def _(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample, predict_sample,
+      set_alpha_to_one, backend):
+    _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
+                predict_sample, set_alpha_to_one)
+    return torch.empty_like(sample)
+
+
+PREDICTION_TYPES = ("epsilon", "sample")
+
+
+def ddim_step(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise=None, *, eta: float = 0.0,
+              clip_sample: bool = True, prediction_type: str = "epsilon", set_alpha_to_one: bool = True,
+              backend: str = "auto"):
+    """One DDIM step x_t -> x_prev, as diffusers' ``DDIMScheduler.step``.
+
+    Args:
+        model_output: the model's prediction, any shape, floating: the noise
+            (``prediction_type="epsilon"``) or x0 (``"sample"``). sample: x_t, same shape,
+            dtype and device. timestep, prev_timestep: 0-d int64 tensors on the device (a graph
+            replay reads their current values); prev_timestep < 0 steps to the final alpha
+            (1 with ``set_alpha_to_one``, else alphas_cumprod[0]). ``ddim_timesteps`` gives a
+            schedule. alphas_cumprod: [T] on the device. noise: standard normal noise shaped
+            like sample, needed when eta > 0 (eta = 0: deterministic DDIM).
+        clip_sample: clip the x0 estimate to [-1, 1]. backend: "auto" (Triton on CUDA,
+            float64 through PyTorch), "triton" or "torch".
+
+    Returns:
+        x_prev, shaped like sample, in its dtype (computed in float32, or float64). A
+        timestep outside [0, T) or a prev_timestep >= T gives NaN (on the device, no sync).
+
+    Example:
+        >>> import torch, fullgraph
+        >>> alphas = fullgraph.ops.ddpm.squaredcos_cap_v2(100)
+        >>> steps = fullgraph.ops.ddpm.ddim_timesteps(100, 10)
+        >>> steps.tolist()
+        [90, 80, 70, 60, 50, 40, 30, 20, 10, 0]
+        >>> x = torch.randn(1, 16, 2)
+        >>> fullgraph.ddim_step(torch.randn_like(x), x, steps[0], steps[1], alphas).shape
+        torch.Size([1, 16, 2])
+    """
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type: expected one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    args = (model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
+            prediction_type == "sample", set_alpha_to_one)
+    _check_ddim(*args)
+    backend = DDIM_BACKENDS.resolve(backend, "ddim_step", sample.device, sample.dtype, argument="sample").name
+    return torch.ops.fullgraph.ddim_step(*args[:6], float(eta), *args[7:], backend)
