@@ -19,9 +19,10 @@ WORKLOADS = {
     "edgeconv": ("seed", "small", "tiny"),
     "extern-pool": ("seed", "small", "tiny"),
     "kmeans": ("seed", "small", "tiny"),
+    "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),
-    "lltm": ("seed", "small", "tiny"),
-    "neighbor-ops": ("seed", "large", "feature", "feature-small"),
+    "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
+    "neighbor-ops": ("seed", "large", "feature", "feature-small", "crossover"),
     "pointnet2": ("seed", "small", "tiny"),
     "radius-projector": ("seed", "small", "tiny"),
 }
@@ -60,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
                        help="problem size: seed (the tutorial's own size) is the default on CUDA, small on CPU; "
                             "tiny is a smoke test")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    bench.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for the run (torch.set_num_threads; default: torch's own)")
     bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
     bench.add_argument("--runs", type=int, default=None,
                        help="timed samples; the median is reported (default 30 GPU, 10 CPU)")

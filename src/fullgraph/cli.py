@@ -65,6 +65,10 @@ def _bench(args) -> int:
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:
         _usage(f"--warmup must be >= 0 and --runs >= 1, got --warmup {warmup} --runs {runs}")
+    if args.threads is not None:
+        if args.threads < 1:
+            _usage(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     _output(args.json, "--json")
     _output(args.plot, "--plot")
     console = Console(width=None if sys.stdout.isatty() else 132)

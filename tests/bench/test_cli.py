@@ -59,6 +59,8 @@ def _usage_error(argv, capsys) -> str:
 def test_bad_arguments(capsys, tmp_path):
     _usage_error(["bench", "no-such-workload"], capsys)
     assert "--runs >= 1" in _usage_error(["bench", "knn-projector", "--device", "cpu", "--runs", "0"], capsys)
+    assert "--threads must be >= 1, got 0" in _usage_error(["bench", "lltm", "--device", "cpu", "--threads", "0"],
+                                                            capsys)
     assert "extern-pool: " in _usage_error(["bench", "extern-pool", "--device", "cpu"], capsys)
     assert "benchmarks run on cpu or cuda" in _usage_error(["bench", "knn-projector", "--device", "meta"], capsys)
     assert "expected cpu or cuda" in _usage_error(["bench", "knn-projector", "--device", "gpu0"], capsys)
@@ -157,3 +159,19 @@ def test_bench_diffusion_policy_compares_fullgraph_on_a_cpu(tmp_path):
     for row in rows:
         assert "error" not in row, row
         assert row["max_abs_diff_vs_eager"] < 1e-3
+
+
+def test_bench_kmeans_fit_and_threads(tmp_path):
+    out_json = tmp_path / "rows.json"
+    threads = torch.get_num_threads()
+    try:
+        assert main(["bench", "kmeans-fit", "--size", "tiny", "--device", "cpu", "--runs", "2", "--threads", "1",
+                     "--json", str(out_json)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(out_json.read_text())
+    assert {r["variant"] for r in rows} == {"scikit-learn KMeans.fit", "fullgraph KMeans.fit, compiled NumPy steps"}
+    assert all(r["threads"] == 1 and r["iterations"] >= 1 and r["inertia"] > 0 for r in rows)
+    # the same data from the same centroids: the same fit, to rounding
+    inertias = [r["inertia"] for r in rows]
+    assert abs(inertias[0] - inertias[1]) <= 1e-3 * inertias[0]

@@ -4,7 +4,9 @@ A workload registers under its CLI name with its sizes; ``build(size, device)`` 
 ``Case`` per variant. A new workload is one module here plus its import below.
 """
 
-from . import diffusion_policy, edgeconv, extern_pool, kmeans, lltm, neighbor_ops, pointnet2, projectors  # noqa: F401
+from . import (  # noqa: F401
+    diffusion_policy, edgeconv, extern_pool, kmeans, kmeans_fit, lltm, neighbor_ops, pointnet2, projectors,
+)
 from .base import BASELINE, WORKLOADS, Case, Workload, register, seed_point_clouds
 
 __all__ = ["BASELINE", "WORKLOADS", "Case", "Workload", "register", "seed_point_clouds"]

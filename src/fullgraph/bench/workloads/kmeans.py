@@ -41,7 +41,7 @@ def _kmeans(params, device):
         return cases
     one_iteration = KMeans(2, init=means, n_init=1, max_iter=1, algorithm="lloyd")
     # "train" is a whole KMeans.fit of one iteration: its input checks and setup included, so it
-    # is no per-iteration figure (benchmarks/kmeans_vs_sklearn.py compares whole fits).
+    # is no per-iteration figure (`fullgraph bench kmeans-fit` compares whole fits).
     cases.append(Case("scikit-learn (train: fit of 1 iteration, setup included)",
                       lambda: pairwise_distances_argmin(x, means), lambda: one_iteration.fit(x)))
     return cases

@@ -56,7 +56,10 @@ register(Workload(
     description="PyTorch's LLTM tutorial: one cell step (forward) and step + backward (train); C++ kernel on CPUs, "
                 "CUDA kernel on GPUs",
     sizes={"seed": {"batch": 16, "features": 32, "state": 128}, "small": {"batch": 16, "features": 32, "state": 128},
-           "tiny": {"batch": 4, "features": 8, "state": 16}},
+           "tiny": {"batch": 4, "features": 8, "state": 16},
+           # where the extension and plain PyTorch cross on CPUs (the rule of "auto" cites them)
+           "batch256": {"batch": 256, "features": 32, "state": 128},
+           "batch2048": {"batch": 2048, "features": 32, "state": 128}},
     build=_lltm,
     notes=[("floor at the tutorial's size: ~0.2 MFLOP and ~0.3 MB per step, microseconds of GPU work; "
             "what remains is launch latency (3 kernels forward, 4-6 backward)")],

@@ -71,7 +71,9 @@ def _aggregate_cases(device):
 
 
 def _feature_cases(shapes, generator, device):
-    """kNN in feature space (D >= 4): cdist + topk (what users write), "auto", "dense"."""
+    """kNN in feature space (D >= 4): cdist + topk (what users write), "auto", "dense", and
+    the search dense competes with for "auto" ("triton" on CUDA, the k-d tree "cpu" on CPUs)."""
+    rival = "triton" if device.type == "cuda" else "cpu"
     for batch, m, n, dim, k in shapes:
         query = torch.randn(batch, m, dim, generator=generator, device=device)
         ref = torch.randn(batch, n, dim, generator=generator, device=device)
@@ -88,6 +90,8 @@ def _feature_cases(shapes, generator, device):
         yield Case(f"{label}: cdist + topk, as called", plain)
         yield Case(f"{label}: fullgraph auto, as called", auto)
         yield Case(f"{label}: fullgraph dense, as called", by_products, check=check)
+        yield Case(f"{label}: fullgraph {rival}, as called",
+                   lambda query=query, ref=ref, k=k: knn(query, ref, k, backend=rival))
         if device.type == "cuda":
             yield Case(f"{label}: cdist + topk, graphed", replayed(plain, device))
             yield Case(f"{label}: fullgraph auto, graphed", replayed(auto, device))
@@ -115,6 +119,11 @@ register(Workload(
            "feature": {"features": [(8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (1, 20_000, 200_000, 16, 10),
                                     (1, 10_000, 1_000_000, 128, 10)]},
            "feature-small": {"features": [(8, 2048, 2048, 64, 20), (1, 5000, 50_000, 16, 10),
-                                          (1, 2000, 100_000, 128, 10)]}},
+                                          (1, 2000, 100_000, 128, 10)]},
+           # where "auto" should take dense over the search (ops/neighbors/dense.py cites it)
+           "crossover": {"features": [(8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 32, 20),
+                                      (8, 4096, 4096, 16, 20), (8, 4096, 4096, 8, 20), (16, 256, 256, 64, 20),
+                                      (1, 64, 1000, 32, 8), (4, 4096, 4096, 32, 64), (1, 20_000, 200_000, 16, 10),
+                                      (1, 20_000, 200_000, 32, 10), (1, 10_000, 1_000_000, 128, 10)]}},
     build=_neighbor_ops,
 ))
