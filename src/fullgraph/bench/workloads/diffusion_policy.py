@@ -9,7 +9,7 @@ import functools
 import torch
 
 from ... import graphs
-from ...diffusion import denoise
+from ...diffusion import denoise, denoise_ddim
 from ...models import ConditionalUnet1D
 from ...models.unet1d import matmul_convolutions
 from ...ops import ddpm
@@ -38,10 +38,36 @@ def _diffusion_policy(params, device):
     def fused_loop(net):
         return torch.no_grad()(functools.partial(denoise, net, x, noise, cond, alphas, True))
 
+    # DDIM as robots sample: ddim_steps deterministic steps through the same schedule, its
+    # rows checked against the eager DDIM loop (a different sampler than the DDPM baseline).
+    timesteps = ddpm.ddim_timesteps(steps, params["ddim_steps"], device=device)
+
+    def ddim_loop(net):
+        return torch.no_grad()(functools.partial(denoise_ddim, net, x, cond, alphas, timesteps, True))
+
+    ddim_baseline = ddim_loop(unet)()
+
+    def ddim_deviation(run):
+        return lambda: {"max_abs_diff_vs_eager_ddim": float((run().float() - ddim_baseline).abs().max())}
+
+    def ddim_cases():
+        label = f"DDIM {params['ddim_steps']} steps"
+        yield f"{label}, eager", ddim_loop(unet)
+        if device.type != "cuda":
+            yield f"{label}, compiled matmul-conv U-Net", ddim_loop(torch.compile(streamlined, fullgraph=True))
+            return
+        for name, net in ((f"{label}, graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined,
+                                                                                             fullgraph=True)),
+                          (f"{label}, graphed loop, compiled matmul-conv bf16 U-Net",
+                           torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True))):
+            loop = graphs.graphed(torch.no_grad()(functools.partial(denoise_ddim, net)), warmup=2)
+            yield name, functools.partial(loop, x, cond, alphas, timesteps, True)
+
+    streamlined = matmul_convolutions(copy.deepcopy(unet))
+
     def cases():
         yield "document eager", unfused_loop(unet)
         yield "document compiled", unfused_loop(torch.compile(unet))
-        streamlined = matmul_convolutions(copy.deepcopy(unet))
         if device.type != "cuda":  # no CUDA graphs: the fused step and the compiled U-Nets alone
             yield "fullgraph loop, compiled U-Net", fused_loop(torch.compile(unet, fullgraph=True))
             yield "fullgraph loop, compiled matmul-conv U-Net", fused_loop(torch.compile(streamlined, fullgraph=True))
@@ -57,17 +83,18 @@ def _diffusion_policy(params, device):
             loop = graphs.graphed(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
             yield name, functools.partial(loop, x, noise, cond, alphas, True)
 
-    return [Case(name, run, check=deviation(run)) for name, run in cases()]
+    return ([Case(name, run, check=deviation(run)) for name, run in cases()]
+            + [Case(name, run, check=ddim_deviation(run)) for name, run in ddim_cases()])
 
 
 register(Workload(
     name="diffusion-policy",
     description="Diffusion Policy: DDPM sampling of Diffusion Policy's ConditionalUnet1D (79.9 M parameters at the "
                 "seed size), the whole loop from fixed noise",
-    sizes={"seed": {"batch": 1, "steps": 100, "down_dims": (256, 512, 1024), "cond": 1028},
-           "batch8": {"batch": 8, "steps": 100, "down_dims": (256, 512, 1024), "cond": 1028},
-           "small": {"batch": 1, "steps": 10, "down_dims": (64, 128, 256), "cond": 1028},
-           "tiny": {"batch": 1, "steps": 3, "down_dims": (16, 32, 64), "cond": 1028}},
+    sizes={"seed": {"batch": 1, "steps": 100, "ddim_steps": 10, "down_dims": (256, 512, 1024), "cond": 1028},
+           "batch8": {"batch": 8, "steps": 100, "ddim_steps": 10, "down_dims": (256, 512, 1024), "cond": 1028},
+           "small": {"batch": 1, "steps": 10, "ddim_steps": 5, "down_dims": (64, 128, 256), "cond": 1028},
+           "tiny": {"batch": 1, "steps": 3, "ddim_steps": 3, "down_dims": (16, 32, 64), "cond": 1028}},
     build=_diffusion_policy,
     notes=[("floor per step at the seed size: read the weights once, 320 MB in float32 (~0.11 ms at ~3 TB/s; "
             "160 MB in bf16); 100 steps: ~11 ms (float32), ~5.5 ms (bf16)")],
