@@ -110,19 +110,23 @@ def test_opcheck(backend, device, generator):
 
 
 @pytest.mark.slow
-def test_compiled_loop_is_one_graph(generator):
+@pytest.mark.parametrize("scheduler", ["ddpm", "ddim"])
+def test_compiled_loop_is_one_graph(scheduler, generator):
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
     alphas = ddpm.squaredcos_cap_v2(STEPS)
 
-    def denoise(x, t, eps, noise):
-        return fullgraph.ddpm_step(eps, x, t, alphas, noise)
+    def step(x, t, prev, out, noise):
+        if scheduler == "ddpm":
+            return fullgraph.ddpm_step(out, x, t, alphas, noise)
+        return fullgraph.ddim_step(out, x, t, prev, alphas)
 
-    compiled = torch.compile(denoise, backend=counter, fullgraph=True)
-    eps, x, noise = (a.float() for a in _inputs(generator))
-    for t in (99, 98, 0):  # a new timestep value is new data, not a new graph
-        torch.testing.assert_close(compiled(x, torch.tensor(t), eps, noise), denoise(x, torch.tensor(t), eps, noise))
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    out, x, noise = (a.float() for a in _inputs(generator))
+    for t, prev in ((99, 89), (98, 88), (0, -1)):  # new timesteps are new data, not new graphs
+        args = (x, torch.tensor(t), torch.tensor(prev), out, noise)
+        torch.testing.assert_close(compiled(*args), step(*args))
     assert counter.frame_count == 1
 
 
@@ -224,24 +228,6 @@ def test_ddim_opcheck(backend, device, generator):
                           (out, x, *steps, alphas, noise, 0.5, True, False, True, backend))
     torch.library.opcheck(torch.ops.fullgraph.ddim_step.default,
                           (out, x, *steps, alphas, None, 0.0, False, True, False, backend))
-
-
-@pytest.mark.slow
-def test_ddim_compiled_loop_is_one_graph(generator):
-    from torch._dynamo.testing import CompileCounter
-
-    counter = CompileCounter()
-    alphas = ddpm.squaredcos_cap_v2(STEPS)
-
-    def step(x, t, prev, out):
-        return fullgraph.ddim_step(out, x, t, prev, alphas)
-
-    compiled = torch.compile(step, backend=counter, fullgraph=True)
-    out, x, _ = (a.float() for a in _inputs(generator))
-    for t, prev in ((90, 80), (80, 70), (0, -1)):  # new timesteps are new data, not new graphs
-        args = (x, torch.tensor(t), torch.tensor(prev), out)
-        torch.testing.assert_close(compiled(*args), step(*args))
-    assert counter.frame_count == 1
 
 
 @pytest.mark.parametrize("change, error, message", [

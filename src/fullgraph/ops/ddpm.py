@@ -182,25 +182,21 @@ def _triton_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, 
     return out
 
 
-DDIM_BACKENDS = backends.family(
-    "ddim",
-    backends.Backend("triton", ops=("ddim_step",), devices=_triton.devices(), auto_devices=("cuda",),
-                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
-                     available=_triton.available, implementation=_triton_ddim,
-                     note='computes in float32 (use backend="torch" for float64)'),
-    backends.Backend("torch", ops=("ddim_step",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
-                     implementation=ddim_reference),
-)
+def _step_family(op: str, fused, unfused):
+    """The backends of one scheduler step: a Triton kernel (float32 maths) on CUDA, PyTorch anywhere."""
+    return backends.family(
+        op,
+        backends.Backend("triton", ops=(op,), devices=_triton.devices(), auto_devices=("cuda",),
+                         dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
+                         available=_triton.available, implementation=fused,
+                         note='computes in float32 (use backend="torch" for float64)'),
+        backends.Backend("torch", ops=(op,), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
+                         implementation=unfused),
+    )
 
-BACKENDS = backends.family(
-    "ddpm",
-    backends.Backend("triton", ops=("ddpm_step",), devices=_triton.devices(), auto_devices=("cuda",),
-                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
-                     available=_triton.available, implementation=_triton_step,
-                     note='computes in float32 (use backend="torch" for float64)'),
-    backends.Backend("torch", ops=("ddpm_step",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
-                     implementation=reference),
-)
+
+BACKENDS = _step_family("ddpm_step", _triton_step, reference)
+DDIM_BACKENDS = _step_family("ddim_step", _triton_ddim, ddim_reference)
 
 
 def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep=None) -> None:
