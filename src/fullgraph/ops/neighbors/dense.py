@@ -47,6 +47,10 @@ SLACK = 8
 # were faster (32 MiB against 256 MiB, 2-core CPU: 5000 x 50000 D=16 631 vs 875 ms; 2000 x
 # 100000 D=128 1010 vs 1311 ms; 8 x 2048^2 D=64 on par within this noisy machine's spread).
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
+# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
+# (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
+# once, the same bits).
+CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
@@ -67,12 +71,6 @@ def _gather_rows(points, rows):
     speed; a gather with an expanded index was 3x slower on CPUs)."""
     items = torch.arange(points.shape[0], device=points.device).reshape(-1, *[1] * (rows.dim() - 1))
     return points[items, rows]
-
-
-# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
-# (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
-# once, the same bits).
-CPU_REMEASURE_BYTES = 2 * 2**20
 
 
 def _remeasure(q, r, candidates):
