@@ -1,5 +1,6 @@
-"""The Diffusion Policy series's Diffusion Policy sampler: 100 DDPM steps of the ConditionalUnet1D, from the
-document's eager loop to the whole loop replayed from one CUDA graph."""
+"""The Diffusion Policy series's sampler: 100 DDPM steps of the ConditionalUnet1D, from the series' own
+eager loop ("document" variants) to the whole loop replayed from one CUDA graph; and the 10 DDIM
+steps robots sample with."""
 
 from __future__ import annotations
 
