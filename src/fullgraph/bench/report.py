@@ -26,9 +26,13 @@ def _extra(row: dict, key: str) -> str:
     return _fmt(row.get(key), "{}")
 
 
+def _threads(first: dict) -> str:
+    """", N threads" for rows timed on a CPU, else nothing."""
+    return f", {first['threads']} threads" if first.get("threads") else ""
+
+
 def _title(first: dict) -> str:
-    threads = f", {first['threads']} threads" if first.get("threads") else ""
-    return f"{first['workload']} ({first['size']}) on {first['device']}{threads}, torch {first['torch']}"
+    return f"{first['workload']} ({first['size']}) on {first['device']}{_threads(first)}, torch {first['torch']}"
 
 
 def _spread(row: dict) -> str:
@@ -150,7 +154,7 @@ def markdown(rows: list[dict]) -> str:
     extras = _extras(rows)
     lines = [
         f"**{first['workload']}** ({first['size']}: {first['params']}) on {first['device']}"
-        f"{', ' + str(first['threads']) + ' threads' if first.get('threads') else ''}, "
+        f"{_threads(first)}, "
         f"torch {first['torch']}, triton {first['triton']}, commit {first['commit']}",
         "",
         "| variant | phase | median ms | x eager | peak MiB | first call s |"
