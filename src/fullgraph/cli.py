@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -51,6 +52,15 @@ def _device(name: str | None) -> torch.device:
     return device
 
 
+def _progress_log():
+    """Off a terminal (CI, a log file) the spinner is silent: say each step on stderr as it
+    happens, with the seconds since the start, so a run cut short still shows where it was."""
+    if sys.stderr.isatty():
+        return lambda line: None
+    start = time.perf_counter()
+    return lambda line: print(f"[{time.perf_counter() - start:7.1f} s] {line}", file=sys.stderr, flush=True)
+
+
 def _bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -72,12 +82,18 @@ def _bench(args) -> int:
     _output(args.json, "--json")
     _output(args.plot, "--plot")
     console = Console(width=None if sys.stdout.isatty() else 132)
+    log = _progress_log()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(f"{args.workload} ({size}) on {device}", total=None)
+
+        def on_step(step):
+            progress.update(task, description=f"{args.workload}: {step}")
+            log(f"{step} ...")
+
         try:
             rows = bench.run_workload(args.workload, size, device, warmup, runs, explain=args.explain,
-                                      on_step=lambda step: progress.update(task, description=f"{args.workload}: {step}"))
+                                      on_step=on_step, on_row=lambda row: log(report.row_line(row)))
         except ValueError as error:  # a workload that cannot run here says why
             _usage(f"{args.workload}: {error}")
     if not rows:

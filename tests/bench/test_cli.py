@@ -27,8 +27,12 @@ def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
         assert row["first_call_s"] > 0 and row["speedup_vs_eager"] > 0
         assert row["device"] and row["torch"] and row["params"] == {"grid": 5, "cloud": 500, "radius": 0.5}
     assert out_png.read_bytes()[:4] == b"\x89PNG"
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "fullgraph compiled" in printed and "x base" in printed and "threads" in printed
+    # Off a terminal every step and finished row is logged on stderr as it happens.
+    assert "] fullgraph compiled / train ..." in captured.err
+    assert "] fullgraph compiled / train: " in captured.err and " ms (spread " in captured.err
     assert all(row["threads"] == torch.get_num_threads() and row["baseline"] == "document eager" for row in rows)
     assert main(["report", str(out_json)]) == 0
     assert "| fullgraph eager | forward |" in capsys.readouterr().out

@@ -41,6 +41,14 @@ def _spread(row: dict) -> str:
     return f"{ratio:.2f}x" + ("!" if row.get("noisy") else "")
 
 
+def row_line(row: dict) -> str:
+    """One finished row as a line of text (the progress log off a terminal)."""
+    head = f"{row['variant']} / {row['phase']}"
+    if "error" in row:
+        return f"{head}: failed: {row['error']}"
+    return f"{head}: {row['median_ms']:.3f} ms (spread {_spread(row)}, first call {row['first_call_s']:.2f} s)"
+
+
 def table(rows: list[dict]):
     """A rich Table, one line per variant and phase, that stays whole in 80 columns:
     numbers never wrap or get cut; long variant names wrap onto their own lines."""

@@ -57,9 +57,10 @@ def _graph_counts(case) -> dict:
 
 
 def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: int, on_step=None,
-                 explain: bool = False) -> list[dict]:
-    """Time every variant's forward and train step; ``on_step(description)`` reports progress;
-    ``explain``: add the graph and break counts of the variants that declare a call to explain."""
+                 explain: bool = False, on_row=None) -> list[dict]:
+    """Time every variant's forward and train step; ``on_step(description)`` reports progress and
+    ``on_row(row)`` each finished row; ``explain``: add the graph and break counts of the variants
+    that declare a call to explain."""
     workload = WORKLOADS[name]
     params = workload.sizes[size]
     # Every variant compiles the same forward code on its own module: a cache entry each.
@@ -88,6 +89,8 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             except Exception as error:  # a failing variant is reported, not fatal
                 row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
             rows.append(row)
+            if on_row:
+                on_row(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     _add_ratios(rows, WORKLOADS[name].baseline)
