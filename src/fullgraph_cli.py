@@ -18,6 +18,7 @@ WORKLOADS = {
     "diffusion-policy": ("seed", "batch8", "small", "tiny"),
     "edgeconv": ("seed", "small", "tiny"),
     "extern-pool": ("seed", "small", "tiny"),
+    "fps": ("seed", "large", "small", "tiny"),
     "kmeans": ("seed", "small", "tiny"),
     "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),

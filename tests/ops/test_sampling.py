@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, points
+from conftest import DEVICES, backend_cases, points
+from fullgraph.ops import sampling
 
 
 def _oracle(x: np.ndarray, count: int, start: int) -> list[int]:
@@ -22,16 +23,45 @@ def _oracle(x: np.ndarray, count: int, start: int) -> list[int]:
     return taken
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] != "cpu"])
 @pytest.mark.parametrize("distribution", ["uniform", "clustered", "duplicates", "grid", "far"])
-def test_padded_form_matches_the_float64_loop(device, distribution, generator):
-    x = torch.stack([points(distribution, 80, 3, generator) for _ in range(3)])
+@pytest.mark.parametrize("dim", [3, 7])
+def test_padded_form_matches_the_float64_loop(backend, device, distribution, dim, generator):
+    x = torch.stack([points(distribution, 80, dim, generator) for _ in range(3)])
     lengths = torch.tensor([80, 33, 5])
-    idx = fullgraph.fps(x.to(device), n_samples=12, lengths=lengths.to(device), random_start=False)
+    idx = fullgraph.fps(x.to(device).float(), n_samples=12, lengths=lengths.to(device), random_start=False,
+                        backend=backend)
     assert idx.shape == (3, 12) and idx.dtype == torch.int64
     for b in range(3):
-        want = _oracle(x[b, :int(lengths[b])].numpy(), 12, 0)
+        want = _oracle(x[b, :int(lengths[b])].float().double().numpy(), 12, 0)
         assert idx[b].tolist() == want + [-1] * (12 - len(want))
+
+
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
+@pytest.mark.parametrize("resident", [True, False])
+def test_the_triton_kernel_equals_the_loop(backend, device, resident, generator, monkeypatch):
+    """Both kernel paths (the cloud in registers; streamed in chunks with a scratch buffer),
+    on ties, duplicates, a non-finite point, an empty item, bf16, and clouds larger than a chunk."""
+    if not resident:
+        monkeypatch.setattr(sampling, "RESIDENT_ELEMENTS", 64)
+        monkeypatch.setattr(sampling, "CHUNK", 128)
+    x = torch.stack([points("grid", 300, 3, generator), points("duplicates", 300, 3, generator),
+                     points("far", 300, 3, generator), points("normal", 300, 3, generator)]).to(device)
+    x[3, 7] = math.inf
+    lengths = torch.tensor([300, 290, 0, 131], device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        for count in (1, 40, 300):
+            want = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="torch")
+            got = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend=backend)
+            assert torch.equal(got, want), (dtype, count)
+    assert (got[2] == -1).all() and not (got[3] == 7).any()
+
+
+def test_the_backend_is_named():
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        fullgraph.fps(torch.rand(2, 10, 3), n_samples=2, backend="cuda")
+    with pytest.raises((TypeError, ImportError), match='backend="triton"'):
+        fullgraph.fps(torch.rand(2, 10, 3, dtype=torch.float64), n_samples=2, backend="triton")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -112,8 +112,10 @@ if triton is not None:
                               tl.load(alphas_ptr + tl.minimum(tl.maximum(prev_raw, 0), steps - 1)).to(tl.float32),
                               final)
         beta_t = 1.0 - alpha_t
-        std = eta * tl.sqrt((1.0 - alpha_prev) / beta_t * (1.0 - alpha_t / alpha_prev))
-        direction = tl.sqrt(1.0 - alpha_prev - std * std)
+        # Triton's float32 division is approximate: alpha / alpha can round above 1, so the
+        # square roots' arguments are clamped at 0 (exactly 0 when t and prev share an alpha).
+        std = eta * tl.sqrt(tl.maximum((1.0 - alpha_prev) / beta_t * (1.0 - alpha_t / alpha_prev), 0.0))
+        direction = tl.sqrt(tl.maximum(1.0 - alpha_prev - std * std, 0.0))
         valid = (t_raw >= 0) & (t_raw < steps) & (prev_raw < steps)
 
         x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)

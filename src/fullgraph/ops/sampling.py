@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from .. import _validate
+from .. import _triton, _validate, backends
+from .._triton import tl, triton
 from .neighbors.batching import Padded, check_batch
 from .neighbors.pairs import accumulation_dtype, squared_difference, valid_points
 from .scaling import magnitude, safe_scale
@@ -34,11 +35,122 @@ def _starts(x, valid, random_start: bool, generator) -> torch.Tensor:
     return valid.to(torch.int8).argmax(1)
 
 
-@torch.library.custom_op("fullgraph::farthest_points", mutates_args=())
-def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor, count: int) -> torch.Tensor:
-    """idx [B, count] int64 of padded clouds x [B, N, D] from the samples ``start`` [B] (-1
-    beyond an item's valid points). An operator, so that torch.compile sees one call instead
-    of unrolling ``count`` iterations."""
+def _prepared(x: torch.Tensor, lengths: torch.Tensor | None):
+    """(points, valid): x in its accumulation dtype, scaled per item by a power of two
+    (exact) into the unit ball so no squared distance overflows, 0 at invalid points; valid
+    [B, N] bool."""
+    valid = valid_points(x, lengths)
+    acc = accumulation_dtype(x.dtype)
+    batch, size = valid.shape
+    largest = torch.where(valid, magnitude(x).to(acc), 0).amax(1) if size else x.new_zeros(batch, dtype=acc)
+    return torch.where(valid[..., None], x.to(acc) / safe_scale(largest)[:, None, None], 0), valid
+
+
+def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+    """The reference: ``count`` iterations of a few batched tensor operations."""
+    batch, size = valid.shape
+    idx = torch.empty((batch, count), dtype=torch.int64, device=points.device)
+    gap = torch.where(valid, math.inf, -1.0).to(points.dtype)  # squared distance to the nearest sample; -1: never taken
+    items = torch.arange(batch, device=points.device)
+    current = start
+    for i in range(count):
+        idx[:, i] = current
+        if i + 1 == count or size == 0:
+            break
+        d2 = squared_difference(points, points[items, current][:, None, :])
+        gap = torch.where(valid, torch.minimum(gap, d2), -1.0)
+        current = gap.argmax(1)  # the first of the largest: ties go to the smaller index
+    return idx
+
+
+# A cloud of at most RESIDENT_ELEMENTS coordinates (N x D rounded up to powers of two) stays
+# in one program's registers for all the iterations; larger ones stream through L2 in chunks
+# of CHUNK points, with the distances to the samples kept in a scratch buffer.
+RESIDENT_ELEMENTS = 16384
+CHUNK = 1024
+# A streamed cloud runs on one SM: past this many points the PyTorch loop, whose kernels
+# spread each iteration over the whole GPU, is faster ("auto" takes it). Provisional: the
+# H100 measurement is in benchmarks/results/h100-torch2.11/fps-crossover.log.
+AUTO_MAX_STREAMED = 1 << 17
+
+if triton is not None:
+
+    @triton.jit
+    def _fps_kernel(points, valid, start, out, gap_buffer, size, count, D: tl.constexpr, DP: tl.constexpr,
+                    BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
+        """One program per cloud: out[b, :count], the samples from start[b], ties to the smaller index."""
+        b = tl.program_id(0).to(tl.int64)
+        base = points + b * size * D
+        dims = tl.arange(0, DP)
+        current = tl.load(start + b)
+        lanes = tl.arange(0, BLOCK)
+        if RESIDENT:
+            inside = lanes < size
+            block = tl.load(base + lanes[:, None] * D + dims[None, :], mask=inside[:, None] & (dims < D)[None, :],
+                            other=0.0)
+            ok = tl.load(valid + b * size + lanes, mask=inside, other=0) != 0
+            gap = tl.where(ok, float("inf"), -1.0)
+            for i in range(count):
+                tl.store(out + b * count + i, current)
+                centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
+                diff = block - centre[None, :]
+                gap = tl.where(ok, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
+                current = tl.argmax(gap, 0, tie_break_left=True).to(tl.int64)
+        else:
+            gaps = gap_buffer + b * size
+            for i in range(count):
+                tl.store(out + b * count + i, current)
+                centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
+                best = tl.full((BLOCK,), -2.0, tl.float32)
+                best_at = tl.zeros((BLOCK,), tl.int64)
+                for first in range(0, size, BLOCK):
+                    offs = first + lanes
+                    inside = offs < size
+                    chunk = tl.load(base + offs[:, None] * D + dims[None, :],
+                                    mask=inside[:, None] & (dims < D)[None, :], other=0.0)
+                    gap = tl.load(gaps + offs, mask=inside, other=-1.0)
+                    diff = chunk - centre[None, :]
+                    gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
+                    tl.store(gaps + offs, gap, mask=inside)
+                    better = gap > best  # strictly: each lane keeps its earliest maximum
+                    best = tl.where(better, gap, best)
+                    best_at = tl.where(better, offs, best_at)
+                top = tl.max(best, 0)
+                current = tl.min(tl.where(best == top, best_at, size), 0)
+                tl.debug_barrier()
+
+
+def _resident(size: int, dim: int) -> bool:
+    return triton.next_power_of_2(max(size, 1)) * triton.next_power_of_2(dim) <= RESIDENT_ELEMENTS
+
+
+def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
+    """The same loop in one launch (float32): a program per cloud (see RESIDENT_ELEMENTS)."""
+    batch, size, dim = points.shape
+    idx = torch.empty((batch, count), dtype=torch.int64, device=points.device)
+    if batch == 0:
+        return idx
+    resident = _resident(size, dim)
+    block = triton.next_power_of_2(max(size, 1)) if resident else CHUNK
+    gaps = idx if resident else torch.where(valid, math.inf, -1.0).to(torch.float32)
+    _fps_kernel[(batch,)](points.contiguous(), valid.to(torch.uint8), start, idx, gaps, size, count, D=dim,
+                          DP=triton.next_power_of_2(dim), BLOCK=block, RESIDENT=resident,
+                          num_warps=max(1, min(16, block // 256)))
+    return idx
+
+
+BACKENDS = backends.family(
+    "farthest_points",
+    backends.Backend("triton", ops=("farthest_points",), devices=_triton.devices(), auto_devices=("cuda",),
+                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
+                     available=_triton.available, implementation=_triton_loop,
+                     note='computes in float32 (use backend="torch" for float64)'),
+    backends.Backend("torch", ops=("farthest_points",), devices=(backends.ANY_DEVICE,),
+                     auto_devices=(backends.ANY_DEVICE,), implementation=_torch_loop),
+)
+
+
+def _check(x, lengths, start, count) -> None:
     _validate.floating("x", x)
     _validate.rank("x", x, (3,), "[B, N, D]")
     _validate.integer("count", count, minimum=1)
@@ -49,38 +161,41 @@ def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: tor
     if start.dtype != torch.int64 or tuple(start.shape) != (batch,) or start.device != x.device:
         raise ValueError(f"start: expected [{batch}] int64 indices on {x.device}, got {start.dtype} of shape "
                          f"{tuple(start.shape)} on {start.device}")
-    valid = valid_points(x, lengths)
-    acc = accumulation_dtype(x.dtype)
-    largest = torch.where(valid, magnitude(x).to(acc), 0).amax(1) if size else x.new_zeros(batch, dtype=acc)
-    points = torch.where(valid[..., None], x.to(acc) / safe_scale(largest)[:, None, None], 0)
-    idx = torch.empty((batch, count), dtype=torch.int64, device=x.device)
-    gap = torch.where(valid, math.inf, -1.0).to(acc)  # squared distance to the nearest sample; -1: never taken
-    items = torch.arange(batch, device=x.device)
-    current = start
-    for i in range(count):
-        idx[:, i] = current
-        if i + 1 == count or size == 0:
-            break
-        d2 = squared_difference(points, points[items, current][:, None, :])
-        gap = torch.where(valid, torch.minimum(gap, d2), -1.0)
-        current = gap.argmax(1)  # the first of the largest: ties go to the smaller index
+
+
+@torch.library.custom_op("fullgraph::farthest_points", mutates_args=())
+def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor, count: int,
+                       backend: str) -> torch.Tensor:
+    """idx [B, count] int64 of padded clouds x [B, N, D] from the samples ``start`` [B] (-1
+    beyond an item's valid points). An operator, so that torch.compile sees one call instead
+    of unrolling ``count`` iterations."""
+    _check(x, lengths, start, count)
+    run = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, argument="x").implementation
+    points, valid = _prepared(x, lengths)
+    idx = run(points, valid, start, count)
     taken = valid.sum(1, keepdim=True)
     return torch.where(torch.arange(count, device=x.device)[None, :] < taken, idx, -1)
 
 
 @farthest_points_op.register_fake
-def _(x, lengths, start, count):
+def _(x, lengths, start, count, backend):
+    _check(x, lengths, start, count)
     return x.new_empty((x.shape[0], count), dtype=torch.int64)
 
 
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, random_start: bool,
-                    generator: torch.Generator | None) -> torch.Tensor:
+                    generator: torch.Generator | None, backend: str = "auto") -> torch.Tensor:
     """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
+    chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, argument="x").name
+    if backend == "auto" and chosen == "triton" and not _resident(x.shape[1], x.shape[2]) \
+            and x.shape[1] > AUTO_MAX_STREAMED:
+        chosen = "torch"
     start = _starts(x, valid_points(x, lengths), random_start, generator)
-    return torch.ops.fullgraph.farthest_points(x, lengths, start, count)
+    return torch.ops.fullgraph.farthest_points(x, lengths, start, count, chosen)
 
 
-def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start=True, generator=None):
+def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start=True, generator=None,
+        backend: str = "auto"):
     """Farthest-point sampling of one or many point clouds.
 
     Two forms:
@@ -97,6 +212,9 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
         ratio: fraction in (0, 1]. n_samples: int >= 1 (at most N in the padded form).
         random_start: draw each item's first sample uniformly among its valid points (from
             ``generator``, on x's device); else its first valid point.
+        backend: "auto", "triton" (CUDA: one launch, a program per cloud, float32) or
+            "torch" (a loop of batched PyTorch operations, any device and dtype). "auto"
+            takes Triton on CUDA except for single clouds too large to stream on one SM.
 
     Example:
         >>> x = torch.rand(1000, 3)
@@ -124,7 +242,7 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
             raise ValueError(f"n_samples: expected at most N = {size} points per cloud, got {count}")
         if lengths is not None:
             _validate.lengths("lengths", lengths, x.shape[0], size, x.device)
-        return farthest_points(x, lengths, count, random_start, generator)
+        return farthest_points(x, lengths, count, random_start, generator, backend)
     if lengths is not None:
         raise ValueError("lengths: only for padded clouds [B, N, D]; flat clouds [N, D] take a batch vector")
     if batch is not None:
@@ -136,7 +254,7 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
     wanted = [min(n, n_samples) if n_samples is not None else math.ceil(ratio * n) for n in sizes]
     if not sizes or max(wanted) == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
-    idx = farthest_points(layout.pad(x), layout.lengths, max(wanted), random_start, generator)
+    idx = farthest_points(layout.pad(x), layout.lengths, max(wanted), random_start, generator, backend)
     keep = torch.arange(idx.shape[1], device=x.device)[None, :] < torch.tensor(wanted, device=x.device)[:, None]
     rows = layout.global_index(idx, torch.arange(layout.items, device=x.device))
     return rows[keep & (rows >= 0)]

@@ -1,0 +1,48 @@
+"""Farthest-point sampling: the loop PointNet++ ports write against ``fullgraph.fps`` on each
+backend (the PyTorch loop as one operator; the Triton kernel, a program per cloud)."""
+
+from __future__ import annotations
+
+import torch
+
+from ...models.pointnet2 import plain_fps
+from ...ops.sampling import fps
+from .base import Case, Workload, register
+
+PLAIN = "plain loop"
+
+
+def _fps(params, device):
+    """forward = sample ``samples`` points of each of ``batch`` uniform clouds of ``points``."""
+    generator = torch.Generator().manual_seed(0)
+    xyz = torch.rand(params["batch"], params["points"], 3, generator=generator).to(device)
+    count = params["samples"]
+    baseline = plain_fps(xyz, count)
+
+    def agreement(run):
+        return lambda: {"same_as_plain": bool(torch.equal(run(), baseline))}
+
+    cases = [Case(PLAIN, lambda: plain_fps(xyz, count))]
+    for backend in ("torch", "triton"):
+        def run(backend=backend):
+            return fps(xyz, n_samples=count, random_start=False, backend=backend)
+        try:
+            run()
+        except (ValueError, ImportError, TypeError):  # a backend that does not run here
+            continue
+        cases.append(Case(f"fullgraph.fps, {backend}", run, check=agreement(run)))
+    return cases
+
+
+register(Workload(
+    name="fps",
+    description="farthest-point sampling of uniform 3-D clouds: PointNet++'s loop against fullgraph.fps per backend",
+    sizes={"seed": {"batch": 16, "points": 16384, "samples": 4096},
+           "large": {"batch": 1, "points": 1_000_000, "samples": 8192},
+           "small": {"batch": 32, "points": 1024, "samples": 512},
+           "tiny": {"batch": 2, "points": 500, "samples": 16}},
+    build=_fps,
+    notes=["floor per sample: read the cloud once (12 bytes a point; the kernel also reads and writes the "
+           "running distances, 8 more) - seed: 16 x 16384 x 20 B = 5.2 MB from L2, 4096 times"],
+    baseline=PLAIN,
+))
