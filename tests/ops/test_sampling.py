@@ -38,19 +38,23 @@ def test_padded_form_matches_the_float64_loop(backend, device, distribution, dim
 
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
-@pytest.mark.parametrize("resident", [True, False])
-def test_the_triton_kernel_equals_the_loop(backend, device, resident, generator, monkeypatch):
-    """Both kernel paths (the cloud in registers; streamed in chunks with a scratch buffer),
-    on ties, duplicates, a non-finite point, an empty item, bf16, and clouds larger than a chunk."""
-    if not resident:
+@pytest.mark.parametrize("path", ["resident", "streamed", "split"])
+def test_the_triton_kernel_equals_the_loop(backend, device, path, generator, monkeypatch):
+    """The kernel's three paths (the cloud in registers; streamed in chunks by one program;
+    split in slices, a launch per sample), on ties, duplicates, a non-finite point, an empty
+    item, bf16, and clouds larger than a chunk and a slice."""
+    if path != "resident":
         monkeypatch.setattr(sampling, "RESIDENT_ELEMENTS", 64)
-        monkeypatch.setattr(sampling, "CHUNK", 128)
+        monkeypatch.setattr(sampling, "CHUNK", 64)
+    if path == "split":
+        monkeypatch.setattr(sampling, "SPLIT_MIN_POINTS", 100)
+        monkeypatch.setattr(sampling, "SLICE", 128)
     x = torch.stack([points("grid", 300, 3, generator), points("duplicates", 300, 3, generator),
                      points("far", 300, 3, generator), points("normal", 300, 3, generator)]).to(device)
     x[3, 7] = math.inf
     lengths = torch.tensor([300, 290, 0, 131], device=device)
     for dtype in (torch.float32, torch.bfloat16):
-        for count in (1, 40, 300):
+        for count in (1, 300) if path == "resident" else (1, 12):
             want = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="torch")
             got = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend=backend)
             assert torch.equal(got, want), (dtype, count)

@@ -63,17 +63,41 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
     return idx
 
 
-# A cloud of at most RESIDENT_ELEMENTS coordinates (N x D rounded up to powers of two) stays
-# in one program's registers for all the iterations; larger ones stream through L2 in chunks
-# of CHUNK points, with the distances to the samples kept in a scratch buffer.
+# Three ways to run the loop on a GPU, by cloud size (N x D, rounded up to powers of two):
+# - resident: at most RESIDENT_ELEMENTS coordinates stay in one program's registers for
+#   every iteration (one launch);
+# - streamed: up to SPLIT_MIN_POINTS points, one program per cloud reads its cloud from L2 in
+#   chunks of CHUNK points each iteration, the distances to the samples in a scratch buffer
+#   (one launch);
+# - split: larger clouds are cut into slices of SLICE points, a program each, one launch per
+#   sample: each launch first reduces the slices' candidates of the last one (a single cloud
+#   of 10^6 points must not run on one SM).
 RESIDENT_ELEMENTS = 16384
 CHUNK = 1024
-# A streamed cloud runs on one SM: past this many points the PyTorch loop, whose kernels
-# spread each iteration over the whole GPU, is faster ("auto" takes it). Provisional: the
-# H100 measurement is in benchmarks/results/h100-torch2.11/fps-crossover.log.
-AUTO_MAX_STREAMED = 1 << 17
+SPLIT_MIN_POINTS = 1 << 16
+SLICE = 8192
 
 if triton is not None:
+
+    @triton.jit
+    def _distances(base, current, chunk_offs, size, gaps, dims, D: tl.constexpr):
+        """Update the scratch distances of points ``chunk_offs`` with the sample ``current``;
+        returns them (-1: invalid, never taken)."""
+        inside = chunk_offs < size
+        chunk = tl.load(base + chunk_offs[:, None] * D + dims[None, :], mask=inside[:, None] & (dims < D)[None, :],
+                        other=0.0)
+        centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
+        gap = tl.load(gaps + chunk_offs, mask=inside, other=-1.0)
+        diff = chunk - centre[None, :]
+        gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
+        tl.store(gaps + chunk_offs, gap, mask=inside)
+        return gap
+
+    @triton.jit
+    def _first_of_largest(values, at, none):
+        """The smallest ``at`` among the largest ``values`` (``none`` for lanes out of play)."""
+        top = tl.max(values, 0)
+        return top, tl.min(tl.where(values == top, at, none), 0)
 
     @triton.jit
     def _fps_kernel(points, valid, start, out, gap_buffer, size, count, D: tl.constexpr, DP: tl.constexpr,
@@ -97,27 +121,51 @@ if triton is not None:
                 gap = tl.where(ok, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
                 current = tl.argmax(gap, 0, tie_break_left=True).to(tl.int64)
         else:
-            gaps = gap_buffer + b * size
             for i in range(count):
                 tl.store(out + b * count + i, current)
-                centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
                 best = tl.full((BLOCK,), -2.0, tl.float32)
                 best_at = tl.zeros((BLOCK,), tl.int64)
                 for first in range(0, size, BLOCK):
-                    offs = first + lanes
-                    inside = offs < size
-                    chunk = tl.load(base + offs[:, None] * D + dims[None, :],
-                                    mask=inside[:, None] & (dims < D)[None, :], other=0.0)
-                    gap = tl.load(gaps + offs, mask=inside, other=-1.0)
-                    diff = chunk - centre[None, :]
-                    gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
-                    tl.store(gaps + offs, gap, mask=inside)
+                    gap = _distances(base, current, first + lanes, size, gap_buffer + b * size, dims, D)
                     better = gap > best  # strictly: each lane keeps its earliest maximum
                     best = tl.where(better, gap, best)
-                    best_at = tl.where(better, offs, best_at)
-                top = tl.max(best, 0)
-                current = tl.min(tl.where(best == top, best_at, size), 0)
+                    best_at = tl.where(better, first + lanes, best_at)
+                _, current = _first_of_largest(best, best_at, size)
                 tl.debug_barrier()
+
+    @triton.jit(do_not_specialize=["step"])
+    def _fps_split_kernel(points, start, out, gap_buffer, partial_gap, partial_at, batch, size, count, step,
+                          slices, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, SLICE_LEN: tl.constexpr,
+                          SLICES_P: tl.constexpr):
+        """Sample ``step`` of cloud b = program_id(0): program_id(1) takes one slice of it.
+        partial_* [2, B, slices]: each slice's candidate (largest distance, first index), by
+        the parity of the step that wrote it."""
+        b = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        base = points + b * size * D
+        dims = tl.arange(0, DP)
+        if step == 0:
+            current = tl.load(start + b)
+        else:
+            parts = tl.arange(0, SLICES_P)
+            read = ((step + 1) % 2 * batch + b) * slices + parts
+            _, current = _first_of_largest(tl.load(partial_gap + read, mask=parts < slices, other=-3.0),
+                                           tl.load(partial_at + read, mask=parts < slices, other=size), size)
+        if part == 0:
+            tl.store(out + b * count + step, current)
+        if step + 1 < count:
+            lanes = tl.arange(0, BLOCK)
+            best = tl.full((BLOCK,), -2.0, tl.float32)
+            best_at = tl.zeros((BLOCK,), tl.int64)
+            for first in range(part * SLICE_LEN, tl.minimum(part * SLICE_LEN + SLICE_LEN, size), BLOCK):
+                gap = _distances(base, current, first + lanes, size, gap_buffer + b * size, dims, D)
+                better = gap > best
+                best = tl.where(better, gap, best)
+                best_at = tl.where(better, first + lanes, best_at)
+            top, at = _first_of_largest(best, best_at, size)
+            write = (step % 2 * batch + b) * slices + part
+            tl.store(partial_gap + write, top)
+            tl.store(partial_at + write, at)
 
 
 def _resident(size: int, dim: int) -> bool:
@@ -125,17 +173,29 @@ def _resident(size: int, dim: int) -> bool:
 
 
 def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
-    """The same loop in one launch (float32): a program per cloud (see RESIDENT_ELEMENTS)."""
+    """The same loop in float32, resident, streamed or split (see RESIDENT_ELEMENTS)."""
     batch, size, dim = points.shape
     idx = torch.empty((batch, count), dtype=torch.int64, device=points.device)
     if batch == 0:
         return idx
-    resident = _resident(size, dim)
-    block = triton.next_power_of_2(max(size, 1)) if resident else CHUNK
-    gaps = idx if resident else torch.where(valid, math.inf, -1.0).to(torch.float32)
-    _fps_kernel[(batch,)](points.contiguous(), valid.to(torch.uint8), start, idx, gaps, size, count, D=dim,
-                          DP=triton.next_power_of_2(dim), BLOCK=block, RESIDENT=resident,
-                          num_warps=max(1, min(16, block // 256)))
+    points, dp = points.contiguous(), triton.next_power_of_2(dim)
+    if _resident(size, dim):
+        block = triton.next_power_of_2(max(size, 1))
+        _fps_kernel[(batch,)](points, valid.to(torch.uint8), start, idx, idx, size, count, D=dim, DP=dp, BLOCK=block,
+                              RESIDENT=True, num_warps=max(1, min(16, block // 256)))
+        return idx
+    gaps = torch.where(valid, math.inf, -1.0).to(torch.float32)
+    if size <= SPLIT_MIN_POINTS:
+        _fps_kernel[(batch,)](points, valid, start, idx, gaps, size, count, D=dim, DP=dp, BLOCK=CHUNK, RESIDENT=False,
+                              num_warps=4)
+        return idx
+    slices = triton.cdiv(size, SLICE)
+    partial_gap = torch.empty((2, batch, slices), dtype=torch.float32, device=points.device)
+    partial_at = torch.empty((2, batch, slices), dtype=torch.int64, device=points.device)
+    for step in range(count):
+        _fps_split_kernel[(batch, slices)](points, start, idx, gaps, partial_gap, partial_at, batch, size, count,
+                                           step, slices, D=dim, DP=dp, BLOCK=CHUNK, SLICE_LEN=SLICE,
+                                           SLICES_P=triton.next_power_of_2(slices), num_warps=4)
     return idx
 
 
@@ -187,9 +247,6 @@ def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, r
                     generator: torch.Generator | None, backend: str = "auto") -> torch.Tensor:
     """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
     chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, argument="x").name
-    if backend == "auto" and chosen == "triton" and not _resident(x.shape[1], x.shape[2]) \
-            and x.shape[1] > AUTO_MAX_STREAMED:
-        chosen = "torch"
     start = _starts(x, valid_points(x, lengths), random_start, generator)
     return torch.ops.fullgraph.farthest_points(x, lengths, start, count, chosen)
 
@@ -212,9 +269,10 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
         ratio: fraction in (0, 1]. n_samples: int >= 1 (at most N in the padded form).
         random_start: draw each item's first sample uniformly among its valid points (from
             ``generator``, on x's device); else its first valid point.
-        backend: "auto", "triton" (CUDA: one launch, a program per cloud, float32) or
+        backend: "auto", "triton" (CUDA, float32: a program per cloud, or per slice of a
+            large cloud with a launch per sample; see ``RESIDENT_ELEMENTS``) or
             "torch" (a loop of batched PyTorch operations, any device and dtype). "auto"
-            takes Triton on CUDA except for single clouds too large to stream on one SM.
+            takes Triton on CUDA.
 
     Example:
         >>> x = torch.rand(1000, 3)
