@@ -68,6 +68,10 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
     env = environment(device)
     rows = []
     for case in workload.build(params, device):
+        # torch.compile caches per code object: variants that run the same model code
+        # (an implementation switch) would otherwise reuse, or be guarded out of, the
+        # previous variant's graphs. Each variant compiles from scratch.
+        torch._dynamo.reset()
         for phase, fn in (("forward", case.forward), ("train", case.train_step)):
             if fn is None:
                 continue
