@@ -1,0 +1,306 @@
+"""The neighbour operators over a point cloud sharded across ranks (torch.distributed).
+
+Every rank passes its own shard of the queries [M_r, D] and of the references [N_r, D] (and
+of the features [N_r, C], sharded with the references); each gets the results for its own
+queries, with *global* reference indices: the references are numbered rank after rank
+(rank r's first reference is number N_0 + ... + N_{r-1}). The results equal the single-device
+operators on the concatenated cloud: the same indices (ties to the smaller global index)
+and distances, aggregations to float rounding.
+
+Algorithm: a ring. The reference shards travel around the ring (``batch_isend_irecv``, the
+next shard in flight while the current one is searched); each rank searches its queries
+against every shard with the single-device operator and merges the lists (by distance, then
+global index). Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D
+elements, and for gradients or features one ``all_to_all_single`` of the neighbours' rows
+(M_r x k rows out and back). Gradients reach the ranks that own the references and features
+(the rows' way back in reverse).
+
+Host reads: the shard sizes (one ``all_gather``: the buffers' sizes depend on them) and the
+rows each rank serves (the ``all_to_all_single`` split sizes), so these functions are not
+captured in CUDA graphs and run eagerly under ``torch.compile`` (a graph break; wrap them
+with ``torch.compiler.disable`` in compiled code). Only torch.distributed collectives are
+used: NCCL on GPUs, gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import _validate
+from .ops.neighbors import api
+
+_INDEX_LAST = torch.iinfo(torch.int64).max
+
+
+def _ranks(group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("fullgraph.distributed: torch.distributed is not initialized "
+                           "(call torch.distributed.init_process_group first)")
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _all_gather(values: torch.Tensor, group) -> torch.Tensor:
+    """[W, *values.shape]: every rank's ``values``."""
+    world, _ = _ranks(group)
+    out = [torch.empty_like(values) for _ in range(world)]
+    dist.all_gather(out, values, group=group)
+    return torch.stack(out)
+
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _agree(group, device: torch.device, **shard) -> list[int]:
+    """Check that every rank holds shards of one cloud and return the reference shard sizes.
+
+    ``shard``: name -> the local tensor (or an int that must agree). Every rank gathers every
+    rank's description and raises the same error, so a bad shard never leaves a rank waiting.
+    """
+    query, ref = shard.pop("query"), shard.pop("ref")
+    features = shard.pop("features", None)
+    for name, value in (("query", query), ("ref", ref)) + ((("features", features),) if features is not None else ()):
+        _validate.floating(name, value)
+        _validate.rank(name, value, (2,), "[points, D] (this rank's shard)")
+    _validate.same_dtype_and_device("ref", ref, "query", query)
+    if features is not None:
+        _validate.same_dtype_and_device("features", features, "ref", ref)
+        if features.shape[0] != ref.shape[0]:
+            raise ValueError(f"features: expected one row per reference of this rank's shard ({ref.shape[0]}), "
+                             f"got {features.shape[0]}")
+    numbers = [query.shape[1], ref.shape[1], _DTYPES.index(query.dtype), ref.shape[0],
+               -1 if features is None else features.shape[1], *shard.values()]
+    table = _all_gather(torch.tensor(numbers, dtype=torch.int64, device=device), group).tolist()
+    names = ["query D", "ref D", "dtype", None, "feature channels", *shard]
+    for column, name in enumerate(names):
+        seen = [row[column] for row in table]
+        if name is not None and len(set(seen)) > 1:
+            if name == "dtype":
+                seen = [str(_DTYPES[code]).removeprefix("torch.") for code in seen]
+            raise ValueError(f"{name}: expected the same on every rank of the group, got {seen} (rank by rank)")
+    if table[0][0] != table[0][1]:
+        raise ValueError(f"ref: expected the queries' D = {table[0][0]}, got D = {table[0][1]}")
+    return [row[3] for row in table]
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return None
+    return DTensor
+
+
+def _unwrap(group, **tensors):
+    """(local tensors, mesh or None, group): DTensor inputs sharded on the point dimension
+    (``[Shard(0)]``) over one 1-D device mesh give their local shards and the mesh's group;
+    plain tensors pass through. Mixing the two is refused."""
+    dtensor = _dtensor_type()
+    given = {name: dtensor is not None and isinstance(value, dtensor) for name, value in tensors.items()}
+    if not any(given.values()):
+        return tensors, None, group
+    if not all(given.values()):
+        raise TypeError(f"{', '.join(tensors)}: expected all DTensors or all plain tensors, got DTensors for "
+                        f"{[name for name, is_d in given.items() if is_d]} only")
+    from torch.distributed.tensor import Shard
+
+    meshes = {id(value.device_mesh): value.device_mesh for value in tensors.values()}
+    mesh = next(iter(meshes.values()))
+    if len(meshes) > 1 or mesh.ndim != 1:
+        raise ValueError(f"{', '.join(tensors)}: expected DTensors on one 1-D device mesh, got "
+                         f"{len(meshes)} mesh(es) of {mesh.ndim} dimension(s)")
+    for name, value in tensors.items():
+        if tuple(value.placements) != (Shard(0),):
+            raise ValueError(f"{name}: expected a DTensor sharded on the point dimension, placements "
+                             f"[Shard(0)], got {list(value.placements)}")
+    if group is not None:
+        raise ValueError("group: the DTensors' device mesh names the group; pass group=None with DTensors")
+    return {name: value.to_local() for name, value in tensors.items()}, mesh, mesh.get_group()
+
+
+def _wrap(mesh, like, *outputs):
+    """The outputs as DTensors sharded like the query DTensor ``like`` (rows = its points)."""
+    if mesh is None:
+        return outputs if len(outputs) > 1 else outputs[0]
+    from torch.distributed.tensor import DTensor, Shard
+
+    wrapped = []
+    for out in outputs:
+        shape = (like.shape[0], *out.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        wrapped.append(DTensor.from_local(out, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride))
+    return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
+
+
+def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
+    """The ``keep`` nearest of two lists (dists, idx) [M, *]: by distance, then global index."""
+    dists, idx = torch.cat([best[0], found[0]], -1), torch.cat([best[1], found[1]], -1)
+    order = torch.where(idx < 0, _INDEX_LAST, idx).argsort(dim=-1, stable=True)
+    dists, idx = dists.gather(-1, order), idx.gather(-1, order)
+    order = dists.argsort(dim=-1, stable=True)[..., :keep]
+    return dists.gather(-1, order), idx.gather(-1, order)
+
+
+def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group):
+    """Search the local queries against every rank's reference shard as the shards pass
+    around the ring. ``search(query [1, M, D], ref [1, capacity, D], ref_lengths [1])`` returns
+    (dists, idx, counts or None) of one shard; returns the merged (dists, idx, counts)."""
+    world, rank = _ranks(group)
+    offsets = [sum(sizes[:r]) for r in range(world)]
+    capacity = max(sizes)
+    current = ref.new_zeros((capacity, ref.shape[1]))
+    current[:ref.shape[0]] = ref
+    owner = rank
+    best = (query.new_full((query.shape[0], 0), float("inf")),
+            torch.empty((query.shape[0], 0), dtype=torch.int64, device=query.device))
+    counts = None
+    for step in range(world):
+        pending = []
+        if step + 1 < world:
+            incoming = torch.empty_like(current)
+            pending = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, current, dist.get_global_rank(group, (rank + 1) % world) if group else
+                           (rank + 1) % world, group),
+                dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % world) if group else
+                           (rank - 1) % world, group)])
+        lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
+        dists, idx, found = search(query[None], current[None], lengths)
+        idx = torch.where(idx[0] >= 0, idx[0] + offsets[owner], -1)
+        best = _merge(best, (dists[0], idx), keep)
+        if found is not None:
+            counts = found[0] if counts is None else counts + found[0]
+        for request in pending:
+            request.wait()
+        if pending:
+            current, owner = incoming, (owner - 1) % world
+    return best[0], best[1], counts
+
+
+class _FetchRows(torch.autograd.Function):
+    """rows [len(idx), C] = the global rows ``idx`` (>= 0) of a table sharded over the ranks
+    (``local``: this rank's rows; ``sizes``: every rank's row count). Backward sends the
+    rows' gradients back to their owners."""
+
+    @staticmethod
+    def forward(ctx, local, idx, sizes, group):
+        world, _ = _ranks(group)
+        ends = torch.tensor(sizes, device=idx.device).cumsum(0)
+        owner = torch.searchsorted(ends, idx, right=True)
+        order = owner.argsort(stable=True)
+        asked = torch.bincount(owner, minlength=world)
+        served = torch.empty_like(asked)
+        dist.all_to_all_single(served, asked, group=group)
+        asked, served = asked.tolist(), served.tolist()
+        local_index = (idx - (ends - torch.tensor(sizes, device=idx.device))[owner])[order]
+        requests = local_index.new_empty(sum(served))
+        dist.all_to_all_single(requests, local_index, served, asked, group=group)
+        answers = local.new_empty((sum(asked), local.shape[1]))
+        dist.all_to_all_single(answers, local[requests].contiguous(), asked, served, group=group)
+        rows = torch.empty_like(answers)
+        rows[order] = answers
+        ctx.save_for_backward(order, requests)
+        ctx.split, ctx.group, ctx.local_shape = (asked, served), group, local.shape
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        order, requests = ctx.saved_tensors
+        asked, served = ctx.split
+        returned = grad_rows.new_empty((sum(served), grad_rows.shape[1]))
+        dist.all_to_all_single(returned, grad_rows[order].contiguous(), served, asked, group=ctx.group)
+        grad = grad_rows.new_zeros(ctx.local_shape).index_add_(0, requests, returned)
+        return grad, None, None, None
+
+
+def _neighbour_rows(table: torch.Tensor, idx: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """[M, k, C]: the rows of the sharded ``table`` at global ``idx`` [M, k] (0 where idx = -1)."""
+    valid = idx >= 0
+    rows = _FetchRows.apply(table, idx[valid], sizes, group)
+    return table.new_zeros((*idx.shape, table.shape[1])).index_put((valid,), rows)
+
+
+def _differentiable(dists, idx, query, ref, sizes, group):
+    """The searched distances, with gradients w.r.t. the local queries and every rank's
+    references (the values stay the search's, bit for bit)."""
+    if not (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)):
+        return dists
+    neighbours = _neighbour_rows(ref, idx, sizes, group)
+    measured = (query[:, None, :] - neighbours).norm(dim=-1)
+    return torch.where(idx >= 0, dists + (measured - measured.detach()), dists)
+
+
+def _device(tensor) -> torch.device:
+    return tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
+
+
+def _knn_search(k, backend):
+    def search(q, r, lengths):
+        with torch.no_grad():
+            return (*api.knn(q, r, k, ref_lengths=lengths, backend=backend), None)
+    return search
+
+
+def knn(query, ref, k, *, group=None, backend="auto"):
+    """The k nearest references of this rank's queries among every rank's references.
+
+    Args:
+        query: [M_r, D] this rank's queries. ref: [N_r, D] this rank's references (an empty
+            shard is allowed), same dtype and device. Or both DTensors sharded on the points
+            (``[Shard(0)]``) over one 1-D device mesh: the outputs are DTensors sharded like
+            query. k: >= 1, the same on every rank.
+        group: the process group (None: the default group, or the DTensors' mesh).
+        backend: the single-device backend each shard is searched with (as in
+            :func:`fullgraph.knn`).
+
+    Returns:
+        dists [M_r, k] ascending, +inf padded, differentiable w.r.t. query and every rank's
+        ref; idx [M_r, k] int64 global reference indices (rank order), -1 padded.
+
+    Every rank must call it (a collective). Errors in one rank's shard (D, dtype, k) are
+    raised on every rank.
+    """
+    k = _validate.integer("k", k, minimum=1)
+    (local, mesh, group), like = _unwrap(group, query=query, ref=ref), query
+    query, ref = local["query"], local["ref"]
+    sizes = _agree(group, _device(query), query=query, ref=ref, k=k)
+    dists, idx, _ = _ring(query.detach(), ref.detach(), sizes, k, _knn_search(k, backend), group)
+    return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx)
+
+
+def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
+    """The nearest ``max_neighbors`` references within ``radius`` of this rank's queries,
+    among every rank's references; arguments and returns as :func:`knn` and
+    :func:`fullgraph.radius` (counts [M_r]: all references within the radius, every rank's)."""
+    max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
+    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
+    (local, mesh, group), like = _unwrap(group, query=query, ref=ref), query
+    query, ref = local["query"], local["ref"]
+    sizes = _agree(group, _device(query), query=query, ref=ref, max_neighbors=max_neighbors,
+                   radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
+
+    def search(q, r, lengths):
+        with torch.no_grad():
+            return api.radius(q, r, radius, max_neighbors, ref_lengths=lengths, backend=backend)
+
+    dists, idx, counts = _ring(query.detach(), ref.detach(), sizes, max_neighbors, search, group)
+    return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx, counts)
+
+
+def knn_aggregate(query, ref, features, k, *, sigma=0.1, group=None, backend="auto"):
+    """:func:`fullgraph.knn_aggregate` over the sharded cloud: [M_r, C], the k nearest
+    references' features (sharded with ref: [N_r, C]) softmax-weighted by -distance / sigma;
+    differentiable w.r.t. query and every rank's ref and features. DTensors as in :func:`knn`."""
+    k = _validate.integer("k", k, minimum=1)
+    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    (local, mesh, group), like = _unwrap(group, query=query, ref=ref, features=features), query
+    query, ref, features = local["query"], local["ref"], local["features"]
+    sizes = _agree(group, _device(query), query=query, ref=ref, features=features, k=k)
+    _, idx, _ = _ring(query.detach(), ref.detach(), sizes, k, _knn_search(k, backend), group)
+    rows = _neighbour_rows(torch.cat([ref, features], -1), idx, sizes, group)
+    neighbours, values = rows[..., :ref.shape[1]], rows[..., ref.shape[1]:]
+    valid = idx >= 0
+    measured = (query[:, None, :] - neighbours).norm(dim=-1)
+    logits = torch.where(valid, -measured / sigma, float("-inf"))
+    logits = torch.where(valid.any(-1, keepdim=True), logits, 0)  # a query without neighbours: weights 0 below
+    weights = torch.where(valid, torch.softmax(logits, -1), 0)
+    return _wrap(mesh, like, (weights[..., None] * values).sum(-2))

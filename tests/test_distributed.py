@@ -1,0 +1,177 @@
+"""fullgraph.distributed on CPU with gloo: 2 and 4 processes, each holding a shard of one cloud;
+results and gradients against the single-process operators on the whole cloud."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fullgraph
+from fullgraph import distributed
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+
+
+def _cloud(generator, count):
+    """Clustered 3-D points (neighbourhoods cross the shard boundaries), with exact duplicates."""
+    centres = torch.randn(5, 3, generator=generator, dtype=torch.float64) * 2
+    points = centres[torch.randint(5, (count,), generator=generator)] + 0.3 * torch.randn(count, 3, generator=generator,
+                                                                                         dtype=torch.float64)
+    points[count // 3] = points[count // 2]
+    return points
+
+
+def _shards(total, world, generator):
+    """Unequal shard sizes summing to total, rank 1 empty (and rank 3 tiny) where they exist."""
+    weights = torch.rand(world, generator=generator) + 0.2
+    if world > 1:
+        weights[1] = 0
+    sizes = (weights / weights.sum() * total).floor().long()
+    sizes[0] += total - int(sizes.sum())
+    return sizes.tolist()
+
+
+def _local(tensor, sizes, rank):
+    start = sum(sizes[:rank])
+    return tensor[start:start + sizes[rank]]
+
+
+def _check_knn_and_gradients(rank, world, backend):
+    generator = torch.Generator().manual_seed(7)
+    query, ref = _cloud(generator, 90), _cloud(generator, 130)
+    features = torch.randn(130, 4, generator=generator, dtype=torch.float64)
+    weights = torch.rand(90, 6, generator=generator, dtype=torch.float64)
+    q_sizes, r_sizes = _shards(90, world, generator), _shards(130, world, generator)[::-1]
+
+    whole_q, whole_r = query.clone().requires_grad_(), ref.clone().requires_grad_()
+    want_d, want_i = fullgraph.knn(whole_q, whole_r, 6, backend=backend)
+    torch.where(want_i >= 0, want_d * weights, 0).sum().backward()
+
+    local_q = _local(query, q_sizes, rank).clone().requires_grad_()
+    local_r = _local(ref, r_sizes, rank).clone().requires_grad_()
+    dists, idx = distributed.knn(local_q, local_r, 6, backend=backend)
+    assert torch.equal(idx, _local(want_i, q_sizes, rank))
+    assert torch.equal(dists.detach(), _local(want_d, q_sizes, rank).detach())
+    torch.where(idx >= 0, dists * _local(weights, q_sizes, rank), 0).sum().backward()
+    torch.testing.assert_close(local_q.grad, _local(whole_q.grad, q_sizes, rank))
+    torch.testing.assert_close(local_r.grad, _local(whole_r.grad, r_sizes, rank))
+
+    # radius: the nearest 4 within 0.5, counts over every shard
+    want = fullgraph.radius(query, ref, 0.5, 4, backend=backend)
+    got = distributed.radius(_local(query, q_sizes, rank), _local(ref, r_sizes, rank), 0.5, 4, backend=backend)
+    for g, w in zip(got, want):
+        assert torch.equal(g, _local(w, q_sizes, rank))
+
+    # knn_aggregate: values and gradients for queries, references and features
+    whole_q, whole_r, whole_f = (t.clone().requires_grad_() for t in (query, ref, features))
+    want = fullgraph.knn_aggregate(whole_q, whole_r, whole_f, 5, sigma=0.4, backend=backend)
+    (want * 1.5).sum().backward()
+    local_q, local_r, local_f = (_local(t, s, rank).clone().requires_grad_()
+                                 for t, s in ((query, q_sizes), (ref, r_sizes), (features, r_sizes)))
+    got = distributed.knn_aggregate(local_q, local_r, local_f, 5, sigma=0.4, backend=backend)
+    torch.testing.assert_close(got, _local(want, q_sizes, rank).detach())
+    (got * 1.5).sum().backward()
+    torch.testing.assert_close(local_q.grad, _local(whole_q.grad, q_sizes, rank))
+    torch.testing.assert_close(local_r.grad, _local(whole_r.grad, r_sizes, rank))
+    torch.testing.assert_close(local_f.grad, _local(whole_f.grad, r_sizes, rank))
+
+
+def _check_bad_shards(rank, world):
+    """A shard that does not fit the others raises the same error on every rank (no hang)."""
+    query = torch.rand(10, 3)
+    ref = torch.rand(12, 4 if rank == 1 else 3)
+    with pytest.raises(ValueError, match=r"ref D: expected the same on every rank of the group, got \[3, 4"):
+        distributed.knn(query, ref, 2)
+    ref = torch.rand(12, 3, dtype=torch.float64 if rank == 0 else torch.float32)
+    with pytest.raises(ValueError, match="dtype: expected the same on every rank"):
+        distributed.knn(query.to(ref.dtype), ref, 2)
+    with pytest.raises(ValueError, match=r"k: expected the same on every rank of the group, got \[2, 3"):
+        distributed.knn(query, torch.rand(12, 3), 2 + min(rank, 1))
+    with pytest.raises(ValueError, match="features: expected one row per reference"):
+        distributed.knn_aggregate(query, torch.rand(12, 3), torch.rand(11, 2), 2)
+    # a group of one rank is the single-device operator
+    alone = dist.new_group([0])
+    if rank == 0:
+        ref = torch.rand(12, 3)
+        got = distributed.knn(query, ref, 3, group=alone)
+        want = fullgraph.knn(query, ref, 3)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def _check_dtensors(rank, world):
+    """DTensors sharded on the points (torch.chunk's uneven shards) in, DTensors out, gradients too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(3)
+    query, ref = _cloud(generator, 61), _cloud(generator, 131)
+    whole_q, whole_r = query.clone().requires_grad_(), ref.clone().requires_grad_()
+    want_d, want_i = fullgraph.knn(whole_q, whole_r, 5, backend="torch")
+    torch.where(want_i >= 0, want_d, 0).sum().backward()
+
+    sharded_q = distribute_tensor(query, mesh, [Shard(0)]).requires_grad_()
+    sharded_r = distribute_tensor(ref, mesh, [Shard(0)]).requires_grad_()
+    dists, idx = distributed.knn(sharded_q, sharded_r, 5, backend="torch")
+    assert tuple(idx.placements) == (Shard(0),) and idx.shape == (61, 5)
+    assert torch.equal(idx.full_tensor(), want_i) and torch.equal(dists.full_tensor().detach(), want_d.detach())
+    torch.where(idx.to_local() >= 0, dists.to_local(), 0).sum().backward()
+    torch.testing.assert_close(sharded_q.grad.full_tensor(), whole_q.grad)
+    torch.testing.assert_close(sharded_r.grad.full_tensor(), whole_r.grad)
+    with pytest.raises(TypeError, match="expected all DTensors or all plain tensors"):
+        distributed.knn(sharded_q, ref, 5)
+    with pytest.raises(ValueError, match=r"expected a DTensor sharded on the point dimension"):
+        distributed.knn(sharded_q, distribute_tensor(ref, mesh, [Replicate()]), 5)
+
+
+def _worker(rank, world, port, scenario):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        if scenario == "bad":
+            _check_bad_shards(rank, world)
+        elif scenario == "dtensor":
+            _check_dtensors(rank, world)
+        else:
+            _check_knn_and_gradients(rank, world, scenario)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (2, "bad"), (2, "dtensor")])
+def test_sharded_operators_equal_the_whole_cloud(world, scenario):
+    mp.spawn(_worker, args=(world, _free_port(), scenario), nprocs=world, join=True)
+
+
+def test_needs_an_initialized_process_group():
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        distributed.knn(torch.rand(4, 3), torch.rand(5, 3), 2)
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_runs_as_written():
+    """README "More than one GPU": the example, launched as the README says (gloo on this CPU)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(_free_port()), "examples/knn_sharded.py"],
+                         cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("equal to one device: True") == 2, out.stdout
