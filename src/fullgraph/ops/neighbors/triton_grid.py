@@ -162,12 +162,11 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
         block_m, block_n, warps = AGGREGATE_BLOCKS
         launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps)
-        kernels.radius_grad_query_kernel[(triton.cdiv(rows, block_m), batch)](
-            queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, *stats,
-            grad_query, rows, **common, **sizes, **launch)
-        kernels.radius_grad_ref_kernel[(triton.cdiv(columns, block_n), batch)](
-            queries.points, queries.cell_start, refs.points, refs.order, refs.cell_start, *stats,
-            grad_ref, grad_features, columns, **common, **sizes, **launch)
+        clouds = (queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start)
+        for programs, grad_points, ref_side in (((triton.cdiv(rows, block_m), batch), grad_query, False),
+                                                ((triton.cdiv(columns, block_n), batch), grad_ref, True)):
+            kernels.radius_grad_kernel[programs](*clouds, *stats, grad_points, grad_features, rows, columns, **common,
+                                             REF_SIDE=ref_side, **sizes, **launch)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 

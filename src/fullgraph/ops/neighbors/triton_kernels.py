@@ -361,80 +361,71 @@ if triton is not None:
         return out
 
     @triton.jit
-    def radius_grad_query_kernel(
-        q_points, q_order, q_cell_start, r_points, r_cell_start, features, grad_out, row_min, row_sum, delta,
-        values, shape, grad_query, rows, cells, channels, radius2, reach, inv_sigma,
-        D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        LANES: tl.constexpr,
+    def radius_grad_kernel(
+        q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
+        values, shape, grad_points, grad_features, rows, columns, cells, channels, radius2, reach, inv_sigma,
+        REF_SIDE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, LANES: tl.constexpr,
     ):
+        """The gradients of radius_aggregate, gathered (no atomics). REF_SIDE False: a program
+        owns BLOCK_M sorted queries and walks the reference cells around them, writing
+        grad_points = dL/dquery; True: it owns BLOCK_N sorted references and walks the query
+        cells, writing grad_points = dL/dref and grad_features. The owned side's per-row
+        arrays are indexed within the item, the walked side's by sorted position."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        item_q, slot_base = b * rows, b * (cells + 1)
-        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
-        offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_base = q_points + item_q * D
-        groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
+        slot_base = b * (cells + 1)
+        if REF_SIDE:
+            item = b * columns
+            own_count, own_points, own_order, own_start, other_start = columns, r_points, r_order, r_cell_start, \
+                q_cell_start
+            own_offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            features, grad_rows = features + item * channels, 0
+        else:
+            item = b * rows
+            own_count, own_points, own_order, own_start, other_start = rows, q_points, q_order, q_cell_start, \
+                r_cell_start
+            own_offs = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+            grad_rows = item
+        own_live = tl.load(own_start + slot_base + cells) - item
+        own_base = own_points + item * D
+        groups, together, live = _groups(values, shape, b, own_base, own_offs, own_live, AGGREGATE_SPREAD, D)
         radius2, reach, scale = _in_item_units(values, b, radius2, reach)
-        acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
+        acc_points = tl.zeros((own_offs.shape[0], DP), dtype=tl.float32)
+        acc_features = tl.zeros((own_offs.shape[0], CP), dtype=tl.float32)
         for group in range(0, groups):
-            member = live & (together | (tl.arange(0, BLOCK_M) == group))
-            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
+            member = live & (together | (tl.arange(0, own_offs.shape[0]) == group))
+            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, own_base, own_offs, own_live, member, reach, D)
             for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
                 # The previous box is empty: every row of this one is new.
-                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
+                starts, ends, pending = _row_segments(other_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
                                                       first, LANES)
                 while tl.max(pending.to(tl.int32), 0) > 0:
                     start, end, pending = _next_segment(starts, ends, pending)
-                    for s in range(start, end, BLOCK_N):
-                        offs_n = s + tl.arange(0, BLOCK_N)
-                        d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-                        ok = member[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
+                    for s in range(start, end, BLOCK_M if REF_SIDE else BLOCK_N):
+                        if REF_SIDE:
+                            offs_m, q_base, q_count = s + tl.arange(0, BLOCK_M), q_points, end
+                            offs_n, r_base, r_count = own_offs, own_base, own_live
+                            ok = (offs_m < end)[:, None] & member[None, :]
+                        else:
+                            offs_m, q_base, q_count = own_offs, own_base, own_live
+                            offs_n, r_base, r_count = s + tl.arange(0, BLOCK_N), r_points, end
+                            ok = member[:, None] & (offs_n < end)[None, :]
+                        d2 = _tile_d2(q_base, r_base, offs_m, offs_n, q_count, r_count, D)
+                        ok = ok & (d2 <= radius2)
                         if tl.max(ok.to(tl.int32)) > 0:
                             p, c, q, r, f, g = _radius_pair_terms(
-                                d2, ok, q_base, offs_m, q_live, r_points, offs_n, end, features,
-                                grad_out + item_q * channels, row_min + item_q, row_sum + item_q, delta + item_q,
-                                channels, inv_sigma, scale, D, DP, CP)
-                            acc += _pulls(c, q, r, 1, D, DP)
-        _store_rows(grad_query, q_order, offs_m, rows, item_q, acc, D, DP)
-
-    @triton.jit
-    def radius_grad_ref_kernel(
-        q_points, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
-        values, shape, grad_ref, grad_features, columns, cells, channels, radius2, reach, inv_sigma,
-        D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        LANES: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
-        item_r, slot_base = b * columns, b * (cells + 1)
-        r_live = tl.load(r_cell_start + slot_base + cells) - item_r
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        r_base = r_points + item_r * D
-        groups, together, live = _groups(values, shape, b, r_base, offs_n, r_live, AGGREGATE_SPREAD, D)
-        radius2, reach, scale = _in_item_units(values, b, radius2, reach)
-        acc_r = tl.zeros((BLOCK_N, DP), dtype=tl.float32)
-        acc_f = tl.zeros((BLOCK_N, CP), dtype=tl.float32)
-        for group in range(0, groups):
-            member = live & (together | (tl.arange(0, BLOCK_N) == group))
-            lo, hi, _, _, axes, dims = _cell_box(values, shape, b, r_base, offs_n, r_live, member, reach, D)
-            for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-                # The previous box is empty: every row of this one is new.
-                starts, ends, pending = _row_segments(q_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
-                                                      first, LANES)
-                while tl.max(pending.to(tl.int32), 0) > 0:
-                    start, end, pending = _next_segment(starts, ends, pending)
-                    for s in range(start, end, BLOCK_M):
-                        offs_m = s + tl.arange(0, BLOCK_M)
-                        d2 = _tile_d2(q_points, r_base, offs_m, offs_n, end, r_live, D)
-                        ok = (offs_m < end)[:, None] & member[None, :] & (d2 <= radius2)
-                        if tl.max(ok.to(tl.int32)) > 0:
-                            p, c, q, r, f, g = _radius_pair_terms(
-                                d2, ok, q_points, offs_m, end, r_base, offs_n, r_live, features + item_r * channels,
-                                grad_out, row_min, row_sum, delta, channels, inv_sigma, scale, D, DP, CP)
-                            acc_f += tl.dot(tl.trans(p), g, input_precision="ieee")
-                            acc_r -= _pulls(c, q, r, 0, D, DP)
-        _store_rows(grad_ref, r_order, offs_n, columns, item_r, acc_r, D, DP)
-        _store_rows(grad_features, r_order, offs_n, columns, item_r, acc_f, channels, CP)
+                                d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features,
+                                grad_out + grad_rows * channels, row_min + grad_rows, row_sum + grad_rows,
+                                delta + grad_rows, channels, inv_sigma, scale, D, DP, CP)
+                            if REF_SIDE:
+                                acc_features += tl.dot(tl.trans(p), g, input_precision="ieee")
+                                acc_points -= _pulls(c, q, r, 0, D, DP)
+                            else:
+                                acc_points += _pulls(c, q, r, 1, D, DP)
+        _store_rows(grad_points, own_order, own_offs, own_count, item, acc_points, D, DP)
+        if REF_SIDE:
+            _store_rows(grad_features, own_order, own_offs, own_count, item, acc_features, channels, CP)
 
 
 if triton is not None:
