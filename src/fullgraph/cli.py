@@ -38,9 +38,23 @@ def _size(workload: str, size: str) -> str:
     return size
 
 
+def _join_torchrun() -> int:
+    """Under torchrun (WORLD_SIZE set): join its process group (NCCL with CUDA, else gloo) and
+    use this rank's GPU; returns the rank (0 without torchrun)."""
+    if "WORLD_SIZE" not in os.environ:
+        return 0
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return dist.get_rank()
+
+
 def _device(name: str | None) -> torch.device:
     if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -68,6 +82,7 @@ def _bench(args) -> int:
     from . import bench
     from .bench import report
 
+    rank = _join_torchrun()
     device = _device(args.device)
     gpu = device.type == "cuda"
     size = _size(args.workload, args.size or ("seed" if gpu else "small"))
@@ -81,8 +96,9 @@ def _bench(args) -> int:
         torch.set_num_threads(args.threads)
     _output(args.json, "--json")
     _output(args.plot, "--plot")
-    console = Console(width=None if sys.stdout.isatty() else 132)
-    log = _progress_log()
+    # Under torchrun every rank runs the variants; rank 0 reports.
+    console = Console(width=None if sys.stdout.isatty() else 132, quiet=rank != 0)
+    log = _progress_log() if rank == 0 else (lambda line: None)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
                   console=console, transient=True) as progress:
         task = progress.add_task(f"{args.workload} ({size}) on {device}", total=None)
@@ -99,10 +115,10 @@ def _bench(args) -> int:
     if not rows:
         raise SystemExit(f"{args.workload}: no variant can run here (its libraries are missing)")
     console.print(report.table(rows))
-    if args.json:
+    if args.json and rank == 0:
         report.write_json(rows, args.json)
         console.print(f"wrote {args.json}")
-    if args.plot:
+    if args.plot and rank == 0:
         report.plot(rows, args.plot)
         console.print(f"wrote {args.plot}")
     return 1 if all("error" in r for r in rows) else 0

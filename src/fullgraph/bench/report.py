@@ -32,7 +32,8 @@ def _threads(first: dict) -> str:
 
 
 def _title(first: dict) -> str:
-    return f"{first['workload']} ({first['size']}) on {first['device']}{_threads(first)}, torch {first['torch']}"
+    ranks = f" x {first['ranks']} ranks" if first.get("ranks") else ""
+    return f"{first['workload']} ({first['size']}) on {first['device']}{ranks}{_threads(first)}, torch {first['torch']}"
 
 
 def _spread(row: dict) -> str:

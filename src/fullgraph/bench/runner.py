@@ -24,8 +24,12 @@ def environment(device: torch.device) -> dict:
         import triton
 
         triton = triton.__version__
+    ranks = {}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        ranks = {"ranks": torch.distributed.get_world_size()}
     return {
         "device": name,
+        **ranks,
         "torch": torch.__version__,
         "triton": triton,
         "cuda": torch.version.cuda,
@@ -81,7 +85,7 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             try:
                 row["first_call_s"] = first_call_seconds(fn, device)
                 with PeakMemory(device) as memory:
-                    timing = time_call(fn, device, warmup, runs)
+                    timing = time_call(fn, device, warmup, runs, collective=workload.collective)
                 row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
                            runs=timing.runs, noisy=timing.noisy, peak_memory_bytes=memory.bytes)
                 if timing.threads is not None:

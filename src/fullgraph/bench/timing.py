@@ -60,14 +60,29 @@ def _cpu_times(fn, runs: int, threads: int) -> list[float]:
     return [t * 1e3 for t in times]
 
 
-def time_call(fn, device: torch.device, warmup: int, runs: int) -> Timing:
+def _wall_times(fn, runs: int) -> list[float]:
+    """Per-call wall times (ms) of exactly ``runs`` calls."""
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def time_call(fn, device: torch.device, warmup: int, runs: int, collective: bool = False) -> Timing:
     """Per-call times of ``fn()`` after ``warmup`` calls: median and 10th/90th percentiles of
-    ``runs`` samples (at least; on CPUs each sample is a block's mean per call)."""
+    ``runs`` samples (at least; on CPUs each sample is a block's mean per call).
+    ``collective``: every rank of a process group calls ``fn`` in step, so exactly ``runs``
+    calls are timed (CPU blocks are sized per process, which would leave ranks waiting)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
     threads = torch.get_num_threads() if device.type == "cpu" else None
-    times = _cuda_times(fn, runs) if device.type == "cuda" else _cpu_times(fn, runs, threads)
+    if device.type == "cuda":
+        times = _cuda_times(fn, runs)
+    else:
+        times = _wall_times(fn, runs) if collective else _cpu_times(fn, runs, threads)
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return Timing(statistics.median(times), deciles[0], deciles[-1], len(times), threads)
 

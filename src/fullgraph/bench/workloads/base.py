@@ -32,6 +32,7 @@ class Workload:
     build: Callable[[dict, torch.device], list[Case]]
     notes: list[str] = field(default_factory=list)
     baseline: str = BASELINE  # the variant the "x eager" ratios divide by
+    collective: bool = False  # its variants are torch.distributed collectives: every rank runs them in step
 
 
 WORKLOADS: dict[str, Workload] = {}

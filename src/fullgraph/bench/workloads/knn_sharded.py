@@ -1,0 +1,70 @@
+"""kNN and kNN aggregation over a cloud sharded across ranks (``fullgraph.distributed``),
+launched with ``torchrun --nproc-per-node N fullgraph bench knn-sharded``: every rank holds
+an equal share of the points (strong scaling: the sizes are totals; ``weak``: per rank)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ... import distributed
+from .base import Case, Workload, register
+
+CHANNELS = 8
+
+
+def _shard(distribution: str, count: int, rank: int, device) -> torch.Tensor:
+    """This rank's ``count`` 3-D points: uniform in the unit cube, or 64 Gaussian clusters
+    (the same clusters on every rank, so neighbourhoods cross the shards)."""
+    generator = torch.Generator().manual_seed(1000 + rank)
+    if distribution == "uniform":
+        points = torch.rand(count, 3, generator=generator)
+    else:
+        centres = torch.rand(64, 3, generator=torch.Generator().manual_seed(0))
+        points = centres[torch.randint(64, (count,), generator=generator)] + 0.01 * torch.randn(
+            count, 3, generator=generator)
+    return points.to(device)
+
+
+def _knn_sharded(params, device):
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("launch it with torchrun (torchrun --nproc-per-node N -m fullgraph.cli bench knn-sharded): "
+                         "torch.distributed is not initialized")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    count = params["points"] if params.get("per_rank") else params["points"] // world
+    k = params["k"]
+    # Bytes each rank receives per kNN: the other ranks' reference shards, float32 [count, 3].
+    ring_bytes = (world - 1) * count * 3 * 4
+    cases = []
+    for distribution in ("uniform", "clustered"):
+        points = _shard(distribution, count, rank, device)
+        features = torch.randn(count, CHANNELS, generator=torch.Generator().manual_seed(rank)).to(device)
+        trained = (points.clone().requires_grad_(), features.clone().requires_grad_())
+
+        def search(points=points):
+            return distributed.knn(points, points, k)
+
+        def train_step(points=trained[0], features=trained[1]):
+            out = distributed.knn_aggregate(points, points, features, k, sigma=0.01)
+            out.square().mean().backward()
+            return out
+
+        cases.append(Case(f"distributed.knn, {distribution}", search, train_step,
+                          check=lambda: {"received_bytes_per_rank": ring_bytes, "points_per_rank": count}))
+    return cases
+
+
+register(Workload(
+    name="knn-sharded",
+    description="kNN (forward) and a kNN-aggregation train step over a 3-D cloud sharded across the ranks of "
+                "torchrun (uniform and clustered clouds; every point's k nearest among all ranks' points)",
+    sizes={"seed": {"points": 200_000_000, "k": 16},
+           "weak": {"points": 250_000_000, "k": 16, "per_rank": True},
+           "small": {"points": 1_000_000, "k": 16},
+           "tiny": {"points": 4_000, "k": 16}},
+    build=_knn_sharded,
+    notes=["each rank receives the other ranks' reference shards once per call (the ring): "
+           "(ranks - 1) x points per rank x 12 bytes; the train step also exchanges the neighbours' rows"],
+    baseline="distributed.knn, uniform",
+    collective=True,
+))
