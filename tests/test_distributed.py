@@ -80,6 +80,18 @@ def _check_knn_and_gradients(rank, world, backend):
     torch.testing.assert_close(local_r.grad, _local(whole_r.grad, r_sizes, rank))
     torch.testing.assert_close(local_f.grad, _local(whole_f.grad, r_sizes, rank))
 
+    # radius_aggregate: every neighbour within 0.6, whatever shard holds it
+    whole_q, whole_r, whole_f = (t.clone().requires_grad_() for t in (query, ref, features))
+    want = fullgraph.radius_aggregate(whole_q, whole_r, whole_f, 0.6, sigma=0.3, backend=backend)
+    (want * 0.5).sum().backward()
+    local_q, local_r, local_f = (_local(t, s, rank).clone().requires_grad_()
+                                 for t, s in ((query, q_sizes), (ref, r_sizes), (features, r_sizes)))
+    got = distributed.radius_aggregate(local_q, local_r, local_f, 0.6, sigma=0.3, backend=backend)
+    torch.testing.assert_close(got, _local(want, q_sizes, rank).detach())
+    (got * 0.5).sum().backward()
+    for mine, whole, sizes in ((local_q, whole_q, q_sizes), (local_r, whole_r, r_sizes), (local_f, whole_f, r_sizes)):
+        torch.testing.assert_close(mine.grad, _local(whole.grad, sizes, rank))
+
 
 def _check_bad_shards(rank, world):
     """A shard that does not fit the others raises the same error on every rank (no hang)."""

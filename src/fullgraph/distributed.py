@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import _validate
 from .ops.neighbors import api
+from .ops.neighbors.registration import MAX_PADDED_K
 
 _INDEX_LAST = torch.iinfo(torch.int64).max
 
@@ -233,6 +234,16 @@ def _device(tensor) -> torch.device:
     return tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
 
 
+def _radius_search(radius, cap, backend):
+    """One shard's search for ``_ring``: the nearest ``cap`` within ``radius`` (at most what
+    the operator allows for the shard: all of its points when cap exceeds them)."""
+    def search(q, r, lengths):
+        with torch.no_grad():
+            return api.radius(q, r, radius, min(cap, max(r.shape[1], MAX_PADDED_K)), ref_lengths=lengths,
+                              backend=backend)
+    return search
+
+
 def _knn_search(k, backend):
     def search(q, r, lengths):
         with torch.no_grad():
@@ -278,11 +289,8 @@ def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
     sizes = _agree(group, _device(query), query=query, ref=ref, max_neighbors=max_neighbors,
                    radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
 
-    def search(q, r, lengths):
-        with torch.no_grad():
-            return api.radius(q, r, radius, max_neighbors, ref_lengths=lengths, backend=backend)
-
-    dists, idx, counts = _ring(query.detach(), ref.detach(), sizes, max_neighbors, search, group)
+    dists, idx, counts = _ring(query.detach(), ref.detach(), sizes, max_neighbors,
+                               _radius_search(radius, max_neighbors, backend), group)
     return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx, counts)
 
 
@@ -304,3 +312,33 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, group=None, backend="au
     logits = torch.where(valid.any(-1, keepdim=True), logits, 0)  # a query without neighbours: weights 0 below
     weights = torch.where(valid, torch.softmax(logits, -1), 0)
     return _wrap(mesh, like, (weights[..., None] * values).sum(-2))
+
+
+def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, backend="auto"):
+    """:func:`fullgraph.radius_aggregate` over the sharded cloud: [M_r, C], the features of
+    **all** references within ``radius`` (every rank's), weighted by exp(-d / sigma) and
+    normalized; differentiable w.r.t. query and every rank's ref and features. DTensors as
+    in :func:`knn`.
+
+    Two passes of the ring: the first counts each query's neighbours, the second lists all
+    of them (the densest query's count, read back to the host, sizes the lists: memory
+    M_r x that count); their rows come by ``all_to_all_single``.
+    """
+    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
+    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
+    (local, mesh, group), like = _unwrap(group, query=query, ref=ref, features=features), query
+    query, ref, features = local["query"], local["ref"], local["features"]
+    sizes = _agree(group, _device(query), query=query, ref=ref, features=features,
+                   radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
+    _, _, counts = _ring(query.detach(), ref.detach(), sizes, 1, _radius_search(radius, 1, backend), group)
+    cap = max(1, int(counts.max()) if counts.numel() else 0)
+    _, idx, _ = _ring(query.detach(), ref.detach(), sizes, cap, _radius_search(radius, cap, backend), group)
+    rows = _neighbour_rows(torch.cat([ref, features], -1), idx, sizes, group)
+    neighbours, values = rows[..., :ref.shape[1]], rows[..., ref.shape[1]:]
+    valid = idx >= 0
+    measured = (query[:, None, :] - neighbours).norm(dim=-1)
+    # The shift by each query's nearest distance cancels in the ratio (it keeps exp from underflowing).
+    nearest = torch.where(valid, measured, float("inf")).amin(-1, keepdim=True).detach()
+    weights = torch.where(valid, torch.exp(torch.where(valid, nearest - measured, 0) / sigma), 0)
+    total = weights.sum(-1, keepdim=True)
+    return _wrap(mesh, like, (weights[..., None] * values).sum(-2) / torch.where(total > 0, total, 1))
