@@ -57,6 +57,9 @@ def _check_knn_and_gradients(rank, world, backend):
     dists, idx = distributed.knn(local_q, local_r, 6, backend=backend)
     assert torch.equal(idx, _local(want_i, q_sizes, rank))
     assert torch.equal(dists.detach(), _local(want_d, q_sizes, rank).detach())
+    # under torch.compile: a graph break around the collective, the code around it compiled
+    compiled = torch.compile(lambda q, r: distributed.knn(q * 1.0, r, 6, backend=backend)[0].sum(-1) + 1)
+    torch.testing.assert_close(compiled(local_q.detach(), local_r.detach()), dists.detach().sum(-1) + 1)
     torch.where(idx >= 0, dists * _local(weights, q_sizes, rank), 0).sum().backward()
     torch.testing.assert_close(local_q.grad, _local(whole_q.grad, q_sizes, rank))
     torch.testing.assert_close(local_r.grad, _local(whole_r.grad, r_sizes, rank))

@@ -17,9 +17,9 @@ elements, and for gradients or features one ``all_to_all_single`` of the neighbo
 
 Host reads: the shard sizes (one ``all_gather``: the buffers' sizes depend on them) and the
 rows each rank serves (the ``all_to_all_single`` split sizes), so these functions are not
-captured in CUDA graphs and run eagerly under ``torch.compile`` (a graph break; wrap them
-with ``torch.compiler.disable`` in compiled code). Only torch.distributed collectives are
-used: NCCL on GPUs, gloo on CPUs.
+captured in CUDA graphs, and under ``torch.compile`` they run eagerly: the public functions
+are ``torch.compiler.disable``-d, one graph break each, so the code around them compiles.
+Only torch.distributed collectives are used: NCCL on GPUs, gloo on CPUs.
 """
 
 from __future__ import annotations
@@ -251,6 +251,7 @@ def _knn_search(k, backend):
     return search
 
 
+@torch.compiler.disable
 def knn(query, ref, k, *, group=None, backend="auto"):
     """The k nearest references of this rank's queries among every rank's references.
 
@@ -278,6 +279,7 @@ def knn(query, ref, k, *, group=None, backend="auto"):
     return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx)
 
 
+@torch.compiler.disable
 def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
     """The nearest ``max_neighbors`` references within ``radius`` of this rank's queries,
     among every rank's references; arguments and returns as :func:`knn` and
@@ -294,6 +296,7 @@ def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
     return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx, counts)
 
 
+@torch.compiler.disable
 def knn_aggregate(query, ref, features, k, *, sigma=0.1, group=None, backend="auto"):
     """:func:`fullgraph.knn_aggregate` over the sharded cloud: [M_r, C], the k nearest
     references' features (sharded with ref: [N_r, C]) softmax-weighted by -distance / sigma;
@@ -314,6 +317,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, group=None, backend="au
     return _wrap(mesh, like, (weights[..., None] * values).sum(-2))
 
 
+@torch.compiler.disable
 def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, backend="auto"):
     """:func:`fullgraph.radius_aggregate` over the sharded cloud: [M_r, C], the features of
     **all** references within ``radius`` (every rank's), weighted by exp(-d / sigma) and
