@@ -17,7 +17,8 @@ from .ops.sampling import fps, voxel_grid
 __version__ = "0.1.0"
 
 __all__ = [
-    "diffusion", "distributed", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step", "knn", "knn_aggregate",
+    "diffusion", "distributed", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
+    "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",
     "kmeans", "kmeans_assign", "KMeans", "KMeansResult", "lltm", "__version__",
