@@ -193,19 +193,28 @@ def test_the_torchrun_example_runs_as_written():
 
 
 @pytest.mark.slow
-def test_the_sharded_benchmark_under_torchrun(tmp_path):
-    """`torchrun --nproc-per-node 2 -m fullgraph.cli bench knn-sharded`: rank 0 reports every row."""
+def test_the_sharded_benchmark_under_torchrun(tmp_path, capsys):
+    """`torchrun --nproc-per-node N -m fullgraph.cli bench knn-sharded` with 1 and 2 ranks: rank 0
+    reports every row; `fullgraph report` of the two runs adds the scaling table."""
     import json
     import subprocess
     import sys
 
-    rows_path = tmp_path / "rows.json"
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(_free_port()), "-m", "fullgraph.cli", "bench", "knn-sharded", "--size", "tiny",
-                          "--runs", "2", "--warmup", "1", "--json", str(rows_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = json.loads(rows_path.read_text())
+    from fullgraph.cli import main
+
+    paths = []
+    for ranks in (1, 2):
+        paths.append(tmp_path / f"rows-{ranks}.json")
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+                              "--master-port", str(_free_port()), "-m", "fullgraph.cli", "bench", "knn-sharded",
+                              "--size", "tiny", "--runs", "2", "--warmup", "1", "--json", str(paths[-1])],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.count("knn-sharded (tiny)") == 1
+    rows = json.loads(paths[-1].read_text())
     assert len(rows) == 4 and all("error" not in r and r["ranks"] == 2 for r in rows), rows
     assert {r["variant"] for r in rows} == {"distributed.knn, uniform", "distributed.knn, clustered"}
-    assert rows[0]["received_bytes_per_rank"] == 2000 * 12 and out.stdout.count("knn-sharded (tiny)") == 1
+    assert rows[0]["received_bytes_per_rank"] == 2000 * 12
+    assert main(["report", *map(str, paths)]) == 0
+    printed = capsys.readouterr().out
+    assert "**scaling** of knn-sharded (tiny)" in printed and "| distributed.knn, clustered | train |" in printed

@@ -164,7 +164,8 @@ def run(args) -> int:
             tables = [report.read_json(path) for path in args.files]  # every file checked before printing
         except report.ReportError as error:
             _usage(f"report: {error}")
-        print("\n\n".join(report.markdown(rows) for rows in tables))
+        scaling = report.scaling(tables)  # several rank counts of one torchrun workload
+        print("\n\n".join([report.markdown(rows) for rows in tables] + ([scaling] if scaling else [])))
         return 0
     return 2
 

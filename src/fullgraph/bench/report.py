@@ -178,3 +178,32 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['variant']} | {r['phase']} | {r['median_ms']:.2f} | {_fmt(r['speedup_vs_eager'], '{:.2f}')} "
                      f"| {_fmt(peak, '{:.0f}')} | {r['first_call_s']:.2f} |" + "".join(f" {_extra(r, key)} |" for key in extras))
     return "\n".join(lines)
+
+
+def scaling(tables: list[list[dict]]) -> str | None:
+    """A Markdown table of one workload and size run with several rank counts (torchrun):
+    per variant and phase, the median at each count and the speed-up over the fewest ranks
+    (efficiency: speed-up / rank ratio). None when the tables are not such a set."""
+    runs = {}
+    for rows in tables:
+        first = rows[0]
+        if first.get("ranks") is None:
+            return None
+        runs[first["ranks"]] = {(r["variant"], r["phase"]): r.get("median_ms") for r in rows}
+    if len(runs) < 2 or len({(rows[0]["workload"], rows[0]["size"]) for rows in tables}) != 1:
+        return None
+    counts = sorted(runs)
+    base = counts[0]
+    lines = [f"**scaling** of {tables[0][0]['workload']} ({tables[0][0]['size']}), medians in ms by rank count; "
+             f"speed-up and efficiency against {base} rank{'s' if base > 1 else ''}",
+             "",
+             "| variant | phase | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in counts) + " | speed-up | efficiency |",
+             "| --- | --- |" + " ---: |" * (len(counts) + 2)]
+    for key, first_ms in runs[base].items():
+        times = [runs[n].get(key) for n in counts]
+        last = times[-1]
+        speedup = first_ms / last if first_ms and last else None
+        efficiency = None if speedup is None else speedup / (counts[-1] / base)
+        lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(_fmt(t, "{:.2f}") for t in times)
+                     + f" | {_fmt(speedup, '{:.2f}x')} | {_fmt(efficiency, '{:.0%}')} |")
+    return "\n".join(lines)
