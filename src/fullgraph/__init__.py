@@ -3,7 +3,7 @@
 Importing the package registers its operators under ``torch.ops.fullgraph``.
 """
 
-from . import diffusion, distributed, extern, graphs, memory, models, numpy
+from . import diffusion, extern, graphs, memory, models, numpy  # distributed: `from fullgraph import distributed`
 from .explain import explain
 from .ops.ddpm import ddim_step, ddpm_step
 from .ops.kmeans import KMeans, KMeansResult, kmeans, kmeans_assign
@@ -17,7 +17,7 @@ from .ops.sampling import fps, voxel_grid
 __version__ = "0.1.0"
 
 __all__ = [
-    "diffusion", "distributed", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
+    "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
     "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",
