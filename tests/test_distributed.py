@@ -70,30 +70,28 @@ def _check_knn_and_gradients(rank, world, backend):
     for g, w in zip(got, want):
         assert torch.equal(g, _local(w, q_sizes, rank))
 
-    # knn_aggregate: values and gradients for queries, references and features
-    whole_q, whole_r, whole_f = (t.clone().requires_grad_() for t in (query, ref, features))
-    want = fullgraph.knn_aggregate(whole_q, whole_r, whole_f, 5, sigma=0.4, backend=backend)
-    (want * 1.5).sum().backward()
-    local_q, local_r, local_f = (_local(t, s, rank).clone().requires_grad_()
-                                 for t, s in ((query, q_sizes), (ref, r_sizes), (features, r_sizes)))
-    got = distributed.knn_aggregate(local_q, local_r, local_f, 5, sigma=0.4, backend=backend)
-    torch.testing.assert_close(got, _local(want, q_sizes, rank).detach())
-    (got * 1.5).sum().backward()
-    torch.testing.assert_close(local_q.grad, _local(whole_q.grad, q_sizes, rank))
-    torch.testing.assert_close(local_r.grad, _local(whole_r.grad, r_sizes, rank))
-    torch.testing.assert_close(local_f.grad, _local(whole_f.grad, r_sizes, rank))
-
+    # the aggregations: values and gradients for queries, references and features
+    shards = ((query, q_sizes), (ref, r_sizes), (features, r_sizes))
+    _check_aggregate(rank, shards, lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 5, sigma=0.4, backend=backend),
+                     lambda q, r, f: distributed.knn_aggregate(q, r, f, 5, sigma=0.4, backend=backend))
     # radius_aggregate: every neighbour within 0.6, whatever shard holds it
-    whole_q, whole_r, whole_f = (t.clone().requires_grad_() for t in (query, ref, features))
-    want = fullgraph.radius_aggregate(whole_q, whole_r, whole_f, 0.6, sigma=0.3, backend=backend)
-    (want * 0.5).sum().backward()
-    local_q, local_r, local_f = (_local(t, s, rank).clone().requires_grad_()
-                                 for t, s in ((query, q_sizes), (ref, r_sizes), (features, r_sizes)))
-    got = distributed.radius_aggregate(local_q, local_r, local_f, 0.6, sigma=0.3, backend=backend)
-    torch.testing.assert_close(got, _local(want, q_sizes, rank).detach())
-    (got * 0.5).sum().backward()
-    for mine, whole, sizes in ((local_q, whole_q, q_sizes), (local_r, whole_r, r_sizes), (local_f, whole_f, r_sizes)):
-        torch.testing.assert_close(mine.grad, _local(whole.grad, sizes, rank))
+    _check_aggregate(rank, shards,
+                     lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.6, sigma=0.3, backend=backend),
+                     lambda q, r, f: distributed.radius_aggregate(q, r, f, 0.6, sigma=0.3, backend=backend))
+
+
+def _check_aggregate(rank, shards, whole_op, sharded_op):
+    """The sharded aggregation equals the whole-cloud one in value and in every input's gradient.
+    shards: ((tensor, shard sizes) for query, ref, features)."""
+    whole = [t.clone().requires_grad_() for t, _ in shards]
+    want = whole_op(*whole)
+    want.sum().backward()
+    mine = [_local(t, sizes, rank).clone().requires_grad_() for t, sizes in shards]
+    got = sharded_op(*mine)
+    torch.testing.assert_close(got, _local(want, shards[0][1], rank).detach())
+    got.sum().backward()
+    for local, full, (_, sizes) in zip(mine, whole, shards):
+        torch.testing.assert_close(local.grad, _local(full.grad, sizes, rank))
 
 
 def _check_bad_shards(rank, world):
