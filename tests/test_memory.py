@@ -104,3 +104,61 @@ def test_a_warp_op_that_allocates_runs_in_compiled_cuda_graphs_with_the_torch_po
         for _ in range(4):
             x = torch.randn(4096, device="cuda")
             torch.testing.assert_close(compiled(x), 2 * torch.tanh(x) + 1)
+
+
+def _restorable_capture_entries(monkeypatch):
+    """Let the test undo refuse_cuda_graphs (in a user's process it is permanent)."""
+    from torch._inductor import cudagraph_trees
+
+    monkeypatch.setattr(torch.cuda.graph, "__enter__", torch.cuda.graph.__enter__)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", torch.cuda.CUDAGraph.capture_begin)
+    monkeypatch.setattr(cudagraph_trees, "cudagraphify_impl", cudagraph_trees.cudagraphify_impl)
+
+
+def test_refused_cuda_graphs_name_rmm_and_the_alternative(monkeypatch):
+    from torch._inductor import cudagraph_trees
+
+    from fullgraph.graphs import GraphCaptureError
+
+    _restorable_capture_entries(monkeypatch)
+    memory.refuse_cuda_graphs()
+    for entry in (lambda: torch.cuda.graph.__enter__(None), lambda: torch.cuda.CUDAGraph.capture_begin(None),
+                  lambda: cudagraph_trees.cudagraphify_impl(None, [], ())):
+        with pytest.raises(GraphCaptureError, match=r"use_rmm\(\) made RMM .* fullgraph.memory.torch_pool\(\)"):
+            entry()
+
+
+def _rmm_process(case: str) -> str:
+    """Run ``case`` in a fresh process that called use_rmm first; return its last output line."""
+    import subprocess
+    import sys
+
+    script = f"""
+import torch, fullgraph
+from fullgraph import memory, graphs
+memory.use_rmm()
+x = torch.randn(1 << 16, device="cuda")
+def f(x):
+    return (x * 2 + 1).sin()
+try:
+    {case}
+    print("ran")
+except graphs.GraphCaptureError as error:
+    print("refused:", str(error).splitlines()[0])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+@needs_cuda
+@pytest.mark.skipif(importlib.util.find_spec("rmm") is None, reason="RMM is not installed")
+@pytest.mark.parametrize("case, refused", [
+    ("torch.testing.assert_close(f(x), torch.compile(f)(x))", False),
+    ("[torch.compile(f, mode='reduce-overhead')(x) for _ in range(3)]", True),
+    ("graphs.graphed(f)(x)", True),
+    ("g = torch.cuda.CUDAGraph()\n    with torch.cuda.graph(g): f(x)", True),
+])
+def test_cuda_graphs_in_an_rmm_process_are_refused_by_name(case, refused):
+    line = _rmm_process(case)
+    assert line.startswith("refused: fullgraph.memory.use_rmm() made RMM") if refused else line == "ran", line

@@ -136,6 +136,8 @@ def capture(fn, device: torch.device, *, warmup: int = 2, pool=None) -> tuple[to
         try:
             with torch.cuda.graph(graph, pool=pool):
                 output = fn()
+        except GraphCaptureError:  # refused before capturing: the message is already ours
+            raise
         except Exception as error:  # the CUDA or PyTorch error names the failing call
             generator.graphsafe_set_state(before)
             raise GraphCaptureError(_explain(error)) from error

@@ -9,7 +9,10 @@ pool's statistics (``torch.cuda.memory_allocated``) see everything, and allocati
 during a CUDA graph capture come from the graph's private pool, so they are capturable.
 It is reversible (close the handle, or leave the ``with`` block), nests, and is
 thread-safe. ``use_rmm`` applies the other recipe: every library, PyTorch included, on
-one RAPIDS Memory Manager pool (once, before PyTorch touches CUDA).
+one RAPIDS Memory Manager pool (once, before PyTorch touches CUDA). CUDA graphs cannot
+be captured in such a process (RMM gives a graph no private pool): ``use_rmm`` makes every
+capture, ``torch.compile(mode="reduce-overhead")`` included, raise ``GraphCaptureError``
+saying so; ``torch_pool`` is the recipe to use with CUDA graphs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import threading
 
 import torch
 
+from .graphs import GraphCaptureError
 from .libraries import LIBRARIES
 
 POOLED = ("cupy", "numba", "warp")
@@ -94,7 +98,8 @@ def use_rmm(pool: bool = True, initial_pool_size: int | None = None) -> None:
     Call once at start-up, before PyTorch allocates CUDA memory (PyTorch cannot swap its
     allocator afterwards); it cannot be undone. ``initial_pool_size`` in bytes (RMM's
     default when None). Raises RuntimeError without CUDA or after PyTorch allocated,
-    ImportError naming the package when RMM is missing.
+    ImportError naming the package when RMM is missing. Afterwards CUDA graph captures
+    raise GraphCaptureError (see ``refuse_cuda_graphs``).
     """
     if not torch.cuda.is_available():
         raise RuntimeError("fullgraph.memory.use_rmm needs CUDA: no CUDA device is available")
@@ -111,6 +116,7 @@ def use_rmm(pool: bool = True, initial_pool_size: int | None = None) -> None:
                           "(rmm-cu12, from RAPIDS)") from error
     rmm.reinitialize(pool_allocator=pool, initial_pool_size=initial_pool_size)
     torch.cuda.memory.change_current_allocator(rmm_torch_allocator)
+    refuse_cuda_graphs()
     present = installed()
     if "cupy" in present:
         from rmm.allocators.cupy import rmm_cupy_allocator
@@ -123,3 +129,27 @@ def use_rmm(pool: bool = True, initial_pool_size: int | None = None) -> None:
     if "warp" in present:
         warp = LIBRARIES["warp"].load()
         warp.set_cuda_allocator(warp.utils.AllocatorRmm())
+
+
+RMM_GRAPHS = (
+    "fullgraph.memory.use_rmm() made RMM PyTorch's allocator, and RMM gives a CUDA graph no private memory pool: "
+    "capturing fails (torch.cuda.graph: cudaErrorStreamCaptureInvalidated; torch.compile(mode=\"reduce-overhead\"): "
+    "'pluggable does not yet support checkPoolLiveAllocations'; measured with rmm-cu13 26.10, torch 2.11). "
+    "Use torch.compile's default mode in this process, or, for CUDA graphs, share PyTorch's pool with the "
+    "libraries instead of RMM: fullgraph.memory.torch_pool()")
+
+
+def refuse_cuda_graphs() -> None:
+    """Make every CUDA graph capture in this process raise GraphCaptureError(RMM_GRAPHS)
+    before it starts: ``with torch.cuda.graph(...)`` (refused before it switches streams),
+    ``CUDAGraph.capture_begin`` (fullgraph.graphs, torch.compile's plain cudagraphify) and the
+    CUDA-graph trees of
+    ``torch.compile(mode="reduce-overhead")``. ``use_rmm`` calls it; it cannot be undone."""
+    from torch._inductor import cudagraph_trees
+
+    def refuse(*args, **kwargs):
+        raise GraphCaptureError(RMM_GRAPHS)
+
+    torch.cuda.graph.__enter__ = refuse
+    torch.cuda.CUDAGraph.capture_begin = refuse
+    cudagraph_trees.cudagraphify_impl = refuse
