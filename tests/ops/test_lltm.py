@@ -24,7 +24,7 @@ def _inputs(generator, batch=5, features=7, state=6, dtype=torch.float64, device
 def extension():
     if build.missing_tools(with_cuda=False):
         pytest.skip(f"cannot build the extension here: {build.missing_tools(False)}")
-    lltm_ops.register()
+    build.load()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -224,12 +224,11 @@ def test_a_missing_compiler_is_named(monkeypatch):
         build._compile(with_cuda=False)
 
 
-# On the H100 machine (torch 2.11+cu130) a failing TORCH_CHECK_VALUE inside the extension
-# crashed the process (SIGSEGV); so did every failing TORCH_CHECK flavour in a minimal
-# load_inline extension built there, so it is that machine's JIT toolchain, not these checks.
-# On torch 2.13 (CI) they raise. The ValueError cases run where they can raise.
-VALUE_CHECKS_CRASH = torch.__version__.startswith("2.11")
-value_check = pytest.mark.skipif(VALUE_CHECKS_CRASH, reason="TORCH_CHECK_VALUE crashes the process on torch 2.11")
+# The kernels' own operators (torch.ops.fullgraph_lltm.*) check with TORCH_CHECK. On the H100
+# machine (torch 2.11+cu130) a C++ exception thrown out of a JIT-built extension crashed the
+# process (SIGSEGV; a minimal load_inline extension too), so there only the public operators'
+# Python checks are exercised; on torch 2.13 (CI) the TORCH_CHECKs raise as well.
+CPP_CHECKS_CRASH = torch.__version__.startswith("2.11")
 
 
 def _forward_change(index, value):
@@ -240,33 +239,67 @@ def _forward_change(index, value):
     return change
 
 
+FORWARD_CHANGES = [  # (change, error, public operator's message, kernel operator's message)
+    (_forward_change(1, lambda w: w[:-1]), ValueError, "weights: expected [3 S, F + S] = [18, 13] for input [B, F] = "
+     "[5, 7] and state size S = 6, got [17, 13]", "weights: expected [3 S, F + S] = [18, 13], got [17, 13]"),
+    (_forward_change(2, lambda b: b[:5]), ValueError, "bias: expected [3 S] = [18]", "bias: expected [3 S] = [18], got [5]"),
+    (_forward_change(3, lambda h: h[:, :5]), ValueError, "old_cell: expected [B, S] = [5, 5]",
+     "old_cell: expected [B, S] = [5, 5], got [5, 6]"),
+    (_forward_change(4, lambda c: c[:3]), ValueError, "old_cell: expected [B, S] = [5, 6]",
+     "old_cell: expected [B, S] = [5, 6], got [3, 6]"),
+    (_forward_change(0, lambda x: x[0]), ValueError, "input: expected shape [B, F], got 1 dimensions",
+     "input: expected 2 dimensions"),
+    (_forward_change(4, lambda c: c.float()), TypeError, "old_cell: expected torch.float64 like input, got torch.float32",
+     "old_cell: expected Double like input, got Float"),
+    (_forward_change(0, lambda x: x.long()), TypeError, "input: expected a floating-point tensor, got torch.int64",
+     "input: expected a floating-point tensor, got Long"),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("change, error, message", [
-    pytest.param(_forward_change(1, lambda w: w[:-1]), ValueError, "weights: expected [3 S, F + S] = [18, 13], got [17, 13]", marks=value_check),
-    pytest.param(_forward_change(2, lambda b: b[:5]), ValueError, "bias: expected [3 S] = [18], got [5]", marks=value_check),
-    pytest.param(_forward_change(3, lambda h: h[:, :5]), ValueError, "old_cell: expected [B, S] = [5, 5], got [5, 6]", marks=value_check),
-    pytest.param(_forward_change(4, lambda c: c[:3]), ValueError, "old_cell: expected [B, S] = [5, 6], got [3, 6]", marks=value_check),
-    pytest.param(_forward_change(0, lambda x: x[0]), ValueError, "input: expected 2 dimensions", marks=value_check),
-    (_forward_change(4, lambda c: c.float()), TypeError, "old_cell: expected Double like input, got Float"),
-    (_forward_change(0, lambda x: x.long()), TypeError, "input: expected a floating-point tensor, got Long"),
-])
-def test_the_forward_operator_checks_its_inputs(device, change, error, message, generator):
-    """torch.ops.fullgraph.lltm_forward called directly: a TORCH_CHECK on every precondition."""
+@pytest.mark.parametrize("change, error, message, _", FORWARD_CHANGES)
+def test_the_forward_operator_checks_its_inputs(device, change, error, message, _, generator):
+    """torch.ops.fullgraph.lltm_forward called directly: checked in Python, before the extension."""
     tensors = change(_inputs(generator, device=device))
     with pytest.raises(error) as raised:
         torch.ops.fullgraph.lltm_forward(*tensors)
     assert message in str(raised.value)
 
 
+@pytest.mark.skipif(CPP_CHECKS_CRASH, reason="a C++ exception out of the extension crashes the process on torch 2.11")
 @pytest.mark.parametrize("device", DEVICES)
-def test_the_backward_operator_checks_its_inputs(device, generator):
+@pytest.mark.parametrize("change, error, _, message", FORWARD_CHANGES)
+def test_the_forward_kernel_checks_its_inputs(device, change, error, _, message, generator):
+    """torch.ops.fullgraph_lltm.forward called directly: a TORCH_CHECK on every precondition."""
+    tensors = change(_inputs(generator, device=device))
+    with pytest.raises(error) as raised:
+        torch.ops.fullgraph_lltm.forward(*tensors)
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("namespace", ["fullgraph", "fullgraph_lltm"])
+def test_the_backward_operator_checks_its_inputs(device, namespace, generator):
+    if namespace == "fullgraph_lltm" and CPP_CHECKS_CRASH:
+        pytest.skip("a C++ exception out of the extension crashes the process on torch 2.11")
+    backward = torch.ops.fullgraph.lltm_backward if namespace == "fullgraph" else torch.ops.fullgraph_lltm.backward
     _, new_cell, gates = torch.ops.fullgraph.lltm_forward(*_inputs(generator, device=device))
     grad = torch.ones_like(new_cell)
-    with pytest.raises(TypeError, match="grad_cell: expected Double like new_cell, got Float"):
-        torch.ops.fullgraph.lltm_backward(grad, grad.float(), gates, new_cell)
-    if VALUE_CHECKS_CRASH:
-        return
-    with pytest.raises(ValueError, match=r"gates: expected \[B, 3 S\] = \[5, 18\], got \[5, 17\]"):
-        torch.ops.fullgraph.lltm_backward(grad, grad, gates[:, :-1], new_cell)
-    with pytest.raises(ValueError, match=r"grad_h: expected \[B, S\] = \[5, 6\], got \[4, 6\]"):
-        torch.ops.fullgraph.lltm_backward(grad[:4], grad, gates, new_cell)
+    python = namespace == "fullgraph"
+    with pytest.raises(TypeError, match="grad_cell: expected torch.float64 like new_cell, got torch.float32" if python
+                       else "grad_cell: expected Double like new_cell, got Float"):
+        backward(grad, grad.float(), gates, new_cell)
+    with pytest.raises(ValueError, match=r"gates: expected \[B, 3 S\] = \[5, 18\]"):
+        backward(grad, grad, gates[:, :-1], new_cell)
+    with pytest.raises(ValueError, match=r"grad_h: expected \[B, S\] = \[5, 6\]"):
+        backward(grad[:4], grad, gates, new_cell)
+    with pytest.raises(ValueError, match="new_cell: expected (shape \\[B, S\\]|2 dimensions)"):
+        backward(grad, grad, gates, new_cell[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_operators_name_a_tensor_on_another_device(generator):
+    tensors = list(_inputs(generator, device="cuda"))
+    tensors[3] = tensors[3].cpu()
+    with pytest.raises(ValueError, match="old_h: expected a tensor on cuda:0 like input, got cpu"):
+        torch.ops.fullgraph.lltm_forward(*tensors)

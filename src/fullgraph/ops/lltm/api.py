@@ -1,10 +1,13 @@
-"""The LLTM cell's public function, its backends, and the Python parts of its operators.
+"""The LLTM cell's public function, its backends, and its operators.
 
-``torch.ops.fullgraph.lltm_forward`` and ``lltm_backward`` are defined in C++
-(``TORCH_LIBRARY_FRAGMENT``) with CPU and CUDA kernels (csrc/, a TORCH_CHECK on every
-precondition); this module adds their fake implementations and autograd (the backward is
-the ``lltm_backward`` operator) once the library is loaded, which ``lltm`` does on first
-use (see build.py). Backends: "extension" (those operators) and "torch" (``reference``).
+``torch.ops.fullgraph.lltm_forward`` and ``lltm_backward`` are Python custom operators that
+check their inputs (shapes, dtypes, devices, naming the argument) and then call the C++/CUDA
+extension's kernels (``torch.ops.fullgraph_lltm.forward`` / ``backward``, csrc/, built or
+loaded on first use: see build.py). The checks are in Python, before the extension is
+entered, so a bad call raises the same TypeError/ValueError everywhere (a C++ exception out
+of a JIT-built extension crashed the process on the test GPU's toolchain). Fakes and
+autograd (the backward is the ``lltm_backward`` operator) are registered here. Backends:
+"extension" (those operators) and "torch" (``reference``).
 """
 
 from __future__ import annotations
@@ -13,18 +16,47 @@ import functools
 import warnings
 
 import torch
+from torch import Tensor
 
 from ... import _validate, backends
 from . import reference
 from .build import load, missing_tools, prebuilt_library
 
 
-def _fake_forward(input, weights, bias, old_h, old_cell):
+def _extension_for(device: torch.device) -> None:
+    """Load the extension (once) and check it has kernels for ``device``."""
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"input: the LLTM extension has kernels for cpu and cuda tensors, got {device}")
+    has_cuda = load()
+    if device.type == "cuda" and not has_cuda:
+        raise ValueError('backend: "extension" has kernels for CPU tensors, got tensors on cuda (it was built '
+                         "without CUDA: no GPU or no nvcc at build time)")
+
+
+@torch.library.custom_op("fullgraph::lltm_forward", mutates_args=())
+def lltm_forward(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
+                 old_cell: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(new_h [B, S], new_cell [B, S], gates [B, 3 S]) from the extension's fused kernel."""
     _check(input, weights, bias, old_h, old_cell)
+    _extension_for(input.device)
+    return torch.ops.fullgraph_lltm.forward(input, weights, bias, old_h, old_cell)
+
+
+@lltm_forward.register_fake
+def _(input, weights, bias, old_h, old_cell):
     return torch.empty_like(old_cell), torch.empty_like(old_cell), old_cell.new_empty(old_cell.shape[0], weights.shape[0])
 
 
-def _fake_backward(grad_h, grad_cell, gates, new_cell):
+@torch.library.custom_op("fullgraph::lltm_backward", mutates_args=())
+def lltm_backward(grad_h: Tensor, grad_cell: Tensor, gates: Tensor, new_cell: Tensor) -> tuple[Tensor, Tensor]:
+    """(d_gates [B, 3 S], d_old_cell [B, S]): the fused pointwise part of the backward."""
+    _check_backward(grad_h, grad_cell, gates, new_cell)
+    _extension_for(new_cell.device)
+    return torch.ops.fullgraph_lltm.backward(grad_h, grad_cell, gates, new_cell)
+
+
+@lltm_backward.register_fake
+def _(grad_h, grad_cell, gates, new_cell):
     return torch.empty_like(gates), torch.empty_like(new_cell)
 
 
@@ -65,15 +97,7 @@ def _backward(ctx, grad_h, grad_cell, _grad_gates):
     return d_input, d_weights, d_bias, d_old_h, d_old_cell
 
 
-@functools.cache
-def register() -> bool:
-    """Load the extension and register the Python parts of its operators (once). Returns
-    whether it has CUDA kernels. Call it before using ``torch.ops.fullgraph.lltm_*`` directly."""
-    has_cuda = load()
-    torch.library.register_fake("fullgraph::lltm_forward")(_fake_forward)
-    torch.library.register_fake("fullgraph::lltm_backward")(_fake_backward)
-    torch.library.register_autograd("fullgraph::lltm_forward", _backward, setup_context=_setup_context)
-    return has_cuda
+lltm_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 @functools.cache
@@ -110,10 +134,7 @@ def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
         missing = ", ".join(missing_tools(with_cuda=device_type == "cuda"))
         warnings.warn(f"fullgraph.lltm: using plain PyTorch; the extension needs {missing}", stacklevel=4)
     if backend.name == "extension":
-        has_cuda = register()
-        if device_type == "cuda" and not has_cuda:
-            raise ValueError('backend: "extension" has kernels for CPU tensors, got tensors on cuda (it was built '
-                             "without CUDA: no GPU or no nvcc at build time)")
+        _extension_for(torch.device(device_type))
     return backend.name
 
 
@@ -139,6 +160,21 @@ def _check(input, weights, bias, old_h, old_cell) -> None:
         if tuple(value.shape) != expected[name]:
             raise ValueError(f"{name}: expected {layouts[name]} = {list(expected[name])} for input [B, F] = "
                              f"{list(input.shape)} and state size S = {state}, got {list(value.shape)}")
+
+
+def _check_backward(grad_h, grad_cell, gates, new_cell) -> None:
+    for name, value in (("new_cell", new_cell), ("gates", gates), ("grad_h", grad_h), ("grad_cell", grad_cell)):
+        _validate.floating(name, value)
+        if name != "new_cell":
+            _validate.same_dtype_and_device(name, value, "new_cell", new_cell)
+    _validate.rank("new_cell", new_cell, (2,), "[B, S]")
+    batch, state = new_cell.shape
+    for name, value, expected, layout in (("gates", gates, (batch, 3 * state), "[B, 3 S]"),
+                                          ("grad_h", grad_h, (batch, state), "[B, S]"),
+                                          ("grad_cell", grad_cell, (batch, state), "[B, S]")):
+        if tuple(value.shape) != expected:
+            raise ValueError(f"{name}: expected {layout} = {list(expected)} for new_cell [B, S] = "
+                             f"{list(new_cell.shape)}, got {list(value.shape)}")
 
 
 def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):

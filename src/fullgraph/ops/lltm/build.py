@@ -4,8 +4,9 @@ Ahead of time: ``FULLGRAPH_BUILD_EXT=1 pip install --no-build-isolation .`` comp
 the package (``fullgraph/ops/lltm/_C*.so``, with the CUDA kernels when nvcc is found). Just
 in time: the first use compiles it with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and later
-processes load the cached build. Either way the library registers ``torch.ops.fullgraph.
-lltm_forward`` / ``lltm_backward`` with kernels for CPU (and CUDA).
+processes load the cached build. Either way the library registers the kernels' operators
+``torch.ops.fullgraph_lltm.forward`` / ``backward`` for CPU (and CUDA), which the public
+``torch.ops.fullgraph.lltm_forward`` / ``lltm_backward`` (api.py) call.
 """
 
 from __future__ import annotations
@@ -88,4 +89,4 @@ def load() -> bool:
         torch.ops.load_library(str(prebuilt))
     else:
         _compile(with_cuda=torch.cuda.is_available() and missing_tools(True) == [])
-    return torch._C._dispatch_has_kernel_for_dispatch_key("fullgraph::lltm_forward", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fullgraph_lltm::forward", "CUDA")

@@ -1,4 +1,4 @@
-// fullgraph::lltm_forward / lltm_backward: the operator schemas and their CPU kernels.
+// fullgraph_lltm::forward / backward: the kernels' operator schemas and their CPU kernels.
 #include "lltm.h"
 
 #include <ATen/Dispatch.h>
@@ -129,16 +129,18 @@ Backward backward_cpu(const at::Tensor& grad_h, const at::Tensor& grad_cell, con
 }  // namespace
 }  // namespace fullgraph_lltm
 
-TORCH_LIBRARY_FRAGMENT(fullgraph, m) {
-  m.def("lltm_forward(Tensor input, Tensor weights, Tensor bias, Tensor old_h, Tensor old_cell) "
+// The kernels' own operators. The public torch.ops.fullgraph.lltm_forward / lltm_backward
+// (api.py) check their inputs in Python and call these; the checks here guard direct calls.
+TORCH_LIBRARY(fullgraph_lltm, m) {
+  m.def("forward(Tensor input, Tensor weights, Tensor bias, Tensor old_h, Tensor old_cell) "
         "-> (Tensor new_h, Tensor new_cell, Tensor gates)");
   // The fused pointwise part of the backward; the matrix products are left to the caller
   // (autograd computes only the gradients that are needed).
-  m.def("lltm_backward(Tensor grad_h, Tensor grad_cell, Tensor gates, Tensor new_cell) "
+  m.def("backward(Tensor grad_h, Tensor grad_cell, Tensor gates, Tensor new_cell) "
         "-> (Tensor d_gates, Tensor d_old_cell)");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph, CPU, m) {
-  m.impl("lltm_forward", &fullgraph_lltm::forward_cpu);
-  m.impl("lltm_backward", &fullgraph_lltm::backward_cpu);
+TORCH_LIBRARY_IMPL(fullgraph_lltm, CPU, m) {
+  m.impl("forward", &fullgraph_lltm::forward_cpu);
+  m.impl("backward", &fullgraph_lltm::backward_cpu);
 }

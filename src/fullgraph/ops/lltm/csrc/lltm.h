@@ -74,8 +74,8 @@ LLTM_HOST_DEVICE void cell_backward(T grad_h, T grad_cell, T new_cell, T gate_i,
   *d_gate_c = input_gate * d_new_cell * d_elu(gate_c);
 }
 
-// Preconditions of the operators, which are public (torch.ops.fullgraph.lltm_*): every
-// shape, dtype and device is checked before a kernel runs, so no call reads out of bounds.
+// Preconditions of the kernels' operators (torch.ops.fullgraph_lltm.*): every shape, dtype
+// and device is checked before a kernel runs, so no call reads out of bounds.
 // TORCH_CHECK_TYPE / _VALUE reach Python as TypeError / ValueError.
 // "[5, 6]": shapes are formatted here rather than by streaming an IntArrayRef, which crashed
 // the process inside a failing check on the test GPU (torch 2.11, nvcc 13).

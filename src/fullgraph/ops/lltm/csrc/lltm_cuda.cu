@@ -1,4 +1,4 @@
-// CUDA kernels of fullgraph::lltm_forward / lltm_backward: the gate maths fused into one
+// CUDA kernels of fullgraph_lltm::forward / backward: the gate maths fused into one
 // kernel each way, launched on PyTorch's current stream (so they run inside CUDA graphs).
 #include "lltm.h"
 
@@ -92,7 +92,7 @@ Backward backward_cuda(const at::Tensor& grad_h, const at::Tensor& grad_cell, co
 }  // namespace
 }  // namespace fullgraph_lltm
 
-TORCH_LIBRARY_IMPL(fullgraph, CUDA, m) {
-  m.impl("lltm_forward", &fullgraph_lltm::forward_cuda);
-  m.impl("lltm_backward", &fullgraph_lltm::backward_cuda);
+TORCH_LIBRARY_IMPL(fullgraph_lltm, CUDA, m) {
+  m.impl("forward", &fullgraph_lltm::forward_cuda);
+  m.impl("backward", &fullgraph_lltm::backward_cuda);
 }
