@@ -8,7 +8,6 @@ import torch
 from conftest import DEVICES, TOLERANCES
 
 import fullgraph
-from fullgraph.ops import lltm as lltm_ops
 from fullgraph.ops.lltm import api, build
 
 
