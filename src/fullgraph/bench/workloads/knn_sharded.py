@@ -14,16 +14,15 @@ CHANNELS = 8
 
 
 def _shard(distribution: str, count: int, rank: int, device) -> torch.Tensor:
-    """This rank's ``count`` 3-D points: uniform in the unit cube, or 64 Gaussian clusters
-    (the same clusters on every rank, so neighbourhoods cross the shards)."""
-    generator = torch.Generator().manual_seed(1000 + rank)
+    """This rank's ``count`` 3-D points, drawn on ``device`` (hundreds of millions of points:
+    no host copy): uniform in the unit cube, or 64 Gaussian clusters (the same clusters on
+    every rank, so neighbourhoods cross the shards)."""
+    generator = torch.Generator(device=device).manual_seed(1000 + rank)
     if distribution == "uniform":
-        points = torch.rand(count, 3, generator=generator)
-    else:
-        centres = torch.rand(64, 3, generator=torch.Generator().manual_seed(0))
-        points = centres[torch.randint(64, (count,), generator=generator)] + 0.01 * torch.randn(
-            count, 3, generator=generator)
-    return points.to(device)
+        return torch.rand(count, 3, generator=generator, device=device)
+    centres = torch.rand(64, 3, generator=torch.Generator(device=device).manual_seed(0), device=device)
+    members = torch.randint(64, (count,), generator=generator, device=device)
+    return centres[members] + 0.01 * torch.randn(count, 3, generator=generator, device=device)
 
 
 def _knn_sharded(params, device):
@@ -38,7 +37,8 @@ def _knn_sharded(params, device):
     cases = []
     for distribution in ("uniform", "clustered"):
         points = _shard(distribution, count, rank, device)
-        features = torch.randn(count, CHANNELS, generator=torch.Generator().manual_seed(rank)).to(device)
+        features = torch.randn(count, CHANNELS, generator=torch.Generator(device=device).manual_seed(rank),
+                               device=device)
         trained = (points.clone().requires_grad_(), features.clone().requires_grad_())
 
         def search(points=points):
