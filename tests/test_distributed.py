@@ -216,3 +216,22 @@ def test_the_sharded_benchmark_under_torchrun(tmp_path, capsys):
     assert main(["report", *map(str, paths)]) == 0
     printed = capsys.readouterr().out
     assert "**scaling** of knn-sharded (tiny)" in printed and "| distributed.knn, clustered | train |" in printed
+
+
+def test_merging_in_row_blocks_gives_the_same_lists(monkeypatch, generator):
+    """The ring's merge of two lists (by distance, then global index; ties and -1 padding)
+    is the same whole and in blocks of rows (as for shards of 100M queries)."""
+    def lists(offset):
+        dists = torch.randint(0, 4, (50, 6), generator=generator).double().sort(-1).values  # many ties
+        idx = torch.randint(0, 1000, (50, 6), generator=generator) + offset
+        dists[:5, 3:], idx[:5, 3:] = float("inf"), -1
+        return dists, idx
+    best, found = lists(0), lists(1000)
+    whole = distributed._merge(best, found, 8)
+    monkeypatch.setattr(distributed, "MERGE_ROWS", 7)
+    blocks = distributed._merge(best, found, 8)
+    for got, want in zip(blocks, whole):
+        assert torch.equal(got, want)
+    assert whole[0].shape == (50, 8) and bool((whole[0][:, 1:] >= whole[0][:, :-1]).all())
+    empty = (best[0][:, :0], best[1][:, :0])
+    assert all(torch.equal(a, b) for a, b in zip(distributed._merge(empty, found, 4), (found[0][:, :4], found[1][:, :4])))

@@ -133,13 +133,33 @@ def _wrap(mesh, like, *outputs):
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
 
-def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
-    """The ``keep`` nearest of two lists (dists, idx) [M, *]: by distance, then global index."""
+# Query rows merged at a time: the merge sorts [rows, 2 k] lists (a few int64 copies), which
+# for a shard of 100M queries at once needed 24 GiB per copy and ran an H200 out of memory.
+MERGE_ROWS = 1 << 22
+
+
+def _merge_rows(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
     dists, idx = torch.cat([best[0], found[0]], -1), torch.cat([best[1], found[1]], -1)
     order = torch.where(idx < 0, _INDEX_LAST, idx).argsort(dim=-1, stable=True)
     dists, idx = dists.gather(-1, order), idx.gather(-1, order)
     order = dists.argsort(dim=-1, stable=True)[..., :keep]
     return dists.gather(-1, order), idx.gather(-1, order)
+
+
+def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
+    """The ``keep`` nearest of two lists (dists, idx) [M, *]: by distance, then global index
+    (``found`` alone when ``best`` is empty: the operators' lists are in that order already)."""
+    if best[0].shape[1] == 0:
+        return found[0][:, :keep], found[1][:, :keep]
+    rows, width = best[0].shape[0], min(keep, best[0].shape[1] + found[0].shape[1])
+    if rows <= MERGE_ROWS:
+        return _merge_rows(best, found, keep)
+    dists, idx = best[0].new_empty((rows, width)), best[1].new_empty((rows, width))
+    for start in range(0, rows, MERGE_ROWS):
+        block = slice(start, start + MERGE_ROWS)
+        dists[block], idx[block] = _merge_rows((best[0][block], best[1][block]),
+                                               (found[0][block], found[1][block]), keep)
+    return dists, idx
 
 
 def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group):
