@@ -171,7 +171,11 @@ if triton is not None:
                     ok = ok & (d2 <= radius2)
                     count += tl.sum(ok.to(tl.int64), 1)
                 index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
-                keys = (d2.to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
+                # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not
+                # by d2: two d2 one ulp apart can share a distance, and ties in the reported
+                # distance go to the smaller index (keys on d2 listed 79864 before 66696 at equal
+                # distances on an H100, and a near-tie at the k-th slot kept the larger index).
+                keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
                 keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
                 best, threshold = _insert(best, threshold, keys, slots)
         return best, threshold, count
@@ -230,7 +234,7 @@ if triton is not None:
                     margin = slack + 1e-6 * tl.max(tl.abs(block), 1)
                     bound = tl.min(tl.minimum(below, above), 1) - margin
                     kth = (threshold >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-                    settled = (threshold != _KEY_NONE) & (bound > 0) & (kth <= bound * bound)
+                    settled = (threshold != _KEY_NONE) & (bound > 0) & (kth <= bound)
                     done = ~member | (bound == float("inf")) | settled
                     searching = 1 - tl.min(done.to(tl.int32), 0)
                 prev_lo, prev_hi = lo, hi
@@ -239,10 +243,9 @@ if triton is not None:
         best = tl.sort(best, 1)
         found = best != _KEY_NONE
         index = tl.where(found, best & 0xFFFFFFFF, -1)
-        # Rounded to nearest like torch.sqrt: with the threshold of ``radius2``, dist <= radius
-        # exactly for every listed neighbour.
-        dist = tl.where(found, tl.sqrt_rn((best >> 32).to(tl.int32).to(tl.float32, bitcast=True)) * scale,
-                        float("inf"))
+        # The keys hold the distances (with the threshold of ``radius2``, dist <= radius exactly
+        # for every listed neighbour).
+        dist = tl.where(found, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True) * scale, float("inf"))
         out_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
         out_offs = out_rows[:, None] * K + slots[None, :]
         mask = (offs_m < rows)[:, None] & (slots[None, :] < K)
