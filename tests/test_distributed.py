@@ -41,9 +41,13 @@ def _local(tensor, sizes, rank):
     return tensor[start:start + sizes[rank]]
 
 
-def _check_knn_and_gradients(rank, world, backend):
+def _check_knn_and_gradients(rank, world, backend, spatial=False):
+    """spatial: the shards are slabs along x (domain decomposition), so the ring skips most
+    shards for most queries (``_reaching``); the results must not change."""
     generator = torch.Generator().manual_seed(7)
     query, ref = _cloud(generator, 90), _cloud(generator, 130)
+    if spatial:
+        query, ref = query[query[:, 0].argsort()], ref[ref[:, 0].argsort()]
     features = torch.randn(130, 4, generator=generator, dtype=torch.float64)
     weights = torch.rand(90, 6, generator=generator, dtype=torch.float64)
     q_sizes, r_sizes = _shards(90, world, generator), _shards(130, world, generator)[::-1]
@@ -152,7 +156,7 @@ def _worker(rank, world, port, scenario):
         elif scenario == "dtensor":
             _check_dtensors(rank, world)
         else:
-            _check_knn_and_gradients(rank, world, scenario)
+            _check_knn_and_gradients(rank, world, scenario.removesuffix("-spatial"), scenario.endswith("-spatial"))
     finally:
         dist.destroy_process_group()
 
@@ -163,7 +167,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (2, "bad"), (2, "dtensor")])
+@pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (3, "cpu-spatial"), (2, "bad"),
+                                             (2, "dtensor")])
 def test_sharded_operators_equal_the_whole_cloud(world, scenario):
     mp.spawn(_worker, args=(world, _free_port(), scenario), nprocs=world, join=True)
 
@@ -235,3 +240,20 @@ def test_merging_in_row_blocks_gives_the_same_lists(monkeypatch, generator):
     assert whole[0].shape == (50, 8) and bool((whole[0][:, 1:] >= whole[0][:, :-1]).all())
     empty = (best[0][:, :0], best[1][:, :0])
     assert all(torch.equal(a, b) for a, b in zip(distributed._merge(empty, found, 4), (found[0][:, :4], found[1][:, :4])))
+
+
+def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it():
+    query = torch.tensor([[0.0, 0.0], [5.0, 0.0], [float("nan"), 0.0], [9.0, 9.0]])
+    box = torch.tensor([[4.0, -1.0], [6.0, 1.0]], dtype=torch.float64)  # lo, hi
+    best = (torch.tensor([[1.0, 3.9], [0.5, 0.7], [1.0, 2.0], [1.0, 3.0]]), torch.zeros(4, 2, dtype=torch.int64))
+    # kNN: within the k-th distance so far (4.0 from the box is beyond 3.9; inside; NaN kept; far)
+    assert distributed._reaching(query, box, best, 2, None).tolist() == [False, True, True, False]
+    # a list not yet full takes every shard
+    assert distributed._reaching(query, box, best, 3, None).tolist() == [True] * 4
+    # radius: the radius, not the lists, decides (counts need every reference within it)
+    assert distributed._reaching(query, box, best, 2, 4.0).tolist() == [True, True, True, False]
+    # a query exactly at the k-th distance from the box is kept (a tie may go to that shard)
+    assert distributed._reaching(query[:1], box, (torch.tensor([[4.0]]), best[1][:1, :1]), 1, None).tolist() == [True]
+    # an empty shard's box (+inf, -inf) is reached by nobody
+    empty = torch.tensor([[float("inf")] * 2, [float("-inf")] * 2], dtype=torch.float64)
+    assert distributed._reaching(query, empty, best, 2, 100.0).tolist() == [False, False, True, False]

@@ -24,6 +24,8 @@ Only torch.distributed collectives are used: NCCL on GPUs, gloo on CPUs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -162,12 +164,51 @@ def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep
     return dists, idx
 
 
-def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group):
+def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
+    """[W, 2, D] float64: every rank's reference bounding box (lo, hi); an empty shard's is
+    (+inf, -inf), which no query reaches."""
+    if ref.shape[0]:
+        box = torch.stack([ref.amin(0), ref.amax(0)]).double()
+    else:
+        box = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=ref.device)[:, None].expand(
+            2, ref.shape[1]).contiguous()
+    return _all_gather(box, group)
+
+
+# Relative margin on a query's distance to a box before a shard is skipped: the searched
+# distances carry float rounding (float32: ~1e-7 relative), the box gap is float64.
+_PRUNE_MARGIN = 1e-5
+
+
+def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: float | None) -> torch.Tensor:
+    """[M] bool: the queries whose list can still change by searching a shard inside ``box``
+    (its distance to the box is not beyond their radius, or for kNN their k-th distance so
+    far). Conservative: non-finite values keep a query."""
+    q = query.double()
+    gap = torch.maximum(box[0] - q, q - box[1]).clamp(min=0).norm(dim=-1)
+    if radius is not None:
+        limit = torch.full_like(gap, radius)
+    elif best[0].shape[1] < keep:
+        return torch.ones_like(gap, dtype=torch.bool)
+    else:
+        limit = best[0][:, keep - 1].double()
+    return ~(gap * (1 - _PRUNE_MARGIN) > limit)
+
+
+def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group,
+          radius: float | None = None):
     """Search the local queries against every rank's reference shard as the shards pass
     around the ring. ``search(query [1, M, D], ref [1, capacity, D], ref_lengths [1])`` returns
-    (dists, idx, counts or None) of one shard; returns the merged (dists, idx, counts)."""
+    (dists, idx, counts or None) of one shard; returns the merged (dists, idx, counts).
+
+    The own shard is searched for every query; another rank's only for the queries that can
+    reach its bounding box (``_reaching``: within ``radius`` for radius searches, within the
+    k-th distance found so far for kNN). Shards that hold separate regions of space (domain
+    decomposition) are thus searched for the queries near their border only; shards of
+    random points are searched for all."""
     world, rank = _ranks(group)
     offsets = [sum(sizes[:r]) for r in range(world)]
+    boxes = _boxes(ref, group) if world > 1 else None
     capacity = max(sizes)
     current = ref.new_zeros((capacity, ref.shape[1]))
     current[:ref.shape[0]] = ref
@@ -184,17 +225,35 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
                            (rank + 1) % world, group),
                 dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % world) if group else
                            (rank - 1) % world, group)])
-        lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
-        dists, idx, found = search(query[None], current[None], lengths)
-        idx = torch.where(idx[0] >= 0, idx[0] + offsets[owner], -1)
-        best = _merge(best, (dists[0], idx), keep)
-        if found is not None:
-            counts = found[0] if counts is None else counts + found[0]
+        rows = None if step == 0 else _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
+        if rows is None or rows.numel():
+            lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
+            asked = query if rows is None else query[rows]
+            dists, idx, found = search(asked[None], current[None], lengths)
+            idx = torch.where(idx[0] >= 0, idx[0] + offsets[owner], -1)
+            if rows is None:
+                best = _widen(_merge(best, (dists[0], idx), keep), keep)
+                counts = None if found is None else found[0]
+            else:
+                merged = _merge((best[0][rows], best[1][rows]), (dists[0], idx), keep)
+                best[0][rows], best[1][rows] = merged
+                if found is not None:
+                    counts[rows] += found[0]
         for request in pending:
             request.wait()
         if pending:
             current, owner = incoming, (owner - 1) % world
     return best[0], best[1], counts
+
+
+def _widen(lists, keep: int):
+    """(dists, idx) [M, w] padded to [M, keep] with +inf / -1 (w <= keep)."""
+    dists, idx = lists
+    missing = keep - dists.shape[1]
+    if missing <= 0:
+        return dists, idx
+    return (torch.cat([dists, dists.new_full((dists.shape[0], missing), math.inf)], 1),
+            torch.cat([idx, idx.new_full((idx.shape[0], missing), -1)], 1))
 
 
 class _FetchRows(torch.autograd.Function):
@@ -312,7 +371,7 @@ def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
                    radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
 
     dists, idx, counts = _ring(query.detach(), ref.detach(), sizes, max_neighbors,
-                               _radius_search(radius, max_neighbors, backend), group)
+                               _radius_search(radius, max_neighbors, backend), group, radius)
     return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx, counts)
 
 
@@ -354,9 +413,9 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, bac
     query, ref, features = local["query"], local["ref"], local["features"]
     sizes = _agree(group, _device(query), query=query, ref=ref, features=features,
                    radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
-    _, _, counts = _ring(query.detach(), ref.detach(), sizes, 1, _radius_search(radius, 1, backend), group)
+    _, _, counts = _ring(query.detach(), ref.detach(), sizes, 1, _radius_search(radius, 1, backend), group, radius)
     cap = max(1, int(counts.max()) if counts.numel() else 0)
-    _, idx, _ = _ring(query.detach(), ref.detach(), sizes, cap, _radius_search(radius, cap, backend), group)
+    _, idx, _ = _ring(query.detach(), ref.detach(), sizes, cap, _radius_search(radius, cap, backend), group, radius)
     rows = _neighbour_rows(torch.cat([ref, features], -1), idx, sizes, group)
     neighbours, values = rows[..., :ref.shape[1]], rows[..., ref.shape[1]:]
     valid = idx >= 0

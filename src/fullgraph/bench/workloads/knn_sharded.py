@@ -1,6 +1,8 @@
 """kNN and kNN aggregation over a cloud sharded across ranks (``fullgraph.distributed``),
 launched with ``torchrun --nproc-per-node N fullgraph bench knn-sharded``: every rank holds
-an equal share of the points (strong scaling: the sizes are totals; ``weak``: per rank)."""
+an equal share of the points (strong scaling: the sizes are totals; ``weak``: per rank), a
+region of space (domain decomposition; see ``_shard``). Shards of random points would not
+scale: every rank would search all its queries against every shard."""
 
 from __future__ import annotations
 
@@ -13,15 +15,27 @@ from .base import Case, Workload, register
 CHANNELS = 8
 
 
-def _shard(distribution: str, count: int, rank: int, device) -> torch.Tensor:
+def _shard(distribution: str, count: int, rank: int, world: int, device, weak: bool = False) -> torch.Tensor:
     """This rank's ``count`` 3-D points, drawn on ``device`` (hundreds of millions of points:
-    no host copy): uniform in the unit cube, or 64 Gaussian clusters (the same clusters on
-    every rank, so neighbourhoods cross the shards)."""
+    no host copy). The shards are domains, as in domain-parallel training: uniform points in
+    the rank's slab [rank / world, (rank + 1) / world) of the unit cube along x, or points of
+    the Gaussian clusters (64, the same on every rank) whose centres lie in that slab; every
+    rank count gives the same cloud, in distribution. ``weak``: the domain grows with the
+    ranks instead, a unit cube per rank along x (rank r: [r, r + 1), all 64 clusters shifted)."""
     generator = torch.Generator(device=device).manual_seed(1000 + rank)
+    slab = (rank, 1.0) if weak else (rank / world, 1.0 / world)  # (start, width) along x
     if distribution == "uniform":
-        return torch.rand(count, 3, generator=generator, device=device)
+        points = torch.rand(count, 3, generator=generator, device=device)
+        points[:, 0] = slab[0] + points[:, 0] * slab[1]
+        return points
     centres = torch.rand(64, 3, generator=torch.Generator(device=device).manual_seed(0), device=device)
-    members = torch.randint(64, (count,), generator=generator, device=device)
+    if weak:
+        centres[:, 0] += rank
+        own = torch.arange(64, device=device)
+    else:
+        own = ((centres[:, 0] * world).floor() == rank).nonzero()[:, 0]
+        own = own if own.numel() else torch.arange(64, device=device)
+    members = own[torch.randint(own.numel(), (count,), generator=generator, device=device)]
     return centres[members] + 0.01 * torch.randn(count, 3, generator=generator, device=device)
 
 
@@ -36,7 +50,7 @@ def _knn_sharded(params, device):
     ring_bytes = (world - 1) * count * 3 * 4
     cases = []
     for distribution in ("uniform", "clustered"):
-        points = _shard(distribution, count, rank, device)
+        points = _shard(distribution, count, rank, world, device, weak=bool(params.get("per_rank")))
         features = torch.randn(count, CHANNELS, generator=torch.Generator(device=device).manual_seed(rank),
                                device=device)
         trained = (points.clone().requires_grad_(), features.clone().requires_grad_())
