@@ -257,3 +257,16 @@ def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it():
     # an empty shard's box (+inf, -inf) is reached by nobody
     empty = torch.tensor([[float("inf")] * 2, [float("-inf")] * 2], dtype=torch.float64)
     assert distributed._reaching(query, empty, best, 2, 100.0).tolist() == [False, False, True, False]
+
+
+def test_queries_search_a_shard_within_their_k_th_distance_grouped_by_its_magnitude():
+    rows = torch.arange(6)
+    kth = torch.tensor([0.3, 0.26, 5.0, float("inf"), 0.0, 7.5])
+    groups = distributed._by_limit(rows, kth)
+    assert [g.tolist() for g, limit in groups if limit is None] == [[3]]  # a list not yet full: plain kNN
+    for members, limit in groups:
+        if limit is not None:
+            assert bool((limit >= kth[members].double() * (1 + distributed._PRUNE_MARGIN)).all())
+            assert limit <= 2 * float(kth[members].min()) * (1 + distributed._PRUNE_MARGIN) or limit == 0
+    assert sorted(torch.cat([g for g, _ in groups]).tolist()) == rows.tolist()
+    assert distributed._by_limit(rows[:0], kth[:0]) == [] and distributed._by_limit(rows, None) == [(rows, None)]

@@ -198,8 +198,9 @@ def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: f
 def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group,
           radius: float | None = None):
     """Search the local queries against every rank's reference shard as the shards pass
-    around the ring. ``search(query [1, M, D], ref [1, capacity, D], ref_lengths [1])`` returns
-    (dists, idx, counts or None) of one shard; returns the merged (dists, idx, counts).
+    around the ring. ``search(query [1, M, D], ref [1, capacity, D], ref_lengths [1], limit)``
+    returns (dists, idx, counts or None) of one shard, within the radius ``limit`` where it is
+    not None (see ``_by_limit``); returns the merged (dists, idx, counts).
 
     The own shard is searched for every query; another rank's only for the queries that can
     reach its bounding box (``_reaching``: within ``radius`` for radius searches, within the
@@ -225,17 +226,16 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
                            (rank + 1) % world, group),
                 dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % world) if group else
                            (rank - 1) % world, group)])
-        rows = None if step == 0 else _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
-        if rows is None or rows.numel():
-            lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
-            asked = query if rows is None else query[rows]
-            dists, idx, found = search(asked[None], current[None], lengths)
-            idx = torch.where(idx[0] >= 0, idx[0] + offsets[owner], -1)
-            if rows is None:
-                best = _widen(_merge(best, (dists[0], idx), keep), keep)
-                counts = None if found is None else found[0]
-            else:
-                merged = _merge((best[0][rows], best[1][rows]), (dists[0], idx), keep)
+        lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
+        if step == 0:
+            dists, idx, found = search(query[None], current[None], lengths, None)
+            best = _widen(_merge(best, (dists[0], _global(idx[0], offsets[owner])), keep), keep)
+            counts = None if found is None else found[0]
+        else:
+            rows = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
+            for rows, limit in _by_limit(rows, None if radius is not None else best[0][rows, keep - 1]):
+                dists, idx, found = search(query[rows][None], current[None], lengths, limit)
+                merged = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx[0], offsets[owner])), keep)
                 best[0][rows], best[1][rows] = merged
                 if found is not None:
                     counts[rows] += found[0]
@@ -244,6 +244,32 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
         if pending:
             current, owner = incoming, (owner - 1) % world
     return best[0], best[1], counts
+
+
+def _global(idx: torch.Tensor, offset: int) -> torch.Tensor:
+    return torch.where(idx >= 0, idx + offset, -1)
+
+
+def _by_limit(rows: torch.Tensor, kth: torch.Tensor | None):
+    """(rows, limit) groups of the queries ``rows`` to search a shard for. kNN (``kth``: their
+    k-th distance so far): only references within it can enter a list, so each group is
+    searched within one radius, the group's largest k-th distance (with margin); the groups
+    are the k-th distances' binary exponents, so no radius exceeds twice a member's need.
+    A radius keeps a far query from growing its search across a shard of another region (a
+    plain kNN there expands ring after ring to find k points). Lists not yet full (+inf)
+    take a plain kNN (limit None), as do radius searches (their radius bounds them)."""
+    if not rows.numel():
+        return []
+    if kth is None:
+        return [(rows, None)]
+    limit = kth.double() * (1 + _PRUNE_MARGIN)
+    finite = torch.isfinite(limit)
+    groups = [] if bool(finite.all()) else [(rows[~finite], None)]
+    exponents = torch.frexp(limit[finite]).exponent
+    for exponent in exponents.unique().tolist():
+        chosen = exponents == exponent
+        groups.append((rows[finite][chosen], float(limit[finite][chosen].max())))
+    return groups
 
 
 def _widen(lists, keep: int):
@@ -313,18 +339,27 @@ def _device(tensor) -> torch.device:
     return tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
 
 
+def _within(q, r, lengths, radius, cap, backend):
+    """The nearest ``cap`` references within ``radius`` (at most what the operator allows
+    for the shard: all of its points when cap exceeds them)."""
+    with torch.no_grad():
+        return api.radius(q, r, radius, min(cap, max(r.shape[1], MAX_PADDED_K)), ref_lengths=lengths,
+                          backend=backend)
+
+
 def _radius_search(radius, cap, backend):
-    """One shard's search for ``_ring``: the nearest ``cap`` within ``radius`` (at most what
-    the operator allows for the shard: all of its points when cap exceeds them)."""
-    def search(q, r, lengths):
-        with torch.no_grad():
-            return api.radius(q, r, radius, min(cap, max(r.shape[1], MAX_PADDED_K)), ref_lengths=lengths,
-                              backend=backend)
+    """One shard's search for ``_ring`` (the limit is the radius itself)."""
+    def search(q, r, lengths, limit):
+        return _within(q, r, lengths, radius, cap, backend)
     return search
 
 
 def _knn_search(k, backend):
-    def search(q, r, lengths):
+    """One shard's search for ``_ring``: the k nearest, or within ``limit`` the k nearest."""
+    def search(q, r, lengths, limit):
+        if limit is not None:
+            d, i, _ = _within(q, r, lengths, limit, k, backend)
+            return d, i, None
         with torch.no_grad():
             return (*api.knn(q, r, k, ref_lengths=lengths, backend=backend), None)
     return search
