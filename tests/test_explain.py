@@ -37,6 +37,24 @@ def test_a_fullgraph_operator_compiles_as_one_graph():
 def test_bad_callable():
     with pytest.raises(TypeError, match="fn: expected a callable"):
         fullgraph.explain(3)
+    with pytest.raises(TypeError, match="calls: expected a sequence of argument tuples"):
+        fullgraph.explain(torch.sin, torch.rand(3), calls=[torch.rand(3)])
+
+
+def _scaled(x, factor):
+    return x.cos() * factor
+
+
+def test_recompiles_are_named_with_the_guard_that_failed():
+    """A new dtype recompiles (the guard names it); the same signature again does not."""
+    x = torch.rand(3)
+    report = fullgraph.explain(_scaled, x, 2, calls=[(x + 1, 2), (x.double(), 2)], generated_code=False)
+    assert len(report.recompiles) == 1, report.recompiles
+    recompile = report.recompiles[0]
+    assert recompile.call == 2 and "_scaled" in recompile.function
+    assert len(recompile.guards) == 1 and "dtype mismatch" in recompile.guards[0]
+    assert "recompiles: 1" in str(report) and "recompiled _scaled" in str(report)
+    assert not fullgraph.explain(_scaled, x, 2, calls=[(x + 1, 2)], generated_code=False).recompiles
 
 
 @pytest.mark.slow
