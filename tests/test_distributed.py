@@ -146,6 +146,40 @@ def _check_dtensors(rank, world):
         distributed.knn(sharded_q, distribute_tensor(ref, mesh, [Replicate()]), 5)
 
 
+def _gathered(tensor):
+    """Every rank's tensor (uneven first dimensions), concatenated in rank order."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, tensor)
+    return torch.cat(parts)
+
+
+def _check_partition(rank, world):
+    """Random shards in, slabs out: every point arrives once with its rows, the slabs are in
+    rank order along the widest axis and about equal, and kNN over them equals one device."""
+    generator = torch.Generator().manual_seed(11)
+    cloud = torch.rand(300, 3, generator=generator, dtype=torch.float64) * torch.tensor([1.0, 5.0, 2.0])
+    cloud[7, 1] = float("nan")  # a non-finite coordinate goes to the last slab
+    labels = torch.arange(300) * 10
+    sizes = _shards(300, world, generator)
+    part = distributed.partition(_local(cloud, sizes, rank), _local(labels, sizes, rank), _local(cloud * 2, sizes, rank))
+    origins = _gathered(part.origin)
+    assert sorted(origins.tolist()) == list(range(300))
+    assert torch.equal(part.points.nan_to_num(), cloud[part.origin].nan_to_num())
+    assert torch.equal(part.values[0], labels[part.origin])
+    assert torch.equal(part.values[1].nan_to_num(), (cloud * 2)[part.origin].nan_to_num())
+    assert (7 in part.origin.tolist()) == (rank == world - 1)
+    finite = part.points[:, 1][torch.isfinite(part.points[:, 1])]
+    ends = _gathered(torch.stack([finite.min(), finite.max()])[None])
+    assert bool((ends[:-1, 1] <= ends[1:, 0]).all()), ends  # slabs along y (the widest), in rank order
+    assert 300 / world / 2 <= part.points.shape[0] <= 300 / world * 2
+    dists, idx = distributed.knn(part.points, part.points, 5, backend="cpu")
+    want_d, want_i = fullgraph.knn(cloud, cloud, 5, backend="cpu")
+    assert torch.equal(torch.where(idx >= 0, origins[idx.clamp(min=0)], -1), want_i[part.origin])
+    assert torch.equal(dists, want_d[part.origin])
+    with pytest.raises(ValueError, match=r"values\[0\]: expected a tensor with one row per point|rank\(s\) \[1\]"):
+        distributed.partition(part.points, part.origin[:1] if rank == 1 else part.origin)
+
+
 def _worker(rank, world, port, scenario):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -155,6 +189,8 @@ def _worker(rank, world, port, scenario):
             _check_bad_shards(rank, world)
         elif scenario == "dtensor":
             _check_dtensors(rank, world)
+        elif scenario == "partition":
+            _check_partition(rank, world)
         else:
             _check_knn_and_gradients(rank, world, scenario.removesuffix("-spatial"), scenario.endswith("-spatial"))
     finally:
@@ -168,7 +204,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (3, "cpu-spatial"), (2, "bad"),
-                                             (2, "dtensor")])
+                                             (2, "dtensor"), (3, "partition")])
 def test_sharded_operators_equal_the_whole_cloud(world, scenario):
     mp.spawn(_worker, args=(world, _free_port(), scenario), nprocs=world, join=True)
 

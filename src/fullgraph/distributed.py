@@ -15,6 +15,9 @@ elements, and for gradients or features one ``all_to_all_single`` of the neighbo
 (M_r x k rows out and back). Gradients reach the ranks that own the references and features
 (the rows' way back in reverse).
 
+``partition(points, *values)`` redistributes shards of any shape into slabs of space (one
+``all_to_all_single`` per tensor), the shape the ring scales with.
+
 Host reads: the shard sizes (one ``all_gather``: the buffers' sizes depend on them) and the
 rows each rank serves (the ``all_to_all_single`` split sizes), so these functions are not
 captured in CUDA graphs, and under ``torch.compile`` they run eagerly: the public functions
@@ -25,6 +28,7 @@ Only torch.distributed collectives are used: NCCL on GPUs, gloo on CPUs.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -84,6 +88,16 @@ def _agree(group, device: torch.device, **shard) -> list[int]:
     if table[0][0] != table[0][1]:
         raise ValueError(f"ref: expected the queries' D = {table[0][0]}, got D = {table[0][1]}")
     return [row[3] for row in table]
+
+
+def _raise_on_every_rank(problem: str | None, group, device) -> None:
+    """Raise ValueError on every rank when any rank found a ``problem`` in its own arguments
+    (one all-gather), so that none is left waiting in a collective."""
+    flags = _all_gather(torch.tensor([problem is not None], dtype=torch.int64, device=device), group)[:, 0]
+    if bool(flags.any()):
+        ranks = flags.nonzero()[:, 0].tolist()
+        raise ValueError(problem or f"rank(s) {ranks} passed arguments that do not fit their shards (see the error "
+                                    "there)")
 
 
 def _dtensor_type():
@@ -165,13 +179,13 @@ def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep
 
 
 def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
-    """[W, 2, D] float64: every rank's reference bounding box (lo, hi); an empty shard's is
-    (+inf, -inf), which no query reaches."""
-    if ref.shape[0]:
-        box = torch.stack([ref.amin(0), ref.amax(0)]).double()
-    else:
-        box = torch.tensor([math.inf, -math.inf], dtype=torch.float64, device=ref.device)[:, None].expand(
-            2, ref.shape[1]).contiguous()
+    """[W, 2, D] float64: every rank's bounding box (lo, hi) of the finite coordinates of its
+    references (non-finite points are nobody's neighbours); an empty shard's is (+inf, -inf),
+    which no query reaches."""
+    coords, finite = ref.double(), torch.isfinite(ref)
+    edge = coords.new_full((1, ref.shape[1]), math.inf)  # a row that keeps an empty shard's min/max defined
+    box = torch.stack([torch.cat([torch.where(finite, coords, math.inf), edge]).amin(0),
+                       torch.cat([torch.where(finite, coords, -math.inf), -edge]).amax(0)])
     return _all_gather(box, group)
 
 
@@ -460,3 +474,88 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, bac
     weights = torch.where(valid, torch.exp(torch.where(valid, nearest - measured, 0) / sigma), 0)
     total = weights.sum(-1, keepdim=True)
     return _wrap(mesh, like, (weights[..., None] * values).sum(-2) / torch.where(total > 0, total, 1))
+
+
+class Partitioned(NamedTuple):
+    """A rank's shard after ``partition``: its points [N', D], the rows of each ``values``
+    tensor that travelled with them, and origin [N'] int64, each point's global index before
+    (rank-major numbering, as the indices of :func:`knn`)."""
+    points: torch.Tensor
+    values: tuple[torch.Tensor, ...]
+    origin: torch.Tensor
+
+
+# Coordinates each rank contributes to the choice of the cuts.
+PARTITION_SAMPLE = 4096
+
+
+def _cuts(coordinate: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
+    """[W - 1] cuts along one axis that split the whole cloud into W slabs of about equal
+    counts: quantiles of every rank's evenly spaced sample, weighted by the rank's size."""
+    world, _ = _ranks(group)
+    sample = coordinate.new_full((PARTITION_SAMPLE,), math.nan, dtype=torch.float64)
+    if coordinate.numel():
+        chosen = torch.linspace(0, coordinate.numel() - 1, PARTITION_SAMPLE, device=coordinate.device).long()
+        sample = coordinate[chosen].double()
+    samples = _all_gather(sample, group)  # [W, S]
+    weights = torch.tensor(sizes, dtype=torch.float64, device=coordinate.device)[:, None].expand_as(samples)
+    finite = torch.isfinite(samples)
+    values, weights = samples[finite], weights[finite]
+    if not values.numel():
+        return coordinate.new_zeros(world - 1, dtype=torch.float64)
+    values, order = values.sort()
+    total = weights[order].cumsum(0)
+    targets = total[-1] * torch.arange(1, world, device=coordinate.device, dtype=torch.float64) / world
+    return values[torch.searchsorted(total, targets).clamp(max=values.numel() - 1)]
+
+
+def _exchange(tensor: torch.Tensor, order: torch.Tensor, sent: list[int], received: list[int], group):
+    out = tensor.new_empty((sum(received), *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor[order].contiguous(), received, sent, group=group)
+    return out
+
+
+@torch.compiler.disable
+def partition(points, *values, group=None) -> Partitioned:
+    """Redistribute a cloud sharded any way (random points, say) into regions of space: W
+    slabs along the axis of largest extent, cut where each holds about N / W points, rank r
+    receiving slab r. The neighbour functions of this module scale with shards that are
+    regions (a rank searches another's shard only for its queries near that region); on
+    shards of random points every rank searches every shard for every query.
+
+    Args:
+        points: [N_r, D] this rank's points (float). values: tensors [N_r, ...] whose rows
+            travel with the points (features, labels, your own ids).
+        group: the process group (None: the default group).
+
+    Returns:
+        Partitioned(points [N'_r, D], values, origin [N'_r] int64): the new shard, ordered as
+        received (by source rank), and each point's global index before. Non-finite
+        coordinates go to the last slab. Communication: one ``all_to_all_single`` per tensor
+        (each point moves at most once) and small all-gathers (sizes, a sample of coordinates).
+    """
+    world, rank = _ranks(group)
+    sizes = _agree(group, _device(points), query=points, ref=points)
+    problem = None
+    for position, value in enumerate(values):
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != points.shape[0] \
+                or value.device != points.device:
+            shape = f"shape {list(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else \
+                type(value).__name__
+            problem = problem or (f"values[{position}]: expected a tensor with one row per point "
+                                  f"({points.shape[0]}) on {points.device}, got {shape}")
+    _raise_on_every_rank(problem, group, points.device)
+    box = _boxes(points, group)  # [W, 2, D]
+    extent = (box[:, 1].amax(0) - box[:, 0].amin(0)).nan_to_num(nan=-1.0)  # -inf - inf: every shard empty
+    axis = int(extent.argmax())
+    cuts = _cuts(points[:, axis], sizes, group)
+    owner = torch.searchsorted(cuts, points[:, axis].double().contiguous(), right=True)
+    owner = torch.where(torch.isfinite(points[:, axis]), owner, world - 1)
+    order = owner.argsort(stable=True)
+    sent = torch.bincount(owner, minlength=world)
+    received = torch.empty_like(sent)
+    dist.all_to_all_single(received, sent, group=group)
+    sent, received = sent.tolist(), received.tolist()
+    origin = torch.arange(points.shape[0], device=points.device) + sum(sizes[:rank])
+    moved = [_exchange(tensor, order, sent, received, group) for tensor in (points, origin, *values)]
+    return Partitioned(moved[0], tuple(moved[2:]), moved[1])
