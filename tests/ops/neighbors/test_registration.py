@@ -40,8 +40,73 @@ def test_opcheck(backend, device, generator):
         (ops.radius_aggregate_backward.default,
          (torch.randn_like(out), query, ref, features, out, 0.4, 0.2, None, None, backend)),
     ]
+    # radius and sigma as 0-d tensors, read when the operator runs
+    scalar = torch.tensor(0.4, dtype=torch.float64), torch.tensor(0.2, dtype=torch.float64)
+    cases += [
+        (ops.radius.default, (q, r, 0.0, 3, query_lengths, ref_lengths, backend, scalar[0])),
+        (ops.knn_aggregate.default, (q, r, f, 4, 0.0, query_lengths, ref_lengths, backend, scalar[1])),
+        (ops.radius_aggregate.default, (q, r, f, 0.0, 0.0, None, ref_lengths, backend, *scalar)),
+        (ops.knn_aggregate_backward.default, (torch.randn_like(out), features, out, kd, kidx, 0.0, backend,
+                                              scalar[1])),
+        (ops.radius_aggregate_backward.default,
+         (torch.randn_like(out), query, ref, features, out, 0.0, 0.0, None, None, backend, *scalar)),
+    ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+def test_radius_and_sigma_as_tensors_take_new_values_without_recompiling(generator):
+    """A multi-scale model or a radius schedule: radius and sigma passed as 0-d tensors reach
+    the compiled graph as inputs (one frame for every value); values and gradients equal the
+    calls with Python numbers, which are constants of the graph (a new number recompiles)."""
+    from torch._dynamo.testing import CompileCounter
+
+    def step(query, ref, features, radius, sigma):
+        out = fullgraph.knn_aggregate(query, ref, features, 5, sigma=sigma)
+        out = out + fullgraph.radius_aggregate(query, ref, features, radius, sigma=sigma)
+        rd, ridx, counts = fullgraph.radius(query, ref, radius, 6)
+        return out.sum(-1) + counts + rd.masked_fill(ridx < 0, 0).sum(-1)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    query = points("uniform", 40, 3, generator).double().requires_grad_()
+    ref = points("uniform", 150, 3, generator).double().requires_grad_()
+    features = torch.randn(150, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+    for radius, sigma in [(0.2, 0.1), (0.35, 0.05), (0.5, 0.3)]:
+        got = compiled(query, ref, features, torch.tensor(radius, dtype=torch.float64),
+                       torch.tensor(sigma, dtype=torch.float64))
+        want = step(query, ref, features, radius, sigma)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for g, w in zip(torch.autograd.grad(got.sum(), (query, ref, features)),
+                        torch.autograd.grad(want.sum(), (query, ref, features))):
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+    assert counter.frame_count == 1
+    numbers = CompileCounter()
+    by_number = torch.compile(step, backend=numbers, fullgraph=True, dynamic=True)
+    for radius in (0.2, 0.35):
+        by_number(query, ref, features, radius, 0.1)
+    assert numbers.frame_count == 2  # what the README says still recompiles
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_radius_and_sigma_tensors_are_checked(compiled, generator):
+    query, ref = points("uniform", 10, 3, generator).float(), points("uniform", 30, 3, generator).float()
+    features = torch.randn(30, 2, generator=generator)
+    call = (lambda f: torch.compile(f, backend="eager", fullgraph=True)) if compiled else (lambda f: f)
+    cases = [
+        (lambda: fullgraph.radius(query, ref, torch.tensor([0.1, 0.2]), 4), ValueError,
+         r"radius: expected a number or a 0-d tensor, got a tensor of shape \[2\]"),
+        (lambda: fullgraph.radius(query, ref, torch.tensor(1), 4), TypeError,
+         "radius: expected a floating-point 0-d tensor, got torch.int64"),
+        (lambda: fullgraph.radius(query, ref, torch.tensor(-0.5), 4), ValueError, "radius"),
+        (lambda: fullgraph.knn_aggregate(query, ref, features, 3, sigma=torch.tensor(1e-45)), ValueError,
+         "sigma: expected >= "),
+        (lambda: fullgraph.radius_aggregate(query, ref, features, 0.2, sigma=torch.tensor(float("nan"))), ValueError,
+         "sigma"),
+    ]
+    for fn, error, message in cases:
+        with pytest.raises(error, match=message):
+            call(fn)()
 
 
 @pytest.mark.slow

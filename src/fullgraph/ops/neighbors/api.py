@@ -12,7 +12,7 @@ import torch
 
 from ... import _validate
 from .batching import Padded, check_batch
-from .registration import BACKENDS, check_clouds, check_features, check_sigma
+from .registration import BACKENDS, check_clouds, check_features, check_scalar_tensor, check_sigma
 
 
 def _checking() -> bool:
@@ -44,12 +44,27 @@ def _real(name, value, strict: bool):
     return _validate.real(name, value, minimum=0.0, strict=strict) if _checking() else value
 
 
+def _scalar(name, value, strict: bool):
+    """(number, tensor or None) for the operators: a radius or sigma given as a Python number
+    is checked here and is a constant of a compiled graph (a new value recompiles); a 0-d
+    tensor goes to the operator, which reads it when it runs, so new values do not
+    recompile (0.0 stands in for the number)."""
+    if isinstance(value, torch.Tensor):
+        if _checking():
+            check_scalar_tensor(name, value)
+        return 0.0, value
+    return _real(name, value, strict), None
+
+
 def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, backend, op, k=1):
-    """Checks shared by the aggregations; returns batched tensors and resolved options."""
+    """Checks shared by the aggregations; returns batched tensors, sigma as (number, tensor
+    or None) and the resolved backend."""
     batched_query, batched_ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     if _checking():
         check_features(features, ref)
-        sigma = check_sigma(sigma, query.dtype)
+    sigma = _scalar("sigma", sigma, strict=True)
+    if _checking() and sigma[1] is None:
+        check_sigma(sigma[0], query.dtype)
     features = features[None] if unbatched else features
     return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, op, k), unbatched
 
@@ -152,7 +167,10 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     Args:
         query: [M, D] or [B, M, D] floating, any device.
         ref: [N, D] or [B, N, D], same dtype and device.
-        radius: finite float >= 0, inclusive (distance <= radius), in coordinate units.
+        radius: finite float >= 0, inclusive (distance <= radius), in coordinate units; or a
+            0-d floating tensor, read when the operator runs (under torch.compile new values
+            then do not recompile; a CUDA tensor costs a wait for the GPU and cannot be
+            captured in a CUDA graph).
         max_neighbors: the cap, >= 1, up to max(N, 1024). The *nearest* ones are kept, never
             the first found.
         query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
@@ -176,10 +194,11 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         return _radius_batch_vectors(query, ref, radius, max_neighbors, batch_query, batch_ref, query_lengths,
                                      ref_lengths, backend)
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
-    radius = _real("radius", radius, strict=False)
+    radius, radius_tensor = _scalar("radius", radius, strict=False)
     max_neighbors = _integer("max_neighbors", max_neighbors)
     backend = _backend(backend, query, "radius", max_neighbors)
-    result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend)
+    result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend,
+                                        radius_tensor)
     return _unbatch(result, unbatched)
 
 
@@ -193,7 +212,8 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
     Args:
         query: [M, D] or [B, M, D] floating; ref: [N, D] or [B, N, D].
         features: [N, C] or [B, N, C], same dtype and device as ref.
-        k: >= 1. sigma: temperature in coordinate units, > 0.
+        k: >= 1. sigma: temperature in coordinate units, > 0 (a number, or a 0-d tensor as
+            ``radius`` in :func:`radius`).
         query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
 
     Returns:
@@ -211,7 +231,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "knn_aggregate", k)
     out, _, _ = torch.ops.fullgraph.knn_aggregate(
-        query, ref, features, k, sigma, query_lengths, ref_lengths, backend
+        query, ref, features, k, sigma[0], query_lengths, ref_lengths, backend, sigma[1]
     )
     return out[0] if unbatched else out
 
@@ -227,7 +247,8 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
     Args:
         query: [M, D] or [B, M, D] floating; ref: [N, D] or [B, N, D].
         features: [N, C] or [B, N, C], same dtype and device as ref.
-        radius: finite float >= 0 (inclusive). sigma: > 0, coordinate units.
+        radius: finite float >= 0 (inclusive). sigma: > 0, coordinate units. Either may be a
+            0-d tensor, as ``radius`` in :func:`radius`.
         query_lengths, ref_lengths, batch_query, batch_ref, backend: as in :func:`knn`.
 
     Returns:
@@ -243,9 +264,9 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
                                         batch_ref, query_lengths, ref_lengths, backend)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
-    radius = _real("radius", radius, strict=False)
+    radius = _scalar("radius", radius, strict=False)
     out = torch.ops.fullgraph.radius_aggregate(
-        query, ref, features, radius, sigma, query_lengths, ref_lengths, backend
+        query, ref, features, radius[0], sigma[0], query_lengths, ref_lengths, backend, radius[1], sigma[1]
     )
     return out[0] if unbatched else out
 

@@ -81,6 +81,25 @@ def check_sigma(sigma, dtype: torch.dtype) -> float:
     return sigma
 
 
+def check_scalar_tensor(name: str, value: Tensor) -> None:
+    """A radius or sigma given as a tensor: 0-d and floating (its value is checked when the
+    operator reads it)."""
+    if value.dim() != 0:
+        raise ValueError(f"{name}: expected a number or a 0-d tensor, got a tensor of shape {list(value.shape)}")
+    if not value.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a floating-point 0-d tensor, got {value.dtype}")
+
+
+def scalar(name: str, number: float, tensor: OptionalTensor) -> float:
+    """The radius or sigma an operator uses: ``number``, or the value of ``tensor`` where one
+    was passed, read here, when the operator runs (one host read; a CUDA tensor waits for
+    the GPU). Passed as a tensor, new values reach a compiled graph without recompiling."""
+    if tensor is None:
+        return number
+    check_scalar_tensor(name, tensor)
+    return float(tensor)
+
+
 # Lists longer than N hold padding (-1 / +inf); this much padding is allowed beyond N, so
 # that k = 10**9 is an error naming k instead of a [M, 10**9] allocation whatever N is.
 MAX_PADDED_K = 1024
@@ -169,15 +188,17 @@ def _(query, ref, k, query_lengths, ref_lengths, backend):
 @torch.library.custom_op("fullgraph::radius", mutates_args=())
 def radius_op(
     query: Tensor, ref: Tensor, radius: float, max_neighbors: int, query_lengths: OptionalTensor,
-    ref_lengths: OptionalTensor, backend: str,
+    ref_lengths: OptionalTensor, backend: str, radius_tensor: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """``radius_tensor`` (0-d), where given, replaces ``radius`` (see ``scalar``)."""
+    radius = scalar("radius", radius, radius_tensor)
     _check_search(query, ref, max_neighbors, query_lengths, ref_lengths, backend, "radius", radius)
     return kernels(backend, "radius", query, query.shape[-1], max_neighbors).nearest(
         query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
 
 
 @radius_op.register_fake
-def _(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend):
+def _(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend, radius_tensor=None):
     batch, rows = _rows(query)
     shape = (batch, rows, max_neighbors)
     return (
@@ -210,7 +231,7 @@ def _(grad_dists, query, ref, idx, dists, backend):
 
 
 def _save_search(ctx, inputs, output):
-    ctx.backend = inputs[-1]
+    ctx.backend = inputs[6] if len(inputs) > 6 else inputs[5]
     ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
 
 
@@ -226,7 +247,7 @@ def _search_backward(input_count: int):
 
 
 knn_op.register_autograd(_search_backward(6), setup_context=_save_search)
-radius_op.register_autograd(_search_backward(7), setup_context=_save_search)
+radius_op.register_autograd(_search_backward(8), setup_context=_save_search)
 
 
 # ----------------------------------------------------------------------- aggregation
@@ -235,9 +256,11 @@ radius_op.register_autograd(_search_backward(7), setup_context=_save_search)
 @torch.library.custom_op("fullgraph::knn_aggregate", mutates_args=())
 def knn_aggregate_op(
     query: Tensor, ref: Tensor, features: Tensor, k: int, sigma: float, query_lengths: OptionalTensor,
-    ref_lengths: OptionalTensor, backend: str,
+    ref_lengths: OptionalTensor, backend: str, sigma_tensor: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward."""
+    """Returns (out [B, M, C], dists [B, M, k], idx [B, M, k]); the last two feed backward.
+    ``sigma_tensor`` (0-d), where given, replaces ``sigma`` (see ``scalar``)."""
+    sigma = scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.integer("k", k, minimum=1)
     check_list_width("k", k, ref.shape[1])
@@ -246,7 +269,7 @@ def knn_aggregate_op(
 
 
 @knn_aggregate_op.register_fake
-def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend):
+def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend, sigma_tensor=None):
     batch, rows = _rows(query)
     return (
         features.new_empty((batch, rows, features.shape[-1])),
@@ -257,9 +280,11 @@ def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend):
 
 @torch.library.custom_op("fullgraph::knn_aggregate_backward", mutates_args=())
 def knn_aggregate_backward_op(
-    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float, backend: str
+    grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float, backend: str,
+    sigma_tensor: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor]:
     """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    sigma = scalar("sigma", sigma, sigma_tensor)
     _validate.floating("features", features)
     _validate.rank("features", features, (3,), "[B, N, C]")
     _check_lists(idx, dists, out, features.shape[1])
@@ -270,24 +295,25 @@ def knn_aggregate_backward_op(
 
 
 @knn_aggregate_backward_op.register_fake
-def _(grad_out, features, out, dists, idx, sigma, backend):
+def _(grad_out, features, out, dists, idx, sigma, backend, sigma_tensor=None):
     return torch.empty_like(dists), torch.empty_like(features)
 
 
 def _knn_aggregate_setup(ctx, inputs, output):
     query, ref, features, k, sigma = inputs[:5]
     out, dists, idx = output
-    ctx.sigma, ctx.backend = sigma, inputs[7]
+    ctx.sigma, ctx.backend = (sigma, inputs[8] if len(inputs) > 8 else None), inputs[7]
     ctx.save_for_backward(query, ref, features, out, dists, idx)
 
 
 def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
     query, ref, features, out, dists, idx = ctx.saved_tensors
     if grad_out is None:
-        return (None,) * 8
-    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma, ctx.backend)
+        return (None,) * 9
+    grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma[0],
+                                                          ctx.backend, ctx.sigma[1])
     grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
-    return grad_query, grad_ref, grad_features, None, None, None, None, None
+    return grad_query, grad_ref, grad_features, None, None, None, None, None, None
 
 
 knn_aggregate_op.register_autograd(_knn_aggregate_backward, setup_context=_knn_aggregate_setup)
@@ -297,7 +323,10 @@ knn_aggregate_op.register_autograd(_knn_aggregate_backward, setup_context=_knn_a
 def radius_aggregate_op(
     query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
     query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+    radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None,
 ) -> Tensor:
+    """``radius_tensor`` / ``sigma_tensor`` (0-d), where given, replace the numbers (see ``scalar``)."""
+    radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
     return kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate(
@@ -305,7 +334,8 @@ def radius_aggregate_op(
 
 
 @radius_aggregate_op.register_fake
-def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend):
+def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend, radius_tensor=None,
+      sigma_tensor=None):
     return features.new_empty((*_rows(query), features.shape[-1]))
 
 
@@ -313,8 +343,10 @@ def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend):
 def radius_aggregate_backward_op(
     grad_out: Tensor, query: Tensor, ref: Tensor, features: Tensor, out: Tensor, radius: float,
     sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
+    radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_query, grad_ref, grad_features), recomputing the pairs."""
+    radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
     expected = (*query.shape[:2], features.shape[-1])
@@ -328,13 +360,16 @@ def radius_aggregate_backward_op(
 
 
 @radius_aggregate_backward_op.register_fake
-def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend):
+def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend, radius_tensor=None,
+      sigma_tensor=None):
     return torch.empty_like(query), torch.empty_like(ref), torch.empty_like(features)
 
 
 def _radius_aggregate_setup(ctx, inputs, output):
-    query, ref, features, radius, sigma, query_lengths, ref_lengths, backend = inputs
+    query, ref, features, radius, sigma, query_lengths, ref_lengths, backend = inputs[:8]
+    radius_tensor, sigma_tensor = (*inputs[8:], None, None)[:2]
     ctx.params = (radius, sigma)
+    ctx.tensors = (radius_tensor, sigma_tensor)
     ctx.backend = backend
     ctx.save_for_backward(query, ref, features, output, query_lengths, ref_lengths)
 
@@ -342,9 +377,9 @@ def _radius_aggregate_setup(ctx, inputs, output):
 def _radius_aggregate_backward(ctx, grad_out):
     query, ref, features, out, query_lengths, ref_lengths = ctx.saved_tensors
     grads = radius_aggregate_backward_op(
-        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend
+        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend, *ctx.tensors
     )
-    return (*grads, None, None, None, None, None)
+    return (*grads, None, None, None, None, None, None, None)
 
 
 radius_aggregate_op.register_autograd(_radius_aggregate_backward, setup_context=_radius_aggregate_setup)
