@@ -107,9 +107,17 @@ def _bench(args) -> int:
             progress.update(task, description=f"{args.workload}: {step}")
             log(f"{step} ...")
 
+        finished = []
+
+        def on_row(row):
+            log(report.row_line(row))
+            finished.append(row)
+            if args.json and rank == 0:  # the rows so far, so that a run cut short keeps them
+                report.write_json(finished, args.json)
+
         try:
             rows = bench.run_workload(args.workload, size, device, warmup, runs, explain=args.explain,
-                                      on_step=on_step, on_row=lambda row: log(report.row_line(row)))
+                                      on_step=on_step, on_row=on_row)
         except ValueError as error:  # a workload that cannot run here says why
             _usage(f"{args.workload}: {error}")
     if not rows:

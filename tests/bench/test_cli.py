@@ -180,3 +180,16 @@ def test_bench_kmeans_fit_and_threads(tmp_path):
     # the same data from the same centroids: the same fit, to rounding
     inertias = [r["inertia"] for r in rows]
     assert abs(inertias[0] - inertias[1]) <= 1e-3 * inertias[0]
+
+
+def test_bench_json_holds_the_rows_so_far_after_each_row(tmp_path, monkeypatch):
+    """A run cut short (a device time limit) keeps the rows finished before it stopped."""
+    from fullgraph.bench import report
+
+    out_json, seen = tmp_path / "rows.json", []
+    write = report.write_json
+    monkeypatch.setattr(report, "write_json", lambda rows, path: (seen.append(len(rows)), write(rows, path)))
+    assert main(["bench", "lltm", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
+                 "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())
+    assert seen[:len(rows)] == list(range(1, len(rows) + 1)) and seen[-1] == len(rows)
