@@ -251,8 +251,9 @@ def test_the_sharded_benchmark_under_torchrun(tmp_path, capsys):
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.count("knn-sharded (tiny)") == 1
     rows = json.loads(paths[-1].read_text())
-    assert len(rows) == 4 and all("error" not in r and r["ranks"] == 2 for r in rows), rows
-    assert {r["variant"] for r in rows} == {"distributed.knn, uniform", "distributed.knn, clustered"}
+    assert len(rows) == 5 and all("error" not in r and r["ranks"] == 2 for r in rows), rows
+    assert {r["variant"] for r in rows} == {"distributed.knn, uniform", "distributed.knn, clustered",
+                                            "partition + knn, uniform"}
     assert rows[0]["received_bytes_per_rank"] == 2000 * 12
     assert main(["report", *map(str, paths)]) == 0
     printed = capsys.readouterr().out

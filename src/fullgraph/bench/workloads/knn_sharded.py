@@ -67,6 +67,16 @@ def _knn_sharded(params, device):
         # rank) exceed an H200 at the seed and weak sizes: forward only there.
         cases.append(Case(f"distributed.knn, {distribution}", search, train_step if params.get("train", True) else None,
                           check=lambda: {"received_bytes_per_rank": ring_bytes, "points_per_rank": count}))
+    # Shards of random points (every rank's points anywhere in the cloud's space), made into
+    # slabs by distributed.partition before the search: the partition is part of the time.
+    scattered = _shard("uniform", count, rank, 1, device, weak=bool(params.get("per_rank")))
+
+    def partitioned(points=scattered):
+        part = distributed.partition(points)
+        return distributed.knn(part.points, part.points, k)
+
+    cases.append(Case("partition + knn, uniform", partitioned,
+                      check=lambda: {"points_per_rank": count}))
     return cases
 
 
@@ -80,7 +90,9 @@ register(Workload(
            "tiny": {"points": 4_000, "k": 16}},
     build=_knn_sharded,
     notes=["each rank receives the other ranks' reference shards once per call (the ring): "
-           "(ranks - 1) x points per rank x 12 bytes; the train step also exchanges the neighbours' rows"],
+           "(ranks - 1) x points per rank x 12 bytes; the train step also exchanges the neighbours' rows",
+           "the distributed.knn rows shard by region (slabs); 'partition + knn' starts from shards of random "
+           "points and times distributed.partition with the search"],
     baseline="distributed.knn, uniform",
     collective=True,
 ))
