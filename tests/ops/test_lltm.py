@@ -255,32 +255,31 @@ FORWARD_CHANGES = [  # (change, error, public operator's message, kernel operato
 ]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("change, error, message, _", FORWARD_CHANGES)
-def test_the_forward_operator_checks_its_inputs(device, change, error, message, _, generator):
-    """torch.ops.fullgraph.lltm_forward called directly: checked in Python, before the extension."""
-    tensors = change(_inputs(generator, device=device))
-    with pytest.raises(error) as raised:
-        torch.ops.fullgraph.lltm_forward(*tensors)
-    assert message in str(raised.value)
+CRASH_REASON = "a C++ exception out of the extension crashes the process on torch 2.11"
 
 
-@pytest.mark.skipif(CPP_CHECKS_CRASH, reason="a C++ exception out of the extension crashes the process on torch 2.11")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("change, error, _, message", FORWARD_CHANGES)
-def test_the_forward_kernel_checks_its_inputs(device, change, error, _, message, generator):
-    """torch.ops.fullgraph_lltm.forward called directly: a TORCH_CHECK on every precondition."""
+@pytest.mark.parametrize("namespace", ["fullgraph", "fullgraph_lltm"])
+@pytest.mark.parametrize("change, error, python_message, kernel_message", FORWARD_CHANGES)
+def test_the_forward_operators_check_their_inputs(device, namespace, change, error, python_message, kernel_message,
+                                                  generator):
+    """torch.ops.fullgraph.lltm_forward called directly (checked in Python, before the
+    extension) and the kernel's own torch.ops.fullgraph_lltm.forward (a TORCH_CHECK on every
+    precondition)."""
+    if namespace == "fullgraph_lltm" and CPP_CHECKS_CRASH:
+        pytest.skip(CRASH_REASON)
+    forward = torch.ops.fullgraph.lltm_forward if namespace == "fullgraph" else torch.ops.fullgraph_lltm.forward
     tensors = change(_inputs(generator, device=device))
     with pytest.raises(error) as raised:
-        torch.ops.fullgraph_lltm.forward(*tensors)
-    assert message in str(raised.value)
+        forward(*tensors)
+    assert (python_message if namespace == "fullgraph" else kernel_message) in str(raised.value)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("namespace", ["fullgraph", "fullgraph_lltm"])
 def test_the_backward_operator_checks_its_inputs(device, namespace, generator):
     if namespace == "fullgraph_lltm" and CPP_CHECKS_CRASH:
-        pytest.skip("a C++ exception out of the extension crashes the process on torch 2.11")
+        pytest.skip(CRASH_REASON)
     backward = torch.ops.fullgraph.lltm_backward if namespace == "fullgraph" else torch.ops.fullgraph_lltm.backward
     _, new_cell, gates = torch.ops.fullgraph.lltm_forward(*_inputs(generator, device=device))
     grad = torch.ones_like(new_cell)
