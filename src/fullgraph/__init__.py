@@ -5,6 +5,7 @@ Importing the package registers its operators under ``torch.ops.fullgraph``.
 
 from . import diffusion, extern, graphs, memory, models, numpy  # distributed: `from fullgraph import distributed`
 from .explain import explain
+from .ops.conv_block import conv_groupnorm_mish
 from .ops.ddpm import ddim_step, ddpm_step
 from .ops.kmeans import KMeans, KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
+    "conv_groupnorm_mish",
     "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",

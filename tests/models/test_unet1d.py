@@ -81,6 +81,31 @@ def test_matmul_unet_equals_the_unet():
     torch.testing.assert_close(fast(x, 7, cond), want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_conv_blocks_compute_the_same_network(backend):
+    """fuse_conv_blocks, then matmul_convolutions for the rest: the same function (Triton on
+    CPU tensors through its interpreter, float32; PyTorch in float64)."""
+    import copy
+    import os
+
+    from fullgraph.models.unet1d import Conv1dBlock, FusedConv1dBlock, fuse_conv_blocks, matmul_convolutions
+
+    if backend == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("no Triton device here")
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    unet = _small().to(dtype=dtype, device=device).eval()
+    x = torch.randn(2, 16, 2, dtype=dtype, device=device)
+    cond = torch.randn(2, 10, dtype=dtype, device=device)
+    want = unet(x, 7, cond)
+    blocks = sum(isinstance(m, Conv1dBlock) for m in unet.modules())
+    fused = matmul_convolutions(fuse_conv_blocks(copy.deepcopy(unet), backend))
+    assert not any(isinstance(m, Conv1dBlock) for m in fused.modules())
+    assert sum(isinstance(m, FusedConv1dBlock) for m in fused.modules()) == blocks == 25
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(fused(x, 7, cond), want, rtol=tolerance, atol=tolerance)
+
+
 def test_a_bf16_network_takes_and_returns_the_sample_dtype():
     unet = _small().eval()
     x, cond = torch.randn(2, 16, 2), torch.randn(2, 10)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.conv_block import conv_groupnorm_mish
+
 
 class SinusoidalStepEmbedding(nn.Module):
     """[B] diffusion steps -> [B, dim] sin/cos features at geometric frequencies."""
@@ -165,4 +167,34 @@ def matmul_convolutions(module: nn.Module) -> nn.Module:
             setattr(module, name, MatmulConvTranspose1d(child))
         else:
             matmul_convolutions(child)
+    return module
+
+
+class FusedConv1dBlock(nn.Module):
+    """A Conv1dBlock (Conv1d -> GroupNorm -> Mish) as one operator,
+    ``fullgraph.conv_groupnorm_mish``, with the block's parameters."""
+
+    def __init__(self, block: Conv1dBlock, backend: str = "auto"):
+        super().__init__()
+        conv, norm = block[0], block[1]
+        self.weight = nn.Parameter(conv.weight.detach().clone())
+        self.bias = nn.Parameter(conv.bias.detach().clone())
+        self.gamma = nn.Parameter(norm.weight.detach().clone())
+        self.beta = nn.Parameter(norm.bias.detach().clone())
+        self.groups, self.eps, self.backend = norm.num_groups, norm.eps, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return conv_groupnorm_mish(x, self.weight, self.bias, self.gamma, self.beta, self.groups, eps=self.eps,
+                                   backend=self.backend)
+
+
+def fuse_conv_blocks(module: nn.Module, backend: str = "auto") -> nn.Module:
+    """Replace (in place) every Conv1dBlock in ``module`` by a FusedConv1dBlock running on
+    ``backend`` ("triton": the fused kernels). Apply it before ``matmul_convolutions``,
+    which then converts the remaining convolutions."""
+    for name, child in module.named_children():
+        if isinstance(child, Conv1dBlock):
+            setattr(module, name, FusedConv1dBlock(child, backend))
+        else:
+            fuse_conv_blocks(child, backend)
     return module

@@ -12,7 +12,7 @@ import torch
 from ... import graphs
 from ...diffusion import denoise, denoise_ddim
 from ...models import ConditionalUnet1D
-from ...models.unet1d import matmul_convolutions
+from ...models.unet1d import fuse_conv_blocks, matmul_convolutions
 from ...ops import ddpm
 from .base import Case, Workload, register
 
@@ -60,11 +60,16 @@ def _diffusion_policy(params, device):
         for name, net in ((f"{label}, graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined,
                                                                                              fullgraph=True)),
                           (f"{label}, graphed loop, compiled matmul-conv bf16 U-Net",
-                           torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True))):
+                           torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True)),
+                          (f"{label}, graphed loop, compiled fused-block bf16 U-Net",
+                           torch.compile(copy.deepcopy(fused_blocks).to(torch.bfloat16), fullgraph=True))):
             loop = graphs.graphed(torch.no_grad()(functools.partial(denoise_ddim, net)), warmup=2)
             yield name, functools.partial(loop, x, cond, alphas, timesteps, True)
 
     streamlined = matmul_convolutions(copy.deepcopy(unet))
+    # Conv1d -> GroupNorm -> Mish as the fused Triton operator, the other convolutions as products.
+    fused_blocks = matmul_convolutions(fuse_conv_blocks(copy.deepcopy(unet), "triton")) if device.type == "cuda" \
+        else None
 
     def cases():
         yield "document eager", unfused_loop(unet)
@@ -80,7 +85,9 @@ def _diffusion_policy(params, device):
                 ("fullgraph graphed loop, compiled U-Net", torch.compile(unet, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv bf16 U-Net",
-                 torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True))):
+                 torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True)),
+                ("fullgraph graphed loop, compiled fused-block bf16 U-Net",
+                 torch.compile(copy.deepcopy(fused_blocks).to(torch.bfloat16), fullgraph=True))):
             loop = graphs.graphed(torch.no_grad()(functools.partial(denoise, net)), warmup=2)
             yield name, functools.partial(loop, x, noise, cond, alphas, True)
 

@@ -1,0 +1,139 @@
+"""fullgraph.conv_groupnorm_mish: the fused Conv1d -> GroupNorm -> Mish block against a float64
+reference, its backward (gradcheck), opcheck, one compiled graph across sizes, errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import DEVICES, HAVE_TRITON
+
+import fullgraph
+from fullgraph.ops import conv_block
+
+
+def _cases():
+    """(backend, device): Triton on CUDA, and on CPU tensors through its interpreter."""
+    triton_devices = [d for d in DEVICES if d == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"]
+    return [("torch", d) for d in DEVICES] + ([("triton", d) for d in triton_devices] if HAVE_TRITON else [])
+
+
+def _block(generator, batch, c_in, c_out, length, kernel, scale=1.0, dtype=torch.float64, device="cpu"):
+    """(x, weight, bias, gamma, beta), drawn in float64 then cast."""
+    def draw(*shape, shift=0.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale + shift).to(dtype=dtype,
+                                                                                                    device=device)
+    return (draw(batch, c_in, length), draw(c_out, c_in, kernel) / (c_in * kernel) ** 0.5, draw(c_out),
+            draw(c_out, shift=1.0), draw(c_out))
+
+
+SHAPES = [  # batch, C_in, C_out, T, kernel, groups
+    (2, 5, 16, 7, 3, 4),
+    (1, 32, 64, 16, 5, 8),  # Diffusion Policy's sizes, scaled down
+    (2, 3, 32, 70, 5, 8),  # several time tiles
+    (1, 2, 16, 1, 5, 2),  # one time step: the taps reach outside on both sides
+    (3, 4, 8, 5, 1, 8),  # kernel 1, a channel per group
+    (1, 6, 24, 9, 3, 1),  # one group, C_out not a multiple of the channel tile
+]
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: large activations, Mish's linear and saturated tails
+def test_matches_the_float64_reference(backend, device, shape, scale, generator):
+    batch, c_in, c_out, length, kernel, groups = shape
+    tensors = _block(generator, batch, c_in, c_out, length, kernel, scale)
+    want = conv_block.reference(*tensors, groups, 1e-5)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    got = fullgraph.conv_groupnorm_mish(*(t.to(dtype=dtype, device=device) for t in tensors), groups, backend=backend)
+    assert got.dtype == dtype and got.shape == (batch, c_out, length)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    # float32: gamma * normalized + beta rounds at the size of its terms (~scale), not of the result
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tolerance, atol=tolerance * scale)
+
+
+@pytest.mark.parametrize("backend, device", [c for c in _cases() if c[0] == "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_against_float64(backend, device, dtype, generator):
+    tensors = _block(generator, 2, 16, 32, 16, 5)
+    want = conv_block.reference(*tensors, 8, 1e-5)
+    got = fullgraph.conv_groupnorm_mish(*(t.to(dtype=dtype, device=device) for t in tensors), 8, backend=backend)
+    assert got.dtype == dtype
+    # the inputs round to dtype before the product (80 terms); normalized outputs are O(1)
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 8e-3
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+def test_a_constant_group_is_normalized_by_eps(backend, device):
+    """Zero variance: (y - mean) / sqrt(0 + eps) = 0, so the output is mish(beta)."""
+    x = torch.full((1, 2, 6), 3.0, device=device)
+    weight, bias = torch.zeros(4, 2, 3, device=device), torch.full((4,), 2.0, device=device)
+    gamma, beta = torch.ones(4, device=device), torch.tensor([-1.0, 0.0, 1.0, 25.0], device=device)
+    got = fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, 2, backend=backend)
+    torch.testing.assert_close(got.cpu(), torch.nn.functional.mish(beta.cpu())[None, :, None].expand(1, 4, 6))
+
+
+def test_gradcheck_of_the_written_backward(generator):
+    tensors = [t.requires_grad_() for t in _block(generator, 2, 3, 8, 5, 3)]
+    assert torch.autograd.gradcheck(lambda *a: fullgraph.conv_groupnorm_mish(*a, 4, backend="torch"), tensors)
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+def test_gradients_equal_the_reference_autograd(backend, device, generator):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tensors = [t.to(dtype=dtype, device=device) for t in _block(generator, 2, 6, 16, 9, 3)]
+    grad_out = torch.randn(2, 16, 9, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    mine = [t.clone().requires_grad_() for t in tensors]
+    theirs = [t.clone().requires_grad_() for t in tensors]
+    got = torch.autograd.grad(fullgraph.conv_groupnorm_mish(*mine, 4, backend=backend), mine, grad_out)
+    want = torch.autograd.grad(conv_block.reference(*theirs, 4, 1e-5), theirs, grad_out)
+    tolerance = 1e-10 if dtype == torch.float64 else 1e-4
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+def test_opcheck(backend, device, generator):
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tensors = [t.to(dtype=dtype, device=device).requires_grad_() for t in _block(generator, 2, 4, 8, 6, 3)]
+    torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default, (*tensors, 2, 1e-5, backend))
+
+
+def test_compiles_once_across_sizes(generator):
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    block = torch.compile(lambda *a: fullgraph.conv_groupnorm_mish(*a, 4), backend=counter, fullgraph=True,
+                          dynamic=True)
+    for batch, length in [(2, 10), (5, 17), (6, 13)]:  # no size equal to a weight dimension (duck sizing)
+        tensors = [t.requires_grad_() for t in _block(generator, batch, 4, 8, length, 3)]
+        got = block(*tensors)
+        torch.testing.assert_close(got, conv_block.reference(*tensors, 4, 1e-5))
+        got.sum().backward()
+    assert counter.frame_count == 1
+
+
+def test_bad_input_is_named(generator):
+    x, weight, bias, gamma, beta = _block(generator, 2, 4, 8, 6, 3, dtype=torch.float32)
+    cases = [
+        ((x.long(), weight, bias, gamma, beta, 2), TypeError, "x: expected a floating-point tensor"),
+        ((x, weight.double(), bias, gamma, beta, 2), TypeError, "weight: expected torch.float32 like x"),
+        ((x[0], weight, bias, gamma, beta, 2), ValueError, r"x: expected shape \[B, C_in, T\]"),
+        ((x[:, :3], weight, bias, gamma, beta, 2), ValueError, r"weight: expected \[C_out, C_in = 3, kernel\]"),
+        ((x, weight[..., :2], bias, gamma, beta, 2), ValueError, "weight: expected an odd kernel size"),
+        ((x, weight, bias[:5], gamma, beta, 2), ValueError, r"bias: expected \[C_out\] = \[8\], got \[5\]"),
+        ((x, weight, bias, gamma, beta, 3), ValueError, "groups: expected a divisor of C_out = 8, got 3"),
+        ((x[..., :0], weight, bias, gamma, beta, 2), ValueError, "x: expected at least one time step"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            fullgraph.conv_groupnorm_mish(*args)
+        with pytest.raises(error, match=message):  # the operator checks its own contract
+            torch.ops.fullgraph.conv_groupnorm_mish(*args, 1e-5, "torch")
+    with pytest.raises(ValueError, match="eps: expected"):
+        fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, 2, eps=0.0)
+    if HAVE_TRITON:
+        with pytest.raises(TypeError, match='x: backend="triton" computes in float32'):
+            fullgraph.conv_groupnorm_mish(*(t.double() for t in (x, weight, bias, gamma, beta)), 2, backend="triton")
