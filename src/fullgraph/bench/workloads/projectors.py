@@ -10,6 +10,7 @@ import importlib.util
 
 import torch
 
+from ... import graphs
 from ...models import KNNProjector, RadiusProjector
 from ...ops.neighbors.registration import BACKENDS
 from .base import Case, Workload, outside_torch_pool, register, seed_point_clouds
@@ -61,7 +62,29 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
         check = functools.partial(outside_torch_pool, device) if device.type == "cuda" else None
         explain = (variant_model, (grid, cloud)) if options is None else None
         cases.append(Case(name, forward, train_step, check, explain))
+    if device.type == "cuda":
+        cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid, cloud, targets))
     return cases
+
+
+def _whole_step_case(model: torch.nn.Module, grid, cloud, targets) -> Case:
+    """The whole train step (forward, backward, Adam) replayed from one CUDA graph: the model
+    compiled (default mode), Adam with ``capturable=True`` (its step counts on the device),
+    gradients zeroed in place so their memory stays put, all captured by fullgraph.graphs."""
+    model.aggregation = "fullgraph"
+    compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+
+    def step(grid, cloud, targets):
+        loss = torch.mean((compiled(grid, cloud) - targets) ** 2)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        return loss
+
+    train_step = functools.partial(graphs.graphed(step), grid, cloud, targets)
+    forward = functools.partial(graphs.graphed(torch.no_grad()(compiled)), grid, cloud)
+    return Case("fullgraph compiled, whole step graphed", forward, train_step)
 
 
 def _knn_projector(params, device):
