@@ -82,6 +82,9 @@ def parser() -> argparse.ArgumentParser:
                                                                  "the generated code")
     show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
     show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
+    show.add_argument("--plot", type=Path, default=None,
+                      help="write a PNG: the speed-up by rank count for runs of one torchrun workload at several "
+                           "rank counts, else the bar chart of one file")
     return out
 
 

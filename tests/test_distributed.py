@@ -251,13 +251,15 @@ def test_the_sharded_benchmark_under_torchrun(tmp_path, capsys):
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.count("knn-sharded (tiny)") == 1
     rows = json.loads(paths[-1].read_text())
-    assert len(rows) == 5 and all("error" not in r and r["ranks"] == 2 for r in rows), rows
+    assert len(rows) == 7 and all("error" not in r and r["ranks"] == 2 for r in rows), rows
     assert {r["variant"] for r in rows} == {"distributed.knn, uniform", "distributed.knn, clustered",
-                                            "partition + knn, uniform"}
+                                            "distributed.radius, uniform", "partition + knn, uniform"}
     assert rows[0]["received_bytes_per_rank"] == 2000 * 12
-    assert main(["report", *map(str, paths)]) == 0
+    plot = tmp_path / "scaling.png"
+    assert main(["report", *map(str, paths), "--plot", str(plot)]) == 0
     printed = capsys.readouterr().out
     assert "**scaling** of knn-sharded (tiny)" in printed and "| distributed.knn, clustered | train |" in printed
+    assert plot.read_bytes()[:4] == b"\x89PNG" and f"wrote {plot}" in printed
 
 
 def test_merging_in_row_blocks_gives_the_same_lists(monkeypatch, generator):

@@ -168,12 +168,23 @@ def run(args) -> int:
     if args.command == "report":
         from .bench import report
 
+        plot = getattr(args, "plot", None)
+        _output(plot, "--plot")
         try:
             tables = [report.read_json(path) for path in args.files]  # every file checked before printing
         except report.ReportError as error:
             _usage(f"report: {error}")
         scaling = report.scaling(tables)  # several rank counts of one torchrun workload
+        if plot is not None and scaling is None and len(tables) > 1:
+            _usage("report --plot: expected one file, or runs of one torchrun workload at several rank counts, "
+                   f"got {len(tables)} files of different runs")
         print("\n\n".join([report.markdown(rows) for rows in tables] + ([scaling] if scaling else [])))
+        if plot is not None:
+            if scaling:
+                report.scaling_plot(tables, plot)
+            else:
+                report.plot(tables[0], plot)
+            print(f"wrote {plot}")
         return 0
     return 2
 

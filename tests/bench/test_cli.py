@@ -95,6 +95,8 @@ def test_report_names_the_bad_file(tmp_path, capsys):
         assert str(path) in line and message in line
     assert main(["report", str(good)]) == 0
     assert "failed: RuntimeError: boom" in capsys.readouterr().out
+    line = _usage_error(["report", str(good), str(good), "--plot", str(tmp_path / "p.png")], capsys)
+    assert "report --plot: expected one file, or runs of one torchrun workload at several rank counts" in line
 
 
 def test_bench_kmeans_times_every_variant(tmp_path):

@@ -180,10 +180,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def scaling(tables: list[list[dict]]) -> str | None:
-    """A Markdown table of one workload and size run with several rank counts (torchrun):
-    per variant and phase, the median at each count and the speed-up over the fewest ranks
-    (efficiency: speed-up / rank ratio). None when the tables are not such a set."""
+def _scaling_runs(tables: list[list[dict]]):
+    """(rank counts ascending, {count: {(variant, phase): median ms}}) of one workload and
+    size run at several rank counts (torchrun), or None when the tables are not such a set."""
     runs = {}
     for rows in tables:
         first = rows[0]
@@ -192,7 +191,17 @@ def scaling(tables: list[list[dict]]) -> str | None:
         runs[first["ranks"]] = {(r["variant"], r["phase"]): r.get("median_ms") for r in rows}
     if len(runs) < 2 or len({(rows[0]["workload"], rows[0]["size"]) for rows in tables}) != 1:
         return None
-    counts = sorted(runs)
+    return sorted(runs), runs
+
+
+def scaling(tables: list[list[dict]]) -> str | None:
+    """A Markdown table of one workload and size run with several rank counts (torchrun):
+    per variant and phase, the median at each count and the speed-up over the fewest ranks
+    (efficiency: speed-up / rank ratio). None when the tables are not such a set."""
+    found = _scaling_runs(tables)
+    if found is None:
+        return None
+    counts, runs = found
     base = counts[0]
     lines = [f"**scaling** of {tables[0][0]['workload']} ({tables[0][0]['size']}), medians in ms by rank count; "
              f"speed-up and efficiency against {base} rank{'s' if base > 1 else ''}",
@@ -207,3 +216,31 @@ def scaling(tables: list[list[dict]]) -> str | None:
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(_fmt(t, "{:.2f}") for t in times)
                      + f" | {_fmt(speedup, '{:.2f}x')} | {_fmt(efficiency, '{:.0%}')} |")
     return "\n".join(lines)
+
+
+def scaling_plot(tables: list[list[dict]], path: Path) -> None:
+    """Speed-up over the fewest ranks against the rank count, a line per variant and phase,
+    with the ideal (linear) line; for runs that ``scaling`` accepts."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts, runs = _scaling_runs(tables)
+    base = counts[0]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.plot(counts, [n / base for n in counts], "k--", linewidth=1, label="ideal")
+    for key, first_ms in runs[base].items():
+        points = [(n, first_ms / runs[n][key]) for n in counts if first_ms and runs[n].get(key)]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"{key[0]} / {key[1]}")
+    ax.set_xticks(counts)
+    ax.set_xlabel("ranks (GPUs)")
+    ax.set_ylabel(f"speed-up over {base} rank{'s' if base > 1 else ''}")
+    first = tables[0][0]
+    ax.set_title(f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -6,6 +6,8 @@ scale: every rank would search all its queries against every shard."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -67,6 +69,27 @@ def _knn_sharded(params, device):
         # rank) exceed an H200 at the seed and weak sizes: forward only there.
         cases.append(Case(f"distributed.knn, {distribution}", search, train_step if params.get("train", True) else None,
                           check=lambda: {"received_bytes_per_rank": ring_bytes, "points_per_rank": count}))
+    # The radius projector's aggregation on the uniform cloud, within the radius that holds 16
+    # points on average (the density: the total over the unit cube, or the points per rank's cube).
+    uniform = _shard("uniform", count, rank, world, device, weak=bool(params.get("per_rank")))
+    density = count if params.get("per_rank") else count * world
+    radius = (3 * 16 / (4 * math.pi * density)) ** (1 / 3)
+    trained = (uniform.clone().requires_grad_(),
+               torch.randn(count, CHANNELS, generator=torch.Generator(device=device).manual_seed(rank), device=device)
+               .requires_grad_())
+
+    def radius_search(points=uniform):
+        return distributed.radius(points, points, radius, 32)
+
+    def radius_train_step(points=trained[0], features=trained[1]):
+        out = distributed.radius_aggregate(points, points, features, radius, sigma=radius / 2)
+        out.square().mean().backward()
+        return out
+
+    cases.append(Case("distributed.radius, uniform", radius_search,
+                      radius_train_step if params.get("train", True) else None,
+                      check=lambda: {"received_bytes_per_rank": ring_bytes, "points_per_rank": count,
+                                     "radius": radius}))
     # Shards of random points (every rank's points anywhere in the cloud's space), made into
     # slabs by distributed.partition before the search: the partition is part of the time.
     scattered = _shard("uniform", count, rank, 1, device, weak=bool(params.get("per_rank")))
@@ -83,7 +106,8 @@ def _knn_sharded(params, device):
 register(Workload(
     name="knn-sharded",
     description="kNN (forward) and a kNN-aggregation train step over a 3-D cloud sharded across the ranks of "
-                "torchrun (uniform and clustered clouds; every point's k nearest among all ranks' points)",
+                "torchrun (uniform and clustered clouds; every point's k nearest among all ranks' points), and "
+                "radius search with the radius projector's aggregation as the train step (uniform)",
     sizes={"seed": {"points": 200_000_000, "k": 16, "train": False},
            "weak": {"points": 250_000_000, "k": 16, "per_rank": True, "train": False},
            "small": {"points": 1_000_000, "k": 16},
