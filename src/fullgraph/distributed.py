@@ -246,8 +246,9 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
             best = _widen(_merge(best, (dists[0], _global(idx[0], offsets[owner])), keep), keep)
             counts = None if found is None else found[0]
         else:
-            rows = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
-            for rows, limit in _by_limit(rows, None if radius is not None else best[0][rows, keep - 1]):
+            reaching = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
+            kth = None if radius is not None else best[0][reaching, keep - 1]
+            for rows, limit in _by_limit(reaching, kth):
                 dists, idx, found = search(query[rows][None], current[None], lengths, limit)
                 merged = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx[0], offsets[owner])), keep)
                 best[0][rows], best[1][rows] = merged
