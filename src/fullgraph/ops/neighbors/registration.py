@@ -230,9 +230,12 @@ def _(grad_dists, query, ref, idx, dists, backend):
     return torch.empty_like(query), torch.empty_like(ref)
 
 
-def _save_search(ctx, inputs, output):
-    ctx.backend = inputs[6] if len(inputs) > 6 else inputs[5]
-    ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
+def _save_search(backend_at: int):
+    """setup_context of a search op whose ``backend`` argument is input ``backend_at``."""
+    def setup(ctx, inputs, output):
+        ctx.backend = inputs[backend_at]
+        ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
+    return setup
 
 
 def _search_backward(input_count: int):
@@ -246,8 +249,8 @@ def _search_backward(input_count: int):
     return backward
 
 
-knn_op.register_autograd(_search_backward(6), setup_context=_save_search)
-radius_op.register_autograd(_search_backward(8), setup_context=_save_search)
+knn_op.register_autograd(_search_backward(6), setup_context=_save_search(5))
+radius_op.register_autograd(_search_backward(8), setup_context=_save_search(6))
 
 
 # ----------------------------------------------------------------------- aggregation
@@ -302,7 +305,7 @@ def _(grad_out, features, out, dists, idx, sigma, backend, sigma_tensor=None):
 def _knn_aggregate_setup(ctx, inputs, output):
     query, ref, features, k, sigma = inputs[:5]
     out, dists, idx = output
-    ctx.sigma, ctx.backend = (sigma, inputs[8] if len(inputs) > 8 else None), inputs[7]
+    ctx.sigma, ctx.backend = (sigma, (*inputs, None)[8]), inputs[7]  # (number, tensor or None)
     ctx.save_for_backward(query, ref, features, out, dists, idx)
 
 
