@@ -40,9 +40,10 @@ def test_opcheck(backend, device, generator):
         (ops.radius_aggregate_backward.default,
          (torch.randn_like(out), query, ref, features, out, 0.4, 0.2, None, None, backend)),
     ]
-    # radius and sigma as 0-d tensors, read when the operator runs
+    # radius and sigma as 0-d tensors, read when the operator runs (the same kernels after
+    # the read: checked on every backend but interpreted Triton, ~15 s more on a CPU)
     scalar = torch.tensor(0.4, dtype=torch.float64), torch.tensor(0.2, dtype=torch.float64)
-    cases += [
+    cases += [] if (backend, device) == ("triton", "cpu") else [
         (ops.radius.default, (q, r, 0.0, 3, query_lengths, ref_lengths, backend, scalar[0])),
         (ops.knn_aggregate.default, (q, r, f, 4, 0.0, query_lengths, ref_lengths, backend, scalar[1])),
         (ops.radius_aggregate.default, (q, r, f, 0.0, 0.0, None, ref_lengths, backend, *scalar)),
