@@ -168,7 +168,7 @@ def run(args) -> int:
     if args.command == "report":
         from .bench import report
 
-        plot = getattr(args, "plot", None)
+        plot = args.plot
         _output(plot, "--plot")
         try:
             tables = [report.read_json(path) for path in args.files]  # every file checked before printing
