@@ -68,6 +68,8 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("--warmup", type=int, default=None, help="untimed calls before timing (default 5 GPU, 2 CPU)")
     bench.add_argument("--runs", type=int, default=None,
                        help="timed samples; the median is reported (default 30 GPU, 10 CPU)")
+    bench.add_argument("--variants", default="", metavar="WORDS",
+                       help="comma-separated words: run only the variants whose names contain one (and the baseline)")
     bench.add_argument("--json", type=Path, default=None, help="write the rows as JSON to this path")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG bar chart to this path")
     bench.add_argument("--explain", action="store_true",

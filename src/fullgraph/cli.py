@@ -75,6 +75,11 @@ def _progress_log():
     return lambda line: print(f"[{time.perf_counter() - start:7.1f} s] {line}", file=sys.stderr, flush=True)
 
 
+def _words(text: str) -> tuple[str, ...]:
+    """--variants "a, b" -> ("a", "b")."""
+    return tuple(w.strip() for w in text.split(",") if w.strip())
+
+
 def _bench(args) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -117,7 +122,7 @@ def _bench(args) -> int:
 
         try:
             rows = bench.run_workload(args.workload, size, device, warmup, runs, explain=args.explain,
-                                      on_step=on_step, on_row=on_row)
+                                      on_step=on_step, on_row=on_row, variants=_words(args.variants))
         except ValueError as error:  # a workload that cannot run here says why
             _usage(f"{args.workload}: {error}")
     if not rows:

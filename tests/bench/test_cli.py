@@ -14,12 +14,13 @@ from fullgraph.cli import main
 @pytest.mark.slow
 def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "rows.json", tmp_path / "plot.png"
+    # --variants: only those named, and the baseline the ratios need (one compile instead of two)
     code = main(["bench", "radius-projector", "--size", "tiny", "--device", "cpu", "--warmup", "1", "--runs", "3",
-                 "--json", str(out_json), "--plot", str(out_png)])
+                 "--variants", "FULLGRAPH, nothing-matches-this", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     rows = json.loads(out_json.read_text())
     variants = {r["variant"] for r in rows}
-    assert variants == {"document eager", "document compiled", "fullgraph eager", "fullgraph compiled"}
+    assert variants == {"document eager", "fullgraph eager", "fullgraph compiled"}
     assert {r["phase"] for r in rows} == {"forward", "train"}
     for row in rows:
         assert "error" not in row, row
@@ -156,10 +157,18 @@ def test_importing_the_package_loads_no_compiler():
 
 
 @pytest.mark.slow
+def test_bench_variants_naming_none_is_refused_with_the_names(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "radius-projector", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
+              "--variants", "no-such-variant"])
+    err = capsys.readouterr().err
+    assert "--variants: no variant contains 'no-such-variant'" in err and "'fullgraph compiled'" in err
+
+
 def test_bench_diffusion_policy_compares_fullgraph_on_a_cpu(tmp_path):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "diffusion-policy", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
-                 "--json", str(out_json)]) == 0
+                 "--variants", "matmul-conv", "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
     assert {r["variant"] for r in rows} >= {"document eager", "fullgraph loop, compiled matmul-conv U-Net",
                                             "DDIM 3 steps, compiled matmul-conv U-Net"}

@@ -61,17 +61,21 @@ def _graph_counts(case) -> dict:
 
 
 def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: int, on_step=None,
-                 explain: bool = False, on_row=None) -> list[dict]:
+                 explain: bool = False, on_row=None, variants: tuple[str, ...] = ()) -> list[dict]:
     """Time every variant's forward and train step; ``on_step(description)`` reports progress and
     ``on_row(row)`` each finished row; ``explain``: add the graph and break counts of the variants
-    that declare a call to explain."""
+    that declare a call to explain; ``variants``: run only those whose name contains one of
+    these words (case-insensitive), and the baseline the ratios need."""
     workload = WORKLOADS[name]
     params = workload.sizes[size]
     # Every variant compiles the same forward code on its own module: a cache entry each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     env = environment(device)
-    rows = []
+    rows, names = [], []
     for case in workload.build(params, device):
+        names.append(case.variant)
+        if not selected(case.variant, variants, workload.baseline):
+            continue
         # torch.compile caches per code object: variants that run the same model code
         # (an implementation switch) would otherwise reuse, or be guarded out of, the
         # previous variant's graphs. Each variant compiles from scratch.
@@ -101,8 +105,16 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                 on_row(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+    if variants and not any(selected(n, variants, "") for n in names):
+        raise ValueError(f"--variants: no variant contains {' or '.join(map(repr, variants))}; "
+                         f"its variants are {', '.join(map(repr, names))}")
     _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
+
+
+def selected(variant: str, words: tuple[str, ...], baseline: str) -> bool:
+    """Whether ``variant`` runs when the user asked for ``words`` (none: every variant)."""
+    return not words or variant == baseline or any(w.lower() in variant.lower() for w in words)
 
 
 def _add_ratios(rows: list[dict], baseline_variant: str = BASELINE) -> None:
