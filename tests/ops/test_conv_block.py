@@ -13,6 +13,13 @@ import fullgraph
 from fullgraph.ops import conv_block
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32(monkeypatch):
+    """float32 products as torch's Conv1d makes them with TF32 off: the kernel follows
+    torch.backends.cudnn.allow_tf32 (on by default: 10-bit products, 1e-2 relative on GPUs)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def _cases():
     """(backend, device): Triton on CUDA, and on CPU tensors through its interpreter."""
     triton_devices = [d for d in DEVICES if d == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"]

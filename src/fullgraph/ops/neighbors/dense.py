@@ -25,6 +25,21 @@ reference computes it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1
 When the k-th exact candidate distance squared ``s_i`` is below that, the list is exactly the
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
+On GPUs (float16/bfloat16/float32), steps 1-2 never store a block's M x N values: the
+products run on tensor cores (``triton_dense``) and each tile keeps, per query, only the
+least value of every chunk of ``_chunk(N)`` consecutive references. The k + CHUNK_SLACK
+chunks with the least minima are chosen; the squared distances to their members are summed
+from differences (relative error below (D + 2) u, no cancellation), and the k + SLACK
+nearest members re-measured in the reference's arithmetic. Exactness: the k nearest lie in
+chosen chunks up to the products' error (each of the k chosen minima is a distinct
+reference at or below the k-th least minimum), and the certificate of step 3 takes the
+least of two floors: every reference of an unchosen chunk has a product value at least the
+least unchosen minimum (so a squared distance at least it + |q|^2 - e_i), every unmeasured
+member a member distance at least the last one measured. The products are three TF32
+products (each operand split in two TF32 parts), roundoff u = 2^-20, whatever
+torch.set_float32_matmul_precision says: with one TF32 product (u = 2^-10) the bound fails
+on every row.
+
 Failed rows. On CUDA (float16/bfloat16/float32, k <= REDO_MAX_K, D <= REDO_MAX_DIM) the Triton
 search runs restricted to them: no host read, so the backend captures in CUDA graphs (its
 programs without a failed row return at once). Elsewhere the reference redoes them (one
@@ -40,9 +55,14 @@ import torch
 from ... import _triton
 from ...backends import FLOATING, Backend
 from ..scaling import safe_scale
-from . import pairs, reference, triton_grid
+from . import pairs, reference, triton_dense, triton_grid
 
 SLACK = 8
+# Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate.
+CHUNK_SLACK = 4
+# The GPU path's products: three TF32 products carry float32's significand. One TF32 product
+# (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
+TENSOR_CORE_PRECISION = "tf32x3"
 # The products of one block of queries, at most: on CPUs blocks that stay nearer the caches
 # were faster (32 MiB against 256 MiB, 2-core CPU: 5000 x 50000 D=16 631 vs 875 ms; 2000 x
 # 100000 D=128 1010 vs 1311 ms; 8 x 2048^2 D=64 on par within this noisy machine's spread).
@@ -132,6 +152,51 @@ def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
+def _chunk(columns: int) -> int:
+    """References per chunk of the tensor-core path: fewer, longer chunks for large clouds
+    keep the minima (M x N / chunk) and their selection small."""
+    return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
+
+
+def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
+    """``_block`` on GPUs, never storing the block's M x N products (module docstring, "On
+    GPUs"): chunk minima on tensor cores, the chosen chunks' members measured from
+    differences, the k + SLACK nearest members re-measured in the reference's arithmetic."""
+    qc = frames.qc[:, rows].contiguous()
+    dim, columns = qc.shape[-1], frames.rc.shape[1]
+    precision = TENSOR_CORE_PRECISION
+    chunk = _chunk(columns)
+    minima = triton_dense.chunk_minima(qc, frames.rc, frames.r_norms, chunk, precision)
+    n_chosen = min(k + CHUNK_SLACK, minima.shape[-1])
+    values, chosen = torch.topk(minima, min(n_chosen + 1, minima.shape[-1]), dim=2, largest=False, sorted=True)
+    chosen = chosen[..., :n_chosen]
+    q = frames.q[:, rows].contiguous()
+    members = triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk)
+    measured, position = torch.topk(members, min(k + SLACK, members.shape[-1]), dim=2, largest=False, sorted=True)
+    candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
+    inside = candidates < columns
+    candidates = candidates.clamp(max=columns - 1)
+    exact = _remeasure(q, frames.r, candidates)
+    keep = inside & ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
+    keep &= exact * frames.scale[..., None] <= radius
+    d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
+    u = triton_dense.roundoff(precision)
+    q_norms = (qc * qc).sum(-1)
+    bound = 2 * (dim + 4) * u * (q_norms.sqrt() + frames.reach) ** 2
+    unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
+    # Every reference of an unchosen chunk has a product value >= the least unchosen minimum;
+    # every unmeasured member of a chosen chunk a member distance >= the last one measured.
+    beyond_chunks = (unchosen + q_norms - bound) * (1 - 2 * (dim + 2) * u)
+    beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
+    everything = torch.isinf(unchosen) & torch.isinf(measured[..., -1])
+    certified = (d[..., k - 1] ** 2 < torch.minimum(beyond_chunks, beyond_members)) | everything
+    return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+
+
+def _on_tensor_cores(query) -> bool:
+    return query.is_cuda and query.dtype != torch.float64 and _triton.available()
+
+
 def _redone_in_triton(query, k) -> bool:
     return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
 
@@ -171,12 +236,18 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     # On CUDA every item at once (fewer launches); on CPUs one item at a time, whose products
     # stay nearer the caches (also measured no slower for tiny clouds, 2-16 items).
     groups = [slice(None)] if query.is_cuda else [slice(b, b + 1) for b in range(batch)]
+    fused = _on_tensor_cores(query)
+    # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
+    width = max(-(-columns // _chunk(columns)), (k + CHUNK_SLACK) * _chunk(columns)) if fused else columns
     for items in groups:
         part = frames.items(items)
-        step = max(1, budget // (part.q.shape[0] * columns * frames.q.element_size()))
+        step = max(1, budget // (part.q.shape[0] * width * frames.q.element_size()))
         for start in range(0, rows, step):
             block = slice(start, min(start + step, rows))
-            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
+            if fused:
+                d, i, failed[items, block] = _block_on_tensor_cores(part, block, ref_ok[items], k, radius)
+            else:
+                d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     _redo(query, ref, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
     ok = query_ok[..., None]

@@ -1,0 +1,108 @@
+"""Triton kernels of the "dense" backend on GPUs: the products on tensor cores, reduced to
+per-chunk minima so that no M x N matrix is stored.
+
+``chunk_minima``: for every query i and every chunk c of ``chunk`` consecutive references,
+``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (one tile of products per program, ``tl.dot`` in
+TF32, or three TF32 products that carry float32's significand, "tf32x3"). ``member_distances``:
+the squared distances from each query to every reference of the chunks chosen for it,
+summed from the differences (no cancellation: within (D + 2) u of the truth, relatively).
+``dense.py`` says why the k nearest lie in the chosen chunks and how that is certified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..._triton import tl, triton
+
+BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
+BLOCK_MEMBERS = 128
+
+
+def roundoff(precision: str) -> float:
+    """Unit roundoff of a product in ``precision`` (each operand split into two TF32 parts
+    for "tf32x3": the dropped low x low term and the splits are each below 2^-22 |q| |r|)."""
+    return {"ieee": 2.0**-24, "tf32x3": 2.0**-20, "tf32": 2.0**-10}[precision]
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
+                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        item = tl.program_id(2).to(tl.int64)
+        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        kk = tl.arange(0, BLOCK_K)
+        q_base = q_ptr + item * rows * dim
+        r_base = r_ptr + item * columns * dim
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            d = start + kk
+            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
+            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+                        other=0.0)
+            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        norms = tl.load(r_norms_ptr + item * columns + n, mask=n < columns, other=float("inf"))
+        approx = norms[None, :] - 2.0 * acc
+        minima = tl.min(tl.reshape(approx, (BLOCK_M, BLOCK_N // CHUNK, CHUNK)), axis=2)
+        c = tl.program_id(0) * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
+        tl.store(out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :], minima,
+                 mask=(m[:, None] < rows) & (c[None, :] < chunks))
+
+    @triton.jit
+    def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, out_ptr, rows, columns, dim, n_chosen,
+                                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+        item = tl.program_id(2).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        members = n_chosen * CHUNK
+        query = item * rows + row
+        chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
+        ref = chunk * CHUNK + j % CHUNK
+        ok = (j < members) & (ref < columns)
+        norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
+        kk = tl.arange(0, BLOCK_K)
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            d = start + kk
+            q = tl.load(q_ptr + query * dim + d, mask=d < dim, other=0.0)
+            r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :], mask=ok[:, None] & (d[None, :] < dim),
+                        other=0.0)
+            diff = q[None, :] - r
+            total += tl.sum(diff * diff, axis=1)
+        # +inf norms mark invalid references (past a length, or NaN rows)
+        total = tl.where(norms == float("inf"), float("inf"), total)
+        tl.store(out_ptr + query * members + j, total, mask=j < members)
+
+
+def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32, contiguous), r_norms [B, N] (|r|^2, +inf where
+    invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least ``r_norms - 2 q.r``."""
+    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+    batch, rows, dim = q.shape
+    columns = r.shape[1]
+    chunks = triton.cdiv(columns, chunk)
+    out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
+    if out.numel():
+        grid = (triton.cdiv(columns, BLOCK_N), triton.cdiv(rows, BLOCK_M), batch)
+        _chunk_minima_kernel[grid](q, r, r_norms, out, rows, columns, dim, chunks, CHUNK=chunk, PRECISION=precision,
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8, num_stages=3)
+    return out
+
+
+def member_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chosen: torch.Tensor,
+                     chunk: int) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32, contiguous), chosen [B, M, C] chunk numbers ->
+    [B, M, C * chunk]: squared distances to every reference of the chosen chunks (member
+    ``c * chunk + s`` is reference ``chosen[c] * chunk + s``; +inf past N or where r_norms is)."""
+    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+    batch, rows, dim = q.shape
+    n_chosen = chosen.shape[-1]
+    out = torch.empty((batch, rows, n_chosen * chunk), dtype=torch.float32, device=q.device)
+    if out.numel():
+        grid = (rows, triton.cdiv(n_chosen * chunk, BLOCK_MEMBERS), batch)
+        _member_distances_kernel[grid](q, r, r_norms, chosen.contiguous(), out, rows, r.shape[1], dim, n_chosen,
+                                       CHUNK=chunk, BLOCK=BLOCK_MEMBERS, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
