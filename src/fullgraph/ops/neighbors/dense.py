@@ -129,8 +129,8 @@ class _Frames:
         return part
 
 
-def _block(frames: _Frames, rows: slice, ref_ok, k, radius, take):
-    """dists, idx [B, m, min(k, take)] of the queries ``rows`` and which of them the
+def _block(frames: _Frames, rows, ref_ok, k, radius, take):
+    """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
     certificate leaves unproven [B, m]."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
@@ -168,11 +168,11 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     chunk = _chunk(columns)
     minima = triton_dense.chunk_minima(qc, frames.rc, frames.r_norms, chunk, precision)
     n_chosen = min(k + CHUNK_SLACK, minima.shape[-1])
-    values, chosen = torch.topk(minima, min(n_chosen + 1, minima.shape[-1]), dim=2, largest=False, sorted=True)
+    values, chosen = triton_dense.smallest(minima, min(n_chosen + 1, minima.shape[-1]))
     chosen = chosen[..., :n_chosen]
     q = frames.q[:, rows].contiguous()
     members = triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk)
-    measured, position = torch.topk(members, min(k + SLACK, members.shape[-1]), dim=2, largest=False, sorted=True)
+    measured, position = triton_dense.smallest(members, min(k + SLACK, members.shape[-1]))
     candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
     inside = candidates < columns
     candidates = candidates.clamp(max=columns - 1)
@@ -201,22 +201,47 @@ def _redone_in_triton(query, k) -> bool:
     return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
 
 
-def _redo(query, ref, k, radius, query_lengths, ref_lengths, failed, dists, idx):
-    """Search the ``failed`` [B, M] rows again exactly, in place."""
-    if _redone_in_triton(query, k):
-        capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
-        if not capturing and not bool(failed.any()):
-            return
-        d, i, _ = triton_grid.nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=failed)
-        dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
-        idx.copy_(torch.where(failed[..., None], i, idx))
+def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+    """Search the ``failed`` [B, M] rows again exactly, in place: inside a CUDA graph capture
+    by the Triton search; otherwise (one host read) by the stored products when the chunks
+    missed, and what still fails by the Triton search (CUDA) or the reference."""
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
+    if not bool(failed.any()):
         return
+    if _on_tensor_cores(query):
+        take = min(k + SLACK, ref.shape[1])
+        budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * frames.q.element_size())
+        for b, rows in enumerate(failed):
+            rows = rows.nonzero()[:, 0]
+            for start in range(0, rows.numel(), budget):
+                some = rows[start:start + budget]
+                d, i, still = _block(frames.items(slice(b, b + 1)), some, ref_ok[b:b + 1], k, radius, take)
+                dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
+        if not bool(failed.any()):
+            return
+    if _redone_in_triton(query, k):
+        return _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     for b, rows in enumerate(failed):
         rows = rows.nonzero()[:, 0]
         if rows.numel():
             lengths = None if ref_lengths is None else ref_lengths[b:b + 1]
             d, i, _ = reference.nearest(query[b:b + 1, rows], ref[b:b + 1], k, radius, None, lengths)
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
+
+
+def _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+    """The Triton search over the ``failed`` rows (its programs without one return at once),
+    for k + SLACK neighbours re-measured in the reference's arithmetic: its own sums over D
+    may differ from the reference's in the last bit, and so order near-ties differently."""
+    take = max(k, min(k + SLACK, REDO_MAX_K))
+    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed)
+    ok = found >= 0
+    exact = _remeasure(frames.q, frames.r, found.clamp(min=0)) * frames.scale[..., None]
+    ok &= exact <= radius
+    d, i = pairs.order_by_distance(exact.masked_fill(~ok, math.inf), found.masked_fill(~ok, -1))
+    dists.copy_(torch.where(failed[..., None], d[..., :k].to(dists.dtype), dists))
+    idx.copy_(torch.where(failed[..., None], i[..., :k], idx))
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
@@ -249,7 +274,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
             else:
                 d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
-    _redo(query, ref, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
     ok = query_ok[..., None]
     dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
     return dists.to(query.dtype), idx, (idx >= 0).sum(-1)

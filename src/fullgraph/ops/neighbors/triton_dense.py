@@ -6,6 +6,8 @@ per-chunk minima so that no M x N matrix is stored.
 TF32, or three TF32 products that carry float32's significand, "tf32x3"). ``member_distances``:
 the squared distances from each query to every reference of the chunks chosen for it,
 summed from the differences (no cancellation: within (D + 2) u of the truth, relatively).
+``smallest``: the least values of each row with their positions, ties to the smaller position
+(a sort of packed (value, position) keys in registers; ``torch.topk`` beyond SORT_MAX columns).
 ``dense.py`` says why the k nearest lie in the chosen chunks and how that is certified.
 """
 
@@ -17,6 +19,8 @@ from ..._triton import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
 BLOCK_MEMBERS = 128
+# The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
+SORT_MAX, SORT_KEYS = 2048, 4096
 
 
 def roundoff(precision: str) -> float:
@@ -75,6 +79,50 @@ if triton is not None:
         # +inf norms mark invalid references (past a length, or NaN rows)
         total = tl.where(norms == float("inf"), float("inf"), total)
         tl.store(out_ptr + query * members + j, total, mask=j < members)
+
+
+    @triton.jit
+    def _smallest_kernel(values_ptr, out_values_ptr, out_index_ptr, rows, width, count,
+                         ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+        c = tl.arange(0, WIDTH)
+        inside = (r[:, None] < rows) & (c[None, :] < width)
+        x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
+        # float32 bits -> int32 in the floats' order (negatives: flip the magnitude bits), then
+        # (value, position) packed into one int64 so that one sort orders both.
+        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties with 0.0
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        keys = tl.sort((ordered.to(tl.int64) << 32) | c[None, :].to(tl.int64), dim=1)
+        top = (keys >> 32).to(tl.int32)
+        value = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        keep = (r[:, None] < rows) & (c[None, :] < count)
+        tl.store(out_values_ptr + r[:, None] * count + c[None, :], value, mask=keep)
+        tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
+
+
+def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """values [..., W] float32 (no NaN) -> the ``count`` least per row, ascending, and their
+    positions (int64), ties to the smaller position: ``torch.topk(largest=False)`` with a
+    defined tie order. ``in_registers`` (default: on GPUs up to SORT_MAX columns) sorts in
+    Triton; otherwise ``torch.topk`` (wide rows) or a stable sort (CPU tensors, where Triton
+    is interpreted and its sort takes seconds)."""
+    width = values.shape[-1]
+    if in_registers is None:
+        in_registers = values.is_cuda and width <= SORT_MAX
+    if not in_registers:
+        if values.is_cuda:
+            return torch.topk(values, count, dim=-1, largest=False, sorted=True)
+        found, position = torch.sort(values, dim=-1, stable=True)
+        return found[..., :count], position[..., :count]
+    rows = values.numel() // max(width, 1)
+    out_values = torch.empty((*values.shape[:-1], count), dtype=torch.float32, device=values.device)
+    out_index = torch.empty((*values.shape[:-1], count), dtype=torch.int64, device=values.device)
+    if rows and count:
+        padded = triton.next_power_of_2(width)
+        per_program = max(1, SORT_KEYS // padded)
+        _smallest_kernel[(triton.cdiv(rows, per_program),)](values.contiguous(), out_values, out_index, rows, width,
+                                                            count, ROWS=per_program, WIDTH=padded, num_warps=4)
+    return out_values, out_index
 
 
 def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str) -> torch.Tensor:
