@@ -180,9 +180,13 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     keep = inside & ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
     keep &= exact * frames.scale[..., None] <= radius
     d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
-    u = triton_dense.roundoff(precision)
-    q_norms = (qc * qc).sum(-1)
-    bound = 2 * (dim + 4) * u * (q_norms.sqrt() + frames.reach) ** 2
+    # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
+    # then the float32 sums and norms as in step 3.
+    u = 2.0**-24
+    q_abs = (qc * qc).sum(-1).sqrt()
+    q_norms = q_abs * q_abs
+    bound = (2 * triton_dense.product_error(precision) * q_abs * frames.reach
+             + 2 * (dim + 4) * u * (q_abs + frames.reach) ** 2)
     unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
     # Every reference of an unchosen chunk has a product value >= the least unchosen minimum;
     # every unmeasured member of a chosen chunk a member distance >= the last one measured.

@@ -17,16 +17,21 @@ import torch
 
 from ..._triton import tl, triton
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 128, 32
+# Tiles of chunk_minima: the best of 8 configurations on the H100 (tf32x3; 8 x 4096^2 D=64,
+# 10^4 x 10^6 D=128, 2 x 10^4 x 2 x 10^5 D=16: benchmarks/results/h100-torch2.11/dense-tile-sweep.log);
+# BLOCK_K 16 for D <= 16 (5.0 against 6.3 ms), else 32.
+BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
 
 
-def roundoff(precision: str) -> float:
-    """Unit roundoff of a product in ``precision`` (each operand split into two TF32 parts
-    for "tf32x3": the dropped low x low term and the splits are each below 2^-22 |q| |r|)."""
-    return {"ieee": 2.0**-24, "tf32x3": 2.0**-20, "tf32": 2.0**-10}[precision]
+def product_error(precision: str) -> float:
+    """The largest relative error of one product q_d r_d on the tensor cores in ``precision``,
+    before the float32 accumulation: "tf32" rounds (or truncates) each operand to 10 bits,
+    2 x 2^-10 + 2^-20; "tf32x3" splits each into two TF32 parts and drops low x low, every
+    term below 2^-20, 4 x 2^-20 in all."""
+    return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
 if triton is not None:
@@ -135,8 +140,10 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     if out.numel():
         grid = (triton.cdiv(columns, BLOCK_N), triton.cdiv(rows, BLOCK_M), batch)
+        block_k = 16 if dim <= 16 else 32
         _chunk_minima_kernel[grid](q, r, r_norms, out, rows, columns, dim, chunks, CHUNK=chunk, PRECISION=precision,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8, num_stages=3)
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
+                                   num_stages=4 if block_k == 16 else 3)
     return out
 
 
@@ -152,5 +159,5 @@ def member_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, ch
     if out.numel():
         grid = (rows, triton.cdiv(n_chosen * chunk, BLOCK_MEMBERS), batch)
         _member_distances_kernel[grid](q, r, r_norms, chosen.contiguous(), out, rows, r.shape[1], dim, n_chosen,
-                                       CHUNK=chunk, BLOCK=BLOCK_MEMBERS, BLOCK_K=BLOCK_K, num_warps=4)
+                                       CHUNK=chunk, BLOCK=BLOCK_MEMBERS, BLOCK_K=32, num_warps=4)
     return out
