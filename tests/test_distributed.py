@@ -309,3 +309,12 @@ def test_queries_search_a_shard_within_their_k_th_distance_grouped_by_its_magnit
             assert limit <= 2 * float(kth[members].min()) * (1 + distributed._PRUNE_MARGIN) or limit == 0
     assert sorted(torch.cat([g for g, _ in groups]).tolist()) == rows.tolist()
     assert distributed._by_limit(rows[:0], kth[:0]) == [] and distributed._by_limit(rows, None) == [(rows, None)]
+
+
+def test_partition_samples_stay_inside_large_shards():
+    """The coordinates sampled for the slab cuts: 0 .. n - 1 exactly, also past 2^24 points
+    (a float32 linspace reached n at 2 x 10^8 and indexed out of bounds on the GPU)."""
+    for n, count in ((1, 5), (7, 7), (200_000_000, 1024), (2**31 + 5, 33)):
+        positions = distributed._evenly_spaced(n, count, "cpu")
+        assert positions[0] == 0 and positions[-1] == n - 1 and positions.dtype == torch.int64
+        assert bool((positions[1:] >= positions[:-1]).all())

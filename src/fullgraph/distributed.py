@@ -490,14 +490,19 @@ class Partitioned(NamedTuple):
 PARTITION_SAMPLE = 4096
 
 
+def _evenly_spaced(n: int, count: int, device) -> torch.Tensor:
+    """[count] int64 positions from 0 to n - 1 (n >= 1), in integers: a float32 linspace
+    rounds n - 1 up to n from n ~ 2^24 on."""
+    return torch.arange(count, device=device, dtype=torch.int64) * (n - 1) // max(count - 1, 1)
+
+
 def _cuts(coordinate: torch.Tensor, sizes: list[int], group) -> torch.Tensor:
     """[W - 1] cuts along one axis that split the whole cloud into W slabs of about equal
     counts: quantiles of every rank's evenly spaced sample, weighted by the rank's size."""
     world, _ = _ranks(group)
     sample = coordinate.new_full((PARTITION_SAMPLE,), math.nan, dtype=torch.float64)
     if coordinate.numel():
-        chosen = torch.linspace(0, coordinate.numel() - 1, PARTITION_SAMPLE, device=coordinate.device).long()
-        sample = coordinate[chosen].double()
+        sample = coordinate[_evenly_spaced(coordinate.numel(), PARTITION_SAMPLE, coordinate.device)].double()
     samples = _all_gather(sample, group)  # [W, S]
     weights = torch.tensor(sizes, dtype=torch.float64, device=coordinate.device)[:, None].expand_as(samples)
     finite = torch.isfinite(samples)
