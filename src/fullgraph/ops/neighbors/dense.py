@@ -294,12 +294,17 @@ class DenseKernels(pairs.Kernels):
 #   B=8, M=N=2048, k=20:     D=8 120/243,  D=12 120/293,  D=64 267/831
 # The tree wins up to D = 10 on large clouds; from D = 12 on the products win everywhere.
 AUTO_MIN_DIM = 12
-# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3),
-# H100, ms cdist+topk / dense / triton (benchmarks/results/h100-torch2.11/knn-crossover.log):
-#   B=8, M=N=4096, D=64, k=20: 3.7 / 7.1 / 22.1;  B=32, M=N=1024, D=64, k=20: 1.7 / 4.4 / 7.6
-#   M=20000, N=200000, D=16, k=10: 81.0 / 104.4 / 69.8
-# and for lists longer than Triton's MAX_K from D = 4 on (the alternative is the reference).
-CUDA_AUTO_MIN_DIM = 32
+# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
+# tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
+# (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log):
+#   B=16, M=N=256, D=64, k=20:     0.20 / 4.11 / 1.32 (0.90)   [per-call launches: see the note]
+#   B=32, M=N=1024, D=64, k=20:    1.70 / 4.53 / 6.92 (4.15)
+#   B=8, M=N=4096, D=64, k=20:     3.66 / 4.81 / 21.8 (4.58)
+#   M=20000, N=200000, D=16, k=10: 80.7 / 11.1 / 76.6 (8.42)
+#   M=10^4, N=10^6, D=128, k=10:   243 / 52.9 / 2,830 (63.3)
+# It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
+# against one); cdist + topk (inexact) stays faster below ~10^8 pairs (issue 14 is open).
+CUDA_AUTO_MIN_DIM = 4
 
 
 def _auto(device_type, dtype, dim, k) -> bool:

@@ -49,8 +49,9 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, dim, BLOCK_K):
             d = start + kk
-            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
-            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+            in_d = d[None, :] < dim
+            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
+            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
                         other=0.0)
             acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
         norms = tl.load(r_norms_ptr + item * columns + n, mask=n < columns, other=float("inf"))
@@ -77,8 +78,8 @@ if triton is not None:
         for start in range(0, dim, BLOCK_K):
             d = start + kk
             q = tl.load(q_ptr + query * dim + d, mask=d < dim, other=0.0)
-            r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :], mask=ok[:, None] & (d[None, :] < dim),
-                        other=0.0)
+            r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :],
+                        mask=ok[:, None] & (d[None, :] < dim), other=0.0)
             diff = q[None, :] - r
             total += tl.sum(diff * diff, axis=1)
         # +inf norms mark invalid references (past a length, or NaN rows)
