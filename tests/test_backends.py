@@ -72,7 +72,7 @@ def test_neighbour_backends_are_declared_once():
     if HAVE_TRITON:  # resolving needs no GPU
         cuda = torch.device("cuda")
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 3, 4).name == "triton"
-        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 4).name == "triton"
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 4, 4).name == "dense"  # tensor cores from D = 4
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 64, 4).name == "dense"
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 64, 4).name == "torch"  # dense would sync
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"  # beyond Triton's k
