@@ -13,6 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fullgraph
+from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import dense
 
 SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (1, 10000, 1000000, 128, 10),
@@ -21,17 +22,7 @@ FAILED: list[tuple[int, int]] = []
 
 
 def median_ms(fn, runs=30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return time_call(fn, torch.device("cuda"), warmup=3, runs=runs).median_ms
 
 
 def graphed(fn):

@@ -15,22 +15,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fullgraph import graphs
+from fullgraph.bench.timing import time_call
 from fullgraph.models import ConditionalUnet1D
 from fullgraph.models.unet1d import matmul_convolutions
 
 REPLAYS = 20
 
 
-def median_ms(fn, runs=50) -> float:
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+def median_ms(fn, runs=30) -> float:
+    return time_call(fn, torch.device("cuda"), warmup=0, runs=runs).median_ms
 
 
 def main(mode: str = "default") -> None:
@@ -45,7 +38,7 @@ def main(mode: str = "default") -> None:
     for _ in range(5):
         run(x, step, cond)
     torch.cuda.synchronize()
-    per_step = median_ms(lambda: run(x, step, cond))
+    per_step = median_ms(lambda: run(x, step, cond), runs=50)
     weights = sum(p.numel() * p.element_size() for p in net.parameters())
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
