@@ -35,15 +35,18 @@ chosen chunks up to the products' error (each of the k chosen minima is a distin
 reference at or below the k-th least minimum), and the certificate of step 3 takes the
 least of two floors: every reference of an unchosen chunk has a product value at least the
 least unchosen minimum (so a squared distance at least it + |q|^2 - e_i), every unmeasured
-member a member distance at least the last one measured. The products are three TF32
-products (each operand split in two TF32 parts), roundoff u = 2^-20, whatever
-torch.set_float32_matmul_precision says: with one TF32 product (u = 2^-10) the bound fails
-on every row.
+member a member distance at least the last one measured. The products' error there is
+split in two: each product's input rounding, at most eps |q_d r_d| (``triton_dense.product_error``)
+and so eps |q| |r| in all (Cauchy-Schwarz), plus the float32 sums and norms of step 3. The
+products are three TF32 products (each operand split in two TF32 parts, eps = 2^-18),
+whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2^-9) the
+certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
-Failed rows. On CUDA (float16/bfloat16/float32, k <= REDO_MAX_K, D <= REDO_MAX_DIM) the Triton
-search runs restricted to them: no host read, so the backend captures in CUDA graphs (its
-programs without a failed row return at once). Elsewhere the reference redoes them (one
-host read: float64 or longer lists on CUDA cannot be captured).
+Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
+D <= REDO_MAX_DIM) the Triton search runs restricted to them, for k + SLACK neighbours
+re-measured in the reference's arithmetic: no host read (its programs without a failed row
+return at once). Otherwise one host read: on GPUs the stored products of steps 1-3 redo
+them first, then the Triton search (CUDA) or the reference (CPUs, float64) what still fails.
 """
 
 from __future__ import annotations
@@ -129,6 +132,19 @@ class _Frames:
         return part
 
 
+def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None):
+    """The ``candidates`` [B, m, c] (reference positions; ``inside`` [B, m, c] marks the real
+    ones) of the queries q [B, m, D] re-measured in the reference's arithmetic, the valid
+    references within ``radius`` kept, ordered by (distance, index): distances [B, m, c] in
+    the frames' units (+inf where dropped), positions (-1 there)."""
+    exact = _remeasure(q, frames.r, candidates)
+    keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
+    keep &= exact * frames.scale[..., None] <= radius
+    if inside is not None:
+        keep &= inside
+    return pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
+
+
 def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
     certificate leaves unproven [B, m]."""
@@ -137,12 +153,9 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
     approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
     values, candidates = torch.topk(approx, take, dim=2, largest=False, sorted=True)
-    exact = _remeasure(frames.q[:, rows], frames.r, candidates)
-    keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
-    keep &= exact * frames.scale[..., None] <= radius
-    d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
+    d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
     if take == columns:
-        return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(keep[..., 0])
+        return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     u = _roundoff(qc.dtype)
     q_norms = (qc * qc).sum(-1)
     bound = 2 * (dim + 4) * u * (q_norms.sqrt() + frames.reach) ** 2
@@ -175,11 +188,7 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     measured, position = triton_dense.smallest(members, min(k + SLACK, members.shape[-1]))
     candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
     inside = candidates < columns
-    candidates = candidates.clamp(max=columns - 1)
-    exact = _remeasure(q, frames.r, candidates)
-    keep = inside & ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
-    keep &= exact * frames.scale[..., None] <= radius
-    d, candidates = pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
+    d, candidates = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, inside)
     # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
     # then the float32 sums and norms as in step 3.
     u = 2.0**-24
@@ -210,7 +219,7 @@ def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, fai
     by the Triton search; otherwise (one host read) by the stored products when the chunks
     missed, and what still fails by the Triton search (CUDA) or the reference."""
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
+        return _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     if not bool(failed.any()):
         return
     if _on_tensor_cores(query):
@@ -225,7 +234,7 @@ def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, fai
         if not bool(failed.any()):
             return
     if _redone_in_triton(query, k):
-        return _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
+        return _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     for b, rows in enumerate(failed):
         rows = rows.nonzero()[:, 0]
         if rows.numel():
@@ -234,17 +243,15 @@ def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, fai
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-def _redo_in_triton(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+def _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """The Triton search over the ``failed`` rows (its programs without one return at once),
     for k + SLACK neighbours re-measured in the reference's arithmetic: its own sums over D
     may differ from the reference's in the last bit, and so order near-ties differently."""
     take = max(k, min(k + SLACK, REDO_MAX_K))
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed)
-    ok = found >= 0
-    exact = _remeasure(frames.q, frames.r, found.clamp(min=0)) * frames.scale[..., None]
-    ok &= exact <= radius
-    d, i = pairs.order_by_distance(exact.masked_fill(~ok, math.inf), found.masked_fill(~ok, -1))
-    dists.copy_(torch.where(failed[..., None], d[..., :k].to(dists.dtype), dists))
+    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0)
+    d = d[..., :k] * frames.scale[..., None]
+    dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
     idx.copy_(torch.where(failed[..., None], i[..., :k], idx))
 
 
