@@ -38,17 +38,17 @@ def test_padded_form_matches_the_float64_loop(backend, device, distribution, dim
 
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
-@pytest.mark.parametrize("path", ["resident", "streamed", "split"])
+@pytest.mark.parametrize("path", ["resident", "streamed", "parts", "streamed parts"])
 def test_the_triton_kernel_equals_the_loop(backend, device, path, generator, monkeypatch):
-    """The kernel's three paths (the cloud in registers; streamed in chunks by one program;
-    split in slices, a launch per sample), on ties, duplicates, a non-finite point, an empty
-    item, bf16, and clouds larger than a chunk and a slice."""
-    if path != "resident":
+    """The kernel's four forms (a cloud in one program's registers or streamed by it in
+    chunks; cut into parts that exchange candidates, each part resident or streamed), on
+    ties, duplicates, a non-finite point, an empty item, bf16, and clouds larger than a
+    chunk and a part."""
+    if "streamed" in path:
         monkeypatch.setattr(sampling, "RESIDENT_ELEMENTS", 64)
-        monkeypatch.setattr(sampling, "CHUNK", 64)
-    if path == "split":
-        monkeypatch.setattr(sampling, "SPLIT_MIN_POINTS", 100)
-        monkeypatch.setattr(sampling, "SLICE", 128)
+        monkeypatch.setattr(sampling, "CHUNK", 32)
+    if "parts" in path:
+        monkeypatch.setattr(sampling, "MIN_SLICE", 64)
     x = torch.stack([points("grid", 300, 3, generator), points("duplicates", 300, 3, generator),
                      points("far", 300, 3, generator), points("normal", 300, 3, generator)]).to(device)
     x[3, 7] = math.inf

@@ -63,33 +63,35 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
     return idx
 
 
-# Three ways to run the loop on a GPU, by cloud size (N x D, rounded up to powers of two):
-# - resident: at most RESIDENT_ELEMENTS coordinates stay in one program's registers for
-#   every iteration (one launch);
-# - streamed: up to SPLIT_MIN_POINTS points, one program per cloud reads its cloud from L2 in
-#   chunks of CHUNK points each iteration, the distances to the samples in a scratch buffer
-#   (one launch);
-# - split: larger clouds are cut into slices of SLICE points, a program each, one launch per
-#   sample: each launch first reduces the slices' candidates of the last one (a single cloud
-#   of 10^6 points must not run on one SM).
-RESIDENT_ELEMENTS = 16384
+# The loop on a GPU: each cloud is cut into `parts` slices, a program each (grid [B, parts]).
+# A slice of at most RESIDENT_ELEMENTS coordinates (N x D rounded up to powers of two) stays
+# in its program's registers for every sample; a larger one is read from L2 in chunks of
+# CHUNK points, its distances to the samples kept in a scratch buffer. One part per cloud
+# finds each next sample alone. Several parts (up to one program per SM; slices of at least
+# MIN_SLICE points) exchange their candidates through 64-bit words (distance, step tag,
+# offset): each part publishes its word and waits for its cloud's other words of the same
+# step, so one launch runs every sample (a cloud of 10^6 points does not run on one SM).
+# Waiting needs every program resident at once: where it cannot be (more programs than SMs,
+# or Triton's interpreter, which runs programs one after another), a launch per sample takes
+# the place of the wait.
+RESIDENT_ELEMENTS = 32768
 CHUNK = 1024
-SPLIT_MIN_POINTS = 1 << 16
-SLICE = 8192
+MIN_SLICE = 1024
+INTERPRETED_PROGRAMS = 8  # the "SM count" under the interpreter: small clouds take several parts in the tests
 
 if triton is not None:
 
     @triton.jit
-    def _distances(base, current, chunk_offs, size, gaps, dims, D: tl.constexpr):
-        """Update the scratch distances of points ``chunk_offs`` with the sample ``current``;
-        returns them (-1: invalid, never taken)."""
-        inside = chunk_offs < size
+    def _distances(base, current, chunk_offs, end, gaps, dims, D: tl.constexpr):
+        """Update the scratch distances of points ``chunk_offs`` (< end) with the sample
+        ``current``; returns them (-1: invalid, never taken; -2: beyond end)."""
+        inside = chunk_offs < end
         chunk = tl.load(base + chunk_offs[:, None] * D + dims[None, :], mask=inside[:, None] & (dims < D)[None, :],
                         other=0.0)
         centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
-        gap = tl.load(gaps + chunk_offs, mask=inside, other=-1.0)
+        gap = tl.load(gaps + chunk_offs, mask=inside, other=-2.0)
         diff = chunk - centre[None, :]
-        gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
+        gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), gap)
         tl.store(gaps + chunk_offs, gap, mask=inside)
         return gap
 
@@ -100,102 +102,110 @@ if triton is not None:
         return top, tl.min(tl.where(values == top, at, none), 0)
 
     @triton.jit
-    def _fps_kernel(points, valid, start, out, gap_buffer, size, count, D: tl.constexpr, DP: tl.constexpr,
-                    BLOCK: tl.constexpr, RESIDENT: tl.constexpr):
-        """One program per cloud: out[b, :count], the samples from start[b], ties to the smaller index."""
-        b = tl.program_id(0).to(tl.int64)
-        base = points + b * size * D
-        dims = tl.arange(0, DP)
-        current = tl.load(start + b)
-        lanes = tl.arange(0, BLOCK)
-        if RESIDENT:
-            inside = lanes < size
-            block = tl.load(base + lanes[:, None] * D + dims[None, :], mask=inside[:, None] & (dims < D)[None, :],
-                            other=0.0)
-            ok = tl.load(valid + b * size + lanes, mask=inside, other=0) != 0
-            gap = tl.where(ok, float("inf"), -1.0)
-            for i in range(count):
-                tl.store(out + b * count + i, current)
-                centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
-                diff = block - centre[None, :]
-                gap = tl.where(ok, tl.minimum(gap, tl.sum(diff * diff, 1)), -1.0)
-                current = tl.argmax(gap, 0, tie_break_left=True).to(tl.int64)
-        else:
-            for i in range(count):
-                tl.store(out + b * count + i, current)
-                best = tl.full((BLOCK,), -2.0, tl.float32)
-                best_at = tl.zeros((BLOCK,), tl.int64)
-                for first in range(0, size, BLOCK):
-                    gap = _distances(base, current, first + lanes, size, gap_buffer + b * size, dims, D)
-                    better = gap > best  # strictly: each lane keeps its earliest maximum
-                    best = tl.where(better, gap, best)
-                    best_at = tl.where(better, first + lanes, best_at)
-                _, current = _first_of_largest(best, best_at, size)
-                tl.debug_barrier()
+    def _winner(slots, b, batch, step, slice_len, size, PARTS: tl.constexpr, PARTS_P: tl.constexpr):
+        """The sample after ``step`` of cloud b: the first of the largest candidates its parts
+        published in ``slots``, once every part has (their words carry the step's low byte)."""
+        parts = tl.arange(0, PARTS_P)
+        words = slots + ((step % 2) * batch + b) * PARTS + parts
+        tag = step & 0xFF
+        word = tl.load(words, mask=parts < PARTS, other=-1, volatile=True)
+        while tl.sum(tl.where((parts < PARTS) & (((word >> 24) & 0xFF) != tag), 1, 0), 0) > 0:
+            word = tl.load(words, mask=parts < PARTS, other=-1, volatile=True)
+        key = tl.where(parts < PARTS, word >> 32, -1)
+        return _first_of_largest(key, parts.to(tl.int64) * slice_len + (word & 0xFFFFFF), size)[1]
 
-    @triton.jit(do_not_specialize=["step"])
-    def _fps_split_kernel(points, start, out, gap_buffer, partial_gap, partial_at, batch, size, count, step,
-                          slices, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, SLICE_LEN: tl.constexpr,
-                          SLICES_P: tl.constexpr):
-        """Sample ``step`` of cloud b = program_id(0): program_id(1) takes one slice of it.
-        partial_* [2, B, slices]: each slice's candidate (largest distance, first index), by
-        the parity of the step that wrote it."""
+    @triton.jit(do_not_specialize=["first_step", "last_step"])
+    def _fps_kernel(points, gaps, start, out, slots, batch, size, count, first_step, last_step, slice_len,
+                    D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
+                    PARTS_P: tl.constexpr, RESIDENT: tl.constexpr):
+        """Samples first_step..last_step - 1 of cloud b = program_id(0), whose points
+        [part * slice_len, +slice_len) part = program_id(1) searches. gaps [B, N]: squared
+        distances to the samples so far (-1: never taken); slots [2, B, PARTS] int64: each
+        part's candidate by the parity of its step (distance bits + 1 or 0 for none, step & 255,
+        offset in the part)."""
         b = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         base = points + b * size * D
+        own = gaps + b * size
+        lo = part.to(tl.int64) * slice_len
+        end = tl.minimum(lo + slice_len, size)
         dims = tl.arange(0, DP)
-        if step == 0:
+        lanes = tl.arange(0, BLOCK)
+        if RESIDENT:
+            inside = lo + lanes < end
+            block = tl.load(base + (lo + lanes)[:, None] * D + dims[None, :],
+                            mask=inside[:, None] & (dims < D)[None, :], other=0.0)
+            gap = tl.load(own + lo + lanes, mask=inside, other=-2.0)
+        if first_step == 0:
             current = tl.load(start + b)
         else:
-            parts = tl.arange(0, SLICES_P)
-            read = ((step + 1) % 2 * batch + b) * slices + parts
-            _, current = _first_of_largest(tl.load(partial_gap + read, mask=parts < slices, other=-3.0),
-                                           tl.load(partial_at + read, mask=parts < slices, other=size), size)
-        if part == 0:
-            tl.store(out + b * count + step, current)
-        if step + 1 < count:
-            lanes = tl.arange(0, BLOCK)
-            best = tl.full((BLOCK,), -2.0, tl.float32)
-            best_at = tl.zeros((BLOCK,), tl.int64)
-            for first in range(part * SLICE_LEN, tl.minimum(part * SLICE_LEN + SLICE_LEN, size), BLOCK):
-                gap = _distances(base, current, first + lanes, size, gap_buffer + b * size, dims, D)
-                better = gap > best
-                best = tl.where(better, gap, best)
-                best_at = tl.where(better, first + lanes, best_at)
-            top, at = _first_of_largest(best, best_at, size)
-            write = (step % 2 * batch + b) * slices + part
-            tl.store(partial_gap + write, top)
-            tl.store(partial_at + write, at)
+            current = _winner(slots, b, batch, first_step - 1, slice_len, size, PARTS, PARTS_P)
+        for step in range(first_step, last_step):
+            tl.store(out + b * count + step, current, mask=part == 0)
+            if step + 1 < count:
+                if RESIDENT:
+                    centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
+                    diff = block - centre[None, :]
+                    gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), gap)
+                    top, offset = tl.max(gap, 0, return_indices=True, return_indices_tie_break_left=True)
+                else:
+                    best = tl.full((BLOCK,), -3.0, tl.float32)
+                    best_at = tl.zeros((BLOCK,), tl.int64)
+                    for first in range(lo, end, BLOCK):
+                        chunk_gap = _distances(base, current, first + lanes, end, own, dims, D)
+                        better = chunk_gap > best  # strictly: each lane keeps its earliest maximum
+                        best = tl.where(better, chunk_gap, best)
+                        best_at = tl.where(better, first + lanes - lo, best_at)
+                    top, offset = _first_of_largest(best, best_at, slice_len)
+                if PARTS == 1 and step + 1 < last_step:
+                    current = offset.to(tl.int64)
+                else:
+                    key = tl.where(top >= 0, top.to(tl.int32, bitcast=True) + 1, 0).to(tl.int64)
+                    word = (key << 32) | (tl.cast(step & 0xFF, tl.int64) << 24) | offset.to(tl.int64)
+                    tl.store(slots + ((step % 2) * batch + b) * PARTS + part, word)
+                    if step + 1 < last_step:
+                        current = _winner(slots, b, batch, step, slice_len, size, PARTS, PARTS_P)
+        if RESIDENT:
+            tl.store(own + lo + lanes, gap, mask=inside)
 
 
-def _resident(size: int, dim: int) -> bool:
-    return triton.next_power_of_2(max(size, 1)) * triton.next_power_of_2(dim) <= RESIDENT_ELEMENTS
+def _programs(device: torch.device) -> int:
+    """How many programs run at once: one per SM."""
+    if _triton.INTERPRETED:
+        return INTERPRETED_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _slices(batch: int, size: int, dim: int, programs: int) -> tuple[int, int, bool]:
+    """(parts per cloud, slice length, resident): as many parts as the programs allow, of at
+    least MIN_SLICE points (one part: the whole cloud)."""
+    whole = triton.next_power_of_2(max(size, 1))
+    length = min(whole, max(MIN_SLICE, triton.next_power_of_2(triton.cdiv(size, max(1, programs // batch)))))
+    length = min(length, 1 << 24)  # a part's offset is 24 bits of its word
+    return triton.cdiv(max(size, 1), length), length, length * triton.next_power_of_2(dim) <= RESIDENT_ELEMENTS
 
 
 def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
-    """The same loop in float32, resident, streamed or split (see RESIDENT_ELEMENTS)."""
+    """The same loop in float32 (see RESIDENT_ELEMENTS for how a cloud is split)."""
     batch, size, dim = points.shape
-    idx = torch.empty((batch, count), dtype=torch.int64, device=points.device)
-    if batch == 0:
+    idx = torch.zeros((batch, count), dtype=torch.int64, device=points.device)
+    if batch == 0 or size == 0:
         return idx
-    points, dp = points.contiguous(), triton.next_power_of_2(dim)
-    if _resident(size, dim):
-        block = triton.next_power_of_2(max(size, 1))
-        _fps_kernel[(batch,)](points, valid.to(torch.uint8), start, idx, idx, size, count, D=dim, DP=dp, BLOCK=block,
-                              RESIDENT=True, num_warps=max(1, min(16, block // 256)))
-        return idx
+    programs = _programs(points.device)
+    parts, length, resident = _slices(batch, size, dim, programs)
     gaps = torch.where(valid, math.inf, -1.0).to(torch.float32)
-    if size <= SPLIT_MIN_POINTS:
-        _fps_kernel[(batch,)](points, valid, start, idx, gaps, size, count, D=dim, DP=dp, BLOCK=CHUNK, RESIDENT=False,
-                              num_warps=4)
-        return idx
-    slices = triton.cdiv(size, SLICE)
-    partial_gap = torch.empty((2, batch, slices), dtype=torch.float32, device=points.device)
-    partial_at = torch.empty((2, batch, slices), dtype=torch.int64, device=points.device)
-    for step in range(count):
-        _fps_split_kernel[(batch, slices)](points, start, idx, gaps, partial_gap, partial_at, batch, size, count,
-                                           step, slices, D=dim, DP=dp, BLOCK=CHUNK, SLICE_LEN=SLICE,
-                                           SLICES_P=triton.next_power_of_2(slices), num_warps=4)
+    slots = torch.full((2, batch, parts), -1, dtype=torch.int64, device=points.device)
+    block = length if resident else CHUNK
+    launch = _fps_kernel[(batch, parts)]
+    settings = dict(D=dim, DP=triton.next_power_of_2(dim), BLOCK=block, PARTS=parts,
+                    PARTS_P=triton.next_power_of_2(parts), RESIDENT=resident,
+                    num_warps=max(1, min(16, block // 256)) if resident else 4)
+    arguments = (points.contiguous(), gaps, start, idx, slots, batch, size, count)
+    if parts == 1 or (batch * parts <= programs and not _triton.INTERPRETED):
+        launch(*arguments, 0, count, length, **settings)
+    else:
+        for step in range(count):
+            launch(*arguments, step, step + 1, length, **settings)
     return idx
 
 
@@ -268,8 +278,8 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
         ratio: fraction in (0, 1]. n_samples: int >= 1 (at most N in the padded form).
         random_start: draw each item's first sample uniformly among its valid points (from
             ``generator``, on x's device); else its first valid point.
-        backend: "auto", "triton" (CUDA, float32: a program per cloud, or per slice of a
-            large cloud with a launch per sample; see ``RESIDENT_ELEMENTS``) or
+        backend: "auto", "triton" (CUDA, float32: one launch, a program per cloud or per
+            part of a large one, the parts exchanging candidates; see ``RESIDENT_ELEMENTS``) or
             "torch" (a loop of batched PyTorch operations, any device and dtype). "auto"
             takes Triton on CUDA.
 

@@ -1,5 +1,6 @@
 """Farthest-point sampling: the loop PointNet++ ports write against ``fullgraph.fps`` on each
-backend (the PyTorch loop as one operator; the Triton kernel, a program per cloud)."""
+backend (the PyTorch loop as one operator; the Triton kernel, one launch: a program per cloud
+or per part of one, the parts exchanging candidates through L2)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ register(Workload(
            "small": {"batch": 32, "points": 1024, "samples": 512},
            "tiny": {"batch": 2, "points": 500, "samples": 16}},
     build=_fps,
-    notes=["floor per sample: read the cloud once (12 bytes a point; the kernel also reads and writes the "
-           "running distances, 8 more) - seed: 16 x 16384 x 20 B = 5.2 MB from L2, 4096 times"],
+    notes=["floor per sample: latency, not bytes (the cloud stays in registers): a reduction over each part "
+           "and, with several parts a cloud, one exchange of their candidates through L2 (~1-2 us)"],
     baseline=PLAIN,
 ))
