@@ -20,12 +20,14 @@ WORKLOADS = {
     "extern-pool": ("seed", "small", "tiny"),
     "fps": ("seed", "large", "small", "tiny"),
     "kmeans": ("seed", "small", "tiny"),
+    "knn-graph": ("seed", "small", "tiny"),
     "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),
     "knn-sharded": ("seed", "weak", "small", "tiny"),
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
     "neighbor-ops": ("seed", "large", "feature", "feature-small", "crossover"),
     "pointnet2": ("seed", "small", "tiny"),
+    "radius-graph": ("seed", "small", "tiny"),
     "radius-projector": ("seed", "small", "tiny"),
 }
 

@@ -204,3 +204,12 @@ def test_bench_json_holds_the_rows_so_far_after_each_row(tmp_path, monkeypatch):
                  "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
     assert seen[:len(rows)] == list(range(1, len(rows) + 1)) and seen[-1] == len(rows)
+
+
+@pytest.mark.parametrize("name", ["knn-graph", "radius-graph"])
+def test_graph_builder_workloads_agree_with_their_plain_variant(name):
+    from fullgraph.bench import WORKLOADS
+
+    cases = {case.variant: case for case in WORKLOADS[name].build({"points": 700}, torch.device("cpu"))}
+    fields = cases[f"fullgraph.{name.replace('-', '_')}"].check()
+    assert fields["same_edges_as_plain"] and fields["edges"] > 700

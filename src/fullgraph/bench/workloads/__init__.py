@@ -5,7 +5,8 @@ A workload registers under its CLI name with its sizes; ``build(size, device)`` 
 """
 
 from . import (  # noqa: F401
-    diffusion_policy, edgeconv, extern_pool, fps, kmeans, kmeans_fit, knn_sharded, lltm, neighbor_ops, pointnet2,
+    diffusion_policy, edgeconv, extern_pool, fps, graph_builders, kmeans, kmeans_fit, knn_sharded, lltm, neighbor_ops,
+    pointnet2,
     projectors,
 )
 from .base import BASELINE, WORKLOADS, Case, Workload, register, seed_point_clouds
