@@ -65,8 +65,9 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
 
 # The loop on a GPU: each cloud is cut into `parts` slices, a program each (grid [B, parts]).
 # A slice of at most RESIDENT_ELEMENTS coordinates (N x D rounded up to powers of two) stays
-# in its program's registers for every sample; a larger one is read from L2 in chunks of
-# CHUNK points, its distances to the samples kept in a scratch buffer. One part per cloud
+# in its program's registers for every sample; a larger one is read from L2 in chunks of a
+# quarter of that (a chunk's running best takes registers too), its distances to the samples
+# kept in a scratch buffer. One part per cloud
 # finds each next sample alone. Several parts (up to one program per SM; slices of at least
 # MIN_SLICE points) exchange their candidates through 64-bit words (distance, step tag,
 # offset): each part publishes its word and waits for its cloud's other words of the same
@@ -75,7 +76,6 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
 # or Triton's interpreter, which runs programs one after another), a launch per sample takes
 # the place of the wait.
 RESIDENT_ELEMENTS = 32768
-CHUNK = 1024
 MIN_SLICE = 1024
 INTERPRETED_PROGRAMS = 8  # the "SM count" under the interpreter: small clouds take several parts in the tests
 
@@ -176,13 +176,17 @@ def _programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _slices(batch: int, size: int, dim: int, programs: int) -> tuple[int, int, bool]:
-    """(parts per cloud, slice length, resident): as many parts as the programs allow, of at
-    least MIN_SLICE points (one part: the whole cloud)."""
+def _slices(batch: int, size: int, dim: int, programs: int) -> tuple[int, int, int]:
+    """(parts per cloud, slice length, block): as many parts as the programs allow, of at
+    least MIN_SLICE points (one part: the whole cloud); block: the points a program holds at
+    once (the slice length where it stays resident)."""
     whole = triton.next_power_of_2(max(size, 1))
     length = min(whole, max(MIN_SLICE, triton.next_power_of_2(triton.cdiv(size, max(1, programs // batch)))))
     length = min(length, 1 << 24)  # a part's offset is 24 bits of its word
-    return triton.cdiv(max(size, 1), length), length, length * triton.next_power_of_2(dim) <= RESIDENT_ELEMENTS
+    block = min(length, max(1, RESIDENT_ELEMENTS // triton.next_power_of_2(dim)))
+    if block < length:
+        block = max(1, block // 4)
+    return triton.cdiv(max(size, 1), length), length, block
 
 
 def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
@@ -192,14 +196,13 @@ def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor,
     if batch == 0 or size == 0:
         return idx
     programs = _programs(points.device)
-    parts, length, resident = _slices(batch, size, dim, programs)
+    parts, length, block = _slices(batch, size, dim, programs)
     gaps = torch.where(valid, math.inf, -1.0).to(torch.float32)
     slots = torch.full((2, batch, parts), -1, dtype=torch.int64, device=points.device)
-    block = length if resident else CHUNK
     launch = _fps_kernel[(batch, parts)]
     settings = dict(D=dim, DP=triton.next_power_of_2(dim), BLOCK=block, PARTS=parts,
-                    PARTS_P=triton.next_power_of_2(parts), RESIDENT=resident,
-                    num_warps=max(1, min(16, block // 256)) if resident else 4)
+                    PARTS_P=triton.next_power_of_2(parts), RESIDENT=block == length,
+                    num_warps=max(1, min(16, block // 256)))
     arguments = (points.contiguous(), gaps, start, idx, slots, batch, size, count)
     if parts == 1 or (batch * parts <= programs and not _triton.INTERPRETED):
         launch(*arguments, 0, count, length, **settings)
