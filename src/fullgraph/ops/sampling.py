@@ -77,6 +77,7 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
 # the place of the wait.
 RESIDENT_ELEMENTS = 32768
 MIN_SLICE = 1024
+MAX_PARTS = 256  # a part's number is 8 bits of the key its cloud's winner is chosen by
 INTERPRETED_PROGRAMS = 8  # the "SM count" under the interpreter: small clouds take several parts in the tests
 
 if triton is not None:
@@ -111,8 +112,10 @@ if triton is not None:
         word = tl.load(words, mask=parts < PARTS, other=-1, volatile=True)
         while tl.sum(tl.where((parts < PARTS) & (((word >> 24) & 0xFF) != tag), 1, 0), 0) > 0:
             word = tl.load(words, mask=parts < PARTS, other=-1, volatile=True)
-        key = tl.where(parts < PARTS, word >> 32, -1)
-        return _first_of_largest(key, parts.to(tl.int64) * slice_len + (word & 0xFFFFFF), size)[1]
+        # One reduction: the largest (distance key, then the earliest part and offset) wins.
+        order = ((255 - parts).to(tl.int64) << 24) | (0xFFFFFF - (word & 0xFFFFFF))
+        best = tl.max(tl.where(parts < PARTS, ((word >> 32) << 32) | order, -1), 0)
+        return (255 - ((best >> 24) & 0xFF)) * slice_len + (0xFFFFFF - (best & 0xFFFFFF))
 
     @triton.jit(do_not_specialize=["first_step", "last_step"])
     def _fps_kernel(points, gaps, start, out, slots, batch, size, count, first_step, last_step, slice_len,
@@ -181,7 +184,8 @@ def _slices(batch: int, size: int, dim: int, programs: int) -> tuple[int, int, i
     least MIN_SLICE points (one part: the whole cloud); block: the points a program holds at
     once (the slice length where it stays resident)."""
     whole = triton.next_power_of_2(max(size, 1))
-    length = min(whole, max(MIN_SLICE, triton.next_power_of_2(triton.cdiv(size, max(1, programs // batch)))))
+    wanted = min(MAX_PARTS, max(1, programs // batch))
+    length = min(whole, max(MIN_SLICE, triton.next_power_of_2(triton.cdiv(size, wanted))))
     length = min(length, 1 << 24)  # a part's offset is 24 bits of its word
     block = min(length, max(1, RESIDENT_ELEMENTS // triton.next_power_of_2(dim)))
     if block < length:

@@ -31,9 +31,10 @@ FLOWS = ("source_to_target", "target_to_source")
 def _edges(idx: Tensor, queries: int, drop_self: bool) -> Tensor:
     """edge_index [2, E] (query row, neighbour) of the found slots of lists idx [M, k],
     without the edges (i, i) when ``drop_self``."""
-    rows = torch.arange(queries, device=idx.device)[:, None].expand_as(idx)
+    rows = torch.arange(queries, device=idx.device)[:, None]
     found = (idx >= 0) & (idx != rows) if drop_self else idx >= 0
-    return torch.stack([rows[found], idx[found]])
+    slots = found.flatten().nonzero().squeeze(1)  # the one host read: E depends on the data
+    return torch.stack([slots.div(max(idx.shape[1], 1), rounding_mode="floor"), idx.flatten()[slots]])
 
 
 def _lists(x, y, k, r, batch_x, batch_y, backend) -> Tensor:

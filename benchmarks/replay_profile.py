@@ -1,0 +1,30 @@
+"""What one replayed CUDA graph spends its time on: the kernels of a replay (count, time,
+share), the replay's time against the sum of its kernels (the gaps), and a stated floor.
+Shared by the profile scripts in this folder."""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from fullgraph.bench.timing import time_call
+
+REPLAYS = 20
+
+
+def report(run, title: str, floor: str) -> None:
+    """Print the profile of ``run()`` (a replay, already warmed up) under ``title``."""
+    per_step = time_call(run, torch.device("cuda"), warmup=0, runs=50).median_ms
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernel_us = sum(e.device_time_total for e in kernels) / REPLAYS
+    launches = sum(e.count for e in kernels) / REPLAYS
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: {title}")
+    print(f"one replay: {per_step * 1000:.1f} us (CUDA events, median of 50 replays)")
+    print(f"kernels per replay: {launches:.0f}, their time summed: {kernel_us:.1f} us; "
+          f"gaps and launch latency inside the graph: {per_step * 1000 - kernel_us:.1f} us")
+    print(f"floor: {floor}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
