@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fullgraph
-from conftest import DEVICES, oracle_distances, oracle_nearest
+from conftest import DEVICES, backend_cases, oracle_distances, oracle_nearest, points
 
 
 def _flat_clouds(generator, sizes=(7, 0, 12, 5), dim=3):
@@ -85,6 +85,21 @@ def test_knn_graph_like_torch_cluster(device, loop, generator):
     assert set(map(tuple, edge_index.t().tolist())) == _oracle_graph(x, batch, 3, loop)
     flipped = fullgraph.knn_graph(x.to(device), 3, batch.to(device), loop=loop, flow="target_to_source")
     assert torch.equal(flipped, edge_index.flip(0))
+
+
+@pytest.mark.parametrize("backend, device", backend_cases())
+@pytest.mark.parametrize("distribution", ["duplicates", "grid", "uniform"])
+def test_knn_graph_lists_edges_in_order_with_crowded_duplicates(backend, device, distribution, generator):
+    """Edges by point, then distance, equal to the k + 1 nearest without the point itself,
+    also where more than k + 1 copies of a point precede it (it then keeps k + 1 others)."""
+    x = points(distribution, 40, 3, generator).float()
+    x[10:17] = x[3]  # eight copies of point 3: copies 5..8 have k + 1 = 4 copies of smaller index ahead
+    batch = torch.tensor([0] * 25 + [2] * 15)
+    edge_index = fullgraph.knn_graph(x.to(device), 3, batch.to(device), backend=backend)
+    want = [(j, i) for i, row in enumerate(_oracle_lists(x.double(), batch, x.double(), batch, 4))
+            for j in row if j != i]
+    assert list(map(tuple, edge_index.t().tolist())) == want
+    assert sum(1 for j, i in want if i == 16) == 4  # a crowded copy keeps k + 1 edges
 
 
 @pytest.mark.parametrize("device", DEVICES)

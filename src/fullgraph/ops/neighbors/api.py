@@ -73,7 +73,7 @@ def _unbatch(tensors, unbatched: bool):
     return tuple(t[0] for t in tensors) if unbatched else tuple(tensors)
 
 
-def _batch_vectors(query, ref, batch_query, batch_ref, query_lengths, ref_lengths):
+def batch_vectors(query, ref, batch_query, batch_ref, query_lengths, ref_lengths):
     """For flat clouds with PyG batch vectors: (padded query, padded ref, query layout,
     ref layout); see ``batching``."""
     if query_lengths is not None or ref_lengths is not None:
@@ -96,7 +96,7 @@ def _aggregate_batch_vectors(aggregate, query, ref, features, size, sigma, batch
                              ref_lengths, backend):
     """``aggregate`` (knn_aggregate or radius_aggregate, ``size`` its k or radius) of flat
     clouds with batch vectors, through the padded layout."""
-    padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+    padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
                                                               ref_lengths)
     check_features(features, ref)
     out = aggregate(padded_query, padded_ref, refs.pad(features), size, sigma=sigma, query_lengths=queries.lengths,
@@ -148,7 +148,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
         (torch.Size([10, 4]), torch.Size([10, 4]))
     """
     if batch_query is not None or batch_ref is not None:
-        padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+        padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
                                                                   ref_lengths)
         dists, idx = knn(padded_query, padded_ref, k, query_lengths=queries.lengths, ref_lengths=refs.lengths,
                          backend=backend)
@@ -191,7 +191,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
         True
     """
     if batch_query is not None or batch_ref is not None:
-        return _radius_batch_vectors(query, ref, radius, max_neighbors, batch_query, batch_ref, query_lengths,
+        return _radiusbatch_vectors(query, ref, radius, max_neighbors, batch_query, batch_ref, query_lengths,
                                      ref_lengths, backend)
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius, radius_tensor = _scalar("radius", radius, strict=False)
@@ -318,9 +318,9 @@ def knn_gather(values, idx, *, fill: float = 0.0):
     return out[0] if unbatched else out
 
 
-def _radius_batch_vectors(query, ref, r, max_neighbors, batch_query, batch_ref, query_lengths, ref_lengths, backend):
+def _radiusbatch_vectors(query, ref, r, max_neighbors, batch_query, batch_ref, query_lengths, ref_lengths, backend):
     """``radius`` of flat clouds with batch vectors, through the padded layout."""
-    padded_query, padded_ref, queries, refs = _batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
+    padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
                                                               ref_lengths)
     dists, idx, counts = radius(padded_query, padded_ref, r, max_neighbors, query_lengths=queries.lengths,
                                 ref_lengths=refs.lengths, backend=backend)

@@ -10,8 +10,11 @@ and ``flow`` conventions.
 
 Differences from torch_cluster: lists hold the *nearest* neighbours (ties to the smaller
 index), where torch_cluster's radius keeps the first ``max_num_neighbors`` it finds; edges
-come ordered by query, then distance. E depends on the data: each builder is an operator
-(``torch.ops.fullgraph.knn_edges`` ...) whose fake declares a data-dependent size, so
+come ordered by query, then distance. ``knn_graph`` without loops has its own operator
+(``knn_graph_edges``: one cloud, so a backend can skip each point while searching instead of
+searching k + 1 - on the Triton grid a 16-wide list instead of a 32-wide one for k = 16).
+E depends on the data: each builder is an operator (``torch.ops.fullgraph.knn_edges``,
+``knn_graph_edges``, ``radius_edges``) whose fake declares a data-dependent size, so
 ``torch.compile(fullgraph=True)`` holds without a graph break; they read sizes back to the
 host, so they cannot be captured in a CUDA graph.
 """
@@ -22,6 +25,8 @@ import torch
 
 from ... import _validate
 from . import api
+from .batching import check_batch
+from .registration import check_list_width, kernels
 
 Tensor = torch.Tensor
 OptionalTensor = torch.Tensor | None
@@ -67,7 +72,28 @@ def _radius_edges(x: Tensor, y: Tensor, r: float, batch_x: OptionalTensor, batch
     return _edges(_lists(x, y, max_num_neighbors, r, batch_x, batch_y, backend), y.shape[0], drop_self)
 
 
+@torch.library.custom_op("fullgraph::knn_graph_edges", mutates_args=())
+def _knn_graph_edges(x: Tensor, k: int, batch: OptionalTensor, backend: str) -> Tensor:
+    """knn_graph's edges without loops: (point, neighbour) of each point's k + 1 nearest in
+    its item but itself. One cloud, so "itself" is unambiguous and a backend may skip it
+    while searching (the Triton grid searches k, not k + 1)."""
+    _validate.floating("x", x)
+    _validate.rank("x", x, (2,), "[N, D]")
+    _validate.integer("k", k, minimum=1)
+    if batch is not None:
+        check_batch("batch", batch, x)
+        points, _, layout, _ = api.batch_vectors(x, x, batch, batch, None, None)
+        lengths = layout.lengths
+    else:
+        points, lengths = x[None], None
+    check_list_width("k", k + 1, points.shape[1])
+    lists = kernels(backend, "knn", points, x.shape[1], k + 1).nearest_but_self(points.contiguous(), k, lengths)
+    lists = layout.global_index(layout.unpad(lists), batch) if batch is not None else lists[0]
+    return _edges(lists, x.shape[0], drop_self=False)
+
+
 _knn_edges.register_fake(_fake_edges)
+_knn_graph_edges.register_fake(_fake_edges)
 _radius_edges.register_fake(_fake_edges)
 
 
@@ -107,7 +133,10 @@ def knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend=
     """
     _validate.integer("k", k, minimum=1)
     _validate.choice("flow", flow, FLOWS)
-    edges = torch.ops.fullgraph.knn_edges(x, x, k if loop else k + 1, batch, batch, not loop, backend)
+    if loop:
+        edges = torch.ops.fullgraph.knn_edges(x, x, k, batch, batch, False, backend)
+    else:
+        edges = torch.ops.fullgraph.knn_graph_edges(x, k, batch, backend)
     return _oriented(edges, flow)
 
 

@@ -205,6 +205,11 @@ def _knn_chunks(idx: Tensor, dists: Tensor, columns: int, width: int):
         yield chunk, qi[slots] - chunk.start, rj[slots], d[slots], slots
 
 
+def without_self(idx: torch.Tensor) -> torch.Tensor:
+    """Lists idx [B, N, k] of a cloud's points among themselves, -1 where a point lists itself."""
+    return torch.where(idx == torch.arange(idx.shape[1], device=idx.device)[:, None], -1, idx)
+
+
 class Kernels:
     """What a neighbour backend implements, on contiguous batched inputs.
 
@@ -220,6 +225,12 @@ class Kernels:
         and counts [B, M] int64, the number of valid references within the radius.
         """
         raise NotImplementedError
+
+    def nearest_but_self(self, points, k: int, lengths):
+        """torch_cluster's knn_graph lists: idx [B, N, k + 1] int64, each point's k + 1
+        nearest valid points of its item with itself replaced by -1 (where it is among them)."""
+        _, idx, _ = self.nearest(points, points, k + 1, math.inf, lengths, lengths)
+        return without_self(idx)
 
     def radius_pairs(self, query, ref, radius: float, query_lengths, ref_lengths):
         """All valid pairs within the radius, in bounded chunks: yields (b, rows, qi, rj, d)

@@ -83,9 +83,10 @@ def _squared(radius: float) -> float:
     return float(t)
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None):
+def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False):
     """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
-    bool: search only these queries (the other rows of the results are unspecified)."""
+    bool: search only these queries (the other rows of the results are unspecified).
+    ``skip_self``: query is ref, and no point is listed as its own neighbour."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
@@ -101,7 +102,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None):
         frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
         rows, columns, frame.cells, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n,
+        SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES,
         num_warps=warps,
     )
@@ -251,8 +252,23 @@ def distances_backward(grad_dists, query, ref, idx, dists):
     return grad_query.to(query.dtype), (-pulled).reshape(ref.shape).to(ref.dtype)
 
 
+def nearest_but_self(points, k, lengths):
+    """``pairs.Kernels.nearest_but_self`` with lists of k, not k + 1 (a 16-wide list, not
+    32-wide, for knn_graph's k = 16): the search skips each point itself. Lists whose k-th
+    distance is 0 may have k + 1 duplicates of smaller index ahead of the point (which then
+    keeps k + 1 others): those rows are searched again with k + 1 slots."""
+    dists, idx, _ = nearest(points, points, k, math.inf, lengths, lengths, skip_self=True)
+    lists = torch.cat([idx, idx.new_full((*idx.shape[:2], 1), -1)], -1)
+    crowded = dists[..., -1] == 0
+    if bool(crowded.any()):  # the caller reads the edge count back anyway
+        _, full, _ = nearest(points, points, k + 1, math.inf, lengths, lengths, needed=crowded)
+        lists = torch.where(crowded[..., None], pairs.without_self(full), lists)
+    return lists
+
+
 class GridKernels(pairs.Kernels):
     nearest = staticmethod(nearest)
+    nearest_but_self = staticmethod(nearest_but_self)
     distances_backward = staticmethod(distances_backward)
     knn_aggregate = staticmethod(knn_aggregate)
     knn_aggregate_backward = staticmethod(knn_aggregate_backward)

@@ -158,9 +158,10 @@ if triton is not None:
 
     @triton.jit
     def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
-                         r_order, item_r, radius2, slots, D: tl.constexpr, USE_RADIUS: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
-        """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``."""
+                         r_order, item_r, radius2, slots, q_index, D: tl.constexpr, USE_RADIUS: tl.constexpr,
+                         SKIP_SELF: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``
+        (SKIP_SELF: not the reference of index q_index[i], the query itself)."""
         while tl.max(pending.to(tl.int32), 0) > 0:
             start, end, pending = _next_segment(starts, ends, pending)
             for s in range(start, end, BLOCK_N):
@@ -171,6 +172,8 @@ if triton is not None:
                     ok = ok & (d2 <= radius2)
                     count += tl.sum(ok.to(tl.int64), 1)
                 index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
+                if SKIP_SELF:
+                    ok = ok & (index[None, :] != q_index[:, None])
                 # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not
                 # by d2: two d2 one ulp apart can share a distance, and ties in the reported
                 # distance go to the smaller index (keys on d2 listed 79864 before 66696 at equal
@@ -185,8 +188,10 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, values, shape,
         out_dist, out_idx, out_count, needed, rows, columns, cells, radius2, reach,
         D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr, MASKED: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+        SKIP_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
     ):
+        """The k nearest references of each query (within the radius if USE_RADIUS; SKIP_SELF:
+        query and ref are one cloud, and a point is not its own neighbour)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         item_q, item_r = b * rows, b * columns
@@ -195,8 +200,8 @@ if triton is not None:
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, SEARCH_SPREAD, D)
+        flat_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
         if MASKED:  # only the queries flagged in needed [B*M] are searched (the others' rows are garbage)
-            flat_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
             live = live & (tl.load(needed + flat_rows, mask=offs_m < rows, other=0) != 0)
         radius2, reach, scale = _in_item_units(values, b, radius2, reach)
         side = tl.load(values + b * VALUES + SIDE)
@@ -221,7 +226,7 @@ if triton is not None:
                                                           prev_hi, first, LANES)
                     best, threshold, count = _search_segments(
                         best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
-                        r_order, item_r, radius2, slots, D, USE_RADIUS, BLOCK_N)
+                        r_order, item_r, radius2, slots, flat_rows - item_q, D, USE_RADIUS, SKIP_SELF, BLOCK_N)
                 if USE_RADIUS:
                     searching = searching * 0
                 else:
@@ -246,13 +251,12 @@ if triton is not None:
         # The keys hold the distances (with the threshold of ``radius2``, dist <= radius exactly
         # for every listed neighbour).
         dist = tl.where(found, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True) * scale, float("inf"))
-        out_rows = tl.load(q_order + item_q + offs_m, mask=offs_m < rows, other=0)
-        out_offs = out_rows[:, None] * K + slots[None, :]
+        out_offs = flat_rows[:, None] * K + slots[None, :]
         mask = (offs_m < rows)[:, None] & (slots[None, :] < K)
         tl.store(out_dist + out_offs, dist.to(out_dist.dtype.element_ty), mask=mask)
         tl.store(out_idx + out_offs, index, mask=mask)
         if USE_RADIUS:
-            tl.store(out_count + out_rows, count, mask=offs_m < rows)
+            tl.store(out_count + flat_rows, count, mask=offs_m < rows)
 
     # ------------------------------------------------------------- aggregation
 
