@@ -45,7 +45,7 @@ def test_the_triton_kernel_equals_the_loop(backend, device, path, generator, mon
     ties, duplicates, a non-finite point, an empty item, bf16, and clouds larger than a
     chunk and a part."""
     if "streamed" in path:
-        monkeypatch.setattr(sampling, "RESIDENT_ELEMENTS", 128)
+        monkeypatch.setattr(sampling, "RESIDENT_ELEMENTS", 512)  # 128 points resident, chunks of 32
     if "parts" in path:
         monkeypatch.setattr(sampling, "MIN_SLICE", 64)
     x = torch.stack([points("grid", 300, 3, generator), points("duplicates", 300, 3, generator),

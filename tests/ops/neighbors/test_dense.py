@@ -164,6 +164,31 @@ def test_auto_takes_it_in_feature_space_only(monkeypatch, generator):
         fullgraph.radius(query, ref, 0.5, 3, backend="dense")
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="the GPU path needs Triton")
+def test_auto_on_cuda_takes_it_beyond_the_capture_limits_outside_a_capture(monkeypatch):
+    """Above REDO_MAX_DIM "auto" takes dense on CUDA unless a capture is running (there the
+    capturable Triton search gives the same lists)."""
+    beyond = dense.REDO_MAX_DIM + 1
+    assert dense._auto("cuda", torch.float32, beyond, 10) and dense._auto("cuda", torch.float32, 64, 10)
+    assert not dense._auto("cuda", torch.float64, beyond, 10)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not dense._auto("cuda", torch.float32, beyond, 10) and dense._auto("cuda", torch.float32, 64, 10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_auto_on_cuda_beyond_the_capture_limits_equals_the_reference(monkeypatch, generator):
+    calls = []
+    kernels = dense.BACKEND.implementation
+    original = kernels.nearest
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[0].shape[-1]) or original(*a))
+    query, ref = (t.float().cuda() for t in _clouds("clustered", dense.REDO_MAX_DIM + 72, generator, rows=64,
+                                                         columns=700))
+    got = fullgraph.knn(query, ref, 9)
+    want = fullgraph.knn(query, ref, 9, backend="torch")
+    assert calls and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 @pytest.mark.slow
 def test_compiles_once(generator):
     from torch._dynamo.testing import CompileCounter

@@ -319,7 +319,13 @@ def _auto(device_type, dtype, dim, k) -> bool:
         return False
     if device_type == "cuda":
         wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
-        return wanted and _captures("knn", dtype, dim, k)
+        # Beyond REDO_MAX_DIM / REDO_MAX_K only outside a capture (failed rows are then redone
+        # by the stored products, a host read): the Triton search there is a scalar brute force
+        # (D = 128: 2,830 ms against 52.9), and the op resolves "auto" when it runs, so a
+        # capture of the same call takes the capturable backend (the same lists).
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        outside = dtype != torch.float64 and _triton.available() and not capturing
+        return wanted and (_captures("knn", dtype, dim, k) or outside)
     return dim >= AUTO_MIN_DIM
 
 
