@@ -311,6 +311,9 @@ AUTO_MIN_DIM = 12
 #   M=10^4, N=10^6, D=128, k=10:   243 / 52.9 / 2,830 (63.3)
 # It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
 # against one); cdist + topk (inexact) stays faster below ~10^8 pairs (issue 14 is open).
+# Beyond REDO_MAX_DIM, outside a capture (benchmarks/dense_wide.py, session11-runs.log):
+#   M=4096, N=10^5, D=256, k=10: 12.2 / 6.4;  M=10^4, N=2*10^5, D=512, k=16: 75.9 / 40.6;
+#   B=8, M=N=2048, D=256, k=20: 1.5 / 5.1 (the small-batch floor again).
 CUDA_AUTO_MIN_DIM = 4
 
 
