@@ -66,10 +66,13 @@ CHUNK_SLACK = 4
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
 # (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
 TENSOR_CORE_PRECISION = "tf32x3"
-# The products of one block of queries, at most: on CPUs blocks that stay nearer the caches
-# were faster (32 MiB against 256 MiB, 2-core CPU: 5000 x 50000 D=16 631 vs 875 ms; 2000 x
-# 100000 D=128 1010 vs 1311 ms; 8 x 2048^2 D=64 on par within this noisy machine's spread).
+# The products of one block of queries, at most. On CPUs narrow points want blocks near the
+# caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
+# 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
+# 862 (937); 2000 x 100000 D=128: 32 MiB 1229, 256 MiB 1047, 512 MiB 948 (1032); 8 x 2048^2
+# D=64 k=20: 32 MiB 201, 128 MiB 202 (176).
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
+CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
 # Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
 # (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
 # once, the same bits).
@@ -269,6 +272,8 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     take = min(k + SLACK, columns)
     failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
     budget = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
+    if not query.is_cuda and query.shape[-1] >= CPU_WIDE_DIM:
+        budget = CPU_WIDE_BLOCK_BYTES
     # On CUDA every item at once (fewer launches); on CPUs one item at a time, whose products
     # stay nearer the caches (also measured no slower for tiny clouds, 2-16 items).
     groups = [slice(None)] if query.is_cuda else [slice(b, b + 1) for b in range(batch)]
