@@ -67,11 +67,11 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
 # A slice of at most RESIDENT_ELEMENTS coordinates (N x D rounded up to powers of two) stays
 # in its program's registers for every sample; a larger one is read from L2 in chunks of a
 # quarter of that (a chunk's running best takes registers too), its distances to the samples
-# kept in a scratch buffer. One part per cloud
-# finds each next sample alone. Several parts (up to one program per SM; slices of at least
-# MIN_SLICE points) exchange their candidates through 64-bit words (distance, step tag,
-# offset): each part publishes its word and waits for its cloud's other words of the same
-# step, so one launch runs every sample (a cloud of 10^6 points does not run on one SM).
+# kept in a scratch buffer. One part per cloud finds each next sample alone. Several parts
+# (up to one program per SM; slices of at least MIN_SLICE points) exchange their candidates
+# through 64-bit words (distance, step tag, offset): each part publishes its word and waits
+# for its cloud's other words of the same step, so one launch runs every sample (a cloud of
+# 10^6 points does not run on one SM).
 # Waiting needs every program resident at once: where it cannot be (more programs than SMs,
 # or Triton's interpreter, which runs programs one after another), a launch per sample takes
 # the place of the wait.
@@ -160,6 +160,7 @@ if triton is not None:
                         best = tl.where(better, chunk_gap, best)
                         best_at = tl.where(better, first + lanes - lo, best_at)
                     top, offset = _first_of_largest(best, best_at, slice_len)
+                    tl.debug_barrier()  # the scratch distances written, before any thread reads them again
                 if PARTS == 1 and step + 1 < last_step:
                     current = offset.to(tl.int64)
                 else:
