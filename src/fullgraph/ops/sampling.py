@@ -78,6 +78,7 @@ def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, 
 RESIDENT_ELEMENTS = 32768
 MIN_SLICE = 1024
 MAX_PARTS = 256  # a part's number is 8 bits of the key its cloud's winner is chosen by
+POINTS_PER_WARP = 256  # a program's warps: its block over this, 1 to 16
 INTERPRETED_PROGRAMS = 8  # the "SM count" under the interpreter: small clouds take several parts in the tests
 
 if triton is not None:
@@ -95,6 +96,32 @@ if triton is not None:
         gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), gap)
         tl.store(gaps + chunk_offs, gap, mask=inside)
         return gap
+
+    @triton.jit
+    def _column(base, offs, inside, d: tl.constexpr, D: tl.constexpr):
+        """Coordinate d of points ``offs`` (0 where d >= D: never read)."""
+        if d < D:
+            column = tl.load(base + offs * D + d, mask=inside, other=0.0)
+        else:
+            column = 0.0
+        return column
+
+    @triton.jit
+    def _square_distances(x0, x1, x2, x3, base, current, D: tl.constexpr):
+        """Squared distances of the columns x0..x3 (the first D of them) to point ``current``,
+        summed over the coordinates in order like the reference (compiled without FMA)."""
+        d = x0 - tl.load(base + current * D)
+        total = d * d
+        if D > 1:
+            d = x1 - tl.load(base + current * D + 1)
+            total = total + d * d
+        if D > 2:
+            d = x2 - tl.load(base + current * D + 2)
+            total = total + d * d
+        if D > 3:
+            d = x3 - tl.load(base + current * D + 3)
+            total = total + d * d
+        return total
 
     @triton.jit
     def _first_of_largest(values, at, none):
@@ -120,12 +147,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["first_step", "last_step"])
     def _fps_kernel(points, gaps, start, out, slots, batch, size, count, first_step, last_step, slice_len,
                     D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr, PARTS: tl.constexpr,
-                    PARTS_P: tl.constexpr, RESIDENT: tl.constexpr):
+                    PARTS_P: tl.constexpr, RESIDENT: tl.constexpr, COLUMNS: tl.constexpr):
         """Samples first_step..last_step - 1 of cloud b = program_id(0), whose points
         [part * slice_len, +slice_len) part = program_id(1) searches. gaps [B, N]: squared
         distances to the samples so far (-1: never taken); slots [2, B, PARTS] int64: each
         part's candidate by the parity of its step (distance bits + 1 or 0 for none, step & 255,
-        offset in the part)."""
+        offset in the part). COLUMNS: a resident slice of D <= 4 held as one tensor per
+        coordinate, so a step needs no exchange between threads before its reduction."""
         b = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         base = points + b * size * D
@@ -136,8 +164,14 @@ if triton is not None:
         lanes = tl.arange(0, BLOCK)
         if RESIDENT:
             inside = lo + lanes < end
-            block = tl.load(base + (lo + lanes)[:, None] * D + dims[None, :],
-                            mask=inside[:, None] & (dims < D)[None, :], other=0.0)
+            if COLUMNS:
+                x0 = _column(base, lo + lanes, inside, 0, D)
+                x1 = _column(base, lo + lanes, inside, 1, D)
+                x2 = _column(base, lo + lanes, inside, 2, D)
+                x3 = _column(base, lo + lanes, inside, 3, D)
+            else:
+                block = tl.load(base + (lo + lanes)[:, None] * D + dims[None, :],
+                                mask=inside[:, None] & (dims < D)[None, :], other=0.0)
             gap = tl.load(own + lo + lanes, mask=inside, other=-2.0)
         if first_step == 0:
             current = tl.load(start + b)
@@ -147,9 +181,12 @@ if triton is not None:
             tl.store(out + b * count + step, current, mask=part == 0)
             if step + 1 < count:
                 if RESIDENT:
-                    centre = tl.load(base + current * D + dims, mask=dims < D, other=0.0)
-                    diff = block - centre[None, :]
-                    gap = tl.where(gap >= 0, tl.minimum(gap, tl.sum(diff * diff, 1)), gap)
+                    if COLUMNS:
+                        distances = _square_distances(x0, x1, x2, x3, base, current, D)
+                    else:
+                        diff = block - tl.load(base + current * D + dims, mask=dims < D, other=0.0)[None, :]
+                        distances = tl.sum(diff * diff, 1)
+                    gap = tl.where(gap >= 0, tl.minimum(gap, distances), gap)
                     top, offset = tl.max(gap, 0, return_indices=True, return_indices_tie_break_left=True)
                 else:
                     best = tl.full((BLOCK,), -3.0, tl.float32)
@@ -207,7 +244,8 @@ def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor,
     launch = _fps_kernel[(batch, parts)]
     settings = dict(D=dim, DP=triton.next_power_of_2(dim), BLOCK=block, PARTS=parts,
                     PARTS_P=triton.next_power_of_2(parts), RESIDENT=block == length,
-                    num_warps=max(1, min(16, block // 256)))
+                    COLUMNS=block == length and dim <= 4, num_warps=max(1, min(16, block // POINTS_PER_WARP)),
+                    enable_fp_fusion=False)
     arguments = (points.contiguous(), gaps, start, idx, slots, batch, size, count)
     if parts == 1 or (batch * parts <= programs and not _triton.INTERPRETED):
         launch(*arguments, 0, count, length, **settings)
