@@ -20,7 +20,7 @@ if os.environ.get("FULLGRAPH_BUILD_EXT") == "1":
     with_cuda = CUDA_HOME is not None and os.environ.get("FULLGRAPH_BUILD_CUDA", "1") != "0"
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_lltm_build", "src/fullgraph/ops/lltm/build.py")
+    spec = importlib.util.spec_from_file_location("_extension", "src/fullgraph/_extension.py")
     flags = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(flags)
     extension = CUDAExtension if with_cuda else CppExtension

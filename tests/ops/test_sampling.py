@@ -10,7 +10,7 @@ import torch
 
 import fullgraph
 from conftest import DEVICES, backend_cases, points
-from fullgraph.ops import sampling
+from fullgraph.ops import sampling, sampling_cuda
 
 
 def _oracle(x: np.ndarray, count: int, start: int) -> list[int]:
@@ -60,8 +60,42 @@ def test_the_triton_kernel_equals_the_loop(backend, device, path, generator, mon
     assert (got[2] == -1).all() and not (got[3] == 7).any()
 
 
+CLUSTERS = torch.cuda.is_available() and sampling_cuda.available("cuda")
+
+
+@pytest.mark.skipif(not CLUSTERS, reason="needs a GPU with thread-block clusters and nvcc")
+@pytest.mark.parametrize("blocks", ["one block", "cluster"])
+def test_the_cuda_kernel_equals_the_loop(blocks, generator, monkeypatch):
+    """The cluster kernel (a cloud in one block, or cut into blocks of 256 points that post
+    their candidates into each other's shared memory) on the Triton test's clouds, in D = 1
+    to 4, and a cloud too large for a cluster refused by name."""
+    if blocks == "cluster":
+        monkeypatch.setattr(sampling_cuda, "THREAD_CHOICES", (32,))  # 300 points: 2 blocks; 1,500: 6
+    for size, dim in ((300, 3), (1500, 3), (300, 1), (300, 2), (300, 4)):
+        x = torch.stack([points("grid", size, dim, generator), points("duplicates", size, dim, generator),
+                         points("far", size, dim, generator), points("normal", size, dim, generator)]).cuda()
+        x[3, 7] = math.inf
+        lengths = torch.tensor([size, size - 10, 0, 131], device="cuda")
+        for dtype in (torch.float32, torch.bfloat16):
+            for count in (1, 2, 200):
+                want = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="torch")
+                got = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="cuda")
+                assert torch.equal(got, want), (size, dim, dtype, count)
+    too_many = sampling_cuda.max_points() + 1
+    with pytest.raises(ValueError, match=f'x: backend="cuda" takes clouds of at most {too_many - 1} points'):
+        fullgraph.fps(torch.rand(1, too_many, 3, device="cuda"), n_samples=2, backend="cuda")
+
+
+def test_cuda_blocks_grow_until_a_cluster_holds_the_cloud():
+    assert sampling_cuda.threads_for(1) == sampling_cuda.threads_for(8 * 1024) == 128
+    assert sampling_cuda.threads_for(16384) == 256 and sampling_cuda.threads_for(65536) == 1024
+    assert sampling_cuda.threads_for(65537) is None
+
+
 def test_the_backend_is_named():
     with pytest.raises(ValueError, match="backend: expected one of"):
+        fullgraph.fps(torch.rand(2, 10, 3), n_samples=2, backend="cupy")
+    with pytest.raises(ValueError, match='backend: "cuda" needs CUDA tensors'):
         fullgraph.fps(torch.rand(2, 10, 3), n_samples=2, backend="cuda")
     with pytest.raises((TypeError, ValueError, ImportError), match='backend[:=] ?"triton"'):
         fullgraph.fps(torch.rand(2, 10, 3, dtype=torch.float64), n_samples=2, backend="triton")

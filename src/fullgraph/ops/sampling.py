@@ -21,6 +21,7 @@ from .. import _triton, _validate, backends
 from .._triton import tl, triton
 from .neighbors.batching import Padded, check_batch
 from .neighbors.pairs import accumulation_dtype, valid_points
+from .sampling_cuda import BACKEND as CUDA_BACKEND
 from .scaling import magnitude, safe_scale
 
 
@@ -257,6 +258,7 @@ def _triton_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor,
 
 BACKENDS = backends.family(
     "farthest_points",
+    CUDA_BACKEND,
     backends.Backend("triton", ops=("farthest_points",), devices=_triton.devices(), auto_devices=("cuda",),
                      dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
                      available=_triton.available, implementation=_triton_loop,
@@ -286,7 +288,7 @@ def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: tor
     beyond an item's valid points). An operator, so that torch.compile sees one call instead
     of unrolling ``count`` iterations."""
     _check(x, lengths, start, count)
-    run = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, argument="x").implementation
+    run = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[2], x.shape[1], "x").implementation
     points, valid = _prepared(x, lengths)
     idx = run(points, valid, start, count)
     taken = valid.sum(1, keepdim=True)
@@ -301,7 +303,7 @@ def _(x, lengths, start, count, backend):
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, random_start: bool,
                     generator: torch.Generator | None, backend: str = "auto") -> torch.Tensor:
     """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
-    chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, argument="x").name
+    chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[2], x.shape[1], "x").name
     start = _starts(x, valid_points(x, lengths), random_start, generator)
     return torch.ops.fullgraph.farthest_points(x, lengths, start, count, chosen)
 
@@ -324,10 +326,13 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
         ratio: fraction in (0, 1]. n_samples: int >= 1 (at most N in the padded form).
         random_start: draw each item's first sample uniformly among its valid points (from
             ``generator``, on x's device); else its first valid point.
-        backend: "auto", "triton" (CUDA, float32: one launch, a program per cloud or per
-            part of a large one, the parts exchanging candidates; see ``RESIDENT_ELEMENTS``) or
-            "torch" (a loop of batched PyTorch operations, any device and dtype). "auto"
-            takes Triton on CUDA.
+        backend: "auto", "cuda" (float32, a GPU of compute capability >= 9.0: a C++/CUDA
+            kernel built on first use, one thread-block cluster per cloud of up to 65,536
+            points of D <= 4; see sampling_cuda.py), "triton" (CUDA, float32: one launch, a
+            program per cloud or per part of a large one, the parts exchanging candidates
+            through L2; see ``RESIDENT_ELEMENTS``) or "torch" (a loop of batched PyTorch
+            operations, any device and dtype). "auto" takes "cuda" where it is built or can
+            be and the cloud fits a cluster, else Triton on CUDA.
 
     Example:
         >>> x = torch.rand(1000, 3)

@@ -1,6 +1,7 @@
 """Farthest-point sampling: the loop PointNet++ ports write against ``fullgraph.fps`` on each
 backend (the PyTorch loop as one operator; the Triton kernel, one launch: a program per cloud
-or per part of one, the parts exchanging candidates through L2)."""
+or per part of one, the parts exchanging candidates through L2; the CUDA kernel: a cloud of up
+to 65,536 points on one thread-block cluster, built on first use)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _fps(params, device):
         return lambda: {"same_as_plain": bool(torch.equal(run(), baseline))}
 
     cases = [Case(PLAIN, lambda: plain_fps(xyz, count))]
-    for backend in ("torch", "triton"):
+    for backend in ("torch", "triton", "cuda"):
         def run(backend=backend):
             return fps(xyz, n_samples=count, random_start=False, backend=backend)
         try:

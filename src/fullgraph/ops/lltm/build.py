@@ -12,20 +12,16 @@ processes load the cached build. Either way the library registers the kernels' o
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
+from ..._extension import ExtensionBuildError, build, missing_tools, vector_flags
+
+__all__ = ["ExtensionBuildError", "load", "missing_tools", "prebuilt_library", "vector_flags"]
+
 SOURCES = Path(__file__).parent / "csrc"
 NAME = "fullgraph_lltm"
-
-
-class ExtensionBuildError(RuntimeError):
-    """The LLTM extension could not be built or loaded."""
 
 
 def prebuilt_library() -> Path | None:
@@ -33,51 +29,11 @@ def prebuilt_library() -> Path | None:
     return built[0] if built else None
 
 
-def missing_tools(with_cuda: bool) -> list[str]:
-    """What a just-in-time build on this machine lacks (empty: it can build)."""
-    from torch.utils import cpp_extension
-
-    missing = []
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        missing.append(f"a C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)")
-    if not cpp_extension.is_ninja_available():
-        missing.append("ninja (pip install ninja)")
-    if with_cuda and cpp_extension.CUDA_HOME is None:
-        missing.append("the CUDA toolkit (nvcc; set CUDA_HOME to its folder)")
-    return missing
-
-
-def vector_flags() -> list[str]:
-    """Compiler flags that give ATen's vector types (at::vec) AVX2 on CPUs that have it."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-    return []
-
-
 def _compile(with_cuda: bool) -> None:
-    from torch.utils import cpp_extension
-
-    missing = missing_tools(with_cuda)
-    if missing:
-        raise ExtensionBuildError(
-            f"fullgraph.lltm: building the {'C++/CUDA' if with_cuda else 'C++'} extension needs "
-            + ", ".join(missing) + '. Or use backend="torch" (plain PyTorch).'
-        )
     sources = [SOURCES / "lltm.cpp"] + ([SOURCES / "lltm_cuda.cu"] if with_cuda else [])
-    # The sources' hash in the name: torch rebuilds on changes to the listed sources only, not to lltm.h.
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in sorted(SOURCES.iterdir()) if p.is_file())).hexdigest()
-    name = NAME + ("_cuda_" if with_cuda else "_cpu_") + digest[:10]
-    print(f"fullgraph: loading the LLTM extension {name} (compiled on first use, ~30 s; cached afterwards)",
-          file=sys.stderr, flush=True)
-    try:
-        cpp_extension.load(
-            name=name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags()],
-            extra_cuda_cflags=["-O3"], extra_include_paths=[str(SOURCES)], is_python_module=False,
-            with_cuda=with_cuda, verbose=os.environ.get("FULLGRAPH_VERBOSE_BUILD") == "1",
-        )
-    except Exception as error:  # the compiler's own message is in the chained error
-        raise ExtensionBuildError(f"fullgraph.lltm: building {name} failed: {error}") from error
+    build(NAME + ("_cuda" if with_cuda else "_cpu"), sources, with_cuda=with_cuda,
+          what=f"fullgraph.lltm: the {'C++/CUDA' if with_cuda else 'C++'} extension",
+          instead='use backend="torch" (plain PyTorch)')
 
 
 @functools.cache

@@ -1,0 +1,77 @@
+"""Just-in-time builds of fullgraph's C++/CUDA extensions.
+
+The first use compiles an extension's sources with ``torch.utils.cpp_extension.load`` into
+torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
+under a name that holds the sources' hash, so an edited source is rebuilt and later
+processes load the cached build. The extensions register their kernels as operators
+(``TORCH_LIBRARY``); nothing is imported as a Python module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+
+class ExtensionBuildError(RuntimeError):
+    """A C++/CUDA extension could not be built or loaded."""
+
+
+def missing_tools(with_cuda: bool) -> list[str]:
+    """What a just-in-time build on this machine lacks (empty: it can build)."""
+    from torch.utils import cpp_extension
+
+    missing = []
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        missing.append(f"a C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)")
+    if not cpp_extension.is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    if with_cuda and cpp_extension.CUDA_HOME is None:
+        missing.append("the CUDA toolkit (nvcc; set CUDA_HOME to its folder)")
+    return missing
+
+
+def vector_flags() -> list[str]:
+    """Compiler flags that give ATen's vector types (at::vec) AVX2 on CPUs that have it."""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+    return []
+
+
+def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
+          cuda_flags: Sequence[str] = ()) -> None:
+    """Compile ``sources`` (and the headers beside them, hashed too) into the extension
+    ``name`` + hash and load it into this process.
+
+    what: how the messages name it ("fullgraph.lltm: the C++ extension"); instead: what a user
+    can do without it ('use backend="torch"'). Raises ExtensionBuildError naming the missing
+    tools, or carrying the compiler's message.
+    """
+    from torch.utils import cpp_extension
+
+    missing = missing_tools(with_cuda)
+    if missing:
+        raise ExtensionBuildError(f"{what}: building it needs " + ", ".join(missing) + f". Or {instead}.")
+    folders = sorted({Path(s).parent for s in sources})
+    files = sorted(p for folder in folders for p in folder.iterdir() if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))
+    # The hash in the name: torch rebuilds on changes to the listed sources only, not to headers.
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+    full_name = f"{name}_{digest[:10]}"
+    print(f"fullgraph: loading {full_name} ({what}; compiled on first use, ~1 min; cached afterwards)",
+          file=sys.stderr, flush=True)
+    try:
+        cpp_extension.load(
+            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags()],
+            extra_cuda_cflags=["-O3", *cuda_flags], extra_include_paths=[str(f) for f in folders],
+            is_python_module=False, with_cuda=with_cuda,
+            verbose=os.environ.get("FULLGRAPH_VERBOSE_BUILD") == "1",
+        )
+    except Exception as error:  # the compiler's own message is in the chained error
+        raise ExtensionBuildError(f"{what}: building {full_name} failed: {error}") from error
