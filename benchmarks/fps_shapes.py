@@ -1,8 +1,9 @@
 """Farthest-point sampling by shape: how each cloud is cut, the median time of fullgraph.fps
 per backend ("cuda": one thread-block cluster a cloud; "triton": parts exchanging through L2)
 over CUDA-event timings and the time per sample (the latency floor of the loop); small shapes
-are checked against the torch loop. ``--sweep``: the issue's shapes again with other cuts
-(the Triton kernel's sampling.MIN_SLICE and POINTS_PER_WARP, the cuda kernel's block size).
+are checked against the torch loop. ``--sweep``: the shapes again on the cuda kernel with each
+block size (the Triton kernel's MIN_SLICE and POINTS_PER_WARP were swept in session 12's run Y:
+benchmarks/results/h100-torch2.11/session12/fps-shapes-run-Y.log).
 
     python benchmarks/fps_shapes.py [--sweep] > fps-shapes.log     (needs a CUDA device)
 """
@@ -19,7 +20,6 @@ from fullgraph.ops import sampling, sampling_cuda
 
 SHAPES = [(32, 1024, 512), (128, 2048, 512), (64, 4096, 1024), (16, 16384, 4096), (1, 16384, 4096),
           (4, 65536, 2048), (1, 100_000, 4096), (1, 1_000_000, 8192), (2, 1_000_000, 8192)]  # clouds, points, samples
-SWEEP = [(16, 16384, 4096), (1, 1_000_000, 8192)]
 
 
 def main() -> None:
@@ -30,12 +30,6 @@ def main() -> None:
         if clusters and size <= sampling_cuda.max_points():
             measure(batch, size, count, "cuda")
     if "--sweep" in sys.argv:
-        for min_slice in (1024, 2048):
-            for per_warp in (128, 256):
-                sampling.MIN_SLICE, sampling.POINTS_PER_WARP = min_slice, per_warp
-                print(f"MIN_SLICE {min_slice}, POINTS_PER_WARP {per_warp}:", end=" ")
-                for shape in SWEEP:
-                    measure(*shape, "triton")
         for threads in sampling_cuda.THREAD_CHOICES if clusters else ():
             sampling_cuda.THREAD_CHOICES = (threads,)
             for batch, size, count in SHAPES:

@@ -3,10 +3,12 @@
 // A cloud of N points is cut into up to kMaxCluster slices of blockDim.x * kPointsPerThread
 // points, a block each, all blocks of a cloud in one cluster. Each block keeps its slice and
 // the slice's squared distances to the samples so far in registers. For every sample it finds
-// its candidate (the largest distance, ties to the smaller index, packed into one 64-bit key),
-// writes it with the candidate's coordinates into the shared memory of every block of its
-// cluster, and passes the cluster's hardware barrier; then every block picks the same winner
-// from its own shared memory. No global memory is touched between samples except the output.
+// its candidate (the largest distance, ties to the smaller index) and posts it into the shared
+// memory of every block of its cluster as 1 + D 64-bit words, each tagged with the step: the
+// key (distance bits, index) and the coordinates. Each warp waits on its own block's shared
+// memory until every block's words of the step have come and picks the same winner. Tagged
+// words need no fence and no cluster barrier a sample (cluster.sync() costs a GPU-wide memory
+// barrier and an L1 invalidation: ~0.4 us a sample on an H100, benchmarks/fps_cluster_probe.cu).
 //
 // The operator fullgraph_fps::farthest_points(points [B, N, D] float32, valid [B, N] bool (false:
 // never taken), start [B] int64, count, threads) returns idx [B, count] int64 (-1 once a cloud
@@ -28,118 +30,132 @@ namespace {
 constexpr int kPointsPerThread = 8;
 constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxDim = 4;
+constexpr int kMaxPoints = 1024 * kPointsPerThread * kMaxCluster;  // an index takes 16 bits of a key
 
-struct Candidate {
-  unsigned long long key;  // (squared distance bits + 1) << 32 | (2^32 - 1 - index); 0: none
-  float centre[kMaxDim];
-};
-
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long value) {
-  for (int offset = 16; offset > 0; offset >>= 1) {
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long value, int width) {
+  for (int offset = width / 2; offset > 0; offset >>= 1) {
     const unsigned long long other = __shfl_xor_sync(0xffffffffu, value, offset);
     value = other > value ? other : value;
   }
   return value;
 }
 
+// Word layout: key = (distance bits + 1) << 32 | (0xffff - index) << 16 | tag (0: no candidate),
+// coordinate d = bits << 32 | tag; tag = step & 0xffff, which differs from the step two before,
+// the last one whose words the same buffer held.
 template <int D>
 __global__ void __launch_bounds__(1024) farthest_points_kernel(
     const float* __restrict__ points, const bool* __restrict__ valid, const int64_t* __restrict__ start,
     int64_t* __restrict__ out, int64_t size, int64_t count, int64_t slice) {
   cg::cluster_group cluster = cg::this_cluster();
   const unsigned rank = cluster.block_rank();
-  const unsigned parts = cluster.num_blocks();
+  const int parts = static_cast<int>(cluster.num_blocks());
   const int64_t cloud = blockIdx.x / parts;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   __shared__ unsigned long long warp_keys[32];
   __shared__ float warp_centres[32][kMaxDim];
-  __shared__ Candidate inbox[2][kMaxCluster];  // by the parity of the step: a block may be one step ahead
+  // inbox[parity][word][block]: a block may post a step ahead of one still reading.
+  __shared__ unsigned long long inbox[2][1 + kMaxDim][kMaxCluster];
 
   const float* base = points + cloud * size * D;
   int64_t* row = out + cloud * count;
   const int64_t lo = rank * slice;
   const int64_t end = lo + slice < size ? lo + slice : size;
   float x[kPointsPerThread][D];
-  float gap[kPointsPerThread];
+  float gap[kPointsPerThread];  // squared distance to the samples so far; -1: never taken
 #pragma unroll
   for (int j = 0; j < kPointsPerThread; ++j) {
     const int64_t i = lo + j * blockDim.x + threadIdx.x;
     const bool inside = i < end;
 #pragma unroll
     for (int d = 0; d < D; ++d) x[j][d] = inside ? base[i * D + d] : 0.f;
-    gap[j] = inside && valid[cloud * size + i] ? __int_as_float(0x7f800000) : -1.f;  // +inf; -1: never taken
+    gap[j] = inside && valid[cloud * size + i] ? __int_as_float(0x7f800000) : -1.f;
   }
   int64_t current = start[cloud];
   if (current < 0 || current >= size) {  // no read out of bounds: a bad start leaves the row at -1
     if (rank == 0) {
       for (int64_t step = threadIdx.x; step < count; step += blockDim.x) row[step] = -1;
     }
-    return;  // every block of the cluster reads the same start and leaves before any barrier
+    return;  // every block of the cluster reads the same start and leaves before the barrier
   }
   float centre[D];
 #pragma unroll
   for (int d = 0; d < D; ++d) centre[d] = base[current * D + d];
   if (rank == 0 && threadIdx.x == 0) row[0] = current;
-  cluster.sync();  // every block of the cluster has started before any writes into another's memory
+  for (int w = threadIdx.x; w < 2 * (1 + kMaxDim) * kMaxCluster; w += blockDim.x) (&inbox[0][0][0])[w] = ~0ull;
+  cluster.sync();  // every block has started (and its inbox is set) before any posts into it
 
+  const int words = (1 + D) * kMaxCluster;
   for (int64_t step = 1; step < count; ++step) {
-    unsigned long long best = 0;
+    const unsigned long long tag = static_cast<unsigned long long>(step & 0xffff);
+    float best_gap = -0.5f;  // below every distance, above "never taken"
+    int best_j = 0;
     float best_centre[D];
 #pragma unroll
-    for (int d = 0; d < D; ++d) best_centre[d] = 0.f;
+    for (int d = 0; d < D; ++d) best_centre[d] = x[0][d];
 #pragma unroll
     for (int j = 0; j < kPointsPerThread; ++j) {
-      if (gap[j] >= 0.f) {
-        // The reference's arithmetic: float32 squares summed over d in order, no FMA.
-        float total = 0.f;
+      // The reference's arithmetic: float32 squares summed over d in order, no FMA.
+      float total = 0.f;
 #pragma unroll
-        for (int d = 0; d < D; ++d) {
-          const float diff = __fsub_rn(x[j][d], centre[d]);
-          total = d == 0 ? __fmul_rn(diff, diff) : __fadd_rn(total, __fmul_rn(diff, diff));
-        }
-        gap[j] = fminf(gap[j], total);
-        const unsigned index = static_cast<unsigned>(lo + j * blockDim.x + threadIdx.x);
-        const unsigned long long key =
-            (static_cast<unsigned long long>(__float_as_uint(gap[j]) + 1u) << 32) | (0xffffffffu - index);
-        if (key > best) {
-          best = key;
-#pragma unroll
-          for (int d = 0; d < D; ++d) best_centre[d] = x[j][d];
-        }
+      for (int d = 0; d < D; ++d) {
+        const float diff = __fsub_rn(x[j][d], centre[d]);
+        total = d == 0 ? __fmul_rn(diff, diff) : __fadd_rn(total, __fmul_rn(diff, diff));
       }
+      gap[j] = fminf(gap[j], total);  // a point never taken keeps -1
+      const bool better = gap[j] > best_gap;  // strictly: the earliest of a thread's ties
+      best_gap = better ? gap[j] : best_gap;
+      best_j = better ? j : best_j;
+#pragma unroll
+      for (int d = 0; d < D; ++d) best_centre[d] = better ? x[j][d] : best_centre[d];
     }
-    const unsigned long long mine = best;
-    best = warp_max(best);
-    const unsigned holders = __ballot_sync(0xffffffffu, mine == best);
-    if (lane == __ffs(holders) - 1) {
-      warp_keys[warp] = best;
+    const unsigned index = static_cast<unsigned>(lo + best_j * blockDim.x + threadIdx.x);
+    const unsigned long long mine =
+        best_gap >= 0.f ? (static_cast<unsigned long long>(__float_as_uint(best_gap) + 1u) << 32) |
+                              (static_cast<unsigned long long>(0xffffu - index) << 16)
+                        : 0ull;
+    const unsigned long long warp_best = warp_max(mine, 32);
+    if (lane == __ffs(__ballot_sync(0xffffffffu, mine == warp_best)) - 1) {
+      warp_keys[warp] = warp_best;
 #pragma unroll
       for (int d = 0; d < D; ++d) warp_centres[warp][d] = best_centre[d];
     }
     __syncthreads();
-    if (warp == 0) {
+    const int parity = static_cast<int>(step & 1);
+    if (warp == 0) {  // the block's candidate, posted word by word to every block of the cluster
       const unsigned long long key = lane < warps ? warp_keys[lane] : 0ull;
-      const unsigned long long top = warp_max(key);
+      const unsigned long long top = warp_max(key, 32);
       const int from = __ffs(__ballot_sync(0xffffffffu, lane < warps && key == top)) - 1;
-      if (lane < static_cast<int>(parts)) {  // lane r posts the block's candidate to block r
-        Candidate* slot = cluster.map_shared_rank(&inbox[step & 1][rank], lane);
-        slot->key = top;
-#pragma unroll
-        for (int d = 0; d < D; ++d) slot->centre[d] = warp_centres[from][d];
+      for (int w = lane; w < (1 + D) * parts; w += 32) {
+        const int field = w / parts, peer = w % parts;
+        const unsigned long long word =
+            field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
+        volatile unsigned long long* slot = cluster.map_shared_rank(&inbox[parity][field][rank], peer);
+        *slot = word | tag;
       }
     }
-    cluster.sync();
-    best = 0;
-    for (unsigned r = 0; r < parts; ++r) {
-      const Candidate& posted = inbox[step & 1][r];
-      if (posted.key > best) {
-        best = posted.key;
+    // Every warp waits for the cluster's words of this step in its own block's memory.
+    const volatile unsigned long long* posted = &inbox[parity][0][0];
+    unsigned long long low = 0, high = 0;  // words lane and lane + 32 (field-major, kMaxCluster a field)
+    bool ready;
+    do {
+      const bool want_low = lane < words && lane % kMaxCluster < parts;
+      const bool want_high = lane + 32 < words && lane % kMaxCluster < parts;
+      low = want_low ? posted[lane] : tag;
+      high = want_high ? posted[lane + 32] : tag;
+      ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
+    } while (!ready);
+    const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
+    const unsigned long long top = warp_max(key, kMaxCluster);
+    const int winner = __ffs(__ballot_sync(0xffffffffu, lane < parts && key == top)) - 1;
 #pragma unroll
-        for (int d = 0; d < D; ++d) centre[d] = posted.centre[d];
-      }
+    for (int d = 0; d < D; ++d) {
+      const int w = (1 + d) * kMaxCluster + winner;
+      const unsigned long long word = __shfl_sync(0xffffffffu, w < 32 ? low : high, w % 32);
+      centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
     }
     if (rank == 0 && threadIdx.x == 0) {
-      row[step] = best == 0 ? -1 : static_cast<int64_t>(0xffffffffu - static_cast<unsigned>(best & 0xffffffffu));
+      row[step] = (top >> 32) == 0 ? -1 : static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
     }
   }
 }
@@ -183,6 +199,7 @@ at::Tensor farthest_points(const at::Tensor& points, const at::Tensor& valid, co
               "threads: expected a multiple of 32 from 32 to 1024, got ", threads);
   const int64_t slice = threads * kPointsPerThread;
   const int64_t parts = size == 0 ? 1 : (size + slice - 1) / slice;
+  TORCH_CHECK(size <= kMaxPoints, "points: expected at most ", kMaxPoints, " points a cloud, got ", size);
   TORCH_CHECK(parts <= kMaxCluster, "points: a cloud of ", size, " points needs ", parts, " blocks of ", slice,
               " points, more than a cluster's ", kMaxCluster, " (at most ", kMaxCluster * slice, " points with ",
               threads, " threads a block)");
