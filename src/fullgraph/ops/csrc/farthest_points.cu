@@ -32,12 +32,13 @@ constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxDim = 4;
 constexpr int kMaxPoints = 1024 * kPointsPerThread * kMaxCluster;  // an index takes 16 bits of a key
 
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long value, int width) {
-  for (int offset = width / 2; offset > 0; offset >>= 1) {
-    const unsigned long long other = __shfl_xor_sync(0xffffffffu, value, offset);
-    value = other > value ? other : value;
-  }
-  return value;
+// The largest 64-bit value among the warp's lanes: two single-instruction reductions (redux.sync),
+// the high words first, then the low words of the lanes that hold the largest high word.
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long value) {
+  const unsigned high = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(value >> 32));
+  const unsigned low = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(value >> 32) == high
+                                                          ? static_cast<unsigned>(value) : 0u);
+  return static_cast<unsigned long long>(high) << 32 | low;
 }
 
 // Word layout: key = (distance bits + 1) << 32 | (0xffff - index) << 16 | tag (0: no candidate),
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         best_gap >= 0.f ? (static_cast<unsigned long long>(__float_as_uint(best_gap) + 1u) << 32) |
                               (static_cast<unsigned long long>(0xffffu - index) << 16)
                         : 0ull;
-    const unsigned long long warp_best = warp_max(mine, 32);
+    const unsigned long long warp_best = warp_max(mine);
     if (lane == __ffs(__ballot_sync(0xffffffffu, mine == warp_best)) - 1) {
       warp_keys[warp] = warp_best;
 #pragma unroll
@@ -124,14 +125,17 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     const int parity = static_cast<int>(step & 1);
     if (warp == 0) {  // the block's candidate, posted word by word to every block of the cluster
       const unsigned long long key = lane < warps ? warp_keys[lane] : 0ull;
-      const unsigned long long top = warp_max(key, 32);
+      const unsigned long long top = warp_max(key);
       const int from = __ffs(__ballot_sync(0xffffffffu, lane < warps && key == top)) - 1;
-      for (int w = lane; w < (1 + D) * parts; w += 32) {
-        const int field = w / parts, peer = w % parts;
-        const unsigned long long word =
-            field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
-        volatile unsigned long long* slot = cluster.map_shared_rank(&inbox[parity][field][rank], peer);
-        *slot = word | tag;
+      for (int w = lane; w < words; w += 32) {
+        const int field = w / kMaxCluster, peer = w % kMaxCluster;
+        if (peer < parts) {
+          const unsigned long long word =
+              field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
+          unsigned long long* slot = &inbox[parity][field][rank];
+          if (peer != static_cast<int>(rank)) slot = cluster.map_shared_rank(slot, peer);
+          *static_cast<volatile unsigned long long*>(slot) = word | tag;
+        }
       }
     }
     // Every warp waits for the cluster's words of this step in its own block's memory.
@@ -146,7 +150,7 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
       ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
     } while (!ready);
     const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
-    const unsigned long long top = warp_max(key, kMaxCluster);
+    const unsigned long long top = warp_max(key);
     const int winner = __ffs(__ballot_sync(0xffffffffu, lane < parts && key == top)) - 1;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
