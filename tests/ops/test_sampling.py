@@ -75,12 +75,16 @@ def test_the_cuda_kernel_equals_the_loop(blocks, generator, monkeypatch):
         x = torch.stack([points("grid", size, dim, generator), points("duplicates", size, dim, generator),
                          points("far", size, dim, generator), points("normal", size, dim, generator)]).cuda()
         x[3, 7] = math.inf
+        x[1] *= 2.0**100  # scaled by the kernel before squaring
         lengths = torch.tensor([size, size - 10, 0, 131], device="cuda")
         for dtype in (torch.float32, torch.bfloat16):
             for count in (1, 2, 200):
                 want = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="torch")
                 got = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="cuda")
                 assert torch.equal(got, want), (size, dim, dtype, count)
+        start = torch.tensor([5, 3, 0, 7], device="cuda")  # point 7 of item 3 is not finite: the origin instead
+        runs = [torch.ops.fullgraph.farthest_points(x.float(), lengths, start, 100, b) for b in ("torch", "cuda")]
+        assert torch.equal(*runs)
     too_many = sampling_cuda.max_points() + 1
     with pytest.raises(ValueError, match=f'x: backend="cuda" takes clouds of at most {too_many - 1} points'):
         fullgraph.fps(torch.rand(1, too_many, 3, device="cuda"), n_samples=2, backend="cuda")

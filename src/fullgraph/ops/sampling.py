@@ -47,6 +47,17 @@ def _prepared(x: torch.Tensor, lengths: torch.Tensor | None):
     return torch.where(valid[..., None], x.to(acc) / safe_scale(largest)[:, None, None], 0), valid
 
 
+def _on_prepared(loop):
+    """A backend's implementation (x, lengths, start or None, count) -> idx from a loop over
+    prepared clouds (points, valid, start, count) -> idx: the shared steps before and after."""
+    def run(x, lengths, start, count):
+        points, valid = _prepared(x, lengths)
+        idx = loop(points, valid, _starts(x, valid, False, None) if start is None else start, count)
+        taken = valid.sum(1, keepdim=True)
+        return torch.where(torch.arange(count, device=x.device)[None, :] < taken, idx, -1)
+    return run
+
+
 def _torch_loop(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
     """The reference: ``count`` iterations of a few batched tensor operations."""
     batch, size = valid.shape
@@ -261,10 +272,10 @@ BACKENDS = backends.family(
     CUDA_BACKEND,
     backends.Backend("triton", ops=("farthest_points",), devices=_triton.devices(), auto_devices=("cuda",),
                      dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
-                     available=_triton.available, implementation=_triton_loop,
+                     available=_triton.available, implementation=_on_prepared(_triton_loop),
                      note='computes in float32 (use backend="torch" for float64)'),
     backends.Backend("torch", ops=("farthest_points",), devices=(backends.ANY_DEVICE,),
-                     auto_devices=(backends.ANY_DEVICE,), implementation=_torch_loop),
+                     auto_devices=(backends.ANY_DEVICE,), implementation=_on_prepared(_torch_loop)),
 )
 
 
@@ -275,6 +286,8 @@ def _check(x, lengths, start, count) -> None:
     batch, size, _ = x.shape
     if lengths is not None:
         _validate.lengths("lengths", lengths, batch, size, x.device)
+    if start is None:
+        return
     _validate.tensor("start", start)
     if start.dtype != torch.int64 or tuple(start.shape) != (batch,) or start.device != x.device:
         raise ValueError(f"start: expected [{batch}] int64 indices on {x.device}, got {start.dtype} of shape "
@@ -282,17 +295,14 @@ def _check(x, lengths, start, count) -> None:
 
 
 @torch.library.custom_op("fullgraph::farthest_points", mutates_args=())
-def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor, count: int,
+def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor | None, count: int,
                        backend: str) -> torch.Tensor:
-    """idx [B, count] int64 of padded clouds x [B, N, D] from the samples ``start`` [B] (-1
-    beyond an item's valid points). An operator, so that torch.compile sees one call instead
-    of unrolling ``count`` iterations."""
+    """idx [B, count] int64 of padded clouds x [B, N, D] from the samples ``start`` [B] (None:
+    each item's first valid point; -1 beyond an item's valid points). An operator, so that
+    torch.compile sees one call instead of unrolling ``count`` iterations."""
     _check(x, lengths, start, count)
     run = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[2], x.shape[1], "x").implementation
-    points, valid = _prepared(x, lengths)
-    idx = run(points, valid, start, count)
-    taken = valid.sum(1, keepdim=True)
-    return torch.where(torch.arange(count, device=x.device)[None, :] < taken, idx, -1)
+    return run(x, lengths, start, count)
 
 
 @farthest_points_op.register_fake
@@ -304,7 +314,7 @@ def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, r
                     generator: torch.Generator | None, backend: str = "auto") -> torch.Tensor:
     """idx [B, count] int64 of padded clouds x [B, N, D] (-1 beyond an item's valid points)."""
     chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[2], x.shape[1], "x").name
-    start = _starts(x, valid_points(x, lengths), random_start, generator)
+    start = _starts(x, valid_points(x, lengths), True, generator) if random_start else None
     return torch.ops.fullgraph.farthest_points(x, lengths, start, count, chosen)
 
 

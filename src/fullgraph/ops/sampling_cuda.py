@@ -6,8 +6,9 @@ A cloud is cut into up to ``MAX_CLUSTER`` slices of ``POINTS_PER_THREAD`` points
 block each, in registers. For every sample the blocks post their candidates (distance,
 index, coordinates) into each other's shared memory and pass the cluster's hardware barrier
 once, where the Triton kernel's parts exchange theirs through L2 (about 1 us a sample). One
-launch, no host read: capture-safe. Clouds of at most ``max_points()`` points of D <= 4; the
-Triton kernel takes larger ones.
+launch, no host read: capture-safe; the kernel also finds the valid points and the power of
+two the coordinates are scaled by (a cluster barrier before the loop), so the call is one
+launch. Clouds of at most ``max_points()`` points of D <= 4; the Triton kernel takes larger ones.
 """
 
 from __future__ import annotations
@@ -53,17 +54,19 @@ def _load() -> None:
           instead='use backend="triton"')
 
 
-def farthest_points(points: torch.Tensor, valid: torch.Tensor, start: torch.Tensor, count: int) -> torch.Tensor:
-    """idx [B, count] int64 of prepared clouds points [B, N, D] (valid [B, N] bool; -1 once
-    an item has no point left), from the samples ``start`` [B]."""
-    batch, size, dim = points.shape
+def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor | None,
+                    count: int) -> torch.Tensor:
+    """idx [B, count] int64 of clouds x [B, N, D] (lengths [B] or None; -1 beyond an item's
+    valid points) from the samples ``start`` [B] (None: each item's first valid point). The
+    kernel finds the valid points and scales them itself: one launch."""
+    batch, size, dim = x.shape
     threads = threads_for(size)
     if dim > MAX_DIM or threads is None:
         raise ValueError(f'x: backend="cuda" takes clouds of at most {max_points()} points of D <= {MAX_DIM}, '
                          f'got {size} points of D = {dim}; use backend="triton"')
     _load()
-    return torch.ops.fullgraph_fps.farthest_points(points.float().contiguous(), valid.contiguous(),
-                                                   start.contiguous(), count, threads)
+    contiguous = [None if t is None else t.contiguous() for t in (lengths, start)]
+    return torch.ops.fullgraph_fps.farthest_points(x.float().contiguous(), *contiguous, count, threads)
 
 
 BACKEND = backends.Backend(

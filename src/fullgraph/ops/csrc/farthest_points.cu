@@ -10,9 +10,15 @@
 // words need no fence and no cluster barrier a sample (cluster.sync() costs a GPU-wide memory
 // barrier and an L1 invalidation: ~0.4 us a sample on an H100, benchmarks/fps_cluster_probe.cu).
 //
-// The operator fullgraph_fps::farthest_points(points [B, N, D] float32, valid [B, N] bool (false:
-// never taken), start [B] int64, count, threads) returns idx [B, count] int64 (-1 once a cloud
-// has no point left). fullgraph/ops/sampling_cuda.py calls it.
+// Before the loop the blocks of a cloud agree (one cluster barrier) on what the Python
+// reference computes with ~30 small kernels: which points are valid (inside the item's length,
+// every coordinate finite), how many, the first of them, and the power of two the coordinates
+// are divided by (scaling.safe_scale of their largest magnitude), so one launch is the call.
+//
+// The operator fullgraph_fps::farthest_points(x [B, N, D] float32, lengths [B] int64 or None,
+// start [B] int64 or None (the first valid point), count, threads) returns idx [B, count] int64:
+// -1 once an item has no valid point left, and a row of -1 for a start outside [0, N).
+// fullgraph/ops/sampling_cuda.py calls it.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -22,6 +28,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace cg = cooperative_groups;
 
@@ -41,12 +48,35 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long value)
   return static_cast<unsigned long long>(high) << 32 | low;
 }
 
-// Word layout: key = (distance bits + 1) << 32 | (0xffff - index) << 16 | tag (0: no candidate),
-// coordinate d = bits << 32 | tag; tag = step & 0xffff, which differs from the step two before,
-// the last one whose words the same buffer held.
+// Write a 64-bit word into the shared memory of block ``peer`` of the cluster, at the place of
+// ``local`` in this block's (a plain store when the peer is this block).
+__device__ __forceinline__ void post(unsigned long long* local, unsigned peer, unsigned rank, unsigned long long word) {
+  if (peer == rank) {
+    *static_cast<volatile unsigned long long*>(local) = word;
+    return;
+  }
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(remote) : "r"(static_cast<unsigned>(__cvta_generic_to_shared(local))), "r"(peer));
+  asm volatile("st.relaxed.cluster.shared::cluster.u64 [%0], %1;" ::"r"(remote), "l"(word) : "memory");
+}
+
+// The power of two scaling.safe_scale divides coordinates of largest magnitude ``largest`` by.
+__device__ __forceinline__ float safe_scale(float largest) {
+  if (largest > 0.f && (largest > 0x1p40f || largest < 0x1p-30f)) {
+    int exponent;
+    frexpf(largest, &exponent);  // largest = m 2^exponent, 0.5 <= m < 1
+    return ldexpf(1.f, exponent - 1);
+  }
+  return 1.f;
+}
+
+// Word layout of a posted candidate: key = (distance bits + 1) << 32 | (0xffff - index) << 16 |
+// tag (a key without distance: no candidate), coordinate d = bits << 32 | tag; tag = step &
+// 0xffff, which differs from the step two before, the last one whose words the buffer held.
 template <int D>
 __global__ void __launch_bounds__(1024) farthest_points_kernel(
-    const float* __restrict__ points, const bool* __restrict__ valid, const int64_t* __restrict__ start,
+    const float* __restrict__ points, const int64_t* __restrict__ lengths, const int64_t* __restrict__ start,
     int64_t* __restrict__ out, int64_t size, int64_t count, int64_t slice) {
   cg::cluster_group cluster = cg::this_cluster();
   const unsigned rank = cluster.block_rank();
@@ -55,39 +85,90 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   __shared__ unsigned long long warp_keys[32];
   __shared__ float warp_centres[32][kMaxDim];
+  __shared__ unsigned warp_summary[3][32];               // largest magnitude bits, valid points, first valid
+  __shared__ unsigned block_summary[3][kMaxCluster];     // the same for each block of the cluster
   // inbox[parity][word][block]: a block may post a step ahead of one still reading.
   __shared__ unsigned long long inbox[2][1 + kMaxDim][kMaxCluster];
 
   const float* base = points + cloud * size * D;
   int64_t* row = out + cloud * count;
+  int64_t length = lengths == nullptr ? size : lengths[cloud];
+  length = length < 0 ? 0 : (length > size ? size : length);
   const int64_t lo = rank * slice;
-  const int64_t end = lo + slice < size ? lo + slice : size;
+  const int64_t end = lo + slice < length ? lo + slice : length;
   float x[kPointsPerThread][D];
   float gap[kPointsPerThread];  // squared distance to the samples so far; -1: never taken
+  float largest = 0.f;
+  unsigned valid = 0, first = 0xffffffffu;
 #pragma unroll
   for (int j = 0; j < kPointsPerThread; ++j) {
     const int64_t i = lo + j * blockDim.x + threadIdx.x;
-    const bool inside = i < end;
+    bool taken = i < end;
+    float magnitude = 0.f;
 #pragma unroll
-    for (int d = 0; d < D; ++d) x[j][d] = inside ? base[i * D + d] : 0.f;
-    gap[j] = inside && valid[cloud * size + i] ? __int_as_float(0x7f800000) : -1.f;
-  }
-  int64_t current = start[cloud];
-  if (current < 0 || current >= size) {  // no read out of bounds: a bad start leaves the row at -1
-    if (rank == 0) {
-      for (int64_t step = threadIdx.x; step < count; step += blockDim.x) row[step] = -1;
+    for (int d = 0; d < D; ++d) {
+      x[j][d] = i < end ? base[i * D + d] : 0.f;
+      taken = taken && isfinite(x[j][d]);
+      magnitude = fmaxf(magnitude, fabsf(x[j][d]));
     }
-    return;  // every block of the cluster reads the same start and leaves before the barrier
+    gap[j] = taken ? __int_as_float(0x7f800000) : -1.f;  // +inf
+    largest = taken ? fmaxf(largest, magnitude) : largest;
+    valid += taken;
+    first = taken && static_cast<unsigned>(i) < first ? static_cast<unsigned>(i) : first;
   }
-  float centre[D];
-#pragma unroll
-  for (int d = 0; d < D; ++d) centre[d] = base[current * D + d];
-  if (rank == 0 && threadIdx.x == 0) row[0] = current;
+  // The cloud's largest magnitude, valid points and first valid point: warp, block, cluster.
+  const unsigned summary[3] = {__reduce_max_sync(0xffffffffu, __float_as_uint(largest)),
+                               __reduce_add_sync(0xffffffffu, valid), __reduce_min_sync(0xffffffffu, first)};
+  if (lane == 0) {
+    for (int f = 0; f < 3; ++f) warp_summary[f][warp] = summary[f];
+  }
   for (int w = threadIdx.x; w < 2 * (1 + kMaxDim) * kMaxCluster; w += blockDim.x) (&inbox[0][0][0])[w] = ~0ull;
-  cluster.sync();  // every block has started (and its inbox is set) before any posts into it
+  cluster.sync();  // every block has started before any writes into another's memory
+  if (warp == 0) {
+    const bool in = lane < warps;
+    const unsigned block[3] = {__reduce_max_sync(0xffffffffu, in ? warp_summary[0][lane] : 0u),
+                               __reduce_add_sync(0xffffffffu, in ? warp_summary[1][lane] : 0u),
+                               __reduce_min_sync(0xffffffffu, in ? warp_summary[2][lane] : 0xffffffffu)};
+    if (lane < parts) {
+      for (int f = 0; f < 3; ++f) {
+        unsigned* slot = &block_summary[f][rank];
+        if (lane != static_cast<int>(rank)) slot = cluster.map_shared_rank(slot, lane);
+        *slot = block[f];
+      }
+    }
+  }
+  cluster.sync();
+  unsigned magnitude_bits = 0, valid_points = 0, first_valid = 0xffffffffu;
+  for (int r = 0; r < parts; ++r) {
+    magnitude_bits = max(magnitude_bits, block_summary[0][r]);
+    valid_points += block_summary[1][r];
+    first_valid = min(first_valid, block_summary[2][r]);
+  }
+  const float scale = safe_scale(__uint_as_float(magnitude_bits));
+#pragma unroll
+  for (int j = 0; j < kPointsPerThread; ++j) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) x[j][d] = __fdiv_rn(x[j][d], scale);  // exact: a power of two
+  }
+  const int64_t current = start == nullptr ? static_cast<int64_t>(first_valid) : start[cloud];
+  const int64_t taken = valid_points < static_cast<unsigned>(count) ? valid_points : count;
+  if (current < 0 || current >= size || taken == 0) {  // no read out of bounds: the row stays -1
+    return;  // the cluster agrees on both, and no block writes into another after the barrier above
+  }
+  // The start's coordinates (0 for a point that is not valid, as the reference masks them).
+  float centre[D];
+  bool finite = current < length;
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    centre[d] = base[current * D + d];
+    finite = finite && isfinite(centre[d]);
+  }
+#pragma unroll
+  for (int d = 0; d < D; ++d) centre[d] = finite ? __fdiv_rn(centre[d], scale) : 0.f;
+  if (rank == 0 && threadIdx.x == 0) row[0] = current;
 
   const int words = (1 + D) * kMaxCluster;
-  for (int64_t step = 1; step < count; ++step) {
+  for (int64_t step = 1; step < taken; ++step) {
     const unsigned long long tag = static_cast<unsigned long long>(step & 0xffff);
     float best_gap = -0.5f;  // below every distance, above "never taken"
     int best_j = 0;
@@ -132,9 +213,7 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         if (peer < parts) {
           const unsigned long long word =
               field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
-          unsigned long long* slot = &inbox[parity][field][rank];
-          if (peer != static_cast<int>(rank)) slot = cluster.map_shared_rank(slot, peer);
-          *static_cast<volatile unsigned long long*>(slot) = word | tag;
+          post(&inbox[parity][field][rank], peer, rank, word | tag);
         }
       }
     }
@@ -143,10 +222,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     unsigned long long low = 0, high = 0;  // words lane and lane + 32 (field-major, kMaxCluster a field)
     bool ready;
     do {
-      const bool want_low = lane < words && lane % kMaxCluster < parts;
-      const bool want_high = lane + 32 < words && lane % kMaxCluster < parts;
-      low = want_low ? posted[lane] : tag;
-      high = want_high ? posted[lane + 32] : tag;
+      low = lane < words && lane % kMaxCluster < parts ? posted[lane] : tag;
+      high = lane + 32 < words && lane % kMaxCluster < parts ? posted[lane + 32] : tag;
       ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
     } while (!ready);
     const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
@@ -158,17 +235,15 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
       const unsigned long long word = __shfl_sync(0xffffffffu, w < 32 ? low : high, w % 32);
       centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
     }
-    if (rank == 0 && threadIdx.x == 0) {
-      row[step] = (top >> 32) == 0 ? -1 : static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
-    }
+    if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
   }
 }
 
 template <int D>
-void launch(const at::Tensor& points, const at::Tensor& valid, const at::Tensor& start, at::Tensor& out,
-            int64_t count, int64_t threads, int64_t parts) {
+void launch(const at::Tensor& x, const int64_t* lengths, const int64_t* start, at::Tensor& out, int64_t count,
+            int64_t threads, int64_t parts) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(points.size(0) * parts));
+  config.gridDim = dim3(static_cast<unsigned>(x.size(0) * parts));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = c10::cuda::getCurrentCUDAStream();
   cudaLaunchAttribute cluster;
@@ -178,47 +253,48 @@ void launch(const at::Tensor& points, const at::Tensor& valid, const at::Tensor&
   cluster.val.clusterDim.z = 1;
   config.attrs = &cluster;
   config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, farthest_points_kernel<D>, points.data_ptr<float>(),
-                                    valid.data_ptr<bool>(), start.data_ptr<int64_t>(), out.data_ptr<int64_t>(),
-                                    points.size(1), count, threads * kPointsPerThread));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, farthest_points_kernel<D>, x.data_ptr<float>(), lengths, start,
+                                    out.data_ptr<int64_t>(), x.size(1), count, threads * kPointsPerThread));
 }
 
-at::Tensor farthest_points(const at::Tensor& points, const at::Tensor& valid, const at::Tensor& start, int64_t count,
-                           int64_t threads) {
-  TORCH_CHECK(points.is_cuda() && points.scalar_type() == at::kFloat && points.dim() == 3 && points.is_contiguous(),
-              "points: expected a contiguous [B, N, D] float32 CUDA tensor, got ", points.scalar_type(), " of shape ",
-              points.sizes(), " on ", points.device());
-  const int64_t batch = points.size(0), size = points.size(1), dim = points.size(2);
-  TORCH_CHECK(dim >= 1 && dim <= kMaxDim, "points: expected D from 1 to ", kMaxDim, ", got ", dim);
-  TORCH_CHECK(valid.device() == points.device() && valid.scalar_type() == at::kBool && valid.is_contiguous() &&
-                  valid.dim() == 2 && valid.size(0) == batch && valid.size(1) == size,
-              "valid: expected a contiguous [", batch, ", ", size, "] bool tensor on ", points.device(), ", got ",
-              valid.scalar_type(), " of shape ", valid.sizes(), " on ", valid.device());
-  TORCH_CHECK(start.device() == points.device() && start.scalar_type() == at::kLong && start.dim() == 1 &&
-                  start.size(0) == batch,
-              "start: expected [", batch, "] int64 indices on ", points.device(), ", got ", start.scalar_type(),
-              " of shape ", start.sizes(), " on ", start.device());
+const int64_t* indices(const std::optional<at::Tensor>& tensor, const char* name, const at::Tensor& x) {
+  if (!tensor.has_value()) return nullptr;
+  TORCH_CHECK(tensor->device() == x.device() && tensor->scalar_type() == at::kLong && tensor->dim() == 1 &&
+                  tensor->size(0) == x.size(0) && tensor->is_contiguous(),
+              name, ": expected a contiguous [", x.size(0), "] int64 tensor on ", x.device(), ", got ",
+              tensor->scalar_type(), " of shape ", tensor->sizes(), " on ", tensor->device());
+  return tensor->data_ptr<int64_t>();
+}
+
+at::Tensor farthest_points(const at::Tensor& x, const std::optional<at::Tensor>& lengths,
+                           const std::optional<at::Tensor>& start, int64_t count, int64_t threads) {
+  TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous(),
+              "x: expected a contiguous [B, N, D] float32 CUDA tensor, got ", x.scalar_type(), " of shape ", x.sizes(),
+              " on ", x.device());
+  const int64_t batch = x.size(0), size = x.size(1), dim = x.size(2);
+  TORCH_CHECK(dim >= 1 && dim <= kMaxDim, "x: expected D from 1 to ", kMaxDim, ", got ", dim);
+  const int64_t* lengths_ = indices(lengths, "lengths", x);
+  const int64_t* start_ = indices(start, "start", x);
   TORCH_CHECK(count >= 1, "count: expected at least 1 sample, got ", count);
   TORCH_CHECK(threads >= 32 && threads <= 1024 && threads % 32 == 0,
               "threads: expected a multiple of 32 from 32 to 1024, got ", threads);
   const int64_t slice = threads * kPointsPerThread;
   const int64_t parts = size == 0 ? 1 : (size + slice - 1) / slice;
-  TORCH_CHECK(size <= kMaxPoints, "points: expected at most ", kMaxPoints, " points a cloud, got ", size);
-  TORCH_CHECK(parts <= kMaxCluster, "points: a cloud of ", size, " points needs ", parts, " blocks of ", slice,
+  TORCH_CHECK(size <= kMaxPoints, "x: expected at most ", kMaxPoints, " points a cloud, got ", size);
+  TORCH_CHECK(parts <= kMaxCluster, "x: a cloud of ", size, " points needs ", parts, " blocks of ", slice,
               " points, more than a cluster's ", kMaxCluster, " (at most ", kMaxCluster * slice, " points with ",
               threads, " threads a block)");
-  at::Tensor out = at::full({batch, count}, -1, points.options().dtype(at::kLong));
+  at::Tensor out = at::full({batch, count}, -1, x.options().dtype(at::kLong));
   if (batch == 0 || size == 0) return out;
-  const c10::cuda::CUDAGuard guard(points.device());
+  const c10::cuda::CUDAGuard guard(x.device());
   int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, points.device().index()));
-  TORCH_CHECK(major >= 9, "points: thread-block clusters need a GPU of compute capability 9.0 or later, got ", major);
-  const at::Tensor start_ = start.contiguous();
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, x.device().index()));
+  TORCH_CHECK(major >= 9, "x: thread-block clusters need a GPU of compute capability 9.0 or later, got ", major);
   switch (dim) {
-    case 1: launch<1>(points, valid, start_, out, count, threads, parts); break;
-    case 2: launch<2>(points, valid, start_, out, count, threads, parts); break;
-    case 3: launch<3>(points, valid, start_, out, count, threads, parts); break;
-    default: launch<4>(points, valid, start_, out, count, threads, parts); break;
+    case 1: launch<1>(x, lengths_, start_, out, count, threads, parts); break;
+    case 2: launch<2>(x, lengths_, start_, out, count, threads, parts); break;
+    case 3: launch<3>(x, lengths_, start_, out, count, threads, parts); break;
+    default: launch<4>(x, lengths_, start_, out, count, threads, parts); break;
   }
   return out;
 }
@@ -226,7 +302,7 @@ at::Tensor farthest_points(const at::Tensor& points, const at::Tensor& valid, co
 }  // namespace
 
 TORCH_LIBRARY(fullgraph_fps, m) {
-  m.def("farthest_points(Tensor points, Tensor valid, Tensor start, int count, int threads) -> Tensor");
+  m.def("farthest_points(Tensor x, Tensor? lengths, Tensor? start, int count, int threads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_fps, CUDA, m) { m.impl("farthest_points", &farthest_points); }
