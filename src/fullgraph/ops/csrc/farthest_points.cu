@@ -38,7 +38,6 @@ constexpr int kPointsPerThread = 8;
 constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxDim = 4;
 constexpr int kMaxPoints = 1024 * kPointsPerThread * kMaxCluster;  // an index takes 16 bits of a key
-constexpr int kMaxCandidates = kMaxCluster * 32;  // a warp's each
 
 // The largest 64-bit value among the warp's lanes: two single-instruction reductions (redux.sync),
 // the high words first, then the low words of the lanes that hold the largest high word.
@@ -84,12 +83,12 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   const int parts = static_cast<int>(cluster.num_blocks());
   const int64_t cloud = blockIdx.x / parts;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  __shared__ unsigned long long warp_keys[32];
+  __shared__ float warp_centres[32][kMaxDim];
   __shared__ unsigned warp_summary[3][32];               // largest magnitude bits, valid points, first valid
   __shared__ unsigned block_summary[3][kMaxCluster];     // the same for each block of the cluster
-  // Every warp of the cluster posts a candidate a step: inbox[parity][word][block * warps + warp]
-  // (word 0 the key, 1 + d coordinate d). Two buffers: a warp may post a step ahead of one
-  // still reading, never two (it needs every warp's candidate of the step between).
-  __shared__ unsigned long long inbox[2][1 + kMaxDim][kMaxCandidates];
+  // inbox[parity][word][block]: a block may post a step ahead of one still reading.
+  __shared__ unsigned long long inbox[2][1 + kMaxDim][kMaxCluster];
 
   const float* base = points + cloud * size * D;
   int64_t* row = out + cloud * count;
@@ -123,7 +122,7 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   if (lane == 0) {
     for (int f = 0; f < 3; ++f) warp_summary[f][warp] = summary[f];
   }
-  for (int w = threadIdx.x; w < 2 * (1 + kMaxDim) * kMaxCandidates; w += blockDim.x) (&inbox[0][0][0])[w] = ~0ull;
+  for (int w = threadIdx.x; w < 2 * (1 + kMaxDim) * kMaxCluster; w += blockDim.x) (&inbox[0][0][0])[w] = ~0ull;
   cluster.sync();  // every block has started before any writes into another's memory
   if (warp == 0) {
     const bool in = lane < warps;
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   const int64_t current = start == nullptr ? static_cast<int64_t>(first_valid) : start[cloud];
   const int64_t taken = valid_points < static_cast<unsigned>(count) ? valid_points : count;
   if (current < 0 || current >= size || taken == 0) {  // no read out of bounds: the row stays -1
-    return;  // the cluster agrees on both; no block has posted into another yet
+    return;  // the cluster agrees on both, and no block writes into another after the barrier above
   }
   // The start's coordinates (0 for a point that is not valid, as the reference masks them).
   float centre[D];
@@ -168,11 +167,9 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   for (int d = 0; d < D; ++d) centre[d] = finite ? __fdiv_rn(centre[d], scale) : 0.f;
   if (rank == 0 && threadIdx.x == 0) row[0] = current;
 
-  const int candidates = parts * warps;
-  const int own = static_cast<int>(rank) * warps + warp;  // this warp's candidate slot
+  const int words = (1 + D) * kMaxCluster;
   for (int64_t step = 1; step < taken; ++step) {
     const unsigned long long tag = static_cast<unsigned long long>(step & 0xffff);
-    const int parity = static_cast<int>(step & 1);
     float best_gap = -0.5f;  // below every distance, above "never taken"
     int best_j = 0;
     float best_centre[D];
@@ -199,57 +196,47 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         best_gap >= 0.f ? (static_cast<unsigned long long>(__float_as_uint(best_gap) + 1u) << 32) |
                               (static_cast<unsigned long long>(0xffffu - index) << 16)
                         : 0ull;
-    // The warp's candidate, posted word by word (lane: word lane / 8 for block lane % 8).
     const unsigned long long warp_best = warp_max(mine);
-    const int holder = __ffs(__ballot_sync(0xffffffffu, mine == warp_best)) - 1;
-    float posted_centre[D];
+    if (lane == __ffs(__ballot_sync(0xffffffffu, mine == warp_best)) - 1) {
+      warp_keys[warp] = warp_best;
 #pragma unroll
-    for (int d = 0; d < D; ++d) posted_centre[d] = __shfl_sync(0xffffffffu, best_centre[d], holder);
-    for (int w = lane; w < (1 + D) * kMaxCluster; w += 32) {
-      const int field = w / kMaxCluster, peer = w % kMaxCluster;
-      if (peer < parts) {
-        unsigned long long word = warp_best;
-#pragma unroll
-        for (int d = 0; d < D; ++d) {
-          if (field == 1 + d) word = static_cast<unsigned long long>(__float_as_uint(posted_centre[d])) << 32;
+      for (int d = 0; d < D; ++d) warp_centres[warp][d] = best_centre[d];
+    }
+    __syncthreads();
+    const int parity = static_cast<int>(step & 1);
+    if (warp == 0) {  // the block's candidate, posted word by word to every block of the cluster
+      const unsigned long long key = lane < warps ? warp_keys[lane] : 0ull;
+      const unsigned long long top = warp_max(key);
+      const int from = __ffs(__ballot_sync(0xffffffffu, lane < warps && key == top)) - 1;
+      for (int w = lane; w < words; w += 32) {
+        const int field = w / kMaxCluster, peer = w % kMaxCluster;
+        if (peer < parts) {
+          const unsigned long long word =
+              field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
+          post(&inbox[parity][field][rank], peer, rank, word | tag);
         }
-        post(&inbox[parity][field][own], peer, rank, word | tag);
       }
     }
-    // Wait in this block's memory for every warp's key of the step; the largest wins.
-    const volatile unsigned long long* keys = &inbox[parity][0][0];
-    unsigned long long top;
+    // Every warp waits for the cluster's words of this step in its own block's memory.
+    const volatile unsigned long long* posted = &inbox[parity][0][0];
+    unsigned long long low = 0, high = 0;  // words lane and lane + 32 (field-major, kMaxCluster a field)
     bool ready;
     do {
-      top = 0;
-      ready = true;
-#pragma unroll
-      for (int i = 0; i < kMaxCandidates / 32; ++i) {
-        const int c = lane + 32 * i;
-        if (c < candidates) {
-          const unsigned long long key = keys[c];
-          ready = ready && (key & 0xffff) == tag;
-          top = key > top ? key : top;
-        }
-      }
-    } while (!__all_sync(0xffffffffu, ready));
-    top = warp_max(top);
-    const unsigned winner = 0xffffu - static_cast<unsigned>((top >> 16) & 0xffffu);
-    // The winner's slot follows from its index (i = block * slice + j * blockDim.x + thread).
-    const int block = static_cast<int>(winner / slice);
-    const int slot = block * warps + static_cast<int>((winner - block * slice) % blockDim.x) / 32;
+      low = lane < words && lane % kMaxCluster < parts ? posted[lane] : tag;
+      high = lane + 32 < words && lane % kMaxCluster < parts ? posted[lane + 32] : tag;
+      ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
+    } while (!ready);
+    const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
+    const unsigned long long top = warp_max(key);
+    const int winner = __ffs(__ballot_sync(0xffffffffu, lane < parts && key == top)) - 1;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-      const volatile unsigned long long* coordinate = &inbox[parity][1 + d][slot];
-      unsigned long long word;
-      do {
-        word = *coordinate;
-      } while ((word & 0xffff) != tag);
+      const int w = (1 + d) * kMaxCluster + winner;
+      const unsigned long long word = __shfl_sync(0xffffffffu, w < 32 ? low : high, w % 32);
       centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
     }
-    if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(winner);
+    if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
   }
-  cluster.sync();  // no block leaves while another's posts into it may be in flight
 }
 
 template <int D>
