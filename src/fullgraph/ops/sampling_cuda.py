@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import backends
-from .._extension import build, missing_tools
+from .._extension import ExtensionBuildError, build, missing_tools
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
 THREAD_CHOICES = (128, 256, 512, 1024)  # a block's threads: the fewest whose cluster holds the cloud
@@ -41,17 +41,29 @@ def threads_for(size: int) -> int | None:
     return None
 
 
+_BUILD_FAILED = []  # set once a build failed here: "auto" then takes the Triton kernel
+
+
 @functools.cache
-def available(device_type: str) -> bool:
-    """A GPU with thread-block clusters, and nvcc and a C++ compiler to build the kernel."""
+def _capable(device_type: str) -> bool:
     return (device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
             and not missing_tools(with_cuda=True))
 
 
+def available(device_type: str) -> bool:
+    """A GPU with thread-block clusters, and nvcc and a C++ compiler to build the kernel (not
+    failed before in this process)."""
+    return not _BUILD_FAILED and _capable(device_type)
+
+
 @functools.cache
 def _load() -> None:
-    build("fullgraph_fps", [SOURCE], with_cuda=True, what="fullgraph.fps: the CUDA extension",
-          instead='use backend="triton"')
+    try:
+        build("fullgraph_fps", [SOURCE], with_cuda=True, what="fullgraph.fps: the CUDA extension",
+              instead='use backend="triton"')
+    except ExtensionBuildError:
+        _BUILD_FAILED.append(True)
+        raise
 
 
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor | None,
