@@ -151,15 +151,16 @@ def test_bad_input_is_named():
 
 
 @pytest.mark.slow
-def test_compiles_once_across_sizes(generator):
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiles_once_across_sizes(device, generator):
     from torch._dynamo.testing import CompileCounter
 
     counter = CompileCounter()
     compiled = torch.compile(lambda x, n: fullgraph.fps(x, n_samples=8, lengths=n, random_start=False),
                              backend=counter, fullgraph=True, dynamic=True)
     for size in (20, 37, 64):
-        x = torch.rand(2, size, 3, generator=generator)
-        lengths = torch.tensor([size, size // 2])
+        x = torch.rand(2, size, 3, generator=generator).to(device)
+        lengths = torch.tensor([size, size // 2], device=device)
         assert torch.equal(compiled(x, lengths), fullgraph.fps(x, n_samples=8, lengths=lengths, random_start=False))
     assert counter.frame_count == 1
 

@@ -56,6 +56,11 @@ def available(device_type: str) -> bool:
     return not _BUILD_FAILED and _capable(device_type)
 
 
+# Under torch.compile "auto" resolves while tracing: the answer is a constant of the trace (the
+# mark torch.compiler.assume_constant_result sets, as ops/lltm/api.py does for its backend).
+available._dynamo_marked_constant = True
+
+
 @functools.cache
 def _load() -> None:
     try:
