@@ -39,13 +39,17 @@ constexpr int kMaxCluster = 8;  // the portable cluster size
 constexpr int kMaxDim = 4;
 constexpr int kMaxPoints = 1024 * kPointsPerThread * kMaxCluster;  // an index takes 16 bits of a key
 
-// The largest 64-bit value among the warp's lanes: two single-instruction reductions (redux.sync),
-// the high words first, then the low words of the lanes that hold the largest high word.
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long value) {
-  const unsigned high = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(value >> 32));
-  const unsigned low = __reduce_max_sync(0xffffffffu, static_cast<unsigned>(value >> 32) == high
-                                                          ? static_cast<unsigned>(value) : 0u);
-  return static_cast<unsigned long long>(high) << 32 | low;
+// The first lane holding the warp's largest 64-bit value: one reduction of the high words
+// (redux.sync) and a ballot; the low words are reduced too only where high words tie.
+__device__ __forceinline__ int warp_argmax(unsigned long long value) {
+  const unsigned mine = static_cast<unsigned>(value >> 32);
+  const unsigned high = __reduce_max_sync(0xffffffffu, mine);
+  unsigned holders = __ballot_sync(0xffffffffu, mine == high);
+  if (__popc(holders) > 1) {
+    const unsigned low = __reduce_max_sync(0xffffffffu, mine == high ? static_cast<unsigned>(value) : 0u);
+    holders = __ballot_sync(0xffffffffu, mine == high && static_cast<unsigned>(value) == low);
+  }
+  return __ffs(holders) - 1;
 }
 
 // Write a 64-bit word into the shared memory of block ``peer`` of the cluster, at the place of
@@ -196,9 +200,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         best_gap >= 0.f ? (static_cast<unsigned long long>(__float_as_uint(best_gap) + 1u) << 32) |
                               (static_cast<unsigned long long>(0xffffu - index) << 16)
                         : 0ull;
-    const unsigned long long warp_best = warp_max(mine);
-    if (lane == __ffs(__ballot_sync(0xffffffffu, mine == warp_best)) - 1) {
-      warp_keys[warp] = warp_best;
+    if (lane == warp_argmax(mine)) {
+      warp_keys[warp] = mine;
 #pragma unroll
       for (int d = 0; d < D; ++d) warp_centres[warp][d] = best_centre[d];
     }
@@ -206,8 +209,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     const int parity = static_cast<int>(step & 1);
     if (warp == 0) {  // the block's candidate, posted word by word to every block of the cluster
       const unsigned long long key = lane < warps ? warp_keys[lane] : 0ull;
-      const unsigned long long top = warp_max(key);
-      const int from = __ffs(__ballot_sync(0xffffffffu, lane < warps && key == top)) - 1;
+      const int from = warp_argmax(key);
+      const unsigned long long top = __shfl_sync(0xffffffffu, key, from);
       for (int w = lane; w < words; w += 32) {
         const int field = w / kMaxCluster, peer = w % kMaxCluster;
         if (peer < parts) {
@@ -217,22 +220,33 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         }
       }
     }
-    // Every warp waits for the cluster's words of this step in its own block's memory.
-    const volatile unsigned long long* posted = &inbox[parity][0][0];
-    unsigned long long low = 0, high = 0;  // words lane and lane + 32 (field-major, kMaxCluster a field)
+    // Every thread waits for the cluster's keys of this step in its own block's memory (the
+    // same words for every lane: broadcast reads) and takes the largest, then its coordinates.
+    const volatile unsigned long long* keys = &inbox[parity][0][0];
+    unsigned long long top;
+    int winner;
     bool ready;
     do {
-      low = lane < words && lane % kMaxCluster < parts ? posted[lane] : tag;
-      high = lane + 32 < words && lane % kMaxCluster < parts ? posted[lane + 32] : tag;
-      ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
+      top = 0;
+      winner = 0;
+      ready = true;
+#pragma unroll
+      for (int r = 0; r < kMaxCluster; ++r) {
+        if (r < parts) {
+          const unsigned long long key = keys[r];
+          ready = ready && (key & 0xffff) == tag;
+          winner = key > top ? r : winner;
+          top = key > top ? key : top;
+        }
+      }
     } while (!ready);
-    const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
-    const unsigned long long top = warp_max(key);
-    const int winner = __ffs(__ballot_sync(0xffffffffu, lane < parts && key == top)) - 1;
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-      const int w = (1 + d) * kMaxCluster + winner;
-      const unsigned long long word = __shfl_sync(0xffffffffu, w < 32 ? low : high, w % 32);
+      const volatile unsigned long long* coordinate = &inbox[parity][1 + d][winner];
+      unsigned long long word;
+      do {
+        word = *coordinate;
+      } while ((word & 0xffff) != tag);
       centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
     }
     if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
