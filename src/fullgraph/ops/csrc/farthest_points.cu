@@ -5,8 +5,8 @@
 // the slice's squared distances to the samples so far in registers. For every sample it finds
 // its candidate (the largest distance, ties to the smaller index) and posts it into the shared
 // memory of every block of its cluster as 1 + D 64-bit words, each tagged with the step: the
-// key (distance bits, index) and the coordinates. Each warp waits on its own block's shared
-// memory until every block's words of the step have come and picks the same winner. Tagged
+// key (distance bits, index) and the coordinates. One warp of each block waits on its own
+// block's shared memory until every block's words of the step have come and picks the winner. Tagged
 // words need no fence and no cluster barrier a sample (cluster.sync() costs a GPU-wide memory
 // barrier and an L1 invalidation: ~0.4 us a sample on an H100, benchmarks/fps_cluster_probe.cu).
 //
@@ -89,6 +89,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   __shared__ unsigned long long warp_keys[32];
   __shared__ float warp_centres[32][kMaxDim];
+  __shared__ float winning_centre[kMaxDim];  // the step's sample, as warp 0 found it
+  __shared__ unsigned long long winning_key;
   __shared__ unsigned warp_summary[3][32];               // largest magnitude bits, valid points, first valid
   __shared__ unsigned block_summary[3][kMaxCluster];     // the same for each block of the cluster
   // inbox[parity][word][block]: a block may post a step ahead of one still reading.
@@ -220,35 +222,32 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         }
       }
     }
-    // Every thread waits for the cluster's keys of this step in its own block's memory (the
-    // same words for every lane: broadcast reads) and takes the largest, then its coordinates.
-    const volatile unsigned long long* keys = &inbox[parity][0][0];
-    unsigned long long top;
-    int winner;
-    bool ready;
-    do {
-      top = 0;
-      winner = 0;
-      ready = true;
-#pragma unroll
-      for (int r = 0; r < kMaxCluster; ++r) {
-        if (r < parts) {
-          const unsigned long long key = keys[r];
-          ready = ready && (key & 0xffff) == tag;
-          winner = key > top ? r : winner;
-          top = key > top ? key : top;
-        }
-      }
-    } while (!ready);
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      const volatile unsigned long long* coordinate = &inbox[parity][1 + d][winner];
-      unsigned long long word;
+    // Warp 0 waits for the cluster's words of this step in its own block's memory (lane w: word
+    // w and w + 32, field-major) and hands the winner's coordinates to the block; the other
+    // warps wait at the barrier, taking no issue slots or shared-memory bandwidth.
+    if (warp == 0) {
+      const volatile unsigned long long* posted = &inbox[parity][0][0];
+      unsigned long long low = 0, high = 0;
+      bool ready;
       do {
-        word = *coordinate;
-      } while ((word & 0xffff) != tag);
-      centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
+        low = lane < words && lane % kMaxCluster < parts ? posted[lane] : tag;
+        high = lane + 32 < words && lane % kMaxCluster < parts ? posted[lane + 32] : tag;
+        ready = __all_sync(0xffffffffu, (low & 0xffff) == tag && (high & 0xffff) == tag);
+      } while (!ready);
+      const unsigned long long key = lane < parts ? low : 0ull;  // lanes 0..7: the blocks' keys
+      const int winner = warp_argmax(key);
+#pragma unroll
+      for (int d = 0; d < D; ++d) {
+        const int w = (1 + d) * kMaxCluster + winner;
+        const unsigned long long word = __shfl_sync(0xffffffffu, w < 32 ? low : high, w % 32);
+        if (lane == 0) winning_centre[d] = __uint_as_float(static_cast<unsigned>(word >> 32));
+      }
+      if (lane == winner) winning_key = key;
     }
+    __syncthreads();
+#pragma unroll
+    for (int d = 0; d < D; ++d) centre[d] = winning_centre[d];
+    const unsigned long long top = winning_key;
     if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
   }
 }
