@@ -193,6 +193,7 @@ def _worker(rank, world, port, scenario):
             _check_partition(rank, world)
         else:
             _check_knn_and_gradients(rank, world, scenario.removesuffix("-spatial"), scenario.endswith("-spatial"))
+        dist.barrier()  # every rank done before any tears the group down (a teardown race aborted one in CI)
     finally:
         dist.destroy_process_group()
 
