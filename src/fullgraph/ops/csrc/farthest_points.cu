@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   const int parts = static_cast<int>(cluster.num_blocks());
   const int64_t cloud = blockIdx.x / parts;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  __shared__ unsigned long long block_key[2];  // the block's largest key, by the parity of the step
+  __shared__ unsigned long long warp_keys[32];
+  __shared__ float warp_centres[32][kMaxDim];
   __shared__ float winning_centre[kMaxDim];  // the step's sample, as warp 0 found it
   __shared__ unsigned long long winning_key;
   __shared__ unsigned warp_summary[3][32];               // largest magnitude bits, valid points, first valid
@@ -128,7 +129,6 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     for (int f = 0; f < 3; ++f) warp_summary[f][warp] = summary[f];
   }
   for (int w = threadIdx.x; w < 2 * (1 + kMaxDim) * kMaxCluster; w += blockDim.x) (&inbox[0][0][0])[w] = ~0ull;
-  if (threadIdx.x < 2) block_key[threadIdx.x] = 0;
   cluster.sync();  // every block has started before any writes into another's memory
   if (warp == 0) {
     const bool in = lane < warps;
@@ -202,27 +202,22 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
         best_gap >= 0.f ? (static_cast<unsigned long long>(__float_as_uint(best_gap) + 1u) << 32) |
                               (static_cast<unsigned long long>(0xffffu - index) << 16)
                         : 0ull;
-    // The block's candidate: each warp's largest key into a shared-memory maximum; the warp
-    // that holds the block's posts it, word by word, to every block of the cluster.
-    const int holder = warp_argmax(mine);
-    const unsigned long long warp_key = __shfl_sync(0xffffffffu, mine, holder);
-    const int parity = static_cast<int>(step & 1);
-    if (lane == holder && mine != 0) atomicMax(&block_key[parity], mine);
-    if (threadIdx.x == 0) block_key[parity ^ 1] = 0;  // the next step's (last read before the previous barrier)
-    __syncthreads();
-    const unsigned long long top = block_key[parity];
-    if (top == 0 ? warp == 0 : warp_key == top) {
-      float posted_centre[D];
+    if (lane == warp_argmax(mine)) {
+      warp_keys[warp] = mine;
 #pragma unroll
-      for (int d = 0; d < D; ++d) posted_centre[d] = __shfl_sync(0xffffffffu, best_centre[d], holder);
+      for (int d = 0; d < D; ++d) warp_centres[warp][d] = best_centre[d];
+    }
+    __syncthreads();
+    const int parity = static_cast<int>(step & 1);
+    if (warp == 0) {  // the block's candidate, posted word by word to every block of the cluster
+      const unsigned long long key = lane < warps ? warp_keys[lane] : 0ull;
+      const int from = warp_argmax(key);
+      const unsigned long long top = __shfl_sync(0xffffffffu, key, from);
       for (int w = lane; w < words; w += 32) {
         const int field = w / kMaxCluster, peer = w % kMaxCluster;
         if (peer < parts) {
-          unsigned long long word = top;
-#pragma unroll
-          for (int d = 0; d < D; ++d) {
-            if (field == 1 + d) word = static_cast<unsigned long long>(__float_as_uint(posted_centre[d])) << 32;
-          }
+          const unsigned long long word =
+              field == 0 ? top : static_cast<unsigned long long>(__float_as_uint(warp_centres[from][field - 1])) << 32;
           post(&inbox[parity][field][rank], peer, rank, word | tag);
         }
       }
@@ -252,8 +247,8 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     __syncthreads();
 #pragma unroll
     for (int d = 0; d < D; ++d) centre[d] = winning_centre[d];
-    const unsigned long long winning = winning_key;
-    if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((winning >> 16) & 0xffffu));
+    const unsigned long long top = winning_key;
+    if (rank == 0 && threadIdx.x == 0) row[step] = static_cast<int64_t>(0xffffu - ((top >> 16) & 0xffffu));
   }
 }
 
