@@ -5,10 +5,12 @@ float32, float64 for float64 inputs; ties to the smaller index); the first is th
 first valid point (``random_start=False``) or one drawn uniformly among its valid points.
 Points beyond an item's length or with a non-finite coordinate are never taken.
 
-The padded form (x [B, N, D], lengths) reads nothing back to the host: K iterations of a few
-batched tensor operations, so it compiles and runs inside CUDA graphs (replayed, the K
-iterations cost no launches). The flat form with a batch vector reads the item sizes once
-(its output length depends on them), like torch_cluster.
+The padded form (x [B, N, D], lengths) reads nothing back to the host, so it compiles and runs
+inside CUDA graphs: one operator, ``fullgraph::farthest_points``, whose backends are a C++/CUDA
+kernel on thread-block clusters ("cuda", sampling_cuda.py: clouds of up to 65,536 points), the
+Triton kernel below ("triton": any size) and K iterations of a few batched tensor operations
+("torch", any device). The flat form with a batch vector reads the item sizes once (its
+output length depends on them), like torch_cluster.
 """
 
 from __future__ import annotations
