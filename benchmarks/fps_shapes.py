@@ -1,8 +1,9 @@
 """Farthest-point sampling by shape: how each cloud is cut, the median time of fullgraph.fps
-per backend ("cuda": one thread-block cluster a cloud; "triton": parts exchanging through L2)
-over CUDA-event timings and the time per sample (the latency floor of the loop); small shapes
-are checked against the torch loop. ``--sweep``: the shapes again on the cuda kernel with each
-block size (the Triton kernel's MIN_SLICE and POINTS_PER_WARP were swept in session 12's run Y:
+per backend ("cuda": one thread-block cluster a cloud, cut as the kernel chooses; "triton":
+parts exchanging through L2) over CUDA-event timings and the time per sample (the latency
+floor of the loop); small shapes are checked against the torch loop. ``--sweep``: the cuda
+kernel's shapes again in clusters of each size, with and without the cloud's copy in shared
+memory (the Triton kernel's MIN_SLICE and POINTS_PER_WARP were swept in session 12's run Y:
 benchmarks/results/h100-torch2.11/session12/fps-shapes-run-Y.log).
 
     python benchmarks/fps_shapes.py [--sweep] > fps-shapes.log     (needs a CUDA device)
@@ -18,7 +19,7 @@ import fullgraph
 from fullgraph.bench.timing import time_call
 from fullgraph.ops import sampling, sampling_cuda
 
-SHAPES = [(32, 1024, 512), (128, 2048, 512), (64, 4096, 1024), (16, 16384, 4096), (1, 16384, 4096),
+SHAPES = [(32, 1024, 512), (128, 2048, 512), (64, 4096, 1024), (16, 16384, 4096), (1, 16384, 4096), (32, 16384, 4096),
           (4, 65536, 2048), (1, 100_000, 4096), (1, 1_000_000, 8192), (2, 1_000_000, 8192)]  # clouds, points, samples
 
 
@@ -30,29 +31,32 @@ def main() -> None:
         if clusters and size <= sampling_cuda.max_points():
             measure(batch, size, count, "cuda")
     if "--sweep" in sys.argv:
-        for threads in sampling_cuda.THREAD_CHOICES if clusters else ():
-            sampling_cuda.THREAD_CHOICES = (threads,)
-            for batch, size, count in SHAPES:
-                if sampling_cuda.threads_for(size) is not None:
-                    print(f"cuda, {threads} threads a block:", end=" ")
-                    measure(batch, size, count, "cuda")
+        for batch, size, count in SHAPES if clusters else ():
+            for cluster in range(1, sampling_cuda.MAX_CLUSTER + 1):
+                if size <= sampling_cuda.max_points() and -(-size // cluster) <= 8 * 1024:
+                    for shared_copy in (True, False):
+                        measure(batch, size, count, "cuda", cluster=cluster, shared_copy=shared_copy)
 
 
-def measure(batch: int, size: int, count: int, backend: str) -> None:
-    """Print the median time of one shape (clouds, points, samples) on ``backend`` and how it was cut."""
+def measure(batch: int, size: int, count: int, backend: str, **cut) -> None:
+    """Print the median time of one shape (clouds, points, samples) on ``backend`` and how it was cut
+    (``cut``: the cuda kernel's cluster and shared_copy; none: as it chooses)."""
     x = torch.rand(batch, size, 3, device="cuda", generator=torch.Generator("cuda").manual_seed(size))
     if backend == "cuda":
-        threads = sampling_cuda.threads_for(size)
-        cut = f"clusters of {-(-size // (threads * sampling_cuda.POINTS_PER_THREAD))} x {threads} threads"
+        label = ", ".join(f"{k} {v}" for k, v in cut.items()) or "cut as the kernel chooses"
+
+        def run():
+            return sampling_cuda.farthest_points(x, None, None, count, **cut)
     else:
         parts, length, block = sampling._slices(batch, size, 3, sampling._programs(x.device))
-        cut = f"parts {parts} x {length} " + ("resident" if block == length else f"streamed by {block}")
+        label = f"parts {parts} x {length} " + ("resident" if block == length else f"streamed by {block}")
 
-    def run(backend=backend):
-        return fullgraph.fps(x, n_samples=count, random_start=False, backend=backend)
+        def run():
+            return fullgraph.fps(x, n_samples=count, random_start=False, backend=backend)
     ms = time_call(run, x.device, warmup=2, runs=7).median_ms
-    check = f" same as torch: {bool(torch.equal(run(), run('torch')))}" if batch * size <= 100_000 else ""
-    print(f"{backend} {batch}x{size}->{count}: {cut}: {ms:.2f} ms, {1000 * ms / count:.2f} us/sample{check}",
+    want = fullgraph.fps(x, n_samples=count, random_start=False, backend="torch") if batch * size <= 100_000 else None
+    check = "" if want is None else f" same as torch: {bool(torch.equal(run(), want))}"
+    print(f"{backend} {batch}x{size}->{count}: {label}: {ms:.2f} ms, {1000 * ms / count:.2f} us/sample{check}",
           flush=True)
 
 

@@ -64,36 +64,45 @@ CLUSTERS = torch.cuda.is_available() and sampling_cuda.available("cuda")
 
 
 @pytest.mark.skipif(not CLUSTERS, reason="needs a GPU with thread-block clusters and nvcc")
-@pytest.mark.parametrize("blocks", ["one block", "cluster"])
-def test_the_cuda_kernel_equals_the_loop(blocks, generator, monkeypatch):
-    """The cluster kernel (a cloud in one block, or cut into blocks of 256 points that post
-    their candidates into each other's shared memory) on the Triton test's clouds, in D = 1
-    to 4, and a cloud too large for a cluster refused by name."""
-    if blocks == "cluster":
-        monkeypatch.setattr(sampling_cuda, "THREAD_CHOICES", (32,))  # 300 points: 2 blocks; 1,500: 6
+@pytest.mark.parametrize("cut", [dict(), dict(cluster=1), dict(cluster=2), dict(cluster=6),
+                                 dict(cluster=6, shared_copy=False), dict(cluster=8, shared_copy=False)])
+def test_the_cuda_kernel_equals_the_loop(cut, generator):
+    """The cluster kernel (as it chooses, a cloud in one block, or cut into 2-8 blocks that post
+    their candidates into each other's shared memory; the winners' coordinates from the copy
+    in shared memory or from global memory) on the Triton test's clouds, in D = 1 to 4, and a
+    cloud too large for a cluster refused by name."""
     for size, dim in ((300, 3), (1500, 3), (300, 1), (300, 2), (300, 4)):
         x = torch.stack([points("grid", size, dim, generator), points("duplicates", size, dim, generator),
                          points("far", size, dim, generator), points("normal", size, dim, generator)]).cuda()
         x[3, 7] = math.inf
         x[1] *= 2.0**100  # scaled by the kernel before squaring
+        x[0] *= 2.0**-130  # and here (subnormal coordinates: divided by 2^-130 or so)
         lengths = torch.tensor([size, size - 10, 0, 131], device="cuda")
         for dtype in (torch.float32, torch.bfloat16):
             for count in (1, 2, 200):
                 want = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="torch")
-                got = fullgraph.fps(x.to(dtype), n_samples=count, lengths=lengths, random_start=False, backend="cuda")
+                got = sampling_cuda.farthest_points(x.to(dtype), lengths, None, count, **cut)
                 assert torch.equal(got, want), (size, dim, dtype, count)
         start = torch.tensor([5, 3, 0, 7], device="cuda")  # point 7 of item 3 is not finite: the origin instead
-        runs = [torch.ops.fullgraph.farthest_points(x.float(), lengths, start, 100, b) for b in ("torch", "cuda")]
-        assert torch.equal(*runs)
+        want = torch.ops.fullgraph.farthest_points(x.float(), lengths, start, 100, "torch")
+        assert torch.equal(sampling_cuda.farthest_points(x, lengths, start, 100, **cut), want)
     too_many = sampling_cuda.max_points() + 1
     with pytest.raises(ValueError, match=f'x: backend="cuda" takes clouds of at most {too_many - 1} points'):
         fullgraph.fps(torch.rand(1, too_many, 3, device="cuda"), n_samples=2, backend="cuda")
+    with pytest.raises(ValueError, match="cluster: expected 0 .choose. or 1 to 8 blocks"):
+        sampling_cuda.farthest_points(torch.rand(1, 10, 3, device="cuda"), None, None, 2, cluster=9)
 
 
-def test_cuda_blocks_grow_until_a_cluster_holds_the_cloud():
-    assert sampling_cuda.threads_for(1) == sampling_cuda.threads_for(8 * 1024) == 128
-    assert sampling_cuda.threads_for(16384) == 256 and sampling_cuda.threads_for(65536) == 1024
-    assert sampling_cuda.threads_for(65537) is None
+@pytest.mark.skipif(not CLUSTERS, reason="needs a GPU with thread-block clusters and nvcc")
+def test_the_cuda_kernel_on_clouds_it_cuts_itself(generator):
+    """Batches whose clusters all fit at once and batches that do not, clouds too large for the
+    shared copy (D = 4, 65,536 points), against the Triton kernel (the same contract)."""
+    for batch, size, dim, count in ((16, 16384, 3, 300), (40, 16384, 3, 50), (2, 16384, 4, 100),
+                                    (2, 65536, 3, 100), (3, 5000, 2, 700)):
+        x = torch.randn(batch, size, dim, device="cuda", generator=torch.Generator("cuda").manual_seed(size))
+        x[:, ::7] = x[:, 3:4]  # duplicates: ties to the smaller index
+        want = fullgraph.fps(x, n_samples=count, random_start=False, backend="triton")
+        assert torch.equal(sampling_cuda.farthest_points(x, None, None, count), want), (batch, size, dim)
 
 
 def test_the_backend_is_named():

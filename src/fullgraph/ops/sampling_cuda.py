@@ -2,13 +2,16 @@
 (``csrc/farthest_points.cu``, compiled on first use) that runs each cloud on one thread-block
 cluster (compute capability 9.0 and later).
 
-A cloud is cut into up to ``MAX_CLUSTER`` slices of ``POINTS_PER_THREAD`` points a thread, a
-block each, in registers. For every sample the blocks post their candidates (distance,
-index, coordinates) into each other's shared memory and pass the cluster's hardware barrier
-once, where the Triton kernel's parts exchange theirs through L2 (about 1 us a sample). One
-launch, no host read: capture-safe; the kernel also finds the valid points and the power of
-two the coordinates are scaled by (a cluster barrier before the loop), so the call is one
-launch. Clouds of at most ``max_points()`` points of D <= 4; the Triton kernel takes larger ones.
+A cloud is cut into up to 8 slices of 8 points a thread, a block each, in registers. For every
+sample each warp posts its candidate (distance and index in one 64-bit word) into the shared
+memory of every block of the cluster with st.async, counted on that block's mbarrier, and every
+warp reduces the cluster's candidates itself: no block or cluster barrier a sample (about
+0.6 us a sample on an H100, where the Triton kernel's parts exchange theirs through L2 at about
+1.5 us). The winner's coordinates come from a copy of the cloud in shared memory where it fits.
+The kernel chooses the blocks a cloud so that all clouds' clusters run at once where it can,
+and it also finds the valid points and the power of two the coordinates are scaled by (a
+cluster barrier before the loop), so a call is one launch and capture-safe. Clouds of at most
+``MAX_POINTS`` points of D <= 4; the Triton kernel takes larger ones.
 """
 
 from __future__ import annotations
@@ -22,23 +25,14 @@ from .. import backends
 from .._extension import ExtensionBuildError, build, missing_tools
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
-THREAD_CHOICES = (128, 256, 512, 1024)  # a block's threads: the fewest whose cluster holds the cloud
-POINTS_PER_THREAD = 8  # kPointsPerThread in the kernel
+MAX_POINTS = 65_536  # kMaxPoints: an index takes 16 bits of the kernel's keys
 MAX_CLUSTER = 8  # kMaxCluster: the portable cluster size
 MAX_DIM = 4
 
 
 def max_points() -> int:
     """The largest cloud one cluster holds."""
-    return max(THREAD_CHOICES) * POINTS_PER_THREAD * MAX_CLUSTER
-
-
-def threads_for(size: int) -> int | None:
-    """A block's threads for clouds of ``size`` points (None: more than a cluster holds)."""
-    for threads in THREAD_CHOICES:
-        if -(-size // (threads * POINTS_PER_THREAD)) <= MAX_CLUSTER:
-            return threads
-    return None
+    return MAX_POINTS
 
 
 _BUILD_FAILED = []  # set once a build failed here: "auto" then takes the Triton kernel
@@ -72,18 +66,22 @@ def _load() -> None:
 
 
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor | None,
-                    count: int) -> torch.Tensor:
+                    count: int, *, cluster: int = 0, shared_copy: bool = True) -> torch.Tensor:
     """idx [B, count] int64 of clouds x [B, N, D] (lengths [B] or None; -1 beyond an item's
     valid points) from the samples ``start`` [B] (None: each item's first valid point). The
-    kernel finds the valid points and scales them itself: one launch."""
+    kernel finds the valid points and scales them itself: one launch. ``cluster`` (1 to 8
+    blocks a cloud; 0: the kernel chooses) and ``shared_copy`` (False: winners' coordinates
+    from global memory) are for tests and benchmarks."""
     batch, size, dim = x.shape
-    threads = threads_for(size)
-    if dim > MAX_DIM or threads is None:
-        raise ValueError(f'x: backend="cuda" takes clouds of at most {max_points()} points of D <= {MAX_DIM}, '
+    if dim > MAX_DIM or size > MAX_POINTS:
+        raise ValueError(f'x: backend="cuda" takes clouds of at most {MAX_POINTS} points of D <= {MAX_DIM}, '
                          f'got {size} points of D = {dim}; use backend="triton"')
+    if not 0 <= cluster <= MAX_CLUSTER or (cluster and -(-size // cluster) > 8 * 1024):
+        raise ValueError(f"cluster: expected 0 (choose) or 1 to {MAX_CLUSTER} blocks of at most 8,192 points, "
+                         f"got {cluster} for {size} points")
     _load()
     contiguous = [None if t is None else t.contiguous() for t in (lengths, start)]
-    return torch.ops.fullgraph_fps.farthest_points(x.float().contiguous(), *contiguous, count, threads)
+    return torch.ops.fullgraph_fps.farthest_points(x.float().contiguous(), *contiguous, count, cluster, shared_copy)
 
 
 BACKEND = backends.Backend(
