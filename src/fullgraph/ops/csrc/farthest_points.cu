@@ -128,6 +128,19 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
   length = length < 0 ? 0 : (length > size ? size : length);
   const int64_t lo = rank * slice;
   const int64_t end = lo + slice < length ? lo + slice : length;
+  if (shared_copy) {  // the raw copy first (scaled after the barriers below if need be)
+    const int64_t elements = size * D;
+    if ((reinterpret_cast<uintptr_t>(base) & 15) == 0) {
+      const float4* source = reinterpret_cast<const float4*>(base);
+      float4* target = reinterpret_cast<float4*>(cloud_copy);
+#pragma unroll 4
+      for (int64_t i = threadIdx.x; i < elements / 4; i += blockDim.x) target[i] = source[i];
+      for (int64_t i = elements / 4 * 4 + threadIdx.x; i < elements; i += blockDim.x) cloud_copy[i] = base[i];
+    } else {
+#pragma unroll 4
+      for (int64_t i = threadIdx.x; i < elements; i += blockDim.x) cloud_copy[i] = base[i];
+    }
+  }
   float x[kPointsPerThread][D];
   float gap[kPointsPerThread];  // squared distance to the samples so far; -1: never taken
   float largest = 0.f;
@@ -192,7 +205,10 @@ __global__ void __launch_bounds__(1024) farthest_points_kernel(
     for (int d = 0; d < D; ++d) x[j][d] = __fdiv_rn(x[j][d], scale);  // exact: a power of two
   }
   if (shared_copy) {
-    for (int64_t i = threadIdx.x; i < size * D; i += blockDim.x) cloud_copy[i] = __fdiv_rn(base[i], scale);
+    if (scale != 1.f) {
+      __syncthreads();
+      for (int64_t i = threadIdx.x; i < size * D; i += blockDim.x) cloud_copy[i] = __fdiv_rn(cloud_copy[i], scale);
+    }
     __syncthreads();
   }
   const int64_t current = start == nullptr ? static_cast<int64_t>(first_valid) : start[cloud];
