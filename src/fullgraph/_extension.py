@@ -45,6 +45,12 @@ def vector_flags() -> list[str]:
     return []
 
 
+def parallel_flags() -> list[str]:
+    """Compiler flags that let at::parallel_for in an extension use PyTorch's OpenMP threads
+    (without them its inline OpenMP code runs on one thread)."""
+    return ["-fopenmp"] if torch.backends.openmp.is_available() else []
+
+
 def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
           cuda_flags: Sequence[str] = ()) -> None:
     """Compile ``sources`` (and the headers beside them, hashed too) into the extension
@@ -68,7 +74,7 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
           file=sys.stderr, flush=True)
     try:
         cpp_extension.load(
-            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags()],
+            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags(), *parallel_flags()],
             extra_cuda_cflags=["-O3", *cuda_flags], extra_include_paths=[str(f) for f in folders],
             is_python_module=False, with_cuda=with_cuda,
             verbose=os.environ.get("FULLGRAPH_VERBOSE_BUILD") == "1",

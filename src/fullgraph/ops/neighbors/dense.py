@@ -9,7 +9,8 @@ of queries, for every batch item at once:
    centred on the mean of its valid references (which shrinks the cancellation error
    below); approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
-2. the ``k + SLACK`` smallest per query (``topk``) are re-measured with the reference's
+2. the ``k + SLACK`` smallest per query (``select.smallest``: torch.topk on GPUs, a C++
+   selection on CPUs) are re-measured with the reference's
    arithmetic (``pairs.norm_of_difference`` on the same scaled points) and ordered by
    (distance, index);
 3. a certificate checks that no reference outside the candidates can be nearer than, or tie
@@ -58,7 +59,7 @@ import torch
 from ... import _triton
 from ...backends import FLOATING, Backend
 from ..scaling import safe_scale
-from . import pairs, reference, triton_dense, triton_grid
+from . import pairs, reference, select, triton_dense, triton_grid
 
 SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate.
@@ -73,6 +74,7 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # D=64 k=20: 32 MiB 201, 128 MiB 202 (176).
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
+CPU_GROUP_BYTES = 2**20  # items of up to this many products' bytes share a block
 # Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
 # (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
 # once, the same bits).
@@ -93,10 +95,12 @@ def _roundoff(dtype: torch.dtype) -> float:
 
 
 def _gather_rows(points, rows):
-    """points [B, N, D] at rows [B, ...] (>= 0) -> [B, ..., D]: row indexing (index_select
-    speed; a gather with an expanded index was 3x slower on CPUs)."""
-    items = torch.arange(points.shape[0], device=points.device).reshape(-1, *[1] * (rows.dim() - 1))
-    return points[items, rows]
+    """points [B, N, D] at rows [B, ...] (>= 0) -> [B, ..., D]: index_select of the flattened
+    rows (on CPUs 5x advanced indexing, 16 x 256 x 28 rows of D = 64: 1.4 ms against 7.8,
+    and a gather with an expanded index was 3x slower still)."""
+    batch, size, dim = points.shape
+    offsets = (torch.arange(batch, device=points.device) * size).reshape(-1, *[1] * (rows.dim() - 1))
+    return points.reshape(-1, dim).index_select(0, (rows + offsets).reshape(-1)).reshape(*rows.shape, dim)
 
 
 def _remeasure(q, r, candidates):
@@ -155,7 +159,7 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
     approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
-    values, candidates = torch.topk(approx, take, dim=2, largest=False, sorted=True)
+    values, candidates = select.smallest(approx, take)
     d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
@@ -276,7 +280,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         budget = CPU_WIDE_BLOCK_BYTES
     # On CUDA every item at once (fewer launches); on CPUs one item at a time, whose products
     # stay nearer the caches (also measured no slower for tiny clouds, 2-16 items).
-    groups = [slice(None)] if query.is_cuda else [slice(b, b + 1) for b in range(batch)]
+    per_item = rows * columns * frames.q.element_size()
+    together = batch if query.is_cuda else max(1, min(batch, CPU_GROUP_BYTES // per_item))
+    groups = [slice(b, b + together) for b in range(0, batch, together)]
     fused = _on_tensor_cores(query)
     # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
     width = max(-(-columns // _chunk(columns)), (k + CHUNK_SLACK) * _chunk(columns)) if fused else columns
@@ -301,11 +307,15 @@ class DenseKernels(pairs.Kernels):
 
 
 # Where "auto" takes it. CPU, over the k-d tree: measured on the 2-core development CPU,
-# normal clouds (benchmarks/results/cpu-2core-torch2.13/dense-crossover.log), ms dense / tree:
-#   M=5000, N=100000, k=10:  D=8 1342/354, D=10 1241/859, D=12 1234/2263, D=16 601/1904
-#   B=8, M=N=2048, k=20:     D=8 120/243,  D=12 120/293,  D=64 267/831
-# The tree wins up to D = 10 on large clouds; from D = 12 on the products win everywhere.
-AUTO_MIN_DIM = 12
+# normal clouds (benchmarks/dense_cpu.py, results/cpu-2core-torch2.13/dense-cpu-session13.log),
+# ms dense / tree:
+#   M=5000, N=100000, k=10:  D=6 468/97, D=8 513/225, D=10 651/747, D=12 542/1896
+#   B=8, M=N=2048, k=20:     D=8 61/216,  D=12 63/336;   M=2000, N=10000: D=8 23/49
+# The tree wins up to D = 8 on large clouds; from D = 10 on the products win everywhere. Against
+# cdist + topk (inexact): 8 x 2048^2 D=64 k=20 120-139 / 144-150, 32 x 1024^2 207-281 / 245-256,
+# 5000 x 50000 D=16 294 / 910; tiny batches stay slower (16 x 256^2 D=64: 22-30 / 8-9; ~30
+# operators a call, the exact re-measure's gathers).
+AUTO_MIN_DIM = 10
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
 # (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log):

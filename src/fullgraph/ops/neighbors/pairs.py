@@ -97,7 +97,13 @@ def pair_distances(query: Tensor, ref: Tensor) -> Tensor:
 
 def order_by_distance(d: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
     """Sort each row of candidate lists [..., c] (-1 = missing, with d = +inf) by
-    (distance, index): ties to the smaller index, missing slots last."""
+    (distance, index): ties to the smaller index, missing slots last. Distances are >= 0 or
+    +inf (never NaN)."""
+    if d.dtype == torch.float32 and d.shape[-1] > 0:
+        # One sort of (distance bits, index) words: the bits of floats >= 0 order as the floats.
+        index = torch.where(candidates >= 0, candidates, 2**32 - 1)
+        order = torch.sort((d + 0.0).view(torch.int32).to(torch.int64) << 32 | index, dim=-1).indices  # -0 as +0
+        return d.gather(-1, order), candidates.gather(-1, order)
     missing_last = torch.where(candidates >= 0, candidates, torch.iinfo(torch.int64).max)
     by_index = torch.argsort(missing_last, dim=-1)
     d, candidates = d.gather(-1, by_index), candidates.gather(-1, by_index)

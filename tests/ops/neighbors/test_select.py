@@ -1,0 +1,73 @@
+"""The dense backend's candidate selection (ops/neighbors/select.py): the take smallest of
+every row, ascending, ties to the smaller position, NaN last, as a stable sort gives them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fullgraph.ops.neighbors import select
+
+
+def stable_smallest(values, take):
+    ordered, positions = torch.sort(values, dim=-1, stable=True)  # NaN last, ties by position
+    return ordered[..., :take], positions[..., :take]
+
+
+def rows(kind, dtype, generator):
+    if kind == "normal":
+        return torch.randn(6, 40, 2048, generator=generator, dtype=dtype)
+    if kind == "ties":  # five values only: long runs of equal values
+        return torch.randint(0, 5, (4, 30, 300), generator=generator).to(dtype)
+    if kind == "near-ties":  # equal in float32, distinct in float64
+        base = 1 + torch.arange(300, dtype=torch.float64) * 1e-12
+        return base[torch.randperm(300, generator=generator)].to(dtype).expand(5, 300).contiguous()
+    if kind == "non-finite":
+        x = torch.randn(4, 50, 200, generator=generator, dtype=dtype)
+        x[0, :, ::3] = math.nan
+        x[1] = math.inf
+        x[2, 5] = math.nan
+        x[2, 6] = -math.inf
+        x[2, 7, 100:] = math.nan
+        x[3, :, ::2] = math.inf
+        x[3, :, 1] = -0.0
+        x[3, :, 3] = 0.0
+        return x
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "near-ties", "non-finite"])
+def test_equals_a_stable_sort(kind, dtype, generator):
+    x = rows(kind, dtype, generator)
+    for take in (0, 1, 3, 28, x.shape[-1] // 4, x.shape[-1] - 1, x.shape[-1]):
+        got, positions = select.smallest(x, take)
+        want, want_positions = stable_smallest(x, take)
+        assert torch.equal(positions, want_positions), (kind, take)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0)), (kind, take)
+        assert got.dtype == x.dtype and positions.dtype == torch.int64
+
+
+def test_any_leading_shape_and_rows_not_contiguous(generator):
+    x = torch.randn(3, 2, 5, 500, generator=generator)[..., ::2]
+    got, positions = select.smallest(x, 9)
+    assert positions.shape == (3, 2, 5, 9) and torch.equal(positions, stable_smallest(x, 9)[1])
+    one = torch.randn(1000, generator=generator)
+    assert torch.equal(select.smallest(one, 10)[1], stable_smallest(one, 10)[1])
+
+
+def test_other_dtypes_take_topk(generator):
+    x = torch.randn(4, 64, generator=generator).to(torch.bfloat16)
+    got, positions = select.smallest(x, 5)
+    assert torch.equal(got, torch.topk(x, 5, largest=False).values)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match=r"take: expected an int from 0 to 10 \(the rows' length\), got 11"):
+        select.smallest(torch.rand(3, 10), 11)
+    with pytest.raises(ValueError, match="take: expected an int"):
+        select.smallest(torch.rand(3, 10), 2.0)
+    with pytest.raises(TypeError, match="values: expected a tensor of at least one dimension"):
+        select.smallest(torch.tensor(1.0), 0)
