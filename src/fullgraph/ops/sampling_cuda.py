@@ -5,8 +5,8 @@ cluster (compute capability 9.0 and later).
 A cloud is cut into up to 8 slices of 8 points a thread, a block each, in registers. For every
 sample each warp posts its candidate (distance and index in one 64-bit word) into the shared
 memory of every block of the cluster with st.async, counted on that block's mbarrier, and every
-warp reduces the cluster's candidates itself: no block or cluster barrier a sample (about
-0.6 us a sample on an H100, where the Triton kernel's parts exchange theirs through L2 at about
+warp reduces the cluster's candidates itself: no block or cluster barrier a sample (0.55-0.7
+us a sample on an H100, where the Triton kernel's parts exchange theirs through L2 at about
 1.5 us). The winner's coordinates come from a copy of the cloud in shared memory where it fits.
 The kernel chooses the blocks a cloud so that all clouds' clusters run at once where it can,
 and it also finds the valid points and the power of two the coordinates are scaled by (a
