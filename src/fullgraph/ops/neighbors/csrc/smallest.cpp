@@ -24,19 +24,12 @@ namespace {
 
 constexpr int64_t kGrainValues = 1 << 15;  // values a task reads before rows are split across threads
 
-// Per-thread scratch of select_row.
-template <typename T>
-std::vector<at::vec::Vectorized<T>>& minima(int64_t sets) {
-  thread_local std::vector<at::vec::Vectorized<T>> scratch;
-  scratch.resize(sets);
-  return scratch;
-}
-
-template <typename T>
-std::vector<T>& spilled(int64_t groups) {
-  thread_local std::vector<T> scratch;
-  scratch.resize(groups);
-  return scratch;
+// Per-thread scratch of select_row: ``count`` elements of U.
+template <typename U>
+std::vector<U>& scratch(int64_t count) {
+  thread_local std::vector<U> elements;
+  elements.resize(count);
+  return elements;
 }
 
 template <typename T>
@@ -58,7 +51,7 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   T bound = infinity;
   const int64_t sets = (take + V::size() - 1) / V::size(), groups = sets * V::size();
   if (4 * groups <= size) {  // else every number is a candidate
-    std::vector<V>& lanes = minima<T>(sets);
+    std::vector<V>& lanes = scratch<V>(sets);
     for (int64_t set = 0; set < sets; ++set) lanes[set] = V(infinity);
     int64_t i = 0;
     for (; i + groups <= size; i += groups) {
@@ -67,7 +60,7 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
         lanes[set] = V::blendv(lanes[set], values, values < lanes[set]);
       }
     }
-    std::vector<T>& least = spilled<T>(groups);
+    std::vector<T>& least = scratch<T>(groups);
     for (int64_t set = 0; set < sets; ++set) lanes[set].store(least.data() + set * V::size());
     for (; i < size; ++i) least[i % groups] = row[i] < least[i % groups] ? row[i] : least[i % groups];
     std::nth_element(least.begin(), least.begin() + (take - 1), least.end());  // no NaN among minima
