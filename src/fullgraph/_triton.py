@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
 
 try:
     import triton
@@ -22,3 +25,9 @@ def available(device_type: str = "cuda") -> bool:
 def devices() -> tuple[str, ...]:
     """The device types Triton kernels run on here."""
     return ("cuda", "cpu") if INTERPRETED else ("cuda",)
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of a CUDA device: how many programs run at once, one per SM."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -88,7 +88,8 @@ def test_fused_conv_blocks_compute_the_same_network(backend):
     import copy
     import os
 
-    from fullgraph.models.unet1d import Conv1dBlock, FusedConv1dBlock, fuse_conv_blocks, matmul_convolutions
+    from fullgraph.models.unet1d import (ConditionalResidualBlock1D, Conv1dBlock, FusedConv1dBlock, FusedResidualBlock,
+                                         fuse_conv_blocks, matmul_convolutions)
 
     if backend == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("no Triton device here")
@@ -99,11 +100,38 @@ def test_fused_conv_blocks_compute_the_same_network(backend):
     cond = torch.randn(2, 10, dtype=dtype, device=device)
     want = unet(x, 7, cond)
     blocks = sum(isinstance(m, Conv1dBlock) for m in unet.modules())
+    residual_blocks = sum(isinstance(m, ConditionalResidualBlock1D) for m in unet.modules())
     fused = matmul_convolutions(fuse_conv_blocks(copy.deepcopy(unet), backend))
-    assert not any(isinstance(m, Conv1dBlock) for m in fused.modules())
+    assert not any(isinstance(m, (Conv1dBlock, ConditionalResidualBlock1D)) for m in fused.modules())
     assert sum(isinstance(m, FusedConv1dBlock) for m in fused.modules()) == blocks == 25
+    assert sum(isinstance(m, FusedResidualBlock) for m in fused.modules()) == residual_blocks == 12
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in unet.parameters())
     tolerance = 1e-10 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(fused(x, 7, cond), want, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="fused already"):
+        fuse_conv_blocks(fused)
+    with pytest.raises(TypeError, match="unet: expected a ConditionalUnet1D, got Conv1dBlock"):
+        fuse_conv_blocks(Conv1dBlock(4, 8, 3))
+
+
+@pytest.mark.parametrize("cond_predict_scale", [True, False])
+def test_the_fused_network_has_the_same_gradients_and_traces_whole(cond_predict_scale):
+    """float64 through the PyTorch reference backend: input gradients equal the plain
+    network's; under torch.compile(fullgraph=True) the fused network is one graph."""
+    import copy
+
+    from fullgraph.models.unet1d import fuse_conv_blocks, matmul_convolutions
+
+    unet = _small(cond_predict_scale=cond_predict_scale).double().eval()
+    fused = matmul_convolutions(fuse_conv_blocks(copy.deepcopy(unet), "torch"))
+    x = torch.randn(2, 16, 2, dtype=torch.float64, requires_grad=True)
+    cond = torch.randn(2, 10, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(unet(x, 7, cond).square().sum(), (x, cond))
+    got = torch.autograd.grad(fused(x, 7, cond).square().sum(), (x, cond))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-10)
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x, 7, cond), fused(x, 7, cond))
 
 
 def test_a_bf16_network_takes_and_returns_the_sample_dtype():

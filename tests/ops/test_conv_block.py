@@ -42,6 +42,7 @@ SHAPES = [  # batch, C_in, C_out, T, kernel, groups
     (1, 2, 16, 1, 5, 2),  # one time step: the taps reach outside on both sides
     (3, 4, 8, 5, 1, 8),  # kernel 1, a channel per group
     (1, 6, 24, 9, 3, 1),  # one group, C_out not a multiple of the channel tile
+    (1, 3, 16, 300, 3, 1),  # a group of 4,800 elements: read in blocks, one pass per statistic
 ]
 
 
@@ -82,9 +83,57 @@ def test_a_constant_group_is_normalized_by_eps(backend, device):
     torch.testing.assert_close(got.cpu(), torch.nn.functional.mish(beta.cpu())[None, :, None].expand(1, 4, 6))
 
 
+def _epilogue(generator, batch, c_out, length, dtype=torch.float64, device="cpu"):
+    """(scale, shift, residual): scale and shift as the columns of one FiLM tensor (strided views)."""
+    film = torch.randn(batch, 2 * c_out, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    residual = torch.randn(batch, c_out, length, generator=generator, dtype=torch.float64).to(dtype=dtype,
+                                                                                              device=device)
+    return film[:, :c_out], film[:, c_out:], residual
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+@pytest.mark.parametrize("parts", [(True, True, False), (False, False, True), (True, True, True), (False, True, False)])
+def test_the_epilogue_matches_the_reference(backend, device, parts, generator):
+    """FiLM's scale and shift (strided [B, C_out] views) and a residual, each optional."""
+    tensors = _block(generator, 2, 6, 16, 9, 3)
+    extra = [e if keep else None for e, keep in zip(_epilogue(generator, 2, 16, 9), parts)]
+    want = conv_block.reference(*tensors, 4, 1e-5, *extra)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    moved = [None if e is None else e.to(dtype=dtype, device=device) for e in extra]
+    got = fullgraph.conv_groupnorm_mish(*(t.to(dtype=dtype, device=device) for t in tensors), 4, scale=moved[0],
+                                        shift=moved[1], residual=moved[2], backend=backend)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_split_products_sum_to_the_same_block(splits, generator):
+    """Chunks of the (channel, tap) pairs in separate programs, summed by the norm kernel."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no Triton device here")
+    tensors = _block(generator, 2, 40, 32, 11, 5)
+    extra = _epilogue(generator, 2, 32, 11)
+    want = conv_block.reference(*tensors, 8, 1e-5, *extra)
+    moved = [t.to(dtype=torch.float32, device=device) for t in (*tensors, *extra)]
+    got = conv_block._triton_block(*moved[:5], 8, 1e-5, *moved[5:], splits=splits)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
+
+
 def test_gradcheck_of_the_written_backward(generator):
     tensors = [t.requires_grad_() for t in _block(generator, 2, 3, 8, 5, 3)]
     assert torch.autograd.gradcheck(lambda *a: fullgraph.conv_groupnorm_mish(*a, 4, backend="torch"), tensors)
+
+
+def test_gradcheck_with_the_epilogue(generator):
+    tensors = [t.requires_grad_() for t in (*_block(generator, 2, 3, 8, 5, 3), *_epilogue(generator, 2, 8, 5))]
+
+    def block(x, weight, bias, gamma, beta, scale, shift, residual):
+        return fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, 4, scale=scale, shift=shift,
+                                             residual=residual, backend="torch")
+
+    assert torch.autograd.gradcheck(block, tensors)
 
 
 @pytest.mark.parametrize("backend, device", _cases())
@@ -106,6 +155,8 @@ def test_opcheck(backend, device, generator):
     dtype = torch.float64 if backend == "torch" else torch.float32
     tensors = [t.to(dtype=dtype, device=device).requires_grad_() for t in _block(generator, 2, 4, 8, 6, 3)]
     torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default, (*tensors, 2, 1e-5, backend))
+    extra = [t.to(dtype=dtype, device=device).requires_grad_() for t in _epilogue(generator, 2, 8, 6)]
+    torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default, (*tensors, 2, 1e-5, backend, *extra))
 
 
 def test_compiles_once_across_sizes(generator):
@@ -134,11 +185,18 @@ def test_bad_input_is_named(generator):
         ((x, weight, bias, gamma, beta, 3), ValueError, "groups: expected a divisor of C_out = 8, got 3"),
         ((x[..., :0], weight, bias, gamma, beta, 2), ValueError, "x: expected at least one time step"),
     ]
-    for args, error, message in cases:
+    scale, shift, residual = _epilogue(generator, 2, 8, 6, dtype=torch.float32)
+    epilogues = [
+        ((scale[:1], None, None), ValueError, r"scale: expected \[B, C_out\] = \[2, 8\], got \[1, 8\]"),
+        ((None, shift.double(), None), TypeError, "shift: expected torch.float32 like x"),
+        ((None, None, residual[..., :5]), ValueError, r"residual: expected \[B, C_out, T\] = \[2, 8, 6\]"),
+    ]
+    for args, error, message in cases + [((x, weight, bias, gamma, beta, 2, *e), error, m) for e, error, m in epilogues]:
+        tensors, extra = args[:6], args[6:] or (None, None, None)
         with pytest.raises(error, match=message):
-            fullgraph.conv_groupnorm_mish(*args)
+            fullgraph.conv_groupnorm_mish(*tensors, scale=extra[0], shift=extra[1], residual=extra[2])
         with pytest.raises(error, match=message):  # the operator checks its own contract
-            torch.ops.fullgraph.conv_groupnorm_mish(*args, 1e-5, "torch")
+            torch.ops.fullgraph.conv_groupnorm_mish(*tensors, 1e-5, "torch", *extra)
     with pytest.raises(ValueError, match="eps: expected"):
         fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, 2, eps=0.0)
     if HAVE_TRITON:

@@ -95,6 +95,9 @@ class ConditionalUnet1D(nn.Module):
             for i, o in reversed(pairs[1:]))
         self.final = nn.Sequential(Conv1dBlock(down_dims[0], down_dims[0], kernel_size, groups),
                                    nn.Conv1d(down_dims[0], action_dim, 1))
+        # Set by fuse_conv_blocks: every residual block's FiLM from one product; the blocks then
+        # take their FiLM instead of the condition.
+        self.film_encoder: FiLMEncoder | None = None
 
     def forward(self, sample: torch.Tensor, timestep, global_cond: torch.Tensor) -> torch.Tensor:
         if sample.dim() != 3 or sample.shape[-1] != self.action_dim:
@@ -107,15 +110,19 @@ class ConditionalUnet1D(nn.Module):
         dtype = self.step_encoder[0].weight.dtype  # inputs are cast to the network's dtype
         cond = torch.cat([self.step_encoder(self.step_embedding(steps).to(dtype)), global_cond.to(dtype)], dim=-1)
         x = sample.transpose(1, 2).to(dtype)  # [B, action_dim, horizon]
+        residual_blocks = 2 * len(self.down) + len(self.mid) + 2 * len(self.up)
+        conditions = iter([cond] * residual_blocks if self.film_encoder is None else self.film_encoder(cond))
         skips = []
         for first, second, downsample in self.down:
-            x = second(first(x, cond), cond)
+            x = first(x, next(conditions))
+            x = second(x, next(conditions))
             skips.append(x)
             x = downsample(x)
         for block in self.mid:
-            x = block(x, cond)
+            x = block(x, next(conditions))
         for first, second, upsample in self.up:
-            x = upsample(second(first(torch.cat([x, skips.pop()], dim=1), cond), cond))
+            x = first(torch.cat([x, skips.pop()], dim=1), next(conditions))
+            x = upsample(second(x, next(conditions)))
         return self.final(x).transpose(1, 2).to(sample.dtype)
 
 
@@ -172,7 +179,8 @@ def matmul_convolutions(module: nn.Module) -> nn.Module:
 
 class FusedConv1dBlock(nn.Module):
     """A Conv1dBlock (Conv1d -> GroupNorm -> Mish) as one operator,
-    ``fullgraph.conv_groupnorm_mish``, with the block's parameters."""
+    ``fullgraph.conv_groupnorm_mish``, with the block's parameters; ``scale``, ``shift``
+    [B, C_out] and ``residual`` [B, C_out, T] are its optional epilogue."""
 
     def __init__(self, block: Conv1dBlock, backend: str = "auto"):
         super().__init__()
@@ -183,18 +191,65 @@ class FusedConv1dBlock(nn.Module):
         self.beta = nn.Parameter(norm.bias.detach().clone())
         self.groups, self.eps, self.backend = norm.num_groups, norm.eps, backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale=None, shift=None, residual=None) -> torch.Tensor:
         return conv_groupnorm_mish(x, self.weight, self.bias, self.gamma, self.beta, self.groups, eps=self.eps,
-                                   backend=self.backend)
+                                   scale=scale, shift=shift, residual=residual, backend=self.backend)
 
 
-def fuse_conv_blocks(module: nn.Module, backend: str = "auto") -> nn.Module:
-    """Replace (in place) every Conv1dBlock in ``module`` by a FusedConv1dBlock running on
-    ``backend`` ("triton": the fused kernels). Apply it before ``matmul_convolutions``,
-    which then converts the remaining convolutions."""
-    for name, child in module.named_children():
-        if isinstance(child, Conv1dBlock):
-            setattr(module, name, FusedConv1dBlock(child, backend))
+class FiLMEncoder(nn.Module):
+    """Every residual block's FiLM from the condition in one product: Mish once, then the
+    blocks' Linear layers stacked. ``cond [B, cond_dim] -> per block [B, (2) C_out]``, in
+    the blocks' call order."""
+
+    def __init__(self, encoders: list[nn.Sequential]):
+        super().__init__()
+        linears = [encoder[1] for encoder in encoders]
+        self.sizes = [linear.out_features for linear in linears]
+        self.weight = nn.Parameter(torch.cat([linear.weight.detach() for linear in linears]))
+        self.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]))
+
+    def forward(self, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(F.mish(cond), self.weight, self.bias).split(self.sizes, dim=1)
+
+
+class FusedResidualBlock(nn.Module):
+    """A ConditionalResidualBlock1D as two fused blocks: FiLM in the first one's epilogue, the
+    skip path's sum in the second's. Takes ``(x, film)``, its FiLM from a FiLMEncoder."""
+
+    def __init__(self, block: ConditionalResidualBlock1D, backend: str = "auto"):
+        super().__init__()
+        self.out_channels, self.cond_predict_scale = block.out_channels, block.cond_predict_scale
+        self.first, self.second = (FusedConv1dBlock(b, backend) for b in block.blocks)
+        self.residual_conv = block.residual_conv
+
+    def forward(self, x: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
+        if self.cond_predict_scale:
+            out = self.first(x, scale=film[:, : self.out_channels], shift=film[:, self.out_channels:])
         else:
-            fuse_conv_blocks(child, backend)
-    return module
+            out = self.first(x, shift=film)
+        return self.second(out, residual=self.residual_conv(x))
+
+
+def fuse_conv_blocks(unet: ConditionalUnet1D, backend: str = "auto") -> ConditionalUnet1D:
+    """Rewrite (in place) a ConditionalUnet1D for speed, the same function: its residual
+    blocks as FusedResidualBlocks on ``backend`` ("triton": the fused kernels), the final
+    Conv1dBlock as a FusedConv1dBlock, and the blocks' FiLM encoders as one FiLMEncoder.
+    Apply it before ``matmul_convolutions``, which then converts the remaining convolutions."""
+    if not isinstance(unet, ConditionalUnet1D):
+        raise TypeError(f"unet: expected a ConditionalUnet1D, got {type(unet).__name__}")
+    if unet.film_encoder is not None:
+        raise ValueError("unet: its blocks are fused already")
+    encoders = [m.cond_encoder for m in unet.modules() if isinstance(m, ConditionalResidualBlock1D)]
+
+    def replace(module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, ConditionalResidualBlock1D):
+                setattr(module, name, FusedResidualBlock(child, backend))
+            elif isinstance(child, Conv1dBlock):
+                setattr(module, name, FusedConv1dBlock(child, backend))
+            else:
+                replace(child)
+
+    replace(unet)
+    unet.film_encoder = FiLMEncoder(encoders)
+    return unet

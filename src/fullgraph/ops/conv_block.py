@@ -1,13 +1,15 @@
 """Diffusion Policy's Conv1d -> GroupNorm -> Mish block as one operator:
-``fullgraph.conv_groupnorm_mish`` (``torch.ops.fullgraph.conv_groupnorm_mish``).
+``fullgraph.conv_groupnorm_mish`` (``torch.ops.fullgraph.conv_groupnorm_mish``), with the
+residual block's epilogue (FiLM's per-channel scale and shift, a residual) folded in.
 
 The "triton" backend runs two kernels. (1) The convolution ("same" padding, odd kernel) as a
-matrix product over (input channel, tap) pairs plus the bias, a program per batch item, tile
-of output channels and tile of time steps: it writes the float32 result and, per channel
-and time tile, the mean and the sum of squared deviations. (2) A program per batch item and
-group combines those (Chan's parallel formula: no cancellation), normalizes, applies the
-affine and Mish, and writes the input dtype. At Diffusion Policy's sizes (batch 1, 16 time
-steps, up to 1024 channels) the weights are read once and the intermediate stays in L2.
+matrix product over (input channel, tap) pairs, read straight from x (no padded or unfolded
+copy): a program per tile of output channels, tile of time steps and chunk of the pairs
+(split-K: at batch 1 the weights are most of the bytes, and enough programs to fill the GPU
+must share each channel tile's rows), each writing its float32 partial product. (2) A program
+per (batch item, group) sums the partials and the bias, takes the group's mean and then its
+mean squared deviation (two passes over values held in registers or re-read from L2: no
+cancellation), normalizes, applies the affine, Mish and the epilogue, and writes x's dtype.
 The "torch" backend is ``F.conv1d``, ``F.group_norm``, ``F.mish``: the reference.
 
 The backward is written with PyTorch operations (the convolution's through
@@ -22,115 +24,170 @@ import torch.nn.functional as F
 from .. import _triton, _validate, backends
 from .._triton import tl, triton
 
-# Time steps per tile of the convolution kernel, and time tiles read at a time by the
-# normalization kernel.
-BLOCK_T = 64
-TILE_CHUNK = 64
+# Elements of a group the normalization kernel holds at once; larger groups are re-read per pass.
+GROUP_BLOCK = 4096
+# Split-K: aim for this many programs per SM, each with at least MIN_SPLIT_BLOCKS blocks of pairs.
+PROGRAMS_PER_SM = 2
+MIN_SPLIT_BLOCKS = 4
+# The widest block of (channel, tap) pairs a product step takes.
+MAX_BLOCK_K = 64
 
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(x, w, bias, y, tile_mean, tile_m2, c_in, c_out, length, tiles, taps_total,
+    def _conv_kernel(x, w, partial, batch, c_in, c_out, length, taps_total, chunk, time_tiles,
                      KERNEL: tl.constexpr, PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """y[b, c, t] = bias[c] + sum_{i, j} w[c, i, j] x[b, i, t + j - PAD] (float32), and per
-        (b, c, time tile) the mean and squared deviations of y over the tile."""
-        b = tl.program_id(0).to(tl.int64)
+        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD]."""
+        b = (tl.program_id(0) // time_tiles).to(tl.int64)
+        steps = (tl.program_id(0) % time_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        tile = tl.program_id(2)
-        steps = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+        split = tl.program_id(2)
+        start = split * chunk
+        end = tl.minimum(start + chunk, taps_total)
         acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
-        for first in range(0, taps_total, BLOCK_K):
+        for first in range(start, end, BLOCK_K):
             rows = first + tl.arange(0, BLOCK_K)  # (input channel, tap) pairs, channel-major
             weights = tl.load(w + channels[:, None] * taps_total + rows[None, :],
-                              mask=(channels[:, None] < c_out) & (rows[None, :] < taps_total), other=0.0)
+                              mask=(channels[:, None] < c_out) & (rows[None, :] < end), other=0.0)
             source = steps[None, :] + (rows % KERNEL)[:, None] - PAD
-            inside = (rows[:, None] < taps_total) & (source >= 0) & (source < length)
+            inside = (rows[:, None] < end) & (source >= 0) & (source < length)
             window = tl.load(x + (b * c_in + rows // KERNEL)[:, None] * length + source, mask=inside, other=0.0)
             if UPCAST:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
-        acc += tl.load(bias + channels, mask=channels < c_out, other=0.0).to(tl.float32)[:, None]
         live = (channels[:, None] < c_out) & (steps[None, :] < length)
-        tl.store(y + (b * c_out + channels)[:, None] * length + steps[None, :], acc, mask=live)
-        count = tl.minimum(length - tile * BLOCK_T, BLOCK_T).to(tl.float32)
-        mean = tl.sum(tl.where(live, acc, 0.0), 1) / count
-        deviation = tl.where(live, acc - mean[:, None], 0.0)
-        at = (b * c_out + channels) * tiles + tile
-        tl.store(tile_mean + at, mean, mask=channels < c_out)
-        tl.store(tile_m2 + at, tl.sum(deviation * deviation, 1), mask=channels < c_out)
+        at = ((split * batch + b) * c_out + channels)[:, None] * length + steps[None, :]
+        tl.store(partial + at, acc, mask=live)
 
     @triton.jit
-    def _tile_counts(tile_ids, length, tiles, BLOCK_T: tl.constexpr):
-        return tl.where(tile_ids < tiles, tl.minimum(length - tile_ids * BLOCK_T, BLOCK_T), 0).to(tl.float32)
+    def _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0, BLOCK: tl.constexpr):
+        """Elements first.. of a group (flat over its channels and steps): the conv output
+        (the partials' sum plus the bias), whether each is in the group, its channel."""
+        index = first + tl.arange(0, BLOCK)
+        live = index < size
+        channel = c0 + index // length
+        y = tl.load(bias + channel, mask=live, other=0.0).to(tl.float32)
+        for s in range(splits):
+            y += tl.load(partial + s * split_stride + offset + index, mask=live, other=0.0)
+        return y, live, channel
 
     @triton.jit
-    def _norm_mish_kernel(y, tile_mean, tile_m2, gamma, beta, out, c_out, length, tiles, per_group, eps,
-                          BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
-        """out[b, c, t] = mish(gamma[c] (y - mean) / sqrt(var + eps) + beta[c]) over group g."""
-        b = tl.program_id(0).to(tl.int64)
-        group = tl.program_id(1)
-        channels = group * per_group + tl.arange(0, BLOCK_G)
-        in_group = tl.arange(0, BLOCK_G) < per_group
-        rows = (b * c_out + channels) * tiles
-        total = (per_group * length).to(tl.float32)
-        weighted = tl.zeros((BLOCK_G, CHUNK), tl.float32)
-        for first in range(0, tiles, CHUNK):
-            ids = first + tl.arange(0, CHUNK)
-            ok = in_group[:, None] & (ids < tiles)[None, :]
-            means = tl.load(tile_mean + rows[:, None] + ids[None, :], mask=ok, other=0.0)
-            weighted += means * _tile_counts(ids, length, tiles, BLOCK_T)[None, :]
-        mean = tl.sum(tl.sum(weighted, 1), 0) / total
-        spread = tl.zeros((BLOCK_G, CHUNK), tl.float32)
-        for first in range(0, tiles, CHUNK):
-            ids = first + tl.arange(0, CHUNK)
-            ok = in_group[:, None] & (ids < tiles)[None, :]
-            means = tl.load(tile_mean + rows[:, None] + ids[None, :], mask=ok, other=0.0)
-            m2 = tl.load(tile_m2 + rows[:, None] + ids[None, :], mask=ok, other=0.0)
-            gap = tl.where(ok, means - mean, 0.0)
-            spread += m2 + _tile_counts(ids, length, tiles, BLOCK_T)[None, :] * gap * gap
-        inverse = 1.0 / tl.sqrt(tl.sum(tl.sum(spread, 1), 0) / total + eps)
-        scale = tl.load(gamma + channels, mask=in_group, other=0.0).to(tl.float32) * inverse
-        shift = tl.load(beta + channels, mask=in_group, other=0.0).to(tl.float32) - mean * scale
-        for first in range(0, length, BLOCK_T):
-            steps = first + tl.arange(0, BLOCK_T)
-            live = in_group[:, None] & (steps < length)[None, :]
-            at = (b * c_out + channels)[:, None] * length + steps[None, :]
-            z = tl.load(y + at, mask=live, other=0.0) * scale[:, None] + shift[:, None]
-            # mish(z) = z tanh(softplus(z)); with n = e^z, tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2),
-            # free of cancellation for z far below 0, and 1 from z = 20 on (PyTorch's threshold).
-            n = tl.exp(tl.minimum(z, 20.0))
-            squashed = tl.where(z >= 20.0, 1.0, n * (n + 2.0) / (n * (n + 2.0) + 2.0))
-            tl.store(out + at, (z * squashed).to(out.dtype.element_ty), mask=live)
+    def _finish(y, live, channel, index, mean, inverse, b, gamma, beta, scale, shift, residual, out, offset,
+                scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):
+        """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual."""
+        z = (y - mean) * inverse * tl.load(gamma + channel, mask=live, other=0.0).to(tl.float32) \
+            + tl.load(beta + channel, mask=live, other=0.0).to(tl.float32)
+        # mish(z) = z tanh(softplus(z)); with n = e^z, tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2),
+        # free of cancellation for z far below 0, and 1 from z = 20 on (PyTorch's threshold).
+        n = tl.exp(tl.minimum(z, 20.0))
+        result = z * tl.where(z >= 20.0, 1.0, n * (n + 2.0) / (n * (n + 2.0) + 2.0))
+        if HAS_SCALE:
+            result *= tl.load(scale + b * scale_stride_b + channel * scale_stride_c, mask=live,
+                              other=0.0).to(tl.float32)
+        if HAS_SHIFT:
+            result += tl.load(shift + b * shift_stride_b + channel * shift_stride_c, mask=live,
+                              other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            result += tl.load(residual + offset + index, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + offset + index, result.to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, out, groups, splits, split_stride, c_out,
+                     length, per_group, eps, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c,
+                     HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """A (batch item, group): its statistics, then every element's output (``_finish``)."""
+        b = (tl.program_id(0) // groups).to(tl.int64)
+        c0 = (tl.program_id(0) % groups) * per_group
+        offset = (b * c_out + c0) * length
+        size = per_group * length
+        if ONE_BLOCK:
+            y, live, channel = _group_values(partial, bias, offset, 0, size, splits, split_stride, length, c0, BLOCK)
+            mean = tl.sum(tl.where(live, y, 0.0), 0) / size
+            deviation = tl.where(live, y - mean, 0.0)
+            inverse = 1.0 / tl.sqrt_rn(tl.sum(deviation * deviation, 0) / size + eps)
+            _finish(y, live, channel, tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift, residual,
+                    out, offset, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
+        else:
+            total = tl.zeros((BLOCK,), tl.float32)
+            for first in range(0, size, BLOCK):
+                y, live, _ = _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0,
+                                           BLOCK)
+                total += tl.where(live, y, 0.0)
+            mean = tl.sum(total, 0) / size
+            total = tl.zeros((BLOCK,), tl.float32)
+            for first in range(0, size, BLOCK):
+                y, live, _ = _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0,
+                                           BLOCK)
+                deviation = tl.where(live, y - mean, 0.0)
+                total += deviation * deviation
+            inverse = 1.0 / tl.sqrt_rn(tl.sum(total, 0) / size + eps)
+            for first in range(0, size, BLOCK):
+                y, live, channel = _group_values(partial, bias, offset, first, size, splits, split_stride, length,
+                                                 c0, BLOCK)
+                _finish(y, live, channel, first + tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift,
+                        residual, out, offset, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
 
 
-def reference(x, weight, bias, gamma, beta, groups: int, eps: float):
-    """The block in PyTorch: Conv1d ("same" padding), GroupNorm, Mish."""
-    return F.mish(F.group_norm(F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2), groups, gamma, beta, eps))
+def _epilogue(result, scale, shift, residual):
+    """result * scale[:, :, None] + shift[:, :, None] + residual, for the ones given."""
+    if scale is not None:
+        result = result * scale[:, :, None]
+    if shift is not None:
+        result = result + shift[:, :, None]
+    return result if residual is None else result + residual
 
 
-def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float):
+def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None):
+    """The block in PyTorch: Conv1d ("same" padding), GroupNorm, Mish, then the epilogue."""
+    block = F.mish(F.group_norm(F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2), groups, gamma, beta, eps))
+    return _epilogue(block, scale, shift, residual)
+
+
+def _splits(programs: int, taps: int, block_k: int, device: torch.device) -> int:
+    """Chunks of the (channel, tap) pairs: enough programs for PROGRAMS_PER_SM on every SM."""
+    if device.type != "cuda":
+        return 1
+    wanted = PROGRAMS_PER_SM * _triton.multiprocessors(device) // programs
+    return max(1, min(wanted, taps // (MIN_SPLIT_BLOCKS * block_k)))
+
+
+def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None,
+                  splits: int | None = None):
     batch, c_in, length = x.shape
     c_out, _, kernel = weight.shape
     out = torch.empty((batch, c_out, length), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    tiles = triton.cdiv(length, BLOCK_T)
-    y = torch.empty((batch, c_out, length), dtype=torch.float32, device=x.device)
-    tile_mean = torch.empty((batch, c_out, tiles), dtype=torch.float32, device=x.device)
-    tile_m2 = torch.empty_like(tile_mean)
+    taps = c_in * kernel
     block_c = 32 if c_out >= 32 else 16
+    block_t = min(64, max(16, triton.next_power_of_2(length)))
+    block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(taps)))
+    time_tiles, channel_tiles = triton.cdiv(length, block_t), triton.cdiv(c_out, block_c)
+    if splits is None:
+        splits = _splits(batch * time_tiles * channel_tiles, taps, block_k, x.device)
+    chunk = triton.cdiv(triton.cdiv(taps, splits), block_k) * block_k
+    splits = triton.cdiv(taps, chunk)  # no empty chunk
+    partial = torch.empty((splits, batch, c_out, length), dtype=torch.float32, device=x.device)
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    _conv_kernel[(batch, triton.cdiv(c_out, block_c), tiles)](
-        x, weight.reshape(c_out, c_in * kernel), bias, y, tile_mean, tile_m2, c_in, c_out, length, tiles,
-        c_in * kernel, KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=BLOCK_T, BLOCK_K=32,
+    _conv_kernel[(batch * time_tiles, channel_tiles, splits)](
+        x, weight.reshape(c_out, taps), partial, batch, c_in, c_out, length, taps, chunk, time_tiles,
+        KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_K=block_k,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
         PRECISION=precision, UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, num_warps=4)
     per_group = c_out // groups
-    _norm_mish_kernel[(batch, groups)](
-        y, tile_mean, tile_m2, gamma, beta, out, c_out, length, tiles, per_group, float(eps),
-        BLOCK_G=triton.next_power_of_2(per_group), BLOCK_T=BLOCK_T, CHUNK=min(TILE_CHUNK, triton.next_power_of_2(tiles)),
-        num_warps=4)
+    size = per_group * length
+    block = min(GROUP_BLOCK, triton.next_power_of_2(size))
+    scale_strides = scale.stride() if scale is not None else (0, 0)
+    shift_strides = shift.stride() if shift is not None else (0, 0)
+    _norm_kernel[(batch * groups,)](
+        partial, bias, gamma, beta, scale if scale is not None else out, shift if shift is not None else out,
+        residual if residual is not None else out, out, groups, splits, batch * c_out * length, c_out, length,
+        per_group, float(eps), *scale_strides, *shift_strides, HAS_SCALE=scale is not None,
+        HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_BLOCK=size <= block,
+        num_warps=4 if block <= 2048 else 8)
     return out
 
 
@@ -145,8 +202,11 @@ BACKENDS = backends.family(
 )
 
 
-def _check(x, weight, bias, gamma, beta, groups, eps) -> None:
-    for name, value in (("x", x), ("weight", weight), ("bias", bias), ("gamma", gamma), ("beta", beta)):
+def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, residual=None) -> None:
+    for name, value in (("x", x), ("weight", weight), ("bias", bias), ("gamma", gamma), ("beta", beta),
+                        ("scale", scale), ("shift", shift), ("residual", residual)):
+        if value is None and name in ("scale", "shift", "residual"):
+            continue
         _validate.floating(name, value)
         if name != "x":
             _validate.same_dtype_and_device(name, value, "x", x)
@@ -163,6 +223,12 @@ def _check(x, weight, bias, gamma, beta, groups, eps) -> None:
     for name, value in (("bias", bias), ("gamma", gamma), ("beta", beta)):
         if tuple(value.shape) != (c_out,):
             raise ValueError(f"{name}: expected [C_out] = [{c_out}], got {list(value.shape)}")
+    batch, length = x.shape[0], x.shape[2]
+    for name, value, shape in (("scale", scale, (batch, c_out)), ("shift", shift, (batch, c_out)),
+                               ("residual", residual, (batch, c_out, length))):
+        if value is not None and tuple(value.shape) != shape:
+            layout = "[B, C_out, T]" if name == "residual" else "[B, C_out]"
+            raise ValueError(f"{name}: expected {layout} = {list(shape)}, got {list(value.shape)}")
     groups = _validate.integer("groups", groups, minimum=1)
     if c_out % groups:
         raise ValueError(f"groups: expected a divisor of C_out = {c_out}, got {groups}")
@@ -171,29 +237,32 @@ def _check(x, weight, bias, gamma, beta, groups, eps) -> None:
 
 @torch.library.custom_op("fullgraph::conv_groupnorm_mish", mutates_args=())
 def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor,
-                           beta: torch.Tensor, groups: int, eps: float, backend: str) -> torch.Tensor:
-    _check(x, weight, bias, gamma, beta, groups, eps)
+                           beta: torch.Tensor, groups: int, eps: float, backend: str,
+                           scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                           residual: torch.Tensor | None = None) -> torch.Tensor:
+    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
     run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, argument="x").implementation
     return run(x.contiguous(), weight.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(),
-               groups, eps)
+               groups, eps, scale, shift, None if residual is None else residual.contiguous())
 
 
 @conv_groupnorm_mish_op.register_fake
-def _(x, weight, bias, gamma, beta, groups, eps, backend):
+def _(x, weight, bias, gamma, beta, groups, eps, backend, scale=None, shift=None, residual=None):
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, gamma, beta, groups, eps, _ = inputs
+    x, weight, bias, gamma, beta, groups, eps, _, scale, shift, residual = inputs
     ctx.groups, ctx.eps = groups, eps
-    ctx.save_for_backward(x, weight, bias, gamma, beta)
+    ctx.epilogue = (scale is not None, shift is not None, residual is not None)
+    ctx.save_for_backward(x, weight, bias, gamma, beta, scale)
 
 
 def _backward(ctx, grad):
     """The block's gradients from its forward recomputed in PyTorch (float32, or float64)."""
-    x, weight, bias, gamma, beta = ctx.saved_tensors
+    x, weight, bias, gamma, beta, scale = ctx.saved_tensors
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xc, wc, gc = x.to(compute), weight.to(compute), gamma.to(compute)
+    xc, wc, gc, grad = x.to(compute), weight.to(compute), gamma.to(compute), grad.to(compute)
     pad = weight.shape[-1] // 2
     y = F.conv1d(xc, wc, bias.to(compute), padding=pad)
     batch, channels, length = y.shape
@@ -203,42 +272,50 @@ def _backward(ctx, grad):
     normalized = ((grouped - mean) * inverse).reshape_as(y)
     z = normalized * gc[:, None] + beta.to(compute)[:, None]
     squashed = torch.tanh(F.softplus(z))
-    d_z = grad.to(compute) * (squashed + z * torch.sigmoid(z) * (1 - squashed * squashed))
+    has_scale, has_shift, has_residual = ctx.epilogue
+    d_scale = (grad * z * squashed).sum(2) if has_scale else None
+    d_shift = grad.sum(2) if has_shift else None
+    d_residual = grad if has_residual else None
+    d_mish = grad * scale.to(compute)[:, :, None] if has_scale else grad
+    d_z = d_mish * (squashed + z * torch.sigmoid(z) * (1 - squashed * squashed))
     d_gamma, d_beta = (d_z * normalized).sum((0, 2)), d_z.sum((0, 2))
     d_norm = (d_z * gc[:, None]).reshape(batch, ctx.groups, -1)
     flat = normalized.reshape(batch, ctx.groups, -1)
     d_y = inverse * (d_norm - d_norm.mean(-1, keepdim=True) - flat * (d_norm * flat).mean(-1, keepdim=True))
     d_x, d_weight, d_bias = torch.ops.aten.convolution_backward(
         d_y.reshape_as(y), xc, wc, [channels], [1], [pad], [1], False, [0], 1, list(ctx.needs_input_grad[:3]))
-    grads = (d_x, d_weight, d_bias, d_gamma, d_beta)
-    return (*(g.to(x.dtype) if g is not None and need else None
-              for g, need in zip(grads, ctx.needs_input_grad[:5])), None, None, None)
+    grads = (d_x, d_weight, d_bias, d_gamma, d_beta, None, None, None, d_scale, d_shift, d_residual)
+    return tuple(g.to(x.dtype) if g is not None and need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
 conv_groupnorm_mish_op.register_autograd(_backward, setup_context=_setup)
 
 
-def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float = 1e-5, backend: str = "auto"):
-    """Conv1d ("same" padding) -> GroupNorm(groups) -> Mish in one operator.
+def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float = 1e-5, scale=None, shift=None,
+                        residual=None, backend: str = "auto"):
+    """Conv1d ("same" padding) -> GroupNorm(groups) -> Mish in one operator, then the
+    residual block's epilogue: ``mish(...) * scale + shift + residual`` for those given.
 
     Args:
         x: [B, C_in, T] floating. weight: [C_out, C_in, kernel] (odd kernel), bias: [C_out],
             gamma, beta: [C_out] (GroupNorm's affine); one dtype and device.
         groups: GroupNorm's groups, a divisor of C_out. eps: GroupNorm's epsilon, > 0.
+        scale, shift: optional [B, C_out] (FiLM's per-channel scale and shift; any strides).
+        residual: optional [B, C_out, T], added last.
         backend: "torch" (F.conv1d, F.group_norm, F.mish), "triton" (two fused kernels,
-            float32 arithmetic, CUDA; see the module docstring) or "auto" ("torch" until the
-            fused kernels are measured faster on a GPU).
+            float32 arithmetic, CUDA; see the module docstring) or "auto" (see ``BACKENDS``).
 
     Returns:
-        [B, C_out, T] in x's dtype; differentiable in x, weight, bias, gamma and beta.
+        [B, C_out, T] in x's dtype; differentiable in every tensor.
 
     Example:
         >>> import torch, fullgraph
         >>> x, w = torch.randn(2, 4, 16), torch.randn(8, 4, 5)
         >>> ones, zeros = torch.ones(8), torch.zeros(8)
-        >>> fullgraph.conv_groupnorm_mish(x, w, zeros, ones, zeros, groups=2).shape
+        >>> fullgraph.conv_groupnorm_mish(x, w, zeros, ones, zeros, groups=2, scale=torch.rand(2, 8)).shape
         torch.Size([2, 8, 16])
     """
-    _check(x, weight, bias, gamma, beta, groups, eps)
+    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
     backend = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, argument="x").name
-    return torch.ops.fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, groups, eps, backend)
+    return torch.ops.fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift,
+                                                   residual)

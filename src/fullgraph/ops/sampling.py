@@ -228,7 +228,7 @@ def _programs(device: torch.device) -> int:
     """How many programs run at once: one per SM."""
     if _triton.INTERPRETED:
         return INTERPRETED_PROGRAMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _triton.multiprocessors(device)
 
 
 def _slices(batch: int, size: int, dim: int, programs: int) -> tuple[int, int, int]:

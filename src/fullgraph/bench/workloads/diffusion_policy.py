@@ -67,7 +67,8 @@ def _diffusion_policy(params, device):
             yield name, functools.partial(loop, x, cond, alphas, timesteps, True)
 
     streamlined = matmul_convolutions(copy.deepcopy(unet))
-    # Conv1d -> GroupNorm -> Mish as the fused Triton operator, the other convolutions as products.
+    # The residual blocks as fused Triton operators (FiLM and the skip sum in their epilogues, the
+    # FiLM encoders as one product), the other convolutions as products.
     fused_blocks = matmul_convolutions(fuse_conv_blocks(copy.deepcopy(unet), "triton")) if device.type == "cuda" \
         else None
 
@@ -86,6 +87,7 @@ def _diffusion_policy(params, device):
                 ("fullgraph graphed loop, compiled matmul-conv U-Net", torch.compile(streamlined, fullgraph=True)),
                 ("fullgraph graphed loop, compiled matmul-conv bf16 U-Net",
                  torch.compile(copy.deepcopy(streamlined).to(torch.bfloat16), fullgraph=True)),
+                ("fullgraph graphed loop, compiled fused-block U-Net", torch.compile(fused_blocks, fullgraph=True)),
                 ("fullgraph graphed loop, compiled fused-block bf16 U-Net",
                  torch.compile(copy.deepcopy(fused_blocks).to(torch.bfloat16), fullgraph=True))):
             loop = graphs.graphed(torch.no_grad()(functools.partial(denoise, net)), warmup=2)

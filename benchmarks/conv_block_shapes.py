@@ -1,0 +1,86 @@
+"""The fused Conv1d -> GroupNorm -> Mish block (``fullgraph.conv_groupnorm_mish``, "triton")
+against the compiled matrix-product block (``MatmulConv1d`` + GroupNorm + Mish under
+torch.compile) on every block shape of Diffusion Policy's U-Net at the seed size, bf16,
+batch 1: microseconds a block, from CUDA graphs of ``CALLS`` calls (no host time), over a
+few split-K settings; and each shape's floor (its weights read once at 3.35 TB/s).
+
+    python benchmarks/conv_block_shapes.py > blocks.log     (needs a CUDA device)
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from fullgraph.bench.timing import time_call
+from fullgraph.models import ConditionalUnet1D
+from fullgraph.models.unet1d import Conv1dBlock, MatmulConv1d
+from fullgraph.ops import conv_block
+
+CALLS = 20
+
+
+def block_shapes(batch: int = 1) -> dict[tuple[int, int, int], int]:
+    """(C_in, C_out, T) -> how many of the seed U-Net's Conv1dBlocks have it."""
+    unet = ConditionalUnet1D().cuda().eval()
+    shapes: dict[tuple[int, int, int], int] = {}
+
+    def record(module, inputs, output):
+        key = (inputs[0].shape[1], output.shape[1], output.shape[2])
+        shapes[key] = shapes.get(key, 0) + 1
+
+    for module in unet.modules():
+        if isinstance(module, Conv1dBlock):
+            module.register_forward_hook(record)
+    with torch.no_grad():
+        unet(torch.randn(batch, unet.horizon, unet.action_dim, device="cuda"), 10,
+             torch.randn(batch, unet.global_cond_dim, device="cuda"))
+    return shapes
+
+
+def graphed_us(call) -> float:
+    """Microseconds a call, from a CUDA graph of CALLS calls (warmed up first)."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(CALLS):
+            call()
+    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=50).median_ms * 1000 / CALLS
+
+
+def main() -> None:
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; batch 1, bf16, microseconds a block")
+    torch.manual_seed(0)
+    total = {}
+    for (c_in, c_out, length), count in sorted(block_shapes().items()):
+        block = Conv1dBlock(c_in, c_out, 5).cuda().to(torch.bfloat16)
+        conv, norm = block[0], block[1]
+        x = torch.randn(1, c_in, length, device="cuda", dtype=torch.bfloat16)
+        film = torch.randn(1, 2 * c_out, device="cuda", dtype=torch.bfloat16)
+        scale, shift = film[:, :c_out], film[:, c_out:]
+        matmul = MatmulConv1d(conv)
+        compiled = torch.compile(lambda x: F.mish(norm(matmul(x))) * scale[:, :, None] + shift[:, :, None],
+                                 fullgraph=True)
+        want = compiled(x).float()
+        row, error = {"compiled matmul-conv": graphed_us(lambda: compiled(x))}, 0.0
+        for programs, block_k in itertools.product((1, 2, 4), (64, 128)):
+            conv_block.PROGRAMS_PER_SM, conv_block.MAX_BLOCK_K = programs, block_k
+            run = lambda: conv_block._triton_block(x, conv.weight, conv.bias, norm.weight, norm.bias, 8, 1e-5,  # noqa: E731
+                                                   scale, shift)
+            error = max(error, float((run().float() - want).abs().max()))
+            row[f"fused {programs}/SM k{block_k}"] = graphed_us(run)
+        floor = c_out * c_in * 5 * 2 / 3.35e12 * 1e6
+        print(f"C_in {c_in:5d} C_out {c_out:5d} T {length:3d} x{count}: floor {floor:5.2f} us; "
+              + "; ".join(f"{k} {v:6.2f}" for k, v in row.items()) + f"; max diff {error:.3g}")
+        for k, v in row.items():
+            total[k] = total.get(k, 0.0) + v * count
+    print("all blocks of one U-Net step: " + "; ".join(f"{k} {v:.1f} us" for k, v in total.items()))
+    conv_block.PROGRAMS_PER_SM, conv_block.MAX_BLOCK_K = 2, 64
+
+
+if __name__ == "__main__":
+    main()
