@@ -2,14 +2,13 @@
 against the compiled matrix-product block (``MatmulConv1d`` + GroupNorm + Mish under
 torch.compile) on every block shape of Diffusion Policy's U-Net at the seed size, bf16,
 batch 1: microseconds a block, from CUDA graphs of ``CALLS`` calls (no host time), over a
-few split-K settings; and each shape's floor (its weights read once at 3.35 TB/s).
+few settings (one kernel or two, output channels a program, pairs a product step, programs
+per SM); and each shape's floor (its weights read once at 3.35 TB/s).
 
     python benchmarks/conv_block_shapes.py > blocks.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +19,9 @@ from fullgraph.models.unet1d import Conv1dBlock, MatmulConv1d
 from fullgraph.ops import conv_block
 
 CALLS = 20
+SETTINGS = [  # (ONE_KERNEL, BLOCK_C, MAX_BLOCK_K, PROGRAMS_PER_SM)
+    (False, 32, 64, 2), (True, 32, 64, 2), (True, 16, 64, 2), (True, 32, 128, 2), (True, 32, 64, 4),
+    (True, 16, 128, 4), (True, 16, 64, 8)]
 
 
 def block_shapes(batch: int = 1) -> dict[tuple[int, int, int], int]:
@@ -67,19 +69,19 @@ def main() -> None:
                                  fullgraph=True)
         want = compiled(x).float()
         row, error = {"compiled matmul-conv": graphed_us(lambda: compiled(x))}, 0.0
-        for programs, block_k in itertools.product((1, 2, 4), (64, 128)):
-            conv_block.PROGRAMS_PER_SM, conv_block.MAX_BLOCK_K = programs, block_k
+        for setting in SETTINGS:
+            (conv_block.ONE_KERNEL, conv_block.BLOCK_C, conv_block.MAX_BLOCK_K,
+             conv_block.PROGRAMS_PER_SM) = setting
             run = lambda: conv_block._triton_block(x, conv.weight, conv.bias, norm.weight, norm.bias, 8, 1e-5,  # noqa: E731
                                                    scale, shift)
             error = max(error, float((run().float() - want).abs().max()))
-            row[f"fused {programs}/SM k{block_k}"] = graphed_us(run)
+            row["fused {}k c{} k{} {}/SM".format(1 if setting[0] else 2, *setting[1:])] = graphed_us(run)
         floor = c_out * c_in * 5 * 2 / 3.35e12 * 1e6
         print(f"C_in {c_in:5d} C_out {c_out:5d} T {length:3d} x{count}: floor {floor:5.2f} us; "
               + "; ".join(f"{k} {v:6.2f}" for k, v in row.items()) + f"; max diff {error:.3g}")
         for k, v in row.items():
             total[k] = total.get(k, 0.0) + v * count
     print("all blocks of one U-Net step: " + "; ".join(f"{k} {v:.1f} us" for k, v in total.items()))
-    conv_block.PROGRAMS_PER_SM, conv_block.MAX_BLOCK_K = 2, 64
 
 
 if __name__ == "__main__":

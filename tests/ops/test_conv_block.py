@@ -108,8 +108,11 @@ def test_the_epilogue_matches_the_reference(backend, device, parts, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
-def test_split_products_sum_to_the_same_block(splits, generator):
-    """Chunks of the (channel, tap) pairs in separate programs, summed by the norm kernel."""
+@pytest.mark.parametrize("one_kernel", [True, False])
+def test_split_products_sum_to_the_same_block(splits, one_kernel, generator):
+    """Chunks of the (channel, tap) pairs in separate programs, summed where the group is
+    normalized: by the product kernel's last program of the group, or by a second kernel;
+    x a strided view."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("no Triton device here")
@@ -117,7 +120,10 @@ def test_split_products_sum_to_the_same_block(splits, generator):
     extra = _epilogue(generator, 2, 32, 11)
     want = conv_block.reference(*tensors, 8, 1e-5, *extra)
     moved = [t.to(dtype=torch.float32, device=device) for t in (*tensors, *extra)]
-    got = conv_block._triton_block(*moved[:5], 8, 1e-5, *moved[5:], splits=splits)
+    x = moved[0].transpose(1, 2).contiguous().transpose(1, 2)  # [B, C, T] with the channels innermost
+    residual = moved[7].transpose(0, 1).contiguous().transpose(0, 1)
+    got = conv_block._triton_block(x, *moved[1:5], 8, 1e-5, *moved[5:7], residual, splits=splits,
+                                   one_kernel=one_kernel)
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
 
 

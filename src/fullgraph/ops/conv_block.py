@@ -24,21 +24,106 @@ import torch.nn.functional as F
 from .. import _triton, _validate, backends
 from .._triton import tl, triton
 
-# Elements of a group the normalization kernel holds at once; larger groups are re-read per pass.
+# Elements of a group the normalization holds at once; larger groups are re-read per pass.
 GROUP_BLOCK = 4096
 # Split-K: aim for this many programs per SM, each with at least MIN_SPLIT_BLOCKS blocks of pairs.
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_BLOCKS = 4
-# The widest block of (channel, tap) pairs a product step takes.
+# The widest block of (channel, tap) pairs a product step takes, and output channels a program.
 MAX_BLOCK_K = 64
+BLOCK_C = 32
+# Normalize in the product kernel (its last program to finish a group does it; counted on zeroed
+# counters) rather than in a second kernel.
+ONE_KERNEL = True
 
 if triton is not None:
 
     @triton.jit
-    def _conv_kernel(x, w, partial, batch, c_in, c_out, length, taps_total, chunk, time_tiles,
-                     KERNEL: tl.constexpr, PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD]."""
+    def _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Elements first.. of a group (flat over its channels and steps): the conv output
+        (the partials' sum plus the bias), whether each is in the group, its channel and step."""
+        index = first + tl.arange(0, BLOCK)
+        live = index < size
+        channel = c0 + index // length
+        y = tl.load(bias + channel, mask=live, other=0.0).to(tl.float32)
+        for s in tl.static_range(SPLITS):  # .cg: written by other programs of this launch
+            y += tl.load(partial + s * split_stride + offset + index, mask=live, other=0.0, cache_modifier=".cg")
+        return y, live, channel, index % length
+
+    @triton.jit
+    def _finish(y, live, channel, step, index, mean, inverse, b, gamma, beta, scale, shift, residual, out, offset,
+                scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                HAS_RESIDUAL: tl.constexpr):
+        """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual."""
+        z = (y - mean) * inverse * tl.load(gamma + channel, mask=live, other=0.0).to(tl.float32) \
+            + tl.load(beta + channel, mask=live, other=0.0).to(tl.float32)
+        # mish(z) = z tanh(softplus(z)); with n = e^z, tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2),
+        # free of cancellation for z far below 0, and 1 from z = 20 on (PyTorch's threshold).
+        n = tl.exp(tl.minimum(z, 20.0))
+        result = z * tl.where(z >= 20.0, 1.0, n * (n + 2.0) / (n * (n + 2.0) + 2.0))
+        if HAS_SCALE:
+            result *= tl.load(scale + b * scale_strides[0] + channel * scale_strides[1], mask=live,
+                              other=0.0).to(tl.float32)
+        if HAS_SHIFT:
+            result += tl.load(shift + b * shift_strides[0] + channel * shift_strides[1], mask=live,
+                              other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            at = b * residual_strides[0] + channel * residual_strides[1] + step * residual_strides[2]
+            result += tl.load(residual + at, mask=live, other=0.0).to(tl.float32)
+        tl.store(out + offset + index, result.to(out.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, group, c_out, length,
+                         per_group, eps, split_stride, scale_strides, shift_strides, residual_strides,
+                         HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         SPLITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """A (batch item, group): its mean, then its mean squared deviation (exact divisions),
+        then every element's output (``_finish``)."""
+        c0 = group * per_group
+        offset = (b * c_out + c0) * length
+        size = per_group * length
+        count = size.to(tl.float32)
+        if ONE_BLOCK:
+            y, live, channel, step = _group_values(partial, bias, offset, 0, size, length, c0, split_stride, SPLITS,
+                                                   BLOCK)
+            mean = tl.div_rn(tl.sum(tl.where(live, y, 0.0), 0), count)
+            deviation = tl.where(live, y - mean, 0.0)
+            inverse = 1.0 / tl.sqrt_rn(tl.div_rn(tl.sum(deviation * deviation, 0), count) + eps)
+            _finish(y, live, channel, step, tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift,
+                    residual, out, offset, scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT,
+                    HAS_RESIDUAL)
+        else:
+            total = tl.zeros((BLOCK,), tl.float32)
+            for first in range(0, size, BLOCK):
+                y, live, _, _ = _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS,
+                                              BLOCK)
+                total += tl.where(live, y, 0.0)
+            mean = tl.div_rn(tl.sum(total, 0), count)
+            total = tl.zeros((BLOCK,), tl.float32)
+            for first in range(0, size, BLOCK):
+                y, live, _, _ = _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS,
+                                              BLOCK)
+                deviation = tl.where(live, y - mean, 0.0)
+                total += deviation * deviation
+            inverse = 1.0 / tl.sqrt_rn(tl.div_rn(tl.sum(total, 0), count) + eps)
+            for first in range(0, size, BLOCK):
+                y, live, channel, step = _group_values(partial, bias, offset, first, size, length, c0, split_stride,
+                                                       SPLITS, BLOCK)
+                _finish(y, live, channel, step, first + tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale,
+                        shift, residual, out, offset, scale_strides, shift_strides, residual_strides, HAS_SCALE,
+                        HAS_SHIFT, HAS_RESIDUAL)
+
+    @triton.jit
+    def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, out, batch, c_in, c_out,
+                     length, taps_total, chunk, time_tiles, groups, per_group, eps, x_strides, scale_strides,
+                     shift_strides, residual_strides, KERNEL: tl.constexpr, PAD: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                     UPCAST: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                     BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD];
+        with FINALIZE, the program that completes a (batch item, group) normalizes it."""
         b = (tl.program_id(0) // time_tiles).to(tl.int64)
         steps = (tl.program_id(0) % time_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -52,83 +137,36 @@ if triton is not None:
                               mask=(channels[:, None] < c_out) & (rows[None, :] < end), other=0.0)
             source = steps[None, :] + (rows % KERNEL)[:, None] - PAD
             inside = (rows[:, None] < end) & (source >= 0) & (source < length)
-            window = tl.load(x + (b * c_in + rows // KERNEL)[:, None] * length + source, mask=inside, other=0.0)
+            at = b * x_strides[0] + (rows // KERNEL)[:, None] * x_strides[1] + source * x_strides[2]
+            window = tl.load(x + at, mask=inside, other=0.0)
             if UPCAST:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
         live = (channels[:, None] < c_out) & (steps[None, :] < length)
-        at = ((split * batch + b) * c_out + channels)[:, None] * length + steps[None, :]
-        tl.store(partial + at, acc, mask=live)
+        split_stride = batch * c_out * length
+        tl.store(partial + split * split_stride + (b * c_out + channels)[:, None] * length + steps[None, :], acc,
+                 mask=live)
+        if FINALIZE:
+            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
+            low = tl.program_id(1) * BLOCK_C
+            for group in range(low // per_group, (tl.minimum(low + BLOCK_C, c_out) - 1) // per_group + 1):
+                tiles = ((group + 1) * per_group - 1) // BLOCK_C - (group * per_group) // BLOCK_C + 1
+                arrived = tl.atomic_add(counters + b * groups + group, 1, sem="acq_rel", scope="gpu")
+                if arrived == tiles * SPLITS * time_tiles - 1:
+                    _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, group, c_out,
+                                     length, per_group, eps, split_stride, scale_strides, shift_strides,
+                                     residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
 
     @triton.jit
-    def _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0, BLOCK: tl.constexpr):
-        """Elements first.. of a group (flat over its channels and steps): the conv output
-        (the partials' sum plus the bias), whether each is in the group, its channel."""
-        index = first + tl.arange(0, BLOCK)
-        live = index < size
-        channel = c0 + index // length
-        y = tl.load(bias + channel, mask=live, other=0.0).to(tl.float32)
-        for s in range(splits):
-            y += tl.load(partial + s * split_stride + offset + index, mask=live, other=0.0)
-        return y, live, channel
-
-    @triton.jit
-    def _finish(y, live, channel, index, mean, inverse, b, gamma, beta, scale, shift, residual, out, offset,
-                scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr):
-        """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual."""
-        z = (y - mean) * inverse * tl.load(gamma + channel, mask=live, other=0.0).to(tl.float32) \
-            + tl.load(beta + channel, mask=live, other=0.0).to(tl.float32)
-        # mish(z) = z tanh(softplus(z)); with n = e^z, tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2),
-        # free of cancellation for z far below 0, and 1 from z = 20 on (PyTorch's threshold).
-        n = tl.exp(tl.minimum(z, 20.0))
-        result = z * tl.where(z >= 20.0, 1.0, n * (n + 2.0) / (n * (n + 2.0) + 2.0))
-        if HAS_SCALE:
-            result *= tl.load(scale + b * scale_stride_b + channel * scale_stride_c, mask=live,
-                              other=0.0).to(tl.float32)
-        if HAS_SHIFT:
-            result += tl.load(shift + b * shift_stride_b + channel * shift_stride_c, mask=live,
-                              other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            result += tl.load(residual + offset + index, mask=live, other=0.0).to(tl.float32)
-        tl.store(out + offset + index, result.to(out.dtype.element_ty), mask=live)
-
-    @triton.jit
-    def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, out, groups, splits, split_stride, c_out,
-                     length, per_group, eps, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c,
-                     HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, out, batch, groups, c_out, length,
+                     per_group, eps, scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr,
+                     HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-        """A (batch item, group): its statistics, then every element's output (``_finish``)."""
+        """The two-kernel form's second kernel: a program per (batch item, group)."""
         b = (tl.program_id(0) // groups).to(tl.int64)
-        c0 = (tl.program_id(0) % groups) * per_group
-        offset = (b * c_out + c0) * length
-        size = per_group * length
-        if ONE_BLOCK:
-            y, live, channel = _group_values(partial, bias, offset, 0, size, splits, split_stride, length, c0, BLOCK)
-            mean = tl.sum(tl.where(live, y, 0.0), 0) / size
-            deviation = tl.where(live, y - mean, 0.0)
-            inverse = 1.0 / tl.sqrt_rn(tl.sum(deviation * deviation, 0) / size + eps)
-            _finish(y, live, channel, tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift, residual,
-                    out, offset, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
-        else:
-            total = tl.zeros((BLOCK,), tl.float32)
-            for first in range(0, size, BLOCK):
-                y, live, _ = _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0,
-                                           BLOCK)
-                total += tl.where(live, y, 0.0)
-            mean = tl.sum(total, 0) / size
-            total = tl.zeros((BLOCK,), tl.float32)
-            for first in range(0, size, BLOCK):
-                y, live, _ = _group_values(partial, bias, offset, first, size, splits, split_stride, length, c0,
-                                           BLOCK)
-                deviation = tl.where(live, y - mean, 0.0)
-                total += deviation * deviation
-            inverse = 1.0 / tl.sqrt_rn(tl.sum(total, 0) / size + eps)
-            for first in range(0, size, BLOCK):
-                y, live, channel = _group_values(partial, bias, offset, first, size, splits, split_stride, length,
-                                                 c0, BLOCK)
-                _finish(y, live, channel, first + tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift,
-                        residual, out, offset, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
+        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, tl.program_id(0) % groups,
+                         c_out, length, per_group, eps, batch * c_out * length, scale_strides, shift_strides,
+                         residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
 
 
 def _epilogue(result, scale, shift, residual):
@@ -155,14 +193,14 @@ def _splits(programs: int, taps: int, block_k: int, device: torch.device) -> int
 
 
 def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None,
-                  splits: int | None = None):
+                  splits: int | None = None, one_kernel: bool | None = None):
     batch, c_in, length = x.shape
     c_out, _, kernel = weight.shape
     out = torch.empty((batch, c_out, length), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     taps = c_in * kernel
-    block_c = 32 if c_out >= 32 else 16
+    block_c = BLOCK_C if c_out >= BLOCK_C else 16
     block_t = min(64, max(16, triton.next_power_of_2(length)))
     block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(taps)))
     time_tiles, channel_tiles = triton.cdiv(length, block_t), triton.cdiv(c_out, block_c)
@@ -171,23 +209,29 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     chunk = triton.cdiv(triton.cdiv(taps, splits), block_k) * block_k
     splits = triton.cdiv(taps, chunk)  # no empty chunk
     partial = torch.empty((splits, batch, c_out, length), dtype=torch.float32, device=x.device)
-    precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    _conv_kernel[(batch * time_tiles, channel_tiles, splits)](
-        x, weight.reshape(c_out, taps), partial, batch, c_in, c_out, length, taps, chunk, time_tiles,
-        KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_K=block_k,
-        # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
-        PRECISION=precision, UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, num_warps=4)
+    one_kernel = ONE_KERNEL if one_kernel is None else one_kernel
+    counters = torch.zeros(batch * groups if one_kernel else 1, dtype=torch.int32, device=x.device)
     per_group = c_out // groups
     size = per_group * length
     block = min(GROUP_BLOCK, triton.next_power_of_2(size))
-    scale_strides = scale.stride() if scale is not None else (0, 0)
-    shift_strides = shift.stride() if shift is not None else (0, 0)
-    _norm_kernel[(batch * groups,)](
-        partial, bias, gamma, beta, scale if scale is not None else out, shift if shift is not None else out,
-        residual if residual is not None else out, out, groups, splits, batch * c_out * length, c_out, length,
-        per_group, float(eps), *scale_strides, *shift_strides, HAS_SCALE=scale is not None,
-        HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None, BLOCK=block, ONE_BLOCK=size <= block,
-        num_warps=4 if block <= 2048 else 8)
+    none = (0, 0, 0)
+    epilogue = dict(scale=out if scale is None else scale, shift=out if shift is None else shift,
+                    residual=out if residual is None else residual, out=out, per_group=per_group, eps=float(eps),
+                    scale_strides=none[:2] if scale is None else scale.stride(),
+                    shift_strides=none[:2] if shift is None else shift.stride(),
+                    residual_strides=none if residual is None else residual.stride(),
+                    HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None,
+                    SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
+    precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
+    _conv_kernel[(batch * time_tiles, channel_tiles, splits)](
+        x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta, batch=batch, c_in=c_in, c_out=c_out,
+        length=length, taps_total=taps, chunk=chunk, time_tiles=time_tiles, groups=groups, x_strides=x.stride(),
+        KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
+        # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
+        UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, FINALIZE=one_kernel, num_warps=4, **epilogue)
+    if not one_kernel:
+        _norm_kernel[(batch * groups,)](partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out,
+                                        length=length, num_warps=4 if block <= 2048 else 8, **epilogue)
     return out
 
 
@@ -242,8 +286,8 @@ def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            residual: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
     run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, argument="x").implementation
-    return run(x.contiguous(), weight.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(),
-               groups, eps, scale, shift, None if residual is None else residual.contiguous())
+    return run(x, weight.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(), groups, eps, scale,
+               shift, residual)
 
 
 @conv_groupnorm_mish_op.register_fake
