@@ -19,9 +19,9 @@ from fullgraph.models.unet1d import Conv1dBlock, MatmulConv1d
 from fullgraph.ops import conv_block
 
 CALLS = 20
-SETTINGS = [  # (ONE_KERNEL, BLOCK_C, MAX_BLOCK_K, PROGRAMS_PER_SM)
-    (False, 32, 64, 2), (True, 32, 64, 2), (True, 16, 64, 2), (True, 32, 128, 2), (True, 32, 64, 4),
-    (True, 16, 128, 4), (True, 16, 64, 8)]
+SETTINGS = [  # (ONE_KERNEL, BLOCK_C, MAX_BLOCK_K, PROGRAMS_PER_SM, MIN_SPLIT_BLOCKS)
+    (False, 32, 64, 2, 4), (True, 32, 64, 2, 4), (True, 32, 64, 4, 2), (True, 32, 64, 4, 1), (True, 32, 64, 8, 1),
+    (True, 32, 128, 4, 1), (True, 64, 64, 4, 1)]
 
 
 def block_shapes(batch: int = 1) -> dict[tuple[int, int, int], int]:
@@ -70,18 +70,24 @@ def main() -> None:
         want = compiled(x).float()
         row, error = {"compiled matmul-conv": graphed_us(lambda: compiled(x))}, 0.0
         for setting in SETTINGS:
-            (conv_block.ONE_KERNEL, conv_block.BLOCK_C, conv_block.MAX_BLOCK_K,
-             conv_block.PROGRAMS_PER_SM) = setting
+            (conv_block.ONE_KERNEL, conv_block.BLOCK_C, conv_block.MAX_BLOCK_K, conv_block.PROGRAMS_PER_SM,
+             conv_block.MIN_SPLIT_BLOCKS) = setting
             run = lambda: conv_block._triton_block(x, conv.weight, conv.bias, norm.weight, norm.bias, 8, 1e-5,  # noqa: E731
                                                    scale, shift)
             error = max(error, float((run().float() - want).abs().max()))
-            row["fused {}k c{} k{} {}/SM".format(1 if setting[0] else 2, *setting[1:])] = graphed_us(run)
+            row["fused {}k c{} k{} {}/SM min{}".format(1 if setting[0] else 2, *setting[1:])] = graphed_us(run)
         floor = c_out * c_in * 5 * 2 / 3.35e12 * 1e6
         print(f"C_in {c_in:5d} C_out {c_out:5d} T {length:3d} x{count}: floor {floor:5.2f} us; "
               + "; ".join(f"{k} {v:6.2f}" for k, v in row.items()) + f"; max diff {error:.3g}")
         for k, v in row.items():
             total[k] = total.get(k, 0.0) + v * count
     print("all blocks of one U-Net step: " + "; ".join(f"{k} {v:.1f} us" for k, v in total.items()))
+    # The FiLM encoders as one product, [1, 1284] x [1284, 14336]: cuBLAS with K as is, and padded.
+    for padded in (1284, 1288, 1344):
+        weight = torch.randn(14336, padded, device="cuda", dtype=torch.bfloat16)
+        cond = torch.randn(1, padded, device="cuda", dtype=torch.bfloat16)
+        print(f"FiLM product, K = {padded}: {graphed_us(lambda: F.linear(cond, weight)):.2f} us "
+              f"(floor {weight.numel() * 2 / 3.35e12 * 1e6:.1f})")
 
 
 if __name__ == "__main__":

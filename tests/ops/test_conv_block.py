@@ -127,6 +127,29 @@ def test_split_products_sum_to_the_same_block(splits, one_kernel, generator):
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+def test_launches_leave_their_arrival_counters_zeroed(monkeypatch, generator):
+    """The one-kernel form counts arrivals on a rotating slice of a per-device buffer and
+    zeroes it again; many launches wrap around the buffer and every result stays right."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no Triton device here")
+    monkeypatch.setattr(conv_block, "COUNTER_SLOTS", 20)
+    monkeypatch.setattr(conv_block, "_COUNTERS", {})
+    tensors = _block(generator, 2, 8, 32, 6, 3)
+    want = conv_block.reference(*tensors, 8, 1e-5)
+    moved = [t.to(dtype=torch.float32, device=device) for t in tensors]
+    for splits in (1, 3, 2, 1, 3):  # 16 counters a launch: each launch starts a new round of the buffer
+        got = conv_block._triton_block(*moved, 8, 1e-5, splits=splits, one_kernel=True)
+        torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
+    (buffer, _), = conv_block._COUNTERS.values()
+    assert buffer.shape == (20,) and not buffer.any()
+    big = _block(generator, 3, 8, 64, 6, 3)  # 3 x 8 groups > 20 slots: fresh zeros
+    got = conv_block._triton_block(*(t.to(dtype=torch.float32, device=device) for t in big), 8, 1e-5,
+                                   one_kernel=True)
+    torch.testing.assert_close(got.cpu().double(), conv_block.reference(*big, 8, 1e-5), rtol=2e-5, atol=2e-5)
+
+
 def test_gradcheck_of_the_written_backward(generator):
     tensors = [t.requires_grad_() for t in _block(generator, 2, 3, 8, 5, 3)]
     assert torch.autograd.gradcheck(lambda *a: fullgraph.conv_groupnorm_mish(*a, 4, backend="torch"), tensors)

@@ -29,30 +29,30 @@ GROUP_BLOCK = 4096
 # Split-K: aim for this many programs per SM, each with at least MIN_SPLIT_BLOCKS blocks of pairs.
 PROGRAMS_PER_SM = 2
 MIN_SPLIT_BLOCKS = 4
+MAX_SPLITS = 32
 # The widest block of (channel, tap) pairs a product step takes, and output channels a program.
 MAX_BLOCK_K = 64
 BLOCK_C = 32
 # Normalize in the product kernel (its last program to finish a group does it; counted on zeroed
 # counters) rather than in a second kernel.
 ONE_KERNEL = True
+# Arrival counters kept per device, zeroed once: each launch counts on its own slice and leaves
+# it zeroed, so no launch needs a fill kernel. A launch that needs more takes fresh zeros.
+COUNTER_SLOTS = 1 << 16
+_COUNTERS: dict[torch.device, list] = {}
 
 if triton is not None:
 
     @triton.jit
-    def _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS: tl.constexpr,
-                      BLOCK: tl.constexpr):
-        """Elements first.. of a group (flat over its channels and steps): the conv output
-        (the partials' sum plus the bias), whether each is in the group, its channel and step."""
-        index = first + tl.arange(0, BLOCK)
-        live = index < size
-        channel = c0 + index // length
+    def _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS: tl.constexpr):
+        """The conv output at flat indices of a group: the partials' sum plus the bias."""
         y = tl.load(bias + channel, mask=live, other=0.0).to(tl.float32)
         for s in tl.static_range(SPLITS):  # .cg: written by other programs of this launch
             y += tl.load(partial + s * split_stride + offset + index, mask=live, other=0.0, cache_modifier=".cg")
-        return y, live, channel, index % length
+        return y
 
     @triton.jit
-    def _finish(y, live, channel, step, index, mean, inverse, b, gamma, beta, scale, shift, residual, out, offset,
+    def _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out, offset,
                 scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
                 HAS_RESIDUAL: tl.constexpr):
         """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual."""
@@ -78,41 +78,45 @@ if triton is not None:
                          per_group, eps, split_stride, scale_strides, shift_strides, residual_strides,
                          HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          SPLITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-        """A (batch item, group): its mean, then its mean squared deviation (exact divisions),
-        then every element's output (``_finish``)."""
+        """A (batch item, group), flat over its channels and steps: its mean, then its mean
+        squared deviation (exact divisions), then every element's output (``_finish``)."""
         c0 = group * per_group
         offset = (b * c_out + c0) * length
         size = per_group * length
         count = size.to(tl.float32)
         if ONE_BLOCK:
-            y, live, channel, step = _group_values(partial, bias, offset, 0, size, length, c0, split_stride, SPLITS,
-                                                   BLOCK)
+            index = tl.arange(0, BLOCK)
+            live = index < size
+            channel, step = c0 + index // length, index % length
+            y = _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS)
             mean = tl.div_rn(tl.sum(tl.where(live, y, 0.0), 0), count)
             deviation = tl.where(live, y - mean, 0.0)
             inverse = 1.0 / tl.sqrt_rn(tl.div_rn(tl.sum(deviation * deviation, 0), count) + eps)
-            _finish(y, live, channel, step, tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale, shift,
-                    residual, out, offset, scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT,
-                    HAS_RESIDUAL)
+            _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out, offset,
+                    scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
         else:
             total = tl.zeros((BLOCK,), tl.float32)
             for first in range(0, size, BLOCK):
-                y, live, _, _ = _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS,
-                                              BLOCK)
+                index = first + tl.arange(0, BLOCK)
+                live = index < size
+                y = _group_values(partial, bias, offset, index, live, c0 + index // length, split_stride, SPLITS)
                 total += tl.where(live, y, 0.0)
             mean = tl.div_rn(tl.sum(total, 0), count)
             total = tl.zeros((BLOCK,), tl.float32)
             for first in range(0, size, BLOCK):
-                y, live, _, _ = _group_values(partial, bias, offset, first, size, length, c0, split_stride, SPLITS,
-                                              BLOCK)
+                index = first + tl.arange(0, BLOCK)
+                live = index < size
+                y = _group_values(partial, bias, offset, index, live, c0 + index // length, split_stride, SPLITS)
                 deviation = tl.where(live, y - mean, 0.0)
                 total += deviation * deviation
             inverse = 1.0 / tl.sqrt_rn(tl.div_rn(tl.sum(total, 0), count) + eps)
             for first in range(0, size, BLOCK):
-                y, live, channel, step = _group_values(partial, bias, offset, first, size, length, c0, split_stride,
-                                                       SPLITS, BLOCK)
-                _finish(y, live, channel, step, first + tl.arange(0, BLOCK), mean, inverse, b, gamma, beta, scale,
-                        shift, residual, out, offset, scale_strides, shift_strides, residual_strides, HAS_SCALE,
-                        HAS_SHIFT, HAS_RESIDUAL)
+                index = first + tl.arange(0, BLOCK)
+                live = index < size
+                channel, step = c0 + index // length, index % length
+                y = _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS)
+                _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out,
+                        offset, scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
 
     @triton.jit
     def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, out, batch, c_in, c_out,
@@ -153,6 +157,7 @@ if triton is not None:
                 tiles = ((group + 1) * per_group - 1) // BLOCK_C - (group * per_group) // BLOCK_C + 1
                 arrived = tl.atomic_add(counters + b * groups + group, 1, sem="acq_rel", scope="gpu")
                 if arrived == tiles * SPLITS * time_tiles - 1:
+                    tl.store(counters + b * groups + group, 0)  # zero again for the next launch
                     _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, group, c_out,
                                      length, per_group, eps, split_stride, scale_strides, shift_strides,
                                      residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
@@ -184,12 +189,27 @@ def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None,
     return _epilogue(block, scale, shift, residual)
 
 
+def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` zeroed int32 counters for one launch of the one-kernel form, which leaves them
+    zeroed: a rotating slice of the device's COUNTER_SLOTS (created outside a CUDA-graph
+    capture; while one captures without it, or for more, fresh zeros: a fill in the graph)."""
+    state = _COUNTERS.get(device)
+    if state is None and count <= COUNTER_SLOTS and _validate.values_readable(device):
+        state = _COUNTERS[device] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
+    if state is None or count > COUNTER_SLOTS:
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    buffer, start = state
+    start = 0 if start + count > COUNTER_SLOTS else start
+    state[1] = start + count
+    return buffer[start:start + count]
+
+
 def _splits(programs: int, taps: int, block_k: int, device: torch.device) -> int:
     """Chunks of the (channel, tap) pairs: enough programs for PROGRAMS_PER_SM on every SM."""
     if device.type != "cuda":
         return 1
     wanted = PROGRAMS_PER_SM * _triton.multiprocessors(device) // programs
-    return max(1, min(wanted, taps // (MIN_SPLIT_BLOCKS * block_k)))
+    return max(1, min(wanted, MAX_SPLITS, taps // (MIN_SPLIT_BLOCKS * block_k)))
 
 
 def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None,
@@ -210,7 +230,7 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     splits = triton.cdiv(taps, chunk)  # no empty chunk
     partial = torch.empty((splits, batch, c_out, length), dtype=torch.float32, device=x.device)
     one_kernel = ONE_KERNEL if one_kernel is None else one_kernel
-    counters = torch.zeros(batch * groups if one_kernel else 1, dtype=torch.int32, device=x.device)
+    counters = _arrival_counters(x.device, batch * groups) if one_kernel else partial
     per_group = c_out // groups
     size = per_group * length
     block = min(GROUP_BLOCK, triton.next_power_of_2(size))
