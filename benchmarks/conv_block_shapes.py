@@ -3,7 +3,7 @@ against the compiled matrix-product block (``MatmulConv1d`` + GroupNorm + Mish u
 torch.compile) on every block shape of Diffusion Policy's U-Net at the seed size, bf16,
 batch 1: microseconds a block, from CUDA graphs of ``CALLS`` calls (no host time), over a
 few settings (one kernel or two, output channels a program, pairs a product step, programs
-per SM); and each shape's floor (its weights read once at 3.35 TB/s).
+per SM, fewest pair blocks a program, programmatic dependent launch); and each shape's floor (its weights read once at 3.35 TB/s).
 
     python benchmarks/conv_block_shapes.py > blocks.log     (needs a CUDA device)
 """
@@ -19,9 +19,9 @@ from fullgraph.models.unet1d import Conv1dBlock, MatmulConv1d
 from fullgraph.ops import conv_block
 
 CALLS = 20
-SETTINGS = [  # (ONE_KERNEL, BLOCK_C, MAX_BLOCK_K, PROGRAMS_PER_SM, MIN_SPLIT_BLOCKS)
-    (False, 32, 64, 2, 4), (True, 32, 64, 2, 4), (True, 32, 64, 4, 2), (True, 32, 64, 4, 1), (True, 32, 64, 8, 1),
-    (True, 32, 128, 4, 1), (True, 64, 64, 4, 1)]
+SETTINGS = [  # (ONE_KERNEL, BLOCK_C, MAX_BLOCK_K, PROGRAMS_PER_SM, MIN_SPLIT_BLOCKS, PDL)
+    (False, 32, 64, 4, 2, False), (True, 32, 64, 4, 2, False), (True, 32, 64, 4, 2, True), (True, 32, 64, 4, 1, True),
+    (True, 32, 128, 4, 1, True), (True, 32, 64, 8, 2, True)]
 
 
 def block_shapes(batch: int = 1) -> dict[tuple[int, int, int], int]:
@@ -71,11 +71,12 @@ def main() -> None:
         row, error = {"compiled matmul-conv": graphed_us(lambda: compiled(x))}, 0.0
         for setting in SETTINGS:
             (conv_block.ONE_KERNEL, conv_block.BLOCK_C, conv_block.MAX_BLOCK_K, conv_block.PROGRAMS_PER_SM,
-             conv_block.MIN_SPLIT_BLOCKS) = setting
+             conv_block.MIN_SPLIT_BLOCKS, conv_block.PDL) = setting
             run = lambda: conv_block._triton_block(x, conv.weight, conv.bias, norm.weight, norm.bias, 8, 1e-5,  # noqa: E731
                                                    scale, shift)
             error = max(error, float((run().float() - want).abs().max()))
-            row["fused {}k c{} k{} {}/SM min{}".format(1 if setting[0] else 2, *setting[1:])] = graphed_us(run)
+            row["fused {}k c{} k{} {}/SM min{}{}".format(1 if setting[0] else 2, *setting[1:5],
+                                                        " PDL" if setting[5] else "")] = graphed_us(run)
         floor = c_out * c_in * 5 * 2 / 3.35e12 * 1e6
         print(f"C_in {c_in:5d} C_out {c_out:5d} T {length:3d} x{count}: floor {floor:5.2f} us; "
               + "; ".join(f"{k} {v:6.2f}" for k, v in row.items()) + f"; max diff {error:.3g}")

@@ -24,11 +24,14 @@ import torch.nn.functional as F
 from .. import _triton, _validate, backends
 from .._triton import tl, triton
 
+if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 # Elements of a group the normalization holds at once; larger groups are re-read per pass.
 GROUP_BLOCK = 4096
 # Split-K: aim for this many programs per SM, each with at least MIN_SPLIT_BLOCKS blocks of pairs.
-PROGRAMS_PER_SM = 2
-MIN_SPLIT_BLOCKS = 4
+PROGRAMS_PER_SM = 4
+MIN_SPLIT_BLOCKS = 2
 MAX_SPLITS = 32
 # The widest block of (channel, tap) pairs a product step takes, and output channels a program.
 MAX_BLOCK_K = 64
@@ -39,6 +42,8 @@ ONE_KERNEL = True
 # Arrival counters kept per device, zeroed once: each launch counts on its own slice and leaves
 # it zeroed, so no launch needs a fill kernel. A launch that needs more takes fresh zeros.
 COUNTER_SLOTS = 1 << 16
+# Launch the product kernel as a programmatic dependent launch where the GPU has it (sm_90 on).
+PDL = True
 _COUNTERS: dict[torch.device, list] = {}
 
 if triton is not None:
@@ -123,7 +128,7 @@ if triton is not None:
                      length, taps_total, chunk, time_tiles, groups, per_group, eps, x_strides, scale_strides,
                      shift_strides, residual_strides, KERNEL: tl.constexpr, PAD: tl.constexpr,
                      BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     UPCAST: tl.constexpr, PDL: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
                      HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                      BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD];
@@ -134,18 +139,29 @@ if triton is not None:
         split = tl.program_id(2)
         start = split * chunk
         end = tl.minimum(start + chunk, taps_total)
+        weight_rows, weight_live = w + channels[:, None] * taps_total, channels[:, None] < c_out
+        rows = start + tl.arange(0, BLOCK_K)  # (input channel, tap) pairs, channel-major
+        # The weights depend on no earlier kernel: launched as a programmatic dependent launch
+        # (PDL), the first block loads while the kernel before finishes; then wait for it.
+        weights = tl.load(weight_rows + rows[None, :], mask=weight_live & (rows[None, :] < end), other=0.0)
+        if PDL:
+            gdc_wait()
         acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
         for first in range(start, end, BLOCK_K):
-            rows = first + tl.arange(0, BLOCK_K)  # (input channel, tap) pairs, channel-major
-            weights = tl.load(w + channels[:, None] * taps_total + rows[None, :],
-                              mask=(channels[:, None] < c_out) & (rows[None, :] < end), other=0.0)
+            rows = first + tl.arange(0, BLOCK_K)
             source = steps[None, :] + (rows % KERNEL)[:, None] - PAD
             inside = (rows[:, None] < end) & (source >= 0) & (source < length)
             at = b * x_strides[0] + (rows // KERNEL)[:, None] * x_strides[1] + source * x_strides[2]
             window = tl.load(x + at, mask=inside, other=0.0)
+            following = rows + BLOCK_K
+            upcoming = tl.load(weight_rows + following[None, :], mask=weight_live & (following[None, :] < end),
+                               other=0.0)
             if UPCAST:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
+            weights = upcoming
+        if PDL:
+            gdc_launch_dependents()
         live = (channels[:, None] < c_out) & (steps[None, :] < length)
         split_stride = batch * c_out * length
         tl.store(partial + split * split_stride + (b * c_out + channels)[:, None] * length + steps[None, :], acc,
@@ -242,13 +258,15 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
                     residual_strides=none if residual is None else residual.stride(),
                     HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None,
                     SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
+    pdl = PDL and x.is_cuda and not _triton.INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
     _conv_kernel[(batch * time_tiles, channel_tiles, splits)](
         x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta, batch=batch, c_in=c_in, c_out=c_out,
         length=length, taps_total=taps, chunk=chunk, time_tiles=time_tiles, groups=groups, x_strides=x.stride(),
         KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
-        UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, FINALIZE=one_kernel, num_warps=4, **epilogue)
+        UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
+        launch_pdl=pdl, **epilogue)
     if not one_kernel:
         _norm_kernel[(batch * groups,)](partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out,
                                         length=length, num_warps=4 if block <= 2048 else 8, **epilogue)
