@@ -145,6 +145,9 @@ if triton is not None:
         # (PDL), the first block loads while the kernel before finishes; then wait for it.
         weights = tl.load(weight_rows + rows[None, :], mask=weight_live & (rows[None, :] < end), other=0.0)
         if PDL:
+            # The next kernel may launch now and load its own weights; its wait still holds it
+            # until this whole grid has finished and its writes are visible.
+            gdc_launch_dependents()
             gdc_wait()
         acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
         for first in range(start, end, BLOCK_K):
@@ -160,8 +163,6 @@ if triton is not None:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
             weights = upcoming
-        if PDL:
-            gdc_launch_dependents()
         live = (channels[:, None] < c_out) & (steps[None, :] < length)
         split_stride = batch * c_out * length
         tl.store(partial + split * split_stride + (b * c_out + channels)[:, None] * length + steps[None, :], acc,
