@@ -59,6 +59,7 @@ def graphed_us(call) -> float:
 def measure(batch: int, c_in: int, c_out: int, length: int, settings, eager: bool = False) -> tuple[dict, float]:
     """Microseconds of one block (FiLM in its epilogue) per variant; the largest difference
     of the fused outputs to the compiled block's."""
+    torch._dynamo.reset()  # one compiled block per shape, not recompilations of one
     block = Conv1dBlock(c_in, c_out, 5).cuda().to(torch.bfloat16)
     conv, norm = block[0], block[1]
     x = torch.randn(batch, c_in, length, device="cuda", dtype=torch.bfloat16)

@@ -86,7 +86,7 @@ if triton is not None:
         """A (batch item, group), flat over its channels and steps: its mean, then its mean
         squared deviation (exact divisions), then every element's output (``_finish``)."""
         c0 = group * per_group
-        offset = (b * c_out + c0) * length
+        offset = (b * c_out + c0).to(tl.int64) * length
         size = per_group * length
         count = size.to(tl.float32)
         if ONE_BLOCK:
@@ -125,16 +125,20 @@ if triton is not None:
 
     @triton.jit
     def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, out, batch, c_in, c_out,
-                     length, taps_total, chunk, time_tiles, groups, per_group, eps, x_strides, scale_strides,
-                     shift_strides, residual_strides, KERNEL: tl.constexpr, PAD: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                     UPCAST: tl.constexpr, PDL: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
-        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD];
-        with FINALIZE, the program that completes a (batch item, group) normalizes it."""
-        b = (tl.program_id(0) // time_tiles).to(tl.int64)
-        steps = (tl.program_id(0) % time_tiles) * BLOCK_T + tl.arange(0, BLOCK_T)
+                     length, taps_total, chunk, groups, per_group, eps, x_strides, scale_strides, shift_strides,
+                     residual_strides, KERNEL: tl.constexpr, PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                     PDL: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr):
+        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD],
+        a program per tile of output channels, tile of (b, t) columns (a tile spans batch items,
+        so small batches share each weight load) and chunk; with FINALIZE, the program that
+        completes a (batch item, group) normalizes it."""
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        total = batch * length
+        b = (columns // length).to(tl.int64)
+        steps = columns % length
         channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         split = tl.program_id(2)
         start = split * chunk
@@ -149,12 +153,12 @@ if triton is not None:
             # until this whole grid has finished and its writes are visible.
             gdc_launch_dependents()
             gdc_wait()
-        acc = tl.zeros((BLOCK_C, BLOCK_T), tl.float32)
+        acc = tl.zeros((BLOCK_C, BLOCK_N), tl.float32)
         for first in range(start, end, BLOCK_K):
             rows = first + tl.arange(0, BLOCK_K)
             source = steps[None, :] + (rows % KERNEL)[:, None] - PAD
-            inside = (rows[:, None] < end) & (source >= 0) & (source < length)
-            at = b * x_strides[0] + (rows // KERNEL)[:, None] * x_strides[1] + source * x_strides[2]
+            inside = (rows[:, None] < end) & (columns[None, :] < total) & (source >= 0) & (source < length)
+            at = b[None, :] * x_strides[0] + (rows // KERNEL)[:, None] * x_strides[1] + source * x_strides[2]
             window = tl.load(x + at, mask=inside, other=0.0)
             following = rows + BLOCK_K
             upcoming = tl.load(weight_rows + following[None, :], mask=weight_live & (following[None, :] < end),
@@ -163,21 +167,25 @@ if triton is not None:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
             weights = upcoming
-        live = (channels[:, None] < c_out) & (steps[None, :] < length)
+        live = (channels[:, None] < c_out) & (columns[None, :] < total)
         split_stride = batch * c_out * length
-        tl.store(partial + split * split_stride + (b * c_out + channels)[:, None] * length + steps[None, :], acc,
-                 mask=live)
+        at = split * split_stride + (b[None, :] * c_out + channels[:, None]) * length + steps[None, :]
+        tl.store(partial + at, acc, mask=live)
         if FINALIZE:
             tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-            low = tl.program_id(1) * BLOCK_C
-            for group in range(low // per_group, (tl.minimum(low + BLOCK_C, c_out) - 1) // per_group + 1):
-                tiles = ((group + 1) * per_group - 1) // BLOCK_C - (group * per_group) // BLOCK_C + 1
-                arrived = tl.atomic_add(counters + b * groups + group, 1, sem="acq_rel", scope="gpu")
-                if arrived == tiles * SPLITS * time_tiles - 1:
-                    tl.store(counters + b * groups + group, 0)  # zero again for the next launch
-                    _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, group, c_out,
-                                     length, per_group, eps, split_stride, scale_strides, shift_strides,
-                                     residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
+            low_c, low_n = tl.program_id(1) * BLOCK_C, tl.program_id(0) * BLOCK_N
+            for item in range(low_n // length, (tl.minimum(low_n + BLOCK_N, total) - 1) // length + 1):
+                column_tiles = ((item + 1) * length - 1) // BLOCK_N - (item * length) // BLOCK_N + 1
+                for group in range(low_c // per_group, (tl.minimum(low_c + BLOCK_C, c_out) - 1) // per_group + 1):
+                    channel_tiles = ((group + 1) * per_group - 1) // BLOCK_C - (group * per_group) // BLOCK_C + 1
+                    counter = counters + item * groups + group
+                    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+                    if arrived == channel_tiles * column_tiles * SPLITS - 1:
+                        tl.store(counter, 0)  # zero again for the next launch
+                        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, item,
+                                         group, c_out, length, per_group, eps, split_stride, scale_strides,
+                                         shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS,
+                                         BLOCK, ONE_BLOCK)
 
     @triton.jit
     def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, out, batch, groups, c_out, length,
@@ -238,11 +246,11 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
         return out
     taps = c_in * kernel
     block_c = BLOCK_C if c_out >= BLOCK_C else 16
-    block_t = min(64, max(16, triton.next_power_of_2(length)))
+    block_n = min(64, max(16, triton.next_power_of_2(batch * length)))
     block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(taps)))
-    time_tiles, channel_tiles = triton.cdiv(length, block_t), triton.cdiv(c_out, block_c)
+    column_tiles, channel_tiles = triton.cdiv(batch * length, block_n), triton.cdiv(c_out, block_c)
     if splits is None:
-        splits = _splits(batch * time_tiles * channel_tiles, taps, block_k, x.device)
+        splits = _splits(column_tiles * channel_tiles, taps, block_k, x.device)
     chunk = triton.cdiv(triton.cdiv(taps, splits), block_k) * block_k
     splits = triton.cdiv(taps, chunk)  # no empty chunk
     partial = torch.empty((splits, batch, c_out, length), dtype=torch.float32, device=x.device)
@@ -261,10 +269,10 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
                     SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
     pdl = PDL and x.is_cuda and not _triton.INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    _conv_kernel[(batch * time_tiles, channel_tiles, splits)](
+    _conv_kernel[(column_tiles, channel_tiles, splits)](
         x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta, batch=batch, c_in=c_in, c_out=c_out,
-        length=length, taps_total=taps, chunk=chunk, time_tiles=time_tiles, groups=groups, x_strides=x.stride(),
-        KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_T=block_t, BLOCK_K=block_k, PRECISION=precision,
+        length=length, taps_total=taps, chunk=chunk, groups=groups, x_strides=x.stride(),
+        KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
         UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
         launch_pdl=pdl, **epilogue)
