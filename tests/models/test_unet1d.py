@@ -82,9 +82,11 @@ def test_matmul_unet_equals_the_unet():
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_fused_conv_blocks_compute_the_same_network(backend, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_conv_blocks_compute_the_same_network(backend, batch, monkeypatch):
     """fuse_conv_blocks, then matmul_convolutions for the rest: the same function (Triton on
-    CPU tensors through its interpreter, float32; PyTorch in float64)."""
+    CPU tensors through its interpreter, float32; PyTorch in float64). Batch 2 takes the
+    product form in the 16-step blocks (32 columns) and the fused operator in the others."""
     import copy
     import os
 
@@ -98,8 +100,8 @@ def test_fused_conv_blocks_compute_the_same_network(backend, monkeypatch):
     # float32 products in full precision on both sides (cuDNN and the fused kernel take TF32 by default)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     unet = _small().to(dtype=dtype, device=device).eval()
-    x = torch.randn(2, 16, 2, dtype=dtype, device=device)
-    cond = torch.randn(2, 10, dtype=dtype, device=device)
+    x = torch.randn(batch, 16, 2, dtype=dtype, device=device)
+    cond = torch.randn(batch, 10, dtype=dtype, device=device)
     want = unet(x, 7, cond)
     blocks = sum(isinstance(m, Conv1dBlock) for m in unet.modules())
     residual_blocks = sum(isinstance(m, ConditionalResidualBlock1D) for m in unet.modules())

@@ -2,16 +2,22 @@
 ``fullgraph.conv_groupnorm_mish`` (``torch.ops.fullgraph.conv_groupnorm_mish``), with the
 residual block's epilogue (FiLM's per-channel scale and shift, a residual) folded in.
 
-The "triton" backend runs two kernels. (1) The convolution ("same" padding, odd kernel) as a
-matrix product over (input channel, tap) pairs, read straight from x (no padded or unfolded
-copy): a program per tile of output channels, tile of time steps and chunk of the pairs
-(split-K: at batch 1 the weights are most of the bytes, and enough programs to fill the GPU
-must share each channel tile's rows), each writing its float32 partial product. (2) A program
-per (batch item, group) sums the partials and the bias, takes the group's mean and then its
-mean squared deviation (two passes over values held in registers or re-read from L2: no
-cancellation), normalizes, applies the affine, Mish and the epilogue, and writes x's dtype.
-The "torch" backend is ``F.conv1d``, ``F.group_norm``, ``F.mish``: the reference.
+The "triton" backend is one kernel. The convolution ("same" padding, odd kernel) is a matrix
+product over (input channel, tap) pairs read straight from x (strided; no padded or unfolded
+copy): a program per tile of output channels, tile of (batch item, step) columns and chunk of
+the pairs (split-K: at batch 1 the weights are most of the bytes, and enough programs to fill
+the GPU must share each channel tile's rows); each writes its float32 partial product and
+counts its arrival on the (batch item, group) counters it covers. The program that arrives
+last at a group sums the group's partials and the bias, takes the mean and then the mean
+squared deviation (two passes over values in registers, exact divisions: no cancellation),
+normalizes, applies the affine, Mish and the epilogue, writes x's dtype, and zeroes the
+counter again, so the per-device counters (``_arrival_counters``) never need a fill kernel.
+On sm_90 and later the kernel is a programmatic dependent launch: its first weights load,
+and the next kernel may launch, before it waits for the kernel before it. ``ONE_KERNEL =
+False`` normalizes in a second kernel instead (kept for measurement).
 
+The "torch" backend is ``F.conv1d``, ``F.group_norm``, ``F.mish``: the reference. "auto"
+takes "triton" on CUDA for few columns (``AUTO_MAX_COLUMNS``, measured), "torch" elsewhere.
 The backward is written with PyTorch operations (the convolution's through
 ``aten.convolution_backward``), recomputing the convolution: no fused backward kernel.
 """
@@ -199,7 +205,7 @@ if triton is not None:
                          residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
 
 
-def _epilogue(result, scale, shift, residual):
+def epilogue(result, scale, shift, residual):
     """result * scale[:, :, None] + shift[:, :, None] + residual, for the ones given."""
     if scale is not None:
         result = result * scale[:, :, None]
@@ -211,7 +217,7 @@ def _epilogue(result, scale, shift, residual):
 def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None):
     """The block in PyTorch: Conv1d ("same" padding), GroupNorm, Mish, then the epilogue."""
     block = F.mish(F.group_norm(F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2), groups, gamma, beta, eps))
-    return _epilogue(block, scale, shift, residual)
+    return epilogue(block, scale, shift, residual)
 
 
 def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -282,11 +288,25 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     return out
 
 
+# "auto" takes the fused kernel on CUDA up to this many (batch item, step) columns, the PyTorch
+# reference beyond. H100, bf16, one block with FiLM, CUDA graphs (benchmarks/conv_block_shapes.py,
+# session 14): C_in = C_out = 256, T = 16: B = 8 (128 columns) 16.2 us against 32.8, B = 64 (1,024)
+# 26.9 against 34.8, B = 256 (4,096) 76.2 against 58.9; 1024 channels, T = 4: B = 8 (32) 30.1
+# against 77.2, B = 64 (256) 94.8 against 90.9, B = 256 (1,024) 251 against 139. Batch 1 (4-16
+# columns): 3.5-9.9 us against the compiled matrix-product block's 7.3-11.8.
+AUTO_MAX_COLUMNS = 128
+
+
+def _few_columns(device_type: str, dtype: torch.dtype, columns, k: int) -> bool:
+    return columns is None or columns <= AUTO_MAX_COLUMNS
+
+
+# Backends of the family; "dim" in their rules is the B * T columns of the block.
 BACKENDS = backends.family(
     "conv_groupnorm_mish",
-    backends.Backend("triton", ops=("conv_groupnorm_mish",), devices=_triton.devices(), auto_devices=(),
+    backends.Backend("triton", ops=("conv_groupnorm_mish",), devices=_triton.devices(), auto_devices=("cuda",),
                      dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
-                     available=_triton.available, implementation=_triton_block,
+                     available=_triton.available, implementation=_triton_block, auto_when=_few_columns,
                      note='computes in float32 (use backend="torch" for float64)'),
     backends.Backend("torch", ops=("conv_groupnorm_mish",), devices=(backends.ANY_DEVICE,),
                      auto_devices=(backends.ANY_DEVICE,), implementation=reference),
@@ -332,7 +352,8 @@ def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                            residual: torch.Tensor | None = None) -> torch.Tensor:
     _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
-    run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, argument="x").implementation
+    run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
+                           argument="x").implementation
     return run(x, weight.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(), groups, eps, scale,
                shift, residual)
 
@@ -393,8 +414,9 @@ def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float
         groups: GroupNorm's groups, a divisor of C_out. eps: GroupNorm's epsilon, > 0.
         scale, shift: optional [B, C_out] (FiLM's per-channel scale and shift; any strides).
         residual: optional [B, C_out, T], added last.
-        backend: "torch" (F.conv1d, F.group_norm, F.mish), "triton" (two fused kernels,
-            float32 arithmetic, CUDA; see the module docstring) or "auto" (see ``BACKENDS``).
+        backend: "torch" (F.conv1d, F.group_norm, F.mish), "triton" (the fused kernel, float32
+            arithmetic, CUDA; see the module docstring) or "auto" ("triton" on CUDA up to
+            AUTO_MAX_COLUMNS = 128 columns B * T, where it was measured faster; else "torch").
 
     Returns:
         [B, C_out, T] in x's dtype; differentiable in every tensor.
@@ -407,6 +429,7 @@ def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float
         torch.Size([2, 8, 16])
     """
     _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
-    backend = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, argument="x").name
+    backend = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
+                               argument="x").name
     return torch.ops.fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift,
                                                    residual)
