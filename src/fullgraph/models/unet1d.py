@@ -216,8 +216,9 @@ class FiLMEncoder(nn.Module):
     """Every residual block's FiLM from the condition in one product: Mish once, then the
     blocks' Linear layers stacked. ``cond [B, cond_dim] -> per block [B, (2) C_out]``, in
     the blocks' call order. The product's inner size is padded with zeros to a multiple of
-    ``ALIGN`` (cond_dim 1284 at the seed size): cuBLAS then streams the 37 MB of weights at
-    batch 1 in 10.6 us instead of 14.9 (H100, benchmarks/conv_block_shapes.py)."""
+    ``ALIGN`` (cond_dim 1284 at the seed size): cuBLAS then takes a GEMM kernel for the 37 MB
+    of weights at batch 1, 16.5 us a step in the graphed U-Net instead of its GEMV's 36 (H100,
+    benchmarks/unet_profile.py, session 14 runs CC and CD)."""
 
     ALIGN = 64
 
