@@ -320,14 +320,14 @@ class DenseKernels(pairs.Kernels):
 
 
 # Where "auto" takes it. CPU, over the k-d tree: measured on the 2-core development CPU,
-# normal clouds (benchmarks/dense_cpu.py, results/cpu-2core-torch2.13/dense-cpu-session13.log),
+# normal clouds (benchmarks/dense_cpu.py, results/cpu-2core-torch2.13/dense-cpu-session1{3,4}.log),
 # ms dense / tree:
-#   M=5000, N=100000, k=10:  D=6 468/97, D=8 513/225, D=10 651/747, D=12 542/1896
+#   M=5000, N=100000, k=10:  D=6 468/97, D=8 513/225, D=10 651/747, D=12 542/1896   (session 13)
 #   B=8, M=N=2048, k=20:     D=8 61/216,  D=12 63/336;   M=2000, N=10000: D=8 23/49
 # The tree wins up to D = 8 on large clouds; from D = 10 on the products win everywhere. Against
-# cdist + topk (inexact): 8 x 2048^2 D=64 k=20 120-139 / 144-150, 32 x 1024^2 207-281 / 245-256,
-# 5000 x 50000 D=16 294 / 910; tiny batches stay slower (16 x 256^2 D=64: 22-30 / 8-9; ~30
-# operators a call, the exact re-measure's gathers).
+# cdist + topk (inexact), session 14: 8 x 2048^2 D=64 k=20 92-147 / 147-174, 32 x 1024^2
+# 155-207 / 241-245, 5000 x 50000 D=16 300 / 886; tiny batches stay slower (16 x 256^2 D=64:
+# 13-20 / 8.2; the exact selection of short rows costs what topk does, plus the re-measure).
 AUTO_MIN_DIM = 10
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
