@@ -150,6 +150,19 @@ def test_launches_leave_their_arrival_counters_zeroed(monkeypatch, generator):
     torch.testing.assert_close(got.cpu().double(), conv_block.reference(*big, 8, 1e-5), rtol=2e-5, atol=2e-5)
 
 
+def test_auto_takes_the_fused_kernel_for_few_columns_on_cuda():
+    """The measured rule (AUTO_MAX_COLUMNS): Triton on CUDA up to 128 columns B * T, PyTorch
+    beyond and off CUDA (resolved without touching a GPU)."""
+    def chosen(device, columns, dtype=torch.bfloat16):
+        return conv_block.BACKENDS.resolve("auto", "conv_groupnorm_mish", torch.device(device), dtype, columns,
+                                           argument="x").name
+
+    assert chosen("cpu", 16) == "torch"
+    assert chosen("cuda", conv_block.AUTO_MAX_COLUMNS + 1) == "torch"
+    assert chosen("cuda", 16, torch.float64) == "torch"  # the kernel computes in float32
+    assert chosen("cuda", conv_block.AUTO_MAX_COLUMNS) == ("triton" if HAVE_TRITON else "torch")
+
+
 def test_gradcheck_of_the_written_backward(generator):
     tensors = [t.requires_grad_() for t in _block(generator, 2, 3, 8, 5, 3)]
     assert torch.autograd.gradcheck(lambda *a: fullgraph.conv_groupnorm_mish(*a, 4, backend="torch"), tensors)
