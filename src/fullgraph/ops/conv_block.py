@@ -223,7 +223,9 @@ def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None,
 def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
     """``count`` zeroed int32 counters for one launch of the one-kernel form, which leaves them
     zeroed: a rotating slice of the device's COUNTER_SLOTS (created outside a CUDA-graph
-    capture; while one captures without it, or for more, fresh zeros: a fill in the graph)."""
+    capture; while one captures without it, or for more, fresh zeros: a fill in the graph).
+    Launches that run at the same time (other streams, a graph replayed beside eager calls)
+    take different slices unless COUNTER_SLOTS / count launches come between them."""
     state = _COUNTERS.get(device)
     if state is None and count <= COUNTER_SLOTS and _validate.values_readable(device):
         state = _COUNTERS[device] = [torch.zeros(COUNTER_SLOTS, dtype=torch.int32, device=device), 0]
@@ -266,7 +268,7 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     size = per_group * length
     block = min(GROUP_BLOCK, triton.next_power_of_2(size))
     none = (0, 0, 0)
-    epilogue = dict(scale=out if scale is None else scale, shift=out if shift is None else shift,
+    finish = dict(scale=out if scale is None else scale, shift=out if shift is None else shift,
                     residual=out if residual is None else residual, out=out, per_group=per_group, eps=float(eps),
                     scale_strides=none[:2] if scale is None else scale.stride(),
                     shift_strides=none[:2] if shift is None else shift.stride(),
@@ -281,10 +283,10 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
         KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
         UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
-        launch_pdl=pdl, **epilogue)
+        launch_pdl=pdl, **finish)
     if not one_kernel:
         _norm_kernel[(batch * groups,)](partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out,
-                                        length=length, num_warps=4 if block <= 2048 else 8, **epilogue)
+                                        length=length, num_warps=4 if block <= 2048 else 8, **finish)
     return out
 
 
