@@ -188,8 +188,8 @@ class FusedConv1dBlock(nn.Module):
     [B, C_out] and ``residual`` [B, C_out, T] are its optional epilogue. Beyond
     ``FUSED_MAX_COLUMNS`` (B * T) the same function as a product (``matmul_conv1d``),
     GroupNorm and Mish, which torch.compile fuses better there: one block with FiLM, bf16, H100
-    (benchmarks/conv_block_shapes.py): batch 1 (4-16 columns) fused 3.5-9.9 us against the
-    compiled product's 7.3-11.8; batch 8, 1024 channels, T = 4 (32 columns) 30.1 against 13.0."""
+    (benchmarks/conv_block_shapes.py, session 14 run CF): batch 1 (4-16 columns) fused 3.3-8.7 us
+    against the compiled product's 6.5-14.1; batch 8, 1024 channels, T = 4 (32 columns) 30.1 against 13.0."""
 
     FUSED_MAX_COLUMNS = 16
 
