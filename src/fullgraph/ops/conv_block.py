@@ -267,14 +267,13 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     per_group = c_out // groups
     size = per_group * length
     block = min(GROUP_BLOCK, triton.next_power_of_2(size))
-    none = (0, 0, 0)
     finish = dict(scale=out if scale is None else scale, shift=out if shift is None else shift,
-                    residual=out if residual is None else residual, out=out, per_group=per_group, eps=float(eps),
-                    scale_strides=none[:2] if scale is None else scale.stride(),
-                    shift_strides=none[:2] if shift is None else shift.stride(),
-                    residual_strides=none if residual is None else residual.stride(),
-                    HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None,
-                    SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
+                  residual=out if residual is None else residual, out=out, per_group=per_group, eps=float(eps),
+                  scale_strides=(0, 0) if scale is None else scale.stride(),
+                  shift_strides=(0, 0) if shift is None else shift.stride(),
+                  residual_strides=(0, 0, 0) if residual is None else residual.stride(),
+                  HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None,
+                  SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
     pdl = PDL and x.is_cuda and not _triton.INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
     _conv_kernel[(column_tiles, channel_tiles, splits)](

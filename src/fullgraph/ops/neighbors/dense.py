@@ -94,35 +94,41 @@ def _roundoff(dtype: torch.dtype) -> float:
     return {"highest": 2.0**-24, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(), 2.0**-8)
 
 
-def _gather_rows(points, rows):
+def _gather_rows(points, rows, out=None):
     """points [B, N, D] at rows [B, ...] (>= 0) -> [B, ..., D]: index_select of the flattened
     rows (on CPUs 5x advanced indexing, 16 x 256 x 28 rows of D = 64: 1.4 ms against 7.8,
-    and a gather with an expanded index was 3x slower still)."""
+    and a gather with an expanded index was 3x slower still), into ``out`` when given."""
     batch, size, dim = points.shape
     offsets = (torch.arange(batch, device=points.device) * size).reshape(-1, *[1] * (rows.dim() - 1))
-    return points.reshape(-1, dim).index_select(0, (rows + offsets).reshape(-1)).reshape(*rows.shape, dim)
+    flat = (rows + offsets).reshape(-1)
+    if out is None:
+        return points.reshape(-1, dim).index_select(0, flat).reshape(*rows.shape, dim)
+    torch.index_select(points.reshape(-1, dim), 0, flat, out=out.view(-1, dim))
+    return out
 
 
 def _remeasure(q, r, candidates):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
     in the reference's arithmetic."""
-    if q.is_cuda or q.shape[-1] <= pairs.PER_COORDINATE_MAX_DIM:
+    if q.is_cuda:
         return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
-    # CPUs, the reference's (q - r).square().sum(-1) in cache-sized pieces through one reused
-    # buffer: (r - q)^2 is (q - r)^2 bit for bit, and fresh pieces of a few MiB each cost page
-    # faults (16 x 256 queries x 28 candidates of D = 64: 55% of a call went to them).
+    # CPUs: cache-sized pieces gathered into one reused buffer (fresh pieces of a few MiB each
+    # cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of a call). Above
+    # PER_COORDINATE_MAX_DIM the reference's (q - r).square().sum(-1) runs in place there:
+    # (r - q)^2 is (q - r)^2 bit for bit.
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
     step = max(1, CPU_REMEASURE_BYTES // (batch * take * dim * q.element_size()))
     buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype)
-    flat = r.reshape(-1, dim)
-    offsets = (torch.arange(batch) * r.shape[1])[:, None, None]
     out = torch.empty((batch, rows, take), dtype=q.dtype)
     for s in range(0, rows, step):
         piece = candidates[:, s:s + step]
-        gathered = buffer[:piece.numel() * dim].view(*piece.shape, dim)
-        torch.index_select(flat, 0, (piece + offsets).reshape(-1), out=gathered.view(-1, dim))
-        out[:, s:s + step] = gathered.sub_(q[:, s:s + step, None, :]).square_().sum(-1)
+        gathered = _gather_rows(r, piece, out=buffer[:piece.numel() * dim].view(*piece.shape, dim))
+        near = q[:, s:s + step, None, :]
+        if dim > pairs.PER_COORDINATE_MAX_DIM:
+            out[:, s:s + step] = gathered.sub_(near).square_().sum(-1)
+        else:
+            out[:, s:s + step] = pairs.squared_difference(near, gathered)
     return out.sqrt_()
 
 
