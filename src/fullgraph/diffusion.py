@@ -8,7 +8,10 @@ With ``graphed=True`` (on CUDA) the first call per input signature captures all 
 U-Net calls and fused denoise steps in one CUDA graph (``fullgraph.graphs``); later calls
 copy the new starting noise, step noises and condition in and replay it: no host work per
 step. The noise is drawn up front from ``generator``, so eager and graphed runs from one
-seed give the same actions (to float rounding).
+seed give the same actions (to float rounding). A network with a ``condition(timesteps,
+global_cond)`` method (``ConditionalUnet1D``) has what depends on the step and the condition
+alone (the step embedding; once fused, every block's FiLM) computed once for all steps, and
+each call takes its row (``condition=``).
 """
 
 from __future__ import annotations
@@ -25,24 +28,36 @@ from .ops.ddpm import ddim_step, ddim_timesteps, ddpm_step, squaredcos_cap_v2
 _GRAPHED_LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample: bool = True, step=ddpm_step):
+def _denoiser(unet, timesteps, global_cond, condition_once: bool):
+    """``predict(i, x)``: the network at step i of ``timesteps`` [S]; with ``condition_once``,
+    the rows of ``unet.condition`` computed here once where the network has that method."""
+    if not (condition_once and hasattr(unet, "condition")):
+        return lambda i, x: unet(x, timesteps[i], global_cond)
+    conditions = unet.condition(timesteps, global_cond)
+    return lambda i, x: unet(x, timesteps[i], global_cond, condition=conditions[i])
+
+
+def denoise(unet, x, noise, global_cond, alphas_cumprod, clip_sample: bool = True, step=ddpm_step,
+            condition_once: bool = True):
     """The loop: x [B, H, A] from t = T - 1 down to 0, noise [T, B, H, A] per step; ``step``
-    is the denoise step (the fused ``ddpm_step``, or ``ops.ddpm.reference``)."""
+    is the denoise step (the fused ``ddpm_step``, or ``ops.ddpm.reference``);
+    ``condition_once=False`` calls the network as ``unet(x, t, global_cond)`` at every step."""
     timesteps = torch.arange(noise.shape[0] - 1, -1, -1, device=x.device)
+    predict = _denoiser(unet, timesteps, global_cond, condition_once)
     for i in range(noise.shape[0]):
-        t = timesteps[i]
-        x = step(unet(x, t, global_cond), x, t, alphas_cumprod, noise[i], clip_sample=clip_sample)
+        x = step(predict(i, x), x, timesteps[i], alphas_cumprod, noise[i], clip_sample=clip_sample)
     return x
 
 
-def denoise_ddim(unet, x, global_cond, alphas_cumprod, timesteps, clip_sample: bool = True):
+def denoise_ddim(unet, x, global_cond, alphas_cumprod, timesteps, clip_sample: bool = True,
+                 condition_once: bool = True):
     """The deterministic DDIM loop (eta = 0): x [B, H, A] through the descending
     ``timesteps`` [S] int64 on the device (``ops.ddpm.ddim_timesteps``), the last step to
-    the final alpha."""
+    the final alpha; ``condition_once`` as in ``denoise``."""
     previous = torch.cat([timesteps[1:], timesteps.new_full((1,), -1)])
+    predict = _denoiser(unet, timesteps, global_cond, condition_once)
     for i in range(timesteps.shape[0]):
-        x = ddim_step(unet(x, timesteps[i], global_cond), x, timesteps[i], previous[i], alphas_cumprod,
-                      clip_sample=clip_sample)
+        x = ddim_step(predict(i, x), x, timesteps[i], previous[i], alphas_cumprod, clip_sample=clip_sample)
     return x
 
 

@@ -139,6 +139,30 @@ def test_the_fused_network_has_the_same_gradients_and_traces_whole(cond_predict_
     torch.testing.assert_close(compiled(x, 7, cond), fused(x, 7, cond))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_conditions_computed_once_for_all_steps_give_the_same_predictions(fused):
+    """``condition(timesteps, cond)`` [S, B, W]: its rows in place of each step's own
+    computation (step embedding; once fused, every block's FiLM) give the same prediction."""
+    import copy
+
+    from fullgraph.models.unet1d import fuse_conv_blocks
+
+    unet = _small().double().eval()
+    if fused:
+        unet = fuse_conv_blocks(copy.deepcopy(unet), "torch")
+    x, cond = torch.randn(2, 16, 2, dtype=torch.float64), torch.randn(2, 10, dtype=torch.float64)
+    timesteps = torch.tensor([9, 4, 0])
+    rows = unet.condition(timesteps, cond)
+    assert rows.shape == (3, 2, unet.condition_width)
+    assert unet.condition_width == (sum(unet.film_encoder.sizes) if fused else 256 + 10)
+    for t, row in zip(timesteps.tolist(), rows):
+        torch.testing.assert_close(unet(x, 7, cond, condition=row), unet(x, t, cond), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"condition: expected \[B, condition_width\] = \[2, "):
+        unet(x, 7, cond, condition=rows[0, :1])
+    with pytest.raises(ValueError, match=r"timesteps: expected \[S\], got \(\)"):
+        unet.condition(torch.tensor(3), cond)
+
+
 def test_a_bf16_network_takes_and_returns_the_sample_dtype():
     unet = _small().eval()
     x, cond = torch.randn(2, 16, 2), torch.randn(2, 10)

@@ -127,6 +127,50 @@ def test_split_products_sum_to_the_same_block(splits, one_kernel, generator):
     torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
 
 
+def _residual_conv(generator, batch, c_res, c_out, length, dtype=torch.float64, device="cpu"):
+    """(residual [B, C_res, T] with the time steps innermost-but-strided, weight [C_out, C_res], bias)."""
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype=dtype, device=device)
+    residual = draw(batch, length, c_res).transpose(1, 2)
+    return residual, draw(c_out, c_res) / c_res ** 0.5, draw(c_out)
+
+
+@pytest.mark.parametrize("backend, device", _cases())
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_residual_convolution_matches_the_reference(backend, device, with_bias, generator):
+    """The skip path's 1x1 convolution in the epilogue (a residual block whose channel count
+    changes), with FiLM: equal to conv1d of the residual added after Mish."""
+    tensors = _block(generator, 2, 6, 16, 9, 3)
+    scale, shift, _ = _epilogue(generator, 2, 16, 9)
+    residual, residual_weight, residual_bias = _residual_conv(generator, 2, 5, 16, 9)
+    residual_bias = residual_bias if with_bias else None
+    want = conv_block.reference(*tensors, 4, 1e-5, scale, shift, residual, residual_weight, residual_bias)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    move = lambda t: None if t is None else t.to(dtype=dtype, device=device)  # noqa: E731
+    got = fullgraph.conv_groupnorm_mish(*map(move, tensors), 4, scale=move(scale), shift=move(shift),
+                                        residual=move(residual), residual_weight=move(residual_weight),
+                                        residual_bias=move(residual_bias), backend=backend)
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.cpu().double(), want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("one_kernel", [True, False])
+def test_the_residual_convolution_in_several_chunks(splits, one_kernel, generator):
+    """More residual channels than a chunk of pairs: the 1x1 product in several programs
+    (3 chunks of 128 for 300 channels at 3 splits), their partials summed after Mish."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no Triton device here")
+    tensors = _block(generator, 2, 40, 32, 11, 5)
+    residual = _residual_conv(generator, 2, 300, 32, 11)
+    want = conv_block.reference(*tensors, 8, 1e-5, None, None, *residual)
+    moved = [t.to(dtype=torch.float32, device=device) for t in (*tensors, *residual)]
+    got = conv_block._triton_block(*moved[:5], 8, 1e-5, None, None, *moved[5:], splits=splits, one_kernel=one_kernel)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs Triton")
 def test_launches_leave_their_arrival_counters_zeroed(monkeypatch, generator):
     """The one-kernel form counts arrivals on a rotating slice of a per-device buffer and
@@ -178,6 +222,17 @@ def test_gradcheck_with_the_epilogue(generator):
     assert torch.autograd.gradcheck(block, tensors)
 
 
+def test_gradcheck_with_the_residual_convolution(generator):
+    tensors = [t.requires_grad_() for t in (*_block(generator, 2, 3, 8, 5, 3), *_residual_conv(generator, 2, 4, 8, 5))]
+
+    def block(x, weight, bias, gamma, beta, residual, residual_weight, residual_bias):
+        return fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, 4, residual=residual,
+                                             residual_weight=residual_weight, residual_bias=residual_bias,
+                                             backend="torch")
+
+    assert torch.autograd.gradcheck(block, tensors)
+
+
 @pytest.mark.parametrize("backend, device", _cases())
 def test_gradients_equal_the_reference_autograd(backend, device, generator):
     dtype = torch.float64 if backend == "torch" else torch.float32
@@ -199,6 +254,9 @@ def test_opcheck(backend, device, generator):
     torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default, (*tensors, 2, 1e-5, backend))
     extra = [t.to(dtype=dtype, device=device).requires_grad_() for t in _epilogue(generator, 2, 8, 6)]
     torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default, (*tensors, 2, 1e-5, backend, *extra))
+    residual = [t.to(dtype=dtype, device=device).requires_grad_() for t in _residual_conv(generator, 2, 3, 8, 6)]
+    torch.library.opcheck(torch.ops.fullgraph.conv_groupnorm_mish.default,
+                          (*tensors, 2, 1e-5, backend, *extra[:2], *residual))
 
 
 def test_compiles_once_across_sizes(generator):
@@ -228,15 +286,27 @@ def test_bad_input_is_named(generator):
         ((x[..., :0], weight, bias, gamma, beta, 2), ValueError, "x: expected at least one time step"),
     ]
     scale, shift, residual = _epilogue(generator, 2, 8, 6, dtype=torch.float32)
+    source, residual_weight, residual_bias = _residual_conv(generator, 2, 3, 8, 6, dtype=torch.float32)
     epilogues = [
         ((scale[:1], None, None), ValueError, r"scale: expected \[B, C_out\] = \[2, 8\], got \[1, 8\]"),
         ((None, shift.double(), None), TypeError, "shift: expected torch.float32 like x"),
         ((None, None, residual[..., :5]), ValueError, r"residual: expected \[B, C_out, T\] = \[2, 8, 6\]"),
+        ((None, None, None, residual_weight), ValueError, "residual_weight: given without a residual"),
+        ((None, None, source, residual_weight[:, :, None]), ValueError,
+         r"residual_weight: expected shape \[C_out, C_res\]"),
+        ((None, None, source, residual_weight[:5]), ValueError, r"residual_weight: expected \[C_out = 8, C_res\]"),
+        ((None, None, source[:, :2], residual_weight), ValueError,
+         r"residual: expected \[B, C_res, T\] = \[2, 3, 6\], got \[2, 2, 6\]"),
+        ((None, None, residual, None, residual_bias), ValueError, "residual_bias: given without a residual_weight"),
+        ((None, None, source, residual_weight, residual_bias[:4]), ValueError,
+         r"residual_bias: expected \[C_out\] = \[8\], got \[4\]"),
+        ((None, None, source, residual_weight.double()), TypeError, "residual_weight: expected torch.float32 like x"),
     ]
     for args, error, message in cases + [((x, weight, bias, gamma, beta, 2, *e), error, m) for e, error, m in epilogues]:
-        tensors, extra = args[:6], args[6:] or (None, None, None)
+        tensors, extra = args[:6], (*args[6:], None, None, None, None, None)[:5]
         with pytest.raises(error, match=message):
-            fullgraph.conv_groupnorm_mish(*tensors, scale=extra[0], shift=extra[1], residual=extra[2])
+            fullgraph.conv_groupnorm_mish(*tensors, scale=extra[0], shift=extra[1], residual=extra[2],
+                                          residual_weight=extra[3], residual_bias=extra[4])
         with pytest.raises(error, match=message):  # the operator checks its own contract
             torch.ops.fullgraph.conv_groupnorm_mish(*tensors, 1e-5, "torch", *extra)
     with pytest.raises(ValueError, match="eps: expected"):

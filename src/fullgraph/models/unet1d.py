@@ -99,19 +99,58 @@ class ConditionalUnet1D(nn.Module):
         # take their FiLM instead of the condition.
         self.film_encoder: FiLMEncoder | None = None
 
-    def forward(self, sample: torch.Tensor, timestep, global_cond: torch.Tensor) -> torch.Tensor:
-        if sample.dim() != 3 or sample.shape[-1] != self.action_dim:
-            raise ValueError(f"sample: expected [B, horizon, {self.action_dim}], got {tuple(sample.shape)}")
-        if global_cond.shape != (sample.shape[0], self.global_cond_dim):
-            raise ValueError(f"global_cond: expected [{sample.shape[0]}, {self.global_cond_dim}], "
-                             f"got {tuple(global_cond.shape)}")
-        steps = torch.as_tensor(timestep, device=sample.device)
-        steps = steps.reshape(-1).expand(sample.shape[0])
+    @property
+    def condition_width(self) -> int:
+        """W of a ``condition`` row: the FiLM of all residual blocks once fused, else the
+        step embedding joined to the global condition."""
+        if self.film_encoder is not None:
+            return sum(self.film_encoder.sizes)
+        return self.step_encoder[-1].out_features + self.global_cond_dim
+
+    def condition(self, timesteps: torch.Tensor, global_cond: torch.Tensor) -> torch.Tensor:
+        """What the network computes from the diffusion step and the global condition alone,
+        for all ``timesteps`` [S] at once: [S, B, W] (``condition_width``) for global_cond
+        [B, global_cond_dim]; row s serves ``forward(..., condition=rows[s])``. A sampling
+        loop computes it once for all its steps (one product for every step's FiLM)."""
+        if timesteps.dim() != 1:
+            raise ValueError(f"timesteps: expected [S], got {tuple(timesteps.shape)}")
+        self._check_cond(global_cond, global_cond.shape[0])
+        count, batch = timesteps.shape[0], global_cond.shape[0]
+        steps = timesteps.to(global_cond.device)[:, None].expand(count, batch).reshape(-1)
+        rows = self._encode(steps, global_cond.expand(count, *global_cond.shape).reshape(count * batch, -1))
+        return rows.reshape(count, batch, -1)
+
+    def _encode(self, steps: torch.Tensor, global_cond: torch.Tensor) -> torch.Tensor:
+        """[N] steps and [N, global_cond_dim] -> [N, condition_width]."""
         dtype = self.step_encoder[0].weight.dtype  # inputs are cast to the network's dtype
         cond = torch.cat([self.step_encoder(self.step_embedding(steps).to(dtype)), global_cond.to(dtype)], dim=-1)
+        return cond if self.film_encoder is None else self.film_encoder(cond)
+
+    def _check_cond(self, global_cond: torch.Tensor, batch: int) -> None:
+        if global_cond.shape != (batch, self.global_cond_dim):
+            raise ValueError(f"global_cond: expected [{batch}, {self.global_cond_dim}], "
+                             f"got {tuple(global_cond.shape)}")
+
+    def forward(self, sample: torch.Tensor, timestep, global_cond: torch.Tensor,
+                condition: torch.Tensor | None = None) -> torch.Tensor:
+        """``condition``: this step's row of ``self.condition(...)`` [B, condition_width], in
+        place of computing it from ``timestep`` and ``global_cond``."""
+        if sample.dim() != 3 or sample.shape[-1] != self.action_dim:
+            raise ValueError(f"sample: expected [B, horizon, {self.action_dim}], got {tuple(sample.shape)}")
+        batch = sample.shape[0]
+        self._check_cond(global_cond, batch)
+        if condition is None:
+            steps = torch.as_tensor(timestep, device=sample.device)
+            condition = self._encode(steps.reshape(-1).expand(batch), global_cond)
+        elif condition.shape != (batch, self.condition_width):
+            raise ValueError(f"condition: expected [B, condition_width] = [{batch}, {self.condition_width}], "
+                             f"got {tuple(condition.shape)}")
+        dtype = self.step_encoder[0].weight.dtype
+        condition = condition.to(dtype)
         x = sample.transpose(1, 2).to(dtype)  # [B, action_dim, horizon]
         residual_blocks = 2 * len(self.down) + len(self.mid) + 2 * len(self.up)
-        conditions = iter([cond] * residual_blocks if self.film_encoder is None else self.film_encoder(cond))
+        conditions = iter([condition] * residual_blocks if self.film_encoder is None
+                          else condition.split(self.film_encoder.sizes, dim=1))
         skips = []
         for first, second, downsample in self.down:
             x = first(x, next(conditions))
@@ -185,7 +224,8 @@ def matmul_convolutions(module: nn.Module) -> nn.Module:
 class FusedConv1dBlock(nn.Module):
     """A Conv1dBlock (Conv1d -> GroupNorm -> Mish) as one operator,
     ``fullgraph.conv_groupnorm_mish``, with the block's parameters; ``scale``, ``shift``
-    [B, C_out] and ``residual`` [B, C_out, T] are its optional epilogue. Beyond
+    [B, C_out] and ``residual`` [B, C_out, T] (or [B, C_res, T] through a 1x1 convolution's
+    ``residual_weight`` [C_out, C_res], ``residual_bias``) are its optional epilogue. Beyond
     ``FUSED_MAX_COLUMNS`` (B * T) the same function as a product (``matmul_conv1d``),
     GroupNorm and Mish, which torch.compile fuses better there: one block with FiLM, bf16, H100
     (benchmarks/conv_block_shapes.py, session 14 run CF): batch 1 (4-16 columns) fused 3.3-8.7 us
@@ -202,20 +242,22 @@ class FusedConv1dBlock(nn.Module):
         self.beta = nn.Parameter(norm.bias.detach().clone())
         self.groups, self.eps, self.backend = norm.num_groups, norm.eps, backend
 
-    def forward(self, x: torch.Tensor, scale=None, shift=None, residual=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, scale=None, shift=None, residual=None, residual_weight=None,
+                residual_bias=None) -> torch.Tensor:
         if x.shape[0] * x.shape[2] > self.FUSED_MAX_COLUMNS:
             kernel = self.weight.shape[-1]
             y = matmul_conv1d(x, self.weight.flatten(1), self.bias, kernel, padding=kernel // 2)
             return epilogue(F.mish(F.group_norm(y, self.groups, self.gamma, self.beta, self.eps)), scale, shift,
-                            residual)
+                            residual, residual_weight, residual_bias)
         return conv_groupnorm_mish(x, self.weight, self.bias, self.gamma, self.beta, self.groups, eps=self.eps,
-                                   scale=scale, shift=shift, residual=residual, backend=self.backend)
+                                   scale=scale, shift=shift, residual=residual, residual_weight=residual_weight,
+                                   residual_bias=residual_bias, backend=self.backend)
 
 
 class FiLMEncoder(nn.Module):
     """Every residual block's FiLM from the condition in one product: Mish once, then the
-    blocks' Linear layers stacked. ``cond [B, cond_dim] -> per block [B, (2) C_out]``, in
-    the blocks' call order. The product's inner size is padded with zeros to a multiple of
+    blocks' Linear layers stacked: per block [B, (2) C_out] (``sizes``), in the blocks' call
+    order. The product's inner size is padded with zeros to a multiple of
     ``ALIGN`` (cond_dim 1284 at the seed size): cuBLAS then takes a GEMM kernel for the 37 MB
     of weights at batch 1, 16.5 us a step in the graphed U-Net instead of its GEMV's 36 (H100,
     benchmarks/unet_profile.py, session 14 runs CC and CD)."""
@@ -231,26 +273,31 @@ class FiLMEncoder(nn.Module):
         self.weight = nn.Parameter(F.pad(weight, (0, self.padding)))
         self.bias = nn.Parameter(torch.cat([linear.bias.detach() for linear in linears]))
 
-    def forward(self, cond: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(F.pad(F.mish(cond), (0, self.padding)), self.weight, self.bias).split(self.sizes, dim=1)
+    def forward(self, cond: torch.Tensor) -> torch.Tensor:
+        """[N, cond_dim] -> [N, sum(sizes)], the blocks' FiLM side by side."""
+        return F.linear(F.pad(F.mish(cond), (0, self.padding)), self.weight, self.bias)
 
 
 class FusedResidualBlock(nn.Module):
     """A ConditionalResidualBlock1D as two fused blocks: FiLM in the first one's epilogue, the
-    skip path's sum in the second's. Takes ``(x, film)``, its FiLM from a FiLMEncoder."""
+    skip path (its 1x1 convolution, where the channel count changes) in the second's. Takes
+    ``(x, film)``, its FiLM from a FiLMEncoder."""
 
     def __init__(self, block: ConditionalResidualBlock1D, backend: str = "auto"):
         super().__init__()
         self.out_channels, self.cond_predict_scale = block.out_channels, block.cond_predict_scale
         self.first, self.second = (FusedConv1dBlock(b, backend) for b in block.blocks)
-        self.residual_conv = block.residual_conv
+        conv = block.residual_conv  # a 1x1 Conv1d or the identity
+        self.residual_weight = None if isinstance(conv, nn.Identity) else nn.Parameter(conv.weight.detach()[:, :, 0].clone())
+        self.residual_bias = None if isinstance(conv, nn.Identity) or conv.bias is None \
+            else nn.Parameter(conv.bias.detach().clone())
 
     def forward(self, x: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
         if self.cond_predict_scale:
             out = self.first(x, scale=film[:, : self.out_channels], shift=film[:, self.out_channels:])
         else:
             out = self.first(x, shift=film)
-        return self.second(out, residual=self.residual_conv(x))
+        return self.second(out, residual=x, residual_weight=self.residual_weight, residual_bias=self.residual_bias)
 
 
 def fuse_conv_blocks(unet: ConditionalUnet1D, backend: str = "auto") -> ConditionalUnet1D:

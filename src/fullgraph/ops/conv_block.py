@@ -1,6 +1,7 @@
 """Diffusion Policy's Conv1d -> GroupNorm -> Mish block as one operator:
 ``fullgraph.conv_groupnorm_mish`` (``torch.ops.fullgraph.conv_groupnorm_mish``), with the
-residual block's epilogue (FiLM's per-channel scale and shift, a residual) folded in.
+residual block's epilogue (FiLM's per-channel scale and shift, a residual or the 1x1
+convolution of one) folded in.
 
 The "triton" backend is one kernel. The convolution ("same" padding, odd kernel) is a matrix
 product over (input channel, tap) pairs read straight from x (strided; no padded or unfolded
@@ -12,6 +13,8 @@ last at a group sums the group's partials and the bias, takes the mean and then 
 squared deviation (two passes over values in registers, exact divisions: no cancellation),
 normalizes, applies the affine, Mish and the epilogue, writes x's dtype, and zeroes the
 counter again, so the per-device counters (``_arrival_counters``) never need a fill kernel.
+A residual's 1x1 convolution is more chunks of the same kind (its channels the pairs), whose
+partials the last program adds after Mish.
 On sm_90 and later the kernel is a programmatic dependent launch: its first weights load,
 and the next kernel may launch, before it waits for the kernel before it. ``ONE_KERNEL =
 False`` normalizes in a second kernel instead (kept for measurement).
@@ -55,18 +58,26 @@ _COUNTERS: dict[torch.device, list] = {}
 if triton is not None:
 
     @triton.jit
-    def _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS: tl.constexpr):
-        """The conv output at flat indices of a group: the partials' sum plus the bias."""
+    def _partial_sum(partial, bias, offset, index, live, channel, split_stride, FIRST: tl.constexpr,
+                     COUNT: tl.constexpr):
+        """A product at flat indices of a group: bias plus partials FIRST .. FIRST + COUNT - 1."""
         y = tl.load(bias + channel, mask=live, other=0.0).to(tl.float32)
-        for s in tl.static_range(SPLITS):  # .cg: written by other programs of this launch
+        for s in tl.static_range(FIRST, FIRST + COUNT):  # .cg: written by other programs of this launch
             y += tl.load(partial + s * split_stride + offset + index, mask=live, other=0.0, cache_modifier=".cg")
         return y
 
     @triton.jit
-    def _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out, offset,
-                scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr):
-        """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual."""
+    def _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS: tl.constexpr):
+        """The conv output at flat indices of a group: the partials' sum plus the bias."""
+        return _partial_sum(partial, bias, offset, index, live, channel, split_stride, 0, SPLITS)
+
+    @triton.jit
+    def _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, residual_bias,
+                partial, out, offset, split_stride, scale_strides, shift_strides, residual_strides,
+                HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
+                RESIDUAL_SPLITS: tl.constexpr):
+        """out = mish(gamma (y - mean) inverse + beta) * scale + shift + residual, the residual
+        either read, or its 1x1 convolution's partials (after the SPLITS of the block's) summed."""
         z = (y - mean) * inverse * tl.load(gamma + channel, mask=live, other=0.0).to(tl.float32) \
             + tl.load(beta + channel, mask=live, other=0.0).to(tl.float32)
         # mish(z) = z tanh(softplus(z)); with n = e^z, tanh(log(1 + n)) = n (n + 2) / (n (n + 2) + 2),
@@ -82,13 +93,17 @@ if triton is not None:
         if HAS_RESIDUAL:
             at = b * residual_strides[0] + channel * residual_strides[1] + step * residual_strides[2]
             result += tl.load(residual + at, mask=live, other=0.0).to(tl.float32)
+        if RESIDUAL_SPLITS > 0:
+            result += _partial_sum(partial, residual_bias, offset, index, live, channel, split_stride, SPLITS,
+                                   RESIDUAL_SPLITS)
         tl.store(out + offset + index, result.to(out.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, group, c_out, length,
-                         per_group, eps, split_stride, scale_strides, shift_strides, residual_strides,
+    def _normalize_group(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out, b, group, c_out,
+                         length, per_group, eps, split_stride, scale_strides, shift_strides, residual_strides,
                          HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         SPLITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                         SPLITS: tl.constexpr, RESIDUAL_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         ONE_BLOCK: tl.constexpr):
         """A (batch item, group), flat over its channels and steps: its mean, then its mean
         squared deviation (exact divisions), then every element's output (``_finish``)."""
         c0 = group * per_group
@@ -103,8 +118,9 @@ if triton is not None:
             mean = tl.div_rn(tl.sum(tl.where(live, y, 0.0), 0), count)
             deviation = tl.where(live, y - mean, 0.0)
             inverse = 1.0 / tl.sqrt_rn(tl.div_rn(tl.sum(deviation * deviation, 0), count) + eps)
-            _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out, offset,
-                    scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
+            _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual,
+                    residual_bias, partial, out, offset, split_stride, scale_strides, shift_strides,
+                    residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, RESIDUAL_SPLITS)
         else:
             total = tl.zeros((BLOCK,), tl.float32)
             for first in range(0, size, BLOCK):
@@ -126,29 +142,16 @@ if triton is not None:
                 live = index < size
                 channel, step = c0 + index // length, index % length
                 y = _group_values(partial, bias, offset, index, live, channel, split_stride, SPLITS)
-                _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual, out,
-                        offset, scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL)
+                _finish(y, mean, inverse, index, live, channel, step, b, gamma, beta, scale, shift, residual,
+                        residual_bias, partial, out, offset, split_stride, scale_strides, shift_strides,
+                        residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, RESIDUAL_SPLITS)
 
     @triton.jit
-    def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, out, batch, c_in, c_out,
-                     length, taps_total, chunk, groups, per_group, eps, x_strides, scale_strides, shift_strides,
-                     residual_strides, KERNEL: tl.constexpr, PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                     PDL: tl.constexpr, FINALIZE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-                     ONE_BLOCK: tl.constexpr):
-        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD],
-        a program per tile of output channels, tile of (b, t) columns (a tile spans batch items,
-        so small batches share each weight load) and chunk; with FINALIZE, the program that
-        completes a (batch item, group) normalizes it."""
-        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        total = batch * length
-        b = (columns // length).to(tl.int64)
-        steps = columns % length
-        channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        split = tl.program_id(2)
-        start = split * chunk
-        end = tl.minimum(start + chunk, taps_total)
+    def _product(x, w, start, end, taps_total, x_strides, b, steps, columns, total, length, channels, c_out,
+                 KERNEL: tl.constexpr, PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+        """sum over (i, j) pairs start .. end - 1 of w[c, i, j] x[b, i, t + j - PAD]: [BLOCK_C, BLOCK_N]
+        float32 for the program's channels and (b, t) columns."""
         weight_rows, weight_live = w + channels[:, None] * taps_total, channels[:, None] < c_out
         rows = start + tl.arange(0, BLOCK_K)  # (input channel, tap) pairs, channel-major
         # The weights depend on no earlier kernel: launched as a programmatic dependent launch
@@ -173,6 +176,43 @@ if triton is not None:
                 weights, window = weights.to(tl.float32), window.to(tl.float32)
             acc += tl.dot(weights, window, input_precision=PRECISION)
             weights = upcoming
+        return acc
+
+    @triton.jit
+    def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, residual_weight,
+                     residual_bias, out, batch, c_in, c_out, c_residual, length, taps_total, chunk, groups, per_group,
+                     eps, x_strides, scale_strides, shift_strides, residual_strides, KERNEL: tl.constexpr,
+                     PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, FINALIZE: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                     SPLITS: tl.constexpr, RESIDUAL_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                     ONE_BLOCK: tl.constexpr):
+        """partial[s, b, c, t] = sum over the s-th chunk of (i, j) pairs of w[c, i, j] x[b, i, t + j - PAD],
+        a program per tile of output channels, tile of (b, t) columns (a tile spans batch items,
+        so small batches share each weight load) and chunk; chunks SPLITS on are the residual's
+        1x1 convolution (residual_weight [c, i] by residual [b, i, t]). With FINALIZE, the
+        program that completes a (batch item, group) normalizes it."""
+        columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        total = batch * length
+        b = (columns // length).to(tl.int64)
+        steps = columns % length
+        channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        split = tl.program_id(2)
+        if RESIDUAL_SPLITS == 0:
+            start = split * chunk
+            acc = _product(x, w, start, tl.minimum(start + chunk, taps_total), taps_total, x_strides, b, steps,
+                           columns, total, length, channels, c_out, KERNEL, PAD, BLOCK_C, BLOCK_N, BLOCK_K,
+                           PRECISION, UPCAST, PDL)
+        elif split < SPLITS:
+            start = split * chunk
+            acc = _product(x, w, start, tl.minimum(start + chunk, taps_total), taps_total, x_strides, b, steps,
+                           columns, total, length, channels, c_out, KERNEL, PAD, BLOCK_C, BLOCK_N, BLOCK_K,
+                           PRECISION, UPCAST, PDL)
+        else:
+            start = (split - SPLITS) * chunk
+            acc = _product(residual, residual_weight, start, tl.minimum(start + chunk, c_residual), c_residual,
+                           residual_strides, b, steps, columns, total, length, channels, c_out, 1, 0, BLOCK_C,
+                           BLOCK_N, BLOCK_K, PRECISION, UPCAST, PDL)
         live = (channels[:, None] < c_out) & (columns[None, :] < total)
         split_stride = batch * c_out * length
         at = split * split_stride + (b[None, :] * c_out + channels[:, None]) * length + steps[None, :]
@@ -186,38 +226,43 @@ if triton is not None:
                     channel_tiles = ((group + 1) * per_group - 1) // BLOCK_C - (group * per_group) // BLOCK_C + 1
                     counter = counters + item * groups + group
                     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-                    if arrived == channel_tiles * column_tiles * SPLITS - 1:
+                    if arrived == channel_tiles * column_tiles * (SPLITS + RESIDUAL_SPLITS) - 1:
                         tl.store(counter, 0)  # zero again for the next launch
-                        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, item,
-                                         group, c_out, length, per_group, eps, split_stride, scale_strides,
+                        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out,
+                                         item, group, c_out, length, per_group, eps, split_stride, scale_strides,
                                          shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS,
-                                         BLOCK, ONE_BLOCK)
+                                         RESIDUAL_SPLITS, BLOCK, ONE_BLOCK)
 
     @triton.jit
-    def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, out, batch, groups, c_out, length,
-                     per_group, eps, scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr,
+    def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out, batch, groups, c_out,
+                     length, per_group, eps, scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr,
                      HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
-                     BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                     RESIDUAL_SPLITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
         """The two-kernel form's second kernel: a program per (batch item, group)."""
         b = (tl.program_id(0) // groups).to(tl.int64)
-        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, out, b, tl.program_id(0) % groups,
-                         c_out, length, per_group, eps, batch * c_out * length, scale_strides, shift_strides,
-                         residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS, BLOCK, ONE_BLOCK)
+        _normalize_group(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out, b,
+                         tl.program_id(0) % groups, c_out, length, per_group, eps, batch * c_out * length,
+                         scale_strides, shift_strides, residual_strides, HAS_SCALE, HAS_SHIFT, HAS_RESIDUAL, SPLITS,
+                         RESIDUAL_SPLITS, BLOCK, ONE_BLOCK)
 
 
-def epilogue(result, scale, shift, residual):
-    """result * scale[:, :, None] + shift[:, :, None] + residual, for the ones given."""
+def epilogue(result, scale, shift, residual, residual_weight=None, residual_bias=None):
+    """result * scale[:, :, None] + shift[:, :, None] + residual, for the ones given; with
+    ``residual_weight`` [C_out, C_res], the residual [B, C_res, T] through that 1x1 convolution."""
     if scale is not None:
         result = result * scale[:, :, None]
     if shift is not None:
         result = result + shift[:, :, None]
+    if residual_weight is not None:
+        residual = F.conv1d(residual, residual_weight[:, :, None], residual_bias)
     return result if residual is None else result + residual
 
 
-def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None):
+def reference(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None,
+              residual_weight=None, residual_bias=None):
     """The block in PyTorch: Conv1d ("same" padding), GroupNorm, Mish, then the epilogue."""
     block = F.mish(F.group_norm(F.conv1d(x, weight, bias, padding=weight.shape[-1] // 2), groups, gamma, beta, eps))
-    return epilogue(block, scale, shift, residual)
+    return epilogue(block, scale, shift, residual, residual_weight, residual_bias)
 
 
 def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
@@ -246,7 +291,7 @@ def _splits(programs: int, taps: int, block_k: int, device: torch.device) -> int
 
 
 def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=None, shift=None, residual=None,
-                  splits: int | None = None, one_kernel: bool | None = None):
+                  residual_weight=None, residual_bias=None, splits: int | None = None, one_kernel: bool | None = None):
     batch, c_in, length = x.shape
     c_out, _, kernel = weight.shape
     out = torch.empty((batch, c_out, length), dtype=x.dtype, device=x.device)
@@ -261,24 +306,32 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
         splits = _splits(column_tiles * channel_tiles, taps, block_k, x.device)
     chunk = triton.cdiv(triton.cdiv(taps, splits), block_k) * block_k
     splits = triton.cdiv(taps, chunk)  # no empty chunk
-    partial = torch.empty((splits, batch, c_out, length), dtype=torch.float32, device=x.device)
+    c_residual = 0 if residual_weight is None else residual_weight.shape[1]
+    residual_splits = triton.cdiv(c_residual, chunk)  # the residual's 1x1 convolution, in chunks as long
+    if residual_weight is not None and residual_bias is None:
+        residual_bias = torch.zeros(c_out, dtype=x.dtype, device=x.device)
+    partial = torch.empty((splits + residual_splits, batch, c_out, length), dtype=torch.float32, device=x.device)
     one_kernel = ONE_KERNEL if one_kernel is None else one_kernel
     counters = _arrival_counters(x.device, batch * groups) if one_kernel else partial
     per_group = c_out // groups
     size = per_group * length
     block = min(GROUP_BLOCK, triton.next_power_of_2(size))
     finish = dict(scale=out if scale is None else scale, shift=out if shift is None else shift,
-                  residual=out if residual is None else residual, out=out, per_group=per_group, eps=float(eps),
+                  residual=out if residual is None else residual,
+                  residual_bias=bias if residual_bias is None else residual_bias, out=out, per_group=per_group,
+                  eps=float(eps),
                   scale_strides=(0, 0) if scale is None else scale.stride(),
                   shift_strides=(0, 0) if shift is None else shift.stride(),
                   residual_strides=(0, 0, 0) if residual is None else residual.stride(),
-                  HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None, HAS_RESIDUAL=residual is not None,
-                  SPLITS=splits, BLOCK=block, ONE_BLOCK=size <= block)
+                  HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
+                  HAS_RESIDUAL=residual is not None and residual_weight is None, SPLITS=splits,
+                  RESIDUAL_SPLITS=residual_splits, BLOCK=block, ONE_BLOCK=size <= block)
     pdl = PDL and x.is_cuda and not _triton.INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    _conv_kernel[(column_tiles, channel_tiles, splits)](
-        x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta, batch=batch, c_in=c_in, c_out=c_out,
-        length=length, taps_total=taps, chunk=chunk, groups=groups, x_strides=x.stride(),
+    _conv_kernel[(column_tiles, channel_tiles, splits + residual_splits)](
+        x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta,
+        residual_weight=out if residual_weight is None else residual_weight, batch=batch, c_in=c_in, c_out=c_out,
+        c_residual=c_residual, length=length, taps_total=taps, chunk=chunk, groups=groups, x_strides=x.stride(),
         KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
         UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
@@ -314,10 +367,12 @@ BACKENDS = backends.family(
 )
 
 
-def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, residual=None) -> None:
+def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, residual=None, residual_weight=None,
+           residual_bias=None) -> None:
     for name, value in (("x", x), ("weight", weight), ("bias", bias), ("gamma", gamma), ("beta", beta),
-                        ("scale", scale), ("shift", shift), ("residual", residual)):
-        if value is None and name in ("scale", "shift", "residual"):
+                        ("scale", scale), ("shift", shift), ("residual", residual),
+                        ("residual_weight", residual_weight), ("residual_bias", residual_bias)):
+        if value is None and name not in ("x", "weight", "bias", "gamma", "beta"):
             continue
         _validate.floating(name, value)
         if name != "x":
@@ -336,10 +391,21 @@ def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, re
         if tuple(value.shape) != (c_out,):
             raise ValueError(f"{name}: expected [C_out] = [{c_out}], got {list(value.shape)}")
     batch, length = x.shape[0], x.shape[2]
-    for name, value, shape in (("scale", scale, (batch, c_out)), ("shift", shift, (batch, c_out)),
-                               ("residual", residual, (batch, c_out, length))):
+    residual_layout, residual_shape = "[B, C_out, T]", (batch, c_out, length)
+    if residual_weight is not None:
+        if residual is None:
+            raise ValueError("residual_weight: given without a residual (the 1x1 convolution's input)")
+        _validate.rank("residual_weight", residual_weight, (2,), "[C_out, C_res]")
+        if residual_weight.shape[0] != c_out:
+            raise ValueError(f"residual_weight: expected [C_out = {c_out}, C_res], got {list(residual_weight.shape)}")
+        residual_layout, residual_shape = "[B, C_res, T]", (batch, residual_weight.shape[1], length)
+    elif residual_bias is not None:
+        raise ValueError("residual_bias: given without a residual_weight")
+    for name, value, layout, shape in (("scale", scale, "[B, C_out]", (batch, c_out)),
+                                       ("shift", shift, "[B, C_out]", (batch, c_out)),
+                                       ("residual", residual, residual_layout, residual_shape),
+                                       ("residual_bias", residual_bias, "[C_out]", (c_out,))):
         if value is not None and tuple(value.shape) != shape:
-            layout = "[B, C_out, T]" if name == "residual" else "[B, C_out]"
             raise ValueError(f"{name}: expected {layout} = {list(shape)}, got {list(value.shape)}")
     groups = _validate.integer("groups", groups, minimum=1)
     if c_out % groups:
@@ -351,29 +417,32 @@ def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, re
 def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor,
                            beta: torch.Tensor, groups: int, eps: float, backend: str,
                            scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                           residual: torch.Tensor | None = None) -> torch.Tensor:
-    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
+                           residual: torch.Tensor | None = None, residual_weight: torch.Tensor | None = None,
+                           residual_bias: torch.Tensor | None = None) -> torch.Tensor:
+    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual, residual_weight, residual_bias)
     run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
                            argument="x").implementation
     return run(x, weight.contiguous(), bias.contiguous(), gamma.contiguous(), beta.contiguous(), groups, eps, scale,
-               shift, residual)
+               shift, residual, None if residual_weight is None else residual_weight.contiguous(),
+               None if residual_bias is None else residual_bias.contiguous())
 
 
 @conv_groupnorm_mish_op.register_fake
-def _(x, weight, bias, gamma, beta, groups, eps, backend, scale=None, shift=None, residual=None):
+def _(x, weight, bias, gamma, beta, groups, eps, backend, scale=None, shift=None, residual=None, residual_weight=None,
+      residual_bias=None):
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
 
 
 def _setup(ctx, inputs, output):
-    x, weight, bias, gamma, beta, groups, eps, _, scale, shift, residual = inputs
+    x, weight, bias, gamma, beta, groups, eps, _, scale, shift, residual, residual_weight, residual_bias = inputs
     ctx.groups, ctx.eps = groups, eps
-    ctx.epilogue = (scale is not None, shift is not None, residual is not None)
-    ctx.save_for_backward(x, weight, bias, gamma, beta, scale)
+    ctx.epilogue = (scale is not None, shift is not None, residual is not None, residual_bias is not None)
+    ctx.save_for_backward(x, weight, bias, gamma, beta, scale, residual, residual_weight)
 
 
 def _backward(ctx, grad):
     """The block's gradients from its forward recomputed in PyTorch (float32, or float64)."""
-    x, weight, bias, gamma, beta, scale = ctx.saved_tensors
+    x, weight, bias, gamma, beta, scale, residual, residual_weight = ctx.saved_tensors
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     xc, wc, gc, grad = x.to(compute), weight.to(compute), gamma.to(compute), grad.to(compute)
     pad = weight.shape[-1] // 2
@@ -385,10 +454,15 @@ def _backward(ctx, grad):
     normalized = ((grouped - mean) * inverse).reshape_as(y)
     z = normalized * gc[:, None] + beta.to(compute)[:, None]
     squashed = torch.tanh(F.softplus(z))
-    has_scale, has_shift, has_residual = ctx.epilogue
+    has_scale, has_shift, has_residual, has_residual_bias = ctx.epilogue
     d_scale = (grad * z * squashed).sum(2) if has_scale else None
     d_shift = grad.sum(2) if has_shift else None
     d_residual = grad if has_residual else None
+    d_residual_weight = d_residual_bias = None
+    if residual_weight is not None:  # the residual through its 1x1 convolution
+        d_residual = torch.einsum("bot,oc->bct", grad, residual_weight.to(compute))
+        d_residual_weight = torch.einsum("bot,bct->oc", grad, residual.to(compute))
+        d_residual_bias = grad.sum((0, 2)) if has_residual_bias else None
     d_mish = grad * scale.to(compute)[:, :, None] if has_scale else grad
     d_z = d_mish * (squashed + z * torch.sigmoid(z) * (1 - squashed * squashed))
     d_gamma, d_beta = (d_z * normalized).sum((0, 2)), d_z.sum((0, 2))
@@ -397,7 +471,8 @@ def _backward(ctx, grad):
     d_y = inverse * (d_norm - d_norm.mean(-1, keepdim=True) - flat * (d_norm * flat).mean(-1, keepdim=True))
     d_x, d_weight, d_bias = torch.ops.aten.convolution_backward(
         d_y.reshape_as(y), xc, wc, [channels], [1], [pad], [1], False, [0], 1, list(ctx.needs_input_grad[:3]))
-    grads = (d_x, d_weight, d_bias, d_gamma, d_beta, None, None, None, d_scale, d_shift, d_residual)
+    grads = (d_x, d_weight, d_bias, d_gamma, d_beta, None, None, None, d_scale, d_shift, d_residual, d_residual_weight,
+             d_residual_bias)
     return tuple(g.to(x.dtype) if g is not None and need else None for g, need in zip(grads, ctx.needs_input_grad))
 
 
@@ -405,16 +480,20 @@ conv_groupnorm_mish_op.register_autograd(_backward, setup_context=_setup)
 
 
 def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float = 1e-5, scale=None, shift=None,
-                        residual=None, backend: str = "auto"):
+                        residual=None, residual_weight=None, residual_bias=None, backend: str = "auto"):
     """Conv1d ("same" padding) -> GroupNorm(groups) -> Mish in one operator, then the
-    residual block's epilogue: ``mish(...) * scale + shift + residual`` for those given.
+    residual block's epilogue: ``mish(...) * scale + shift + residual`` for those given, the
+    residual optionally through a 1x1 convolution (the skip path of a residual block whose
+    channel count changes).
 
     Args:
         x: [B, C_in, T] floating. weight: [C_out, C_in, kernel] (odd kernel), bias: [C_out],
             gamma, beta: [C_out] (GroupNorm's affine); one dtype and device.
         groups: GroupNorm's groups, a divisor of C_out. eps: GroupNorm's epsilon, > 0.
         scale, shift: optional [B, C_out] (FiLM's per-channel scale and shift; any strides).
-        residual: optional [B, C_out, T], added last.
+        residual: optional [B, C_out, T], added last; with ``residual_weight`` [C_out, C_res]
+            (and optional ``residual_bias`` [C_out]), [B, C_res, T], and what is added is
+            ``conv1d(residual, residual_weight[:, :, None], residual_bias)``.
         backend: "torch" (F.conv1d, F.group_norm, F.mish), "triton" (the fused kernel, float32
             arithmetic, CUDA; see the module docstring) or "auto" ("triton" on CUDA up to
             AUTO_MAX_COLUMNS = 128 columns B * T, where it was measured faster; else "torch").
@@ -429,8 +508,8 @@ def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float
         >>> fullgraph.conv_groupnorm_mish(x, w, zeros, ones, zeros, groups=2, scale=torch.rand(2, 8)).shape
         torch.Size([2, 8, 16])
     """
-    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual)
+    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual, residual_weight, residual_bias)
     backend = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
                                argument="x").name
     return torch.ops.fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift,
-                                                   residual)
+                                                   residual, residual_weight, residual_bias)

@@ -28,8 +28,9 @@ def _diffusion_policy(params, device):
     noise = torch.randn(steps, *x.shape, device=device, generator=generator)
     alphas = ddpm.squaredcos_cap_v2(steps, device=device)
 
-    def unfused_loop(net):
-        return torch.no_grad()(functools.partial(denoise, net, x, noise, cond, alphas, True, ddpm.reference))
+    def unfused_loop(net):  # the document's loop: the whole network at every step, unfused steps
+        return torch.no_grad()(functools.partial(denoise, net, x, noise, cond, alphas, True, ddpm.reference,
+                                                 condition_once=False))
 
     baseline = unfused_loop(unet)()
 
@@ -43,17 +44,18 @@ def _diffusion_policy(params, device):
     # rows checked against the eager DDIM loop (a different sampler than the DDPM baseline).
     timesteps = ddpm.ddim_timesteps(steps, params["ddim_steps"], device=device)
 
-    def ddim_loop(net):
-        return torch.no_grad()(functools.partial(denoise_ddim, net, x, cond, alphas, timesteps, True))
+    def ddim_loop(net, condition_once=True):
+        return torch.no_grad()(functools.partial(denoise_ddim, net, x, cond, alphas, timesteps, True,
+                                                 condition_once=condition_once))
 
-    ddim_baseline = ddim_loop(unet)()
+    ddim_baseline = ddim_loop(unet, condition_once=False)()
 
     def ddim_deviation(run):
         return lambda: {"max_abs_diff_vs_eager_ddim": float((run().float() - ddim_baseline).abs().max())}
 
     def ddim_cases():
         label = f"DDIM {params['ddim_steps']} steps"
-        yield f"{label}, eager", ddim_loop(unet)
+        yield f"{label}, eager", ddim_loop(unet, condition_once=False)
         if device.type != "cuda":
             yield f"{label}, compiled matmul-conv U-Net", ddim_loop(torch.compile(streamlined, fullgraph=True))
             return
