@@ -1,7 +1,10 @@
 """One graphed step of Diffusion Policy's U-Net (seed size: batch 1, down_dims 256/512/1024,
 79.9 M parameters) in bfloat16 as `fullgraph bench diffusion-policy` samples with, compiled:
-the matrix-product convolutions ("matmul"), or the fused blocks then those ("fused"): the kernels of one replay (count, time, share), the step's
-time against the sum of its kernels (the gaps), and the floor (the weights read once).
+the matrix-product convolutions ("matmul"), or the fused blocks then those ("fused"): the
+kernels of one replay (count, time, share), the step's time against the sum of its kernels
+(the gaps), and the floor (the weights read once). As the sampling loops call it: the step
+and condition's part (``unet.condition``: the step embedding, the fused network's FiLM)
+computed once before, outside the step.
 
     python benchmarks/unet_profile.py [matmul|fused] [compile mode] > unet.log     (needs a CUDA device)
 """
@@ -28,11 +31,16 @@ def main(network: str = "matmul", mode: str = "default") -> None:
     x = torch.randn(1, unet.horizon, unet.action_dim, device="cuda", dtype=torch.bfloat16)
     cond = torch.randn(1, 1028, device="cuda", dtype=torch.bfloat16)
     step = torch.tensor([50], device="cuda")
-    run = graphs.graphed(torch.no_grad()(lambda x, t, c: net(x, t, c)), warmup=3)
+    with torch.no_grad():
+        row = net.condition(step, cond)[0]
+    run = graphs.graphed(torch.no_grad()(lambda x, t, c, row: net(x, t, c, condition=row)), warmup=3)
     for _ in range(5):
-        run(x, step, cond)
-    weights = sum(p.numel() * p.element_size() for p in net.parameters())
-    report(lambda: run(x, step, cond), f"one graphed {network} U-Net step, compile mode {mode}",
+        run(x, step, cond, row)
+    conditioning = [*fast.step_encoder.parameters(), *(() if fast.film_encoder is None
+                                                       else fast.film_encoder.parameters())]
+    weights = sum(p.numel() * p.element_size() for p in net.parameters()) \
+        - sum(p.numel() * p.element_size() for p in conditioning)
+    report(lambda: run(x, step, cond, row), f"one graphed {network} U-Net step, compile mode {mode}",
            f"the weights once, {weights / 1e6:.1f} MB at 3.35 TB/s = {weights / 3.35e12 * 1e6:.1f} us")
 
 
