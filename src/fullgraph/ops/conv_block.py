@@ -44,9 +44,6 @@ MIN_SPLIT_BLOCKS = 2
 MAX_SPLITS = 32
 # The widest block of (channel, tap) pairs a product step takes, and output channels a program.
 MAX_BLOCK_K = 64
-# One block of pairs a program instead (MAX_BLOCK_K wide, up to MAX_SPLITS chunks): measured in
-# benchmarks/conv_block_shapes.py.
-SINGLE_PASS = False
 BLOCK_C = 32
 # Normalize in the product kernel (its last program to finish a group does it; counted on zeroed
 # counters) rather than in a second kernel.
@@ -286,13 +283,9 @@ def _arrival_counters(device: torch.device, count: int) -> torch.Tensor:
 
 
 def _splits(programs: int, taps: int, block_k: int, device: torch.device) -> int:
-    """Chunks of the (channel, tap) pairs: enough programs for PROGRAMS_PER_SM on every SM;
-    with SINGLE_PASS, one block of pairs a program (up to MAX_SPLITS chunks), all of whose
-    weights load before the kernel waits for the one before it."""
+    """Chunks of the (channel, tap) pairs: enough programs for PROGRAMS_PER_SM on every SM."""
     if device.type != "cuda":
         return 1
-    if SINGLE_PASS:
-        return max(1, min(MAX_SPLITS, -(-taps // block_k)))
     wanted = PROGRAMS_PER_SM * _triton.multiprocessors(device) // programs
     return max(1, min(wanted, MAX_SPLITS, taps // (MIN_SPLIT_BLOCKS * block_k)))
 
