@@ -312,6 +312,22 @@ def test_queries_search_a_shard_within_their_k_th_distance_grouped_by_its_magnit
     assert distributed._by_limit(rows[:0], kth[:0]) == [] and distributed._by_limit(rows, None) == [(rows, None)]
 
 
+def test_another_shard_is_searched_over_its_references_near_the_reaching_queries(generator):
+    """_near: the references inside the reaching queries' box widened by the limit, a superset
+    of every reference within the limit of a query, in ascending order; non-finite queries
+    add nothing; a slab's queries near its border keep a thin layer of the next slab."""
+    ref = torch.rand(20000, 3, generator=generator) + torch.tensor([1.0, 0.0, 0.0])  # the slab x in [1, 2)
+    query = torch.rand(500, 3, generator=generator) * torch.tensor([0.02, 1.0, 1.0]) + torch.tensor([0.98, 0, 0])
+    limit = 0.015
+    kept = distributed._near(ref, query, limit)
+    within = (torch.cdist(query.double(), ref.double()) <= limit).any(0).nonzero()[:, 0]
+    assert set(within.tolist()) <= set(kept.tolist()) and len(within) > 0
+    assert bool((kept[1:] > kept[:-1]).all()) and len(kept) < 0.03 * len(ref)
+    odd = torch.tensor([[float("nan"), 0.5, 0.5], [float("inf"), 0.5, 0.5]])
+    assert distributed._near(ref, torch.cat([query, odd]), limit).equal(kept)
+    assert distributed._near(ref, odd, limit).numel() == 0 and distributed._near(ref, query[:0], 1.0).numel() == 0
+
+
 def test_partition_samples_stay_inside_large_shards():
     """The coordinates sampled for the slab cuts: 0 .. n - 1 exactly, also past 2^24 points
     (a float32 linspace reached n at 2 x 10^8 and indexed out of bounds on the GPU)."""

@@ -10,7 +10,9 @@ and distances, aggregations to float rounding.
 Algorithm: a ring. The reference shards travel around the ring (``batch_isend_irecv``, the
 next shard in flight while the current one is searched); each rank searches its queries
 against every shard with the single-device operator and merges the lists (by distance, then
-global index). Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D
+global index). Another rank's shard is searched only for the queries that can reach its
+bounding box, and only over its references inside those queries' box widened by their
+search limit (``_near``): for shards that are regions of space, a thin layer of it. Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D
 elements, and for gradients or features one ``all_to_all_single`` of the neighbours' rows
 (M_r x k rows out and back). Gradients reach the ranks that own the references and features
 (the rows' way back in reverse).
@@ -248,9 +250,16 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
         else:
             reaching = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
             kth = None if radius is not None else best[0][reaching, keep - 1]
-            for rows, limit in _by_limit(reaching, kth):
-                dists, idx, found = search(query[rows][None], current[None], lengths, limit)
-                merged = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx[0], offsets[owner])), keep)
+            groups = _by_limit(reaching, kth)
+            limits = [radius if radius is not None else limit for _, limit in groups]
+            kept = None if not groups or None in limits else _near(current[:sizes[owner]], query[reaching],
+                                                                    max(limits))
+            shard = current if kept is None else current[kept]
+            lengths = lengths if kept is None else lengths.new_tensor([kept.shape[0]])
+            for rows, limit in groups if kept is None or kept.numel() else ():
+                dists, idx, found = search(query[rows][None], shard[None], lengths, limit)
+                idx = idx[0] if kept is None else torch.where(idx[0] >= 0, kept[idx[0].clamp(min=0)], -1)
+                merged = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx, offsets[owner])), keep)
                 best[0][rows], best[1][rows] = merged
                 if found is not None:
                     counts[rows] += found[0]
@@ -259,6 +268,22 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
         if pending:
             current, owner = incoming, (owner - 1) % world
     return best[0], best[1], counts
+
+
+def _near(ref: torch.Tensor, query: torch.Tensor, limit: float) -> torch.Tensor:
+    """[n] int64 ascending: the rows of ``ref`` [N, D] inside the bounding box of the finite
+    ``query`` rows [M, D] widened by ``limit`` (with margin) on every side, a superset of the
+    references within ``limit`` of any query. A search within ``limit`` over these alone
+    finds what it finds over all of ``ref`` (the order kept, so ties still go to the
+    smaller index): for shards that are regions of space, a thin layer of the other shard."""
+    q = query.double()
+    finite = torch.isfinite(q).all(1, keepdim=True)
+    lo = torch.where(finite, q, math.inf).amin(0) if q.shape[0] else q.new_full((q.shape[1],), math.inf)
+    hi = torch.where(finite, q, -math.inf).amax(0) if q.shape[0] else q.new_full((q.shape[1],), -math.inf)
+    scale = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0, 0.0, 0.0)
+    pad = limit * (1 + _PRUNE_MARGIN) + _PRUNE_MARGIN * scale
+    inside = ((ref >= lo - pad) & (ref <= hi + pad)).all(1)
+    return inside.nonzero()[:, 0]
 
 
 def _global(idx: torch.Tensor, offset: int) -> torch.Tensor:
