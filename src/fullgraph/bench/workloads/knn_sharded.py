@@ -21,9 +21,11 @@ def _shard(distribution: str, count: int, rank: int, world: int, device, weak: b
     """This rank's ``count`` 3-D points, drawn on ``device`` (hundreds of millions of points:
     no host copy). The shards are domains, as in domain-parallel training: uniform points in
     the rank's slab [rank / world, (rank + 1) / world) of the unit cube along x, or points of
-    the Gaussian clusters (64, the same on every rank) whose centres lie in that slab; every
-    rank count gives the same cloud, in distribution. ``weak``: the domain grows with the
-    ranks instead, a unit cube per rank along x (rank r: [r, r + 1), all 64 clusters shifted)."""
+    the rank's 64 / world of the Gaussian clusters (64, the same on every rank) in the order
+    of their centres along x, so that every cluster holds 1/64 of the points whatever the
+    rank count (one that divides 64): every rank count gives the same cloud, in distribution. ``weak``: the domain
+    grows with the ranks instead, a unit cube per rank along x (rank r: [r, r + 1), all 64
+    clusters shifted)."""
     generator = torch.Generator(device=device).manual_seed(1000 + rank)
     slab = (rank, 1.0) if weak else (rank / world, 1.0 / world)  # (start, width) along x
     if distribution == "uniform":
@@ -35,8 +37,8 @@ def _shard(distribution: str, count: int, rank: int, world: int, device, weak: b
         centres[:, 0] += rank
         own = torch.arange(64, device=device)
     else:
-        own = ((centres[:, 0] * world).floor() == rank).nonzero()[:, 0]
-        own = own if own.numel() else torch.arange(64, device=device)
+        own = centres[:, 0].argsort().tensor_split(world)[rank]
+        own = own if own.numel() else torch.arange(64, device=device)  # more ranks than clusters
     members = own[torch.randint(own.numel(), (count,), generator=generator, device=device)]
     return centres[members] + 0.01 * torch.randn(count, 3, generator=generator, device=device)
 
