@@ -20,6 +20,9 @@ if triton is not None:
     # (Measured on the H100: splitting aggregation blocks slowed the seed's radius train step
     # from 1.45 to 2.0 ms, so they always stay together.)
     SEARCH_SPREAD, AGGREGATE_SPREAD = tl.constexpr(2), tl.constexpr(1 << 30)
+    # Candidates a row of a search tile wants from which the tile is merged into the lists by
+    # one sort rather than one candidate at a time.
+    SORT_MERGE_FROM = tl.constexpr(3)
 
     @triton.jit
     def _load_points(base, offs, count, stride, D: tl.constexpr, dim: tl.constexpr):
@@ -140,11 +143,27 @@ if triton is not None:
     # ------------------------------------------------------------------ search
 
     @triton.jit
+    def _smallest(x, WIDTH: tl.constexpr):
+        """The WIDTH smallest keys of each row of x [BM, N] (N a multiple of WIDTH), ascending."""
+        x = tl.reshape(tl.sort(x, 1), (x.shape[0], x.shape[1] // WIDTH, WIDTH))
+        return tl.sum(tl.where((tl.arange(0, x.shape[1]) == 0)[None, :, None], x, 0), 1)
+
+    @triton.jit
     def _insert(best, threshold, keys, slots):
-        """Merge candidate keys [BM, BN] into the k best [BM, KP] (the rest of the slots hold -1)."""
+        """Merge candidate keys [BM, BN] into the k best [BM, KP] (KP - k slots hold -1, which
+        the row maximum, the threshold, never sees). A tile of which some row wants
+        SORT_MERGE_FROM candidates or more is merged by sorting it with the list (when BN >= KP);
+        fewer, one candidate at a time."""
         none = tl.full(keys.shape, _KEY_NONE, tl.int64)
         wanted = keys < threshold[:, None]
         pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
+        KP: tl.constexpr = best.shape[1]
+        if keys.shape[1] >= KP:
+            if pending >= SORT_MERGE_FROM:
+                candidates = _smallest(tl.where(wanted, keys, none), KP)
+                best = _smallest(tl.reshape(tl.join(best, candidates), (best.shape[0], 2 * KP)), KP)
+                threshold = tl.max(best, 1)
+                pending = pending * 0
         while pending > 0:
             smallest = tl.min(tl.where(wanted, keys, none), 1)
             worst_slot = tl.argmax(best, 1)
@@ -244,8 +263,7 @@ if triton is not None:
                     searching = 1 - tl.min(done.to(tl.int32), 0)
                 prev_lo, prev_hi = lo, hi
                 ring += tl.maximum(ring // 2, 1)  # far from the others, a query needs many rings: grow by half
-        best = tl.where(slots[None, :] < K, best, tl.full(best.shape, _KEY_NONE, tl.int64))
-        best = tl.sort(best, 1)
+        best = tl.sort(tl.where(best < 0, tl.full(best.shape, _KEY_NONE, tl.int64), best), 1)  # the -1 slots
         found = best != _KEY_NONE
         index = tl.where(found, best & 0xFFFFFFFF, -1)
         # The keys hold the distances (with the threshold of ``radius2``, dist <= radius exactly

@@ -1,0 +1,44 @@
+"""The grid search's headline times on one GPU: kNN 1M x 1M (k = 16, uniform and normal),
+radius 1M x 1M (cap 32, ~19 within r = 0.0168) and the seed projector's kNN (27,000 grid
+queries x 100,000 normal points, k = 7), each replayed from a CUDA graph (the GPU's work
+alone): medians of 20 replays in ms, CUDA events.
+
+    python benchmarks/search_times.py > search.log     (needs a CUDA device)
+"""
+
+from __future__ import annotations
+
+import torch
+
+import fullgraph
+from fullgraph.bench.timing import time_call
+
+
+def graphed_ms(call) -> float:
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=20).median_ms
+
+
+def main() -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
+    normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
+    axis = torch.linspace(-1, 1, 30, device="cuda")
+    grid = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)
+    cloud = torch.randn(100_000, 3, device="cuda", generator=generator)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: graphed medians, ms")
+    rows = [("knn 1M x 1M uniform, k = 16", lambda: fullgraph.knn(uniform, uniform, 16)),
+            ("knn 1M x 1M normal, k = 16", lambda: fullgraph.knn(normal, normal, 16)),
+            ("radius 1M x 1M uniform, r = 0.0168, cap 32", lambda: fullgraph.radius(uniform, uniform, 0.0168, 32)),
+            ("knn seed: 27,000 grid x 100,000 normal, k = 7", lambda: fullgraph.knn(grid, cloud, 7))]
+    for name, call in rows:
+        print(f"{name}: {graphed_ms(call):.3f}")
+
+
+if __name__ == "__main__":
+    main()
