@@ -1,17 +1,24 @@
 """The grid search's headline times on one GPU: kNN 1M x 1M (k = 16, uniform and normal),
 radius 1M x 1M (cap 32, ~19 within r = 0.0168) and the seed projector's kNN (27,000 grid
 queries x 100,000 normal points, k = 7), each replayed from a CUDA graph (the GPU's work
-alone): medians of 20 replays in ms, CUDA events.
+alone): medians of 20 replays in ms, CUDA events. ``--sweep`` times them over search kernel
+settings (BLOCK_M, BLOCK_N, warps: ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``).
 
-    python benchmarks/search_times.py > search.log     (needs a CUDA device)
+    python benchmarks/search_times.py [--sweep] > search.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 import fullgraph
 from fullgraph.bench.timing import time_call
+from fullgraph.ops.neighbors import triton_grid
+
+SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
+         ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]
 
 
 def graphed_ms(call) -> float:
@@ -24,7 +31,7 @@ def graphed_ms(call) -> float:
     return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=20).median_ms
 
 
-def main() -> None:
+def main(sweep: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -36,9 +43,11 @@ def main() -> None:
             ("knn 1M x 1M normal, k = 16", lambda: fullgraph.knn(normal, normal, 16)),
             ("radius 1M x 1M uniform, r = 0.0168, cap 32", lambda: fullgraph.radius(uniform, uniform, 0.0168, 32)),
             ("knn seed: 27,000 grid x 100,000 normal, k = 7", lambda: fullgraph.knn(grid, cloud, 7))]
-    for name, call in rows:
-        print(f"{name}: {graphed_ms(call):.3f}")
+    for blocks, sort_from in SWEEP if sweep else [(triton_grid.SEARCH_BLOCKS, triton_grid.SEARCH_SORT_FROM)]:
+        triton_grid.SEARCH_BLOCKS, triton_grid.SEARCH_SORT_FROM = blocks, sort_from
+        print(f"SEARCH_BLOCKS {blocks}, SEARCH_SORT_FROM {sort_from}: "
+              + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows), flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    main(sweep="--sweep" in sys.argv)

@@ -46,6 +46,11 @@ MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
 SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
+# A tile of which some row wants this many candidates or more is merged into the lists by
+# sorting (tile and list at once), rather than one candidate at a time: kNN 1M x 1M k = 16
+# 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0, radius (cap 32) 6.4 against 9.3
+# (H100, graphed, benchmarks/search_times.py, session 15 run DF).
+SEARCH_SORT_FROM = 3
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
@@ -103,7 +108,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         rows, columns, frame.cells, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
-        LANES=SEGMENT_LANES,
+        LANES=SEGMENT_LANES, SORT_FROM=SEARCH_SORT_FROM,
         num_warps=warps,
     )
     if not use_radius:

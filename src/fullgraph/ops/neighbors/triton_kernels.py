@@ -20,9 +20,6 @@ if triton is not None:
     # (Measured on the H100: splitting aggregation blocks slowed the seed's radius train step
     # from 1.45 to 2.0 ms, so they always stay together.)
     SEARCH_SPREAD, AGGREGATE_SPREAD = tl.constexpr(2), tl.constexpr(1 << 30)
-    # Candidates a row of a search tile wants from which the tile is merged into the lists by
-    # one sort rather than one candidate at a time.
-    SORT_MERGE_FROM = tl.constexpr(3)
 
     @triton.jit
     def _load_points(base, offs, count, stride, D: tl.constexpr, dim: tl.constexpr):
@@ -149,17 +146,17 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, x.shape[1]) == 0)[None, :, None], x, 0), 1)
 
     @triton.jit
-    def _insert(best, threshold, keys, slots):
+    def _insert(best, threshold, keys, slots, SORT_FROM: tl.constexpr):
         """Merge candidate keys [BM, BN] into the k best [BM, KP] (KP - k slots hold -1, which
-        the row maximum, the threshold, never sees). A tile of which some row wants
-        SORT_MERGE_FROM candidates or more is merged by sorting it with the list (when BN >= KP);
-        fewer, one candidate at a time."""
+        the row maximum, the threshold, never sees). A tile of which some row wants SORT_FROM
+        candidates or more is merged by sorting it with the list (when BN >= KP); fewer, one
+        candidate at a time."""
         none = tl.full(keys.shape, _KEY_NONE, tl.int64)
         wanted = keys < threshold[:, None]
         pending = tl.max(tl.sum(wanted.to(tl.int32), 1), 0)
         KP: tl.constexpr = best.shape[1]
         if keys.shape[1] >= KP:
-            if pending >= SORT_MERGE_FROM:
+            if pending >= SORT_FROM:
                 candidates = _smallest(tl.where(wanted, keys, none), KP)
                 best = _smallest(tl.reshape(tl.join(best, candidates), (best.shape[0], 2 * KP)), KP)
                 threshold = tl.max(best, 1)
@@ -178,7 +175,7 @@ if triton is not None:
     @triton.jit
     def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
                          r_order, item_r, radius2, slots, q_index, D: tl.constexpr, USE_RADIUS: tl.constexpr,
-                         SKIP_SELF: tl.constexpr, BLOCK_N: tl.constexpr):
+                         SKIP_SELF: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr):
         """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``
         (SKIP_SELF: not the reference of index q_index[i], the query itself)."""
         while tl.max(pending.to(tl.int32), 0) > 0:
@@ -199,7 +196,7 @@ if triton is not None:
                 # distances on an H100, and a near-tie at the k-th slot kept the larger index).
                 keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
                 keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
-                best, threshold = _insert(best, threshold, keys, slots)
+                best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
         return best, threshold, count
 
     @triton.jit
@@ -208,6 +205,7 @@ if triton is not None:
         out_dist, out_idx, out_count, needed, rows, columns, cells, radius2, reach,
         D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr, MASKED: tl.constexpr,
         SKIP_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+        SORT_FROM: tl.constexpr,
     ):
         """The k nearest references of each query (within the radius if USE_RADIUS; SKIP_SELF:
         query and ref are one cloud, and a point is not its own neighbour)."""
@@ -245,7 +243,8 @@ if triton is not None:
                                                           prev_hi, first, LANES)
                     best, threshold, count = _search_segments(
                         best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
-                        r_order, item_r, radius2, slots, flat_rows - item_q, D, USE_RADIUS, SKIP_SELF, BLOCK_N)
+                        r_order, item_r, radius2, slots, flat_rows - item_q, D, USE_RADIUS, SKIP_SELF, BLOCK_N,
+                        SORT_FROM)
                 if USE_RADIUS:
                     searching = searching * 0
                 else:
