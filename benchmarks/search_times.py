@@ -18,7 +18,7 @@ from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
-         ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]
+         ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
 
 
 def graphed_ms(call) -> float:
@@ -43,9 +43,12 @@ def main(sweep: bool = False) -> None:
             ("knn 1M x 1M normal, k = 16", lambda: fullgraph.knn(normal, normal, 16)),
             ("radius 1M x 1M uniform, r = 0.0168, cap 32", lambda: fullgraph.radius(uniform, uniform, 0.0168, 32)),
             ("knn seed: 27,000 grid x 100,000 normal, k = 7", lambda: fullgraph.knn(grid, cloud, 7))]
-    for blocks, sort_from in SWEEP if sweep else [(triton_grid.SEARCH_BLOCKS, triton_grid.SEARCH_SORT_FROM)]:
+    if not sweep:
+        print("; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows))
+    for blocks, sort_from in SWEEP if sweep else ():
         triton_grid.SEARCH_BLOCKS, triton_grid.SEARCH_SORT_FROM = blocks, sort_from
-        print(f"SEARCH_BLOCKS {blocks}, SEARCH_SORT_FROM {sort_from}: "
+        triton_grid.RADIUS_SEARCH_BLOCKS = blocks
+        print(f"SEARCH_BLOCKS (and radius) {blocks}, SEARCH_SORT_FROM {sort_from}: "
               + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows), flush=True)
 
 

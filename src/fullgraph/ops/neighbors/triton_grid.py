@@ -9,9 +9,12 @@ box of cells they occupy (or, when they straddle distant cells, takes them one a
 It visits that box grown by rings of 1, 2, 3, 4, 6, 9, ... cells, reading the ranges of
 many rows of cells along x at once (each a contiguous range of sorted references) and
 skipping the empty ones, and keeps each query's k best
-candidates in registers as int64 keys ``(bits(d^2) << 32) | index``: non-negative float32
+candidates in registers as int64 keys ``(bits(d) << 32) | index``: non-negative float32
 bit patterns order like the floats, so one integer comparison orders by distance and then
-by index (ties go to the smaller index; keys are unique). It stops once every query's k-th
+by index (ties go to the smaller index; keys are unique). A tile of candidates enters the
+lists by one sort of the tile and one of the tile with the lists where some query wants
+SEARCH_SORT_FROM of its candidates or more (early, while the lists fill), else one
+candidate at a time (later, when a tile brings few). It stops once every query's k-th
 distance is within the query's distance to the outside of the searched box (less a
 rounding slack), or the box covers the grid: exact for any distribution; points far from
 the rest only cost more rings. Radius search visits the box grown by the radius, once.
@@ -46,10 +49,13 @@ MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
 SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
+# Radius searches (cap 32): one query a program (session 15 sweep, H100, radius 1M x 1M with
+# the sorting merge: 5.3 ms against 6.4 for (2, 32, 1); kNN 1M normal 9.0 against 8.3).
+RADIUS_SEARCH_BLOCKS = (1, 32, 1)
 # A tile of which some row wants this many candidates or more is merged into the lists by
 # sorting (tile and list at once), rather than one candidate at a time: kNN 1M x 1M k = 16
-# 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0, radius (cap 32) 6.4 against 9.3
-# (H100, graphed, benchmarks/search_times.py, session 15 run DF).
+# 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0 (H100, graphed,
+# benchmarks/search_times.py, session 15 runs DF, DG: from 2 or 6 on 1-3 % slower).
 SEARCH_SORT_FROM = 3
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
@@ -101,7 +107,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     if batch * rows == 0:
         return dists, idx, counts
     frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
-    block_m, block_n, warps = SEARCH_BLOCKS
+    block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius else SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
         frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
