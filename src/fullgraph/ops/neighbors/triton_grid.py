@@ -115,9 +115,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES, SORT_FROM=SEARCH_SORT_FROM,
-        # Squared distances without fused multiply-adds: the same bits whatever the block
-        # shape, so a radius set to a distance the kNN returned includes that point.
-        num_warps=warps, enable_fp_fusion=False,
+        num_warps=warps,
     )
     if not use_radius:
         counts = (idx >= 0).sum(-1)

@@ -28,18 +28,20 @@ if triton is not None:
 
     @triton.jit
     def _tile_d2(q_base, r_base, offs_m, offs_n, rows, columns, D: tl.constexpr):
-        """Squared distances [BLOCK_M, BLOCK_N] between rows of two [*, D] arrays."""
+        """Squared distances [BLOCK_M, BLOCK_N] between rows of two [*, D] arrays, summed by
+        explicit fused multiply-adds: the same bits whatever the block shape the compiler
+        sees (a radius set to a distance the kNN returned must include that point)."""
         d2 = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
         if D <= 4:
             for dim in tl.static_range(D):
                 diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
                     r_base, offs_n, columns, D, D, dim)[None, :]
-                d2 += diff * diff
+                d2 = tl.fma(diff, diff, d2)
         else:  # a loop, not unrolled: feature-space D (up to hundreds) compiles in seconds
             for dim in range(D):
                 diff = _load_points(q_base, offs_m, rows, D, D, dim)[:, None] - _load_points(
                     r_base, offs_n, columns, D, D, dim)[None, :]
-                d2 += diff * diff
+                d2 = tl.fma(diff, diff, d2)
         return d2
 
     @triton.jit
