@@ -14,8 +14,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from replay_profile import graphed_ms
 
-from fullgraph.bench.timing import time_call
 from fullgraph.models import ConditionalUnet1D
 from fullgraph.models.unet1d import Conv1dBlock, MatmulConv1d
 from fullgraph.ops import conv_block
@@ -47,15 +47,8 @@ def block_shapes(batch: int = 1) -> dict[tuple[int, int, int], int]:
 
 
 def graphed_us(call) -> float:
-    """Microseconds a call, from a CUDA graph of CALLS calls (warmed up first)."""
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            call()
-    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=50).median_ms * 1000 / CALLS
+    """Microseconds a call, from a CUDA graph of CALLS calls."""
+    return graphed_ms(call, CALLS, runs=50) * 1000
 
 
 def measure(batch: int, c_in: int, c_out: int, length: int, settings, eager: bool = False) -> tuple[dict, float]:

@@ -1,6 +1,6 @@
 """What one replayed CUDA graph spends its time on: the kernels of a replay (count, time,
-share), the replay's time against the sum of its kernels (the gaps), and a stated floor.
-Shared by the profile scripts in this folder."""
+share), the replay's time against the sum of its kernels (the gaps), and a stated floor;
+and ``graphed_ms``, a call's time from a graph of it. Shared by the scripts in this folder."""
 
 from __future__ import annotations
 
@@ -10,6 +10,19 @@ from torch.profiler import ProfilerActivity, profile
 from fullgraph.bench.timing import time_call
 
 REPLAYS = 20
+
+
+def graphed_ms(call, calls: int = 1, runs: int = 20) -> float:
+    """Milliseconds a call takes, from a CUDA graph of ``calls`` calls (warmed up first; the
+    median of ``runs`` replays): the GPU's work alone, no host time."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=runs).median_ms / calls
 
 
 def report(run, title: str, floor: str) -> None:

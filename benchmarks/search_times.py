@@ -14,25 +14,15 @@ from __future__ import annotations
 import sys
 
 import torch
+from replay_profile import graphed_ms
 
 import fullgraph
-from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import grid as cell_grid
 from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
 CELLS = [(points, rounds) for rounds in (1, 2) for points in (4, 6, 8, 12, 16)]  # (CELL_POINTS, REFINEMENTS)
-
-
-def graphed_ms(call) -> float:
-    for _ in range(3):
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=20).median_ms
 
 
 def main(sweep: bool = False, cells: bool = False) -> None:
