@@ -12,9 +12,10 @@ next shard in flight while the current one is searched); each rank searches its 
 against every shard with the single-device operator and merges the lists (by distance, then
 global index). Another rank's shard is searched only for the queries that can reach its
 bounding box, and only over its references inside those queries' box widened by their
-search limit (``_near``): for shards that are regions of space, a thin layer of it. Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D
-elements, and for gradients or features one ``all_to_all_single`` of the neighbours' rows
-(M_r x k rows out and back). Gradients reach the ranks that own the references and features
+search limit (``_near``): for shards that are regions of space, a thin layer of it.
+Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D elements, and
+for gradients or features one ``all_to_all_single`` of the neighbours' rows (M_r x k rows
+out and back). Gradients reach the ranks that own the references and features
 (the rows' way back in reverse).
 
 ``partition(points, *values)`` redistributes shards of any shape into slabs of space (one
@@ -180,15 +181,18 @@ def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep
     return dists, idx
 
 
+def _box(points: torch.Tensor) -> torch.Tensor:
+    """[2, D] float64: the bounding box (lo, hi) of the finite coordinates of ``points`` [N, D]
+    (non-finite points are nobody's neighbours); with none, (+inf, -inf), which nothing reaches."""
+    coords, finite = points.double(), torch.isfinite(points)
+    edge = coords.new_full((1, points.shape[1]), math.inf)  # keeps an empty min/max defined
+    return torch.stack([torch.cat([torch.where(finite, coords, math.inf), edge]).amin(0),
+                        torch.cat([torch.where(finite, coords, -math.inf), -edge]).amax(0)])
+
+
 def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
-    """[W, 2, D] float64: every rank's bounding box (lo, hi) of the finite coordinates of its
-    references (non-finite points are nobody's neighbours); an empty shard's is (+inf, -inf),
-    which no query reaches."""
-    coords, finite = ref.double(), torch.isfinite(ref)
-    edge = coords.new_full((1, ref.shape[1]), math.inf)  # a row that keeps an empty shard's min/max defined
-    box = torch.stack([torch.cat([torch.where(finite, coords, math.inf), edge]).amin(0),
-                       torch.cat([torch.where(finite, coords, -math.inf), -edge]).amax(0)])
-    return _all_gather(box, group)
+    """[W, 2, D] float64: every rank's ``_box`` of its references."""
+    return _all_gather(_box(ref), group)
 
 
 # Relative margin on a query's distance to a box before a shard is skipped: the searched
@@ -271,15 +275,12 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
 
 
 def _near(ref: torch.Tensor, query: torch.Tensor, limit: float) -> torch.Tensor:
-    """[n] int64 ascending: the rows of ``ref`` [N, D] inside the bounding box of the finite
-    ``query`` rows [M, D] widened by ``limit`` (with margin) on every side, a superset of the
+    """[n] int64 ascending: the rows of ``ref`` [N, D] inside the bounding box of the queries
+    [M, D] (``_box``) widened by ``limit`` (with margin) on every side, a superset of the
     references within ``limit`` of any query. A search within ``limit`` over these alone
     finds what it finds over all of ``ref`` (the order kept, so ties still go to the
     smaller index): for shards that are regions of space, a thin layer of the other shard."""
-    q = query.double()
-    finite = torch.isfinite(q).all(1, keepdim=True)
-    lo = torch.where(finite, q, math.inf).amin(0) if q.shape[0] else q.new_full((q.shape[1],), math.inf)
-    hi = torch.where(finite, q, -math.inf).amax(0) if q.shape[0] else q.new_full((q.shape[1],), -math.inf)
+    lo, hi = _box(query)
     scale = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0, 0.0, 0.0)
     pad = limit * (1 + _PRUNE_MARGIN) + _PRUNE_MARGIN * scale
     inside = ((ref >= lo - pad) & (ref <= hi + pad)).all(1)

@@ -23,9 +23,9 @@ def _shard(distribution: str, count: int, rank: int, world: int, device, weak: b
     the rank's slab [rank / world, (rank + 1) / world) of the unit cube along x, or points of
     the rank's 64 / world of the Gaussian clusters (64, the same on every rank) in the order
     of their centres along x, so that every cluster holds 1/64 of the points whatever the
-    rank count (one that divides 64): every rank count gives the same cloud, in distribution. ``weak``: the domain
-    grows with the ranks instead, a unit cube per rank along x (rank r: [r, r + 1), all 64
-    clusters shifted)."""
+    rank count (one that divides 64): every rank count gives the same cloud, in
+    distribution. ``weak``: the domain grows with the ranks instead, a unit cube per rank
+    along x (rank r: [r, r + 1), all 64 clusters shifted)."""
     generator = torch.Generator(device=device).manual_seed(1000 + rank)
     slab = (rank, 1.0) if weak else (rank / world, 1.0 / world)  # (start, width) along x
     if distribution == "uniform":
