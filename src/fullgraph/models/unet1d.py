@@ -287,10 +287,9 @@ class FusedResidualBlock(nn.Module):
         super().__init__()
         self.out_channels, self.cond_predict_scale = block.out_channels, block.cond_predict_scale
         self.first, self.second = (FusedConv1dBlock(b, backend) for b in block.blocks)
-        conv = block.residual_conv  # a 1x1 Conv1d or the identity
-        self.residual_weight = None if isinstance(conv, nn.Identity) else nn.Parameter(conv.weight.detach()[:, :, 0].clone())
-        self.residual_bias = None if isinstance(conv, nn.Identity) or conv.bias is None \
-            else nn.Parameter(conv.bias.detach().clone())
+        conv = None if isinstance(block.residual_conv, nn.Identity) else block.residual_conv  # a 1x1 Conv1d
+        self.residual_weight = None if conv is None else nn.Parameter(conv.weight.detach()[:, :, 0].clone())
+        self.residual_bias = None if conv is None or conv.bias is None else nn.Parameter(conv.bias.detach().clone())
 
     def forward(self, x: torch.Tensor, film: torch.Tensor) -> torch.Tensor:
         if self.cond_predict_scale:
