@@ -34,6 +34,32 @@ def test_knn_matches_oracle(backend, device, distribution, dim, generator):
     assert_neighbors(dists, idx, expected_dists, expected_idx, d, torch.float32)
 
 
+@pytest.mark.parametrize("k, radius", [(7, None), (16, None), (16, 0.3)])
+def test_the_sorting_merge_of_search_tiles_matches_the_oracle(k, radius, generator, monkeypatch):
+    """Tiles merged into the lists by sorting (from 3 wanted candidates: the default on GPUs;
+    Triton's interpreter takes the per-candidate merge unless told), with exact ties: a
+    cloud on a lattice of spacing 0.25."""
+    from conftest import HAVE_TRITON
+
+    from fullgraph.ops.neighbors import triton_grid
+
+    if not HAVE_TRITON:
+        pytest.skip("needs Triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(triton_grid, "INTERPRETER_SORT_FROM", triton_grid.SEARCH_SORT_FROM)
+    ref = (torch.rand(120, 3, generator=generator) * 4).round() / 4
+    query = torch.rand(8, 3, generator=generator)
+    d = oracle_distances(query, ref)
+    if radius is None:
+        dists, idx = fullgraph.knn(query.to(device), ref.to(device), k, backend="triton")
+        expected_dists, expected_idx, _ = oracle_nearest(d, k)
+    else:
+        dists, idx, counts = fullgraph.radius(query.to(device), ref.to(device), radius, k, backend="triton")
+        expected_dists, expected_idx, expected_counts = oracle_nearest(d, k, radius)
+        assert counts.cpu().tolist() == list(expected_counts)
+    assert_neighbors(dists.cpu(), idx.cpu(), expected_dists, expected_idx, d, torch.float32)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_knn_dtypes(device, dtype, generator):

@@ -57,6 +57,11 @@ RADIUS_SEARCH_BLOCKS = (1, 32, 1)
 # 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0 (H100, graphed,
 # benchmarks/search_times.py, session 15 runs DF, DG: from 2 or 6 on 1-3 % slower).
 SEARCH_SORT_FROM = 3
+# Triton's interpreter (CPU tensors) runs a sort as many numpy operations: there the
+# per-candidate merge and SEARCH_BLOCKS for radius searches are twice as fast (200 x 2,000
+# points, k = 16: 36 s against 82). tests/ops/neighbors/test_search.py runs the sorting merge
+# there too, by setting this.
+INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
@@ -107,14 +112,15 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     if batch * rows == 0:
         return dists, idx, counts
     frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
-    block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius else SEARCH_BLOCKS
+    interpreted = _triton.INTERPRETED and not query.is_cuda
+    block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
         frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
         rows, columns, frame.cells, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
-        LANES=SEGMENT_LANES, SORT_FROM=SEARCH_SORT_FROM,
+        LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
         num_warps=warps,
     )
     if not use_radius:
