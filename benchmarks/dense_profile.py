@@ -3,21 +3,27 @@ the reference, eager and graphed, with the rows its certificate sends back (norm
 shifted by 1000, clustered), then a torch.profiler table of one call per small shape.
 
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
+    python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
+    python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
 
-CUDA-event medians after warm-up, all in one process.
+CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
 
 from __future__ import annotations
+
+import argparse
+import itertools
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fullgraph
 from fullgraph.bench.timing import time_call
-from fullgraph.ops.neighbors import dense
+from fullgraph.ops.neighbors import dense, triton_dense
 
 SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (1, 10000, 1000000, 128, 10),
-          (1, 20000, 200000, 16, 10))
+          (1, 20000, 200000, 16, 10), (4, 4096, 16384, 32, 50))
+SWEEP = {"FUSED_BLOCK_M": (64, 128), "FUSED_BLOCK_N": (128, 256), "FUSED_CHUNK": (4, 8), "FUSED_NUM_WARPS": (4, 8)}
 FAILED: list[tuple[int, int]] = []
 
 
@@ -50,16 +56,33 @@ def _count_failed_rows():
     dense._redo = counting
 
 
+def sweep(generator) -> None:
+    """Graphed dense kNN of the first three shapes under every tile setting of SWEEP."""
+    clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
+               torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in SHAPES[:3]]
+    for setting in itertools.product(*SWEEP.values()):
+        for name, value in zip(SWEEP, setting):
+            setattr(triton_dense, name, value)
+        times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
+        print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
+    parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
+    args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
+    if args.sweep:
+        return sweep(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         runs = 10 if rows * columns > 1e8 else 30
         row = {"cdist+topk": median_ms(lambda: torch.topk(torch.cdist(q, r), k, largest=False), runs)}
-        for backend in ("dense", "triton", "torch"):
+        for backend in ("dense",) if args.quick else ("dense", "triton", "torch"):
             too_slow = batch * rows * columns * (dim if backend == "torch" else 3) > 3e9
             if backend != "dense" and too_slow:
                 continue
@@ -71,17 +94,19 @@ def main() -> None:
         for query, ref in ((q, r), (q + 1000, r + 1000), (clustered[:, :rows], clustered)):
             fullgraph.knn(query, ref, k, backend="dense")
         row["failed rows (normal, +1000, clustered)"] = list(FAILED)
+        replays = {}
         for name, fn in (("dense graphed", lambda: fullgraph.knn(q, r, k, backend="dense")),
                          ("cdist+topk graphed", lambda: torch.topk(torch.cdist(q, r), k, largest=False))):
             try:
-                row[name] = median_ms(graphed(fn), runs)
+                replays[name] = graphed(fn)
+                row[name] = median_ms(replays[name], runs)
             except torch.OutOfMemoryError:
                 row[name] = "out of memory"
         cells = (f"{n} {v:.3f} ms" if isinstance(v, float) else f"{n} {v}" for n, v in row.items())
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}: " + ", ".join(cells), flush=True)
-        if batch * rows * columns <= 2e8:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                fullgraph.knn(q, r, k, backend="dense")
+        if batch * rows * columns <= 2e8 and "dense graphed" in replays:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                replays["dense graphed"]()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
             print(table, flush=True)

@@ -75,10 +75,10 @@ TENSOR_CORE_PRECISION = "tf32x3"
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
 CPU_GROUP_BYTES = 2**20  # items of up to this many products' bytes share a block
-# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces
-# (2048 queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at
-# once, the same bits).
-CPU_REMEASURE_BYTES = 2 * 2**20
+# Candidate rows gathered at a time for the exact re-measure: cache-sized pieces. CPUs: 2048
+# queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at once,
+# the same bits; GPUs: pieces that stay in the L2 cache.
+REMEASURE_BYTES = {"cpu": 2 * 2**20, "cuda": 16 * 2**20}
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
@@ -109,18 +109,16 @@ def _gather_rows(points, rows, out=None):
 
 def _remeasure(q, r, candidates):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
-    in the reference's arithmetic."""
-    if q.is_cuda:
-        return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
-    # CPUs: cache-sized pieces gathered into one reused buffer (fresh pieces of a few MiB each
-    # cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of a call). Above
-    # PER_COORDINATE_MAX_DIM the reference's (q - r).square().sum(-1) runs in place there:
-    # (r - q)^2 is (q - r)^2 bit for bit.
+    in the reference's arithmetic: cache-sized pieces gathered into one reused buffer (fresh
+    pieces of a few MiB each cost page faults on CPUs: 16 x 256 queries x 28 candidates of
+    D = 64, 55% of a call). Above PER_COORDINATE_MAX_DIM the reference's
+    (q - r).square().sum(-1) runs in place there: (r - q)^2 is (q - r)^2 bit for bit."""
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
-    step = max(1, CPU_REMEASURE_BYTES // (batch * take * dim * q.element_size()))
-    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype)
-    out = torch.empty((batch, rows, take), dtype=q.dtype)
+    budget = REMEASURE_BYTES.get(q.device.type, REMEASURE_BYTES["cpu"])
+    step = max(1, budget // max(1, batch * take * dim * q.element_size()))
+    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
     for s in range(0, rows, step):
         piece = candidates[:, s:s + step]
         gathered = _gather_rows(r, piece, out=buffer[:piece.numel() * dim].view(*piece.shape, dim))
@@ -190,23 +188,18 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _chunk(columns: int) -> int:
-    """References per chunk of the tensor-core path: fewer, longer chunks for large clouds
-    keep the minima (M x N / chunk) and their selection small."""
-    return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
-
-
 def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     """``_block`` on GPUs, never storing the block's M x N products (module docstring, "On
-    GPUs"): chunk minima on tensor cores, the chosen chunks' members measured from
+    GPUs"): the least chunks on tensor cores, the chosen chunks' members measured from
     differences, the k + SLACK nearest members re-measured in the reference's arithmetic."""
     qc = frames.qc[:, rows].contiguous()
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     precision = TENSOR_CORE_PRECISION
-    chunk = _chunk(columns)
-    minima = triton_dense.chunk_minima(qc, frames.rc, frames.r_norms, chunk, precision)
-    n_chosen = min(k + CHUNK_SLACK, minima.shape[-1])
-    values, chosen = triton_dense.smallest(minima, min(n_chosen + 1, minima.shape[-1]))
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunks = -(-columns // chunk)
+    n_chosen = min(k + CHUNK_SLACK, chunks)
+    values, chosen = triton_dense.least_chunks(qc, frames.rc, frames.r_norms, min(n_chosen + 1, chunks), chunk,
+                                               precision)
     chosen = chosen[..., :n_chosen]
     q = frames.q[:, rows].contiguous()
     members = triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk)
@@ -304,7 +297,8 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     groups = [slice(b, b + together) for b in range(0, batch, together)]
     fused = _on_tensor_cores(query)
     # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
-    width = max(-(-columns // _chunk(columns)), (k + CHUNK_SLACK) * _chunk(columns)) if fused else columns
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    width = max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk) if fused else columns
     for items in groups:
         part = frames.items(items)
         step = max(1, budget // (part.q.shape[0] * width * frames.q.element_size()))

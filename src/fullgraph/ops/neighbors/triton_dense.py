@@ -1,14 +1,19 @@
 """Triton kernels of the "dense" backend on GPUs: the products on tensor cores, reduced to
 per-chunk minima so that no M x N matrix is stored.
 
-``chunk_minima``: for every query i and every chunk c of ``chunk`` consecutive references,
-``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (one tile of products per program, ``tl.dot`` in
-TF32, or three TF32 products that carry float32's significand, "tf32x3"). ``member_distances``:
-the squared distances from each query to every reference of the chunks chosen for it,
-summed from the differences (no cancellation: within (D + 2) u of the truth, relatively).
-``smallest``: the least values of each row with their positions, ties to the smaller position
-(a sort of packed (value, position) keys in registers; ``torch.topk`` beyond SORT_MAX columns).
-``dense.py`` says why the k nearest lie in the chosen chunks and how that is certified.
+``least_chunks``: for every query i, the chunks c of ``chunk`` consecutive references with
+the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32, or three
+TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS chunks a
+query, one kernel does it all: each program walks its share of the references a tile at a
+time and merges the tile's chunk minima into a sorted list per query (a bitonic merge of
+packed (value, chunk) keys in registers); the shares' lists are merged by one sort. Longer
+lists store every chunk minimum (``chunk_minima``) and select from them (``smallest``).
+``member_distances``: the squared distances from each query to every reference of the chunks
+chosen for it, summed from the differences (no cancellation: within (D + 2) u of the truth,
+relatively). ``smallest``: the least values of each row with their positions, ties to the
+smaller position (a sort of packed (value, position) keys in registers; ``torch.topk``
+beyond SORT_MAX columns). ``dense.py`` says why the k nearest lie in the chosen chunks and
+how that is certified.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
+# The fused path (``least_chunks`` up to FUSED_MAX_KEYS chunks a query): chunks of
+# FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
+# queries; a tile of references holds at least as many chunks as the list.
+FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 64, 128, 4, 64
+# Programs to aim for per multiprocessor: a few queries against many references split the
+# references into shares.
+FUSED_PROGRAMS_PER_SM = 4
 
 
 def product_error(precision: str) -> float:
@@ -34,7 +46,35 @@ def product_error(precision: str) -> float:
     return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
+def chunk_size(columns: int, count: int) -> int:
+    """References per chunk when ``count`` chunks a query are kept: FUSED_CHUNK on the fused
+    path; otherwise fewer, longer chunks for large clouds keep the stored minima
+    (M x N / chunk) and their selection small."""
+    if count <= FUSED_MAX_KEYS:
+        return FUSED_CHUNK
+    return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
+
+
 if triton is not None:
+    from .triton_kernels import _KEY_NONE
+
+    @triton.jit
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
+        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            d = start + kk
+            in_d = d[None, :] < dim
+            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
+            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
+                        other=0.0)
+            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+        approx = norms[None, :] - 2.0 * acc
+        return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
@@ -43,23 +83,80 @@ if triton is not None:
         item = tl.program_id(2).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        kk = tl.arange(0, BLOCK_K)
-        q_base = q_ptr + item * rows * dim
-        r_base = r_ptr + item * columns * dim
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, dim, BLOCK_K):
-            d = start + kk
-            in_d = d[None, :] < dim
-            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
-            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
-                        other=0.0)
-            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
-        norms = tl.load(r_norms_ptr + item * columns + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - 2.0 * acc
-        minima = tl.min(tl.reshape(approx, (BLOCK_M, BLOCK_N // CHUNK, CHUNK)), axis=2)
+        minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
+                              m, n, rows, columns, dim, CHUNK, PRECISION, BLOCK_K)
         c = tl.program_id(0) * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
         tl.store(out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :], minima,
                  mask=(m[:, None] < rows) & (c[None, :] < chunks))
+
+    @triton.jit
+    def _ordered_keys(values, positions):
+        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position):
+        the float's bits made monotonic (negatives: flip the magnitude bits; -0.0 as 0.0)."""
+        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | positions.to(tl.int64)
+
+    @triton.jit
+    def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
+        """One step of a bitonic network along the rows of x [R, W] (int64): the elements
+        STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
+        odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
+        sum may wrap, the difference does not): Triton's interpreter runs sums fast and the
+        xor reductions of ``tl.sort`` one element at a time."""
+        R: tl.constexpr = x.shape[0]
+        W: tl.constexpr = x.shape[1]
+        y = tl.reshape(x, (R, W // (2 * STRIDE), 2, STRIDE))
+        group = tl.reshape(tl.arange(0, W // (2 * STRIDE)), (1, W // (2 * STRIDE), 1, 1))
+        descending = ((group * (2 * STRIDE) // BLOCK) % 2 == 1) != FLIP
+        right = tl.reshape(tl.arange(0, 2), (1, 1, 2, 1)) == 1
+        partner = tl.sum(y, 2, keep_dims=True) - y
+        return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
+
+    @triton.jit
+    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
+        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
+        descending: a bitonic sort, then its last WIDTH."""
+        for stage in tl.static_range(1, LOG_NEW + 1):
+            for step in tl.static_range(stage):
+                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
+        GROUPS: tl.constexpr = keys.shape[1] // WIDTH
+        x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
+        return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
+
+    @triton.jit
+    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
+        """The WIDTH least keys of best (ascending) and new (descending) [R, WIDTH], ascending:
+        their elementwise minimum is a bitonic sequence holding them, sorted by LOG_WIDTH
+        compare-and-swap steps."""
+        x = tl.minimum(best, new)
+        for step in tl.static_range(LOG_WIDTH):
+            x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
+        return x
+
+    @triton.jit
+    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
+                                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
+                                 LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
+        [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
+        item = tl.program_id(2).to(tl.int64)
+        part = tl.program_id(1)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
+        best = tl.full((BLOCK_M, KEYS), _KEY_NONE, tl.int64)
+        first = part * share
+        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+                                  PRECISION, BLOCK_K)
+            c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
+            keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
+            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
+        slots = tl.arange(0, KEYS)
+        tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
+                 mask=m[:, None] < rows)
 
     @triton.jit
     def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, out_ptr, rows, columns, dim, n_chosen,
@@ -94,11 +191,7 @@ if triton is not None:
         c = tl.arange(0, WIDTH)
         inside = (r[:, None] < rows) & (c[None, :] < width)
         x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
-        # float32 bits -> int32 in the floats' order (negatives: flip the magnitude bits), then
-        # (value, position) packed into one int64 so that one sort orders both.
-        bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)  # -0.0 ties with 0.0
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        keys = tl.sort((ordered.to(tl.int64) << 32) | c[None, :].to(tl.int64), dim=1)
+        keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
         top = (keys >> 32).to(tl.int32)
         value = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         keep = (r[:, None] < rows) & (c[None, :] < count)
@@ -162,3 +255,50 @@ def member_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, ch
         _member_distances_kernel[grid](q, r, r_norms, chosen.contiguous(), out, rows, r.shape[1], dim, n_chosen,
                                        CHUNK=chunk, BLOCK=BLOCK_MEMBERS, BLOCK_K=32, num_warps=4)
     return out
+
+
+def _key_values(keys: torch.Tensor) -> torch.Tensor:
+    """The float32 values of int64 (value, position) keys (``_ordered_keys`` undone)."""
+    top = (keys >> 32).to(torch.int32)
+    return (top ^ ((top >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
+    """Shares of the references: enough programs to fill the device, each share at least
+    8 tiles (Triton's interpreter: one multiprocessor)."""
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
+    return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
+
+
+
+def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int, chunk: int,
+                 precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
+    per query the ``count`` chunks of ``chunk`` references (``chunk_size``) with the least
+    ``r_norms - 2 q.r`` over their members, ascending, ties to the smaller chunk: minima
+    [B, M, count] and chunks [B, M, count] (int64). ``count`` is at most the number of chunks."""
+    columns = r.shape[1]
+    if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
+        return smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
+    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+    batch, rows, dim = q.shape
+    keys = max(16, triton.next_power_of_2(count))
+    block_n = max(FUSED_BLOCK_N, keys * chunk)
+    parts = _shares(batch, rows, columns, block_n, q.device)
+    share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
+    parts = triton.cdiv(columns, share)
+    out = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
+        block_k = 16 if dim <= 16 else 32
+        _chunk_candidates_kernel[grid](q, r, r_norms, out, rows, columns, dim, triton.cdiv(columns, chunk), share,
+                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
+                                       LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n,
+                                       BLOCK_K=block_k, num_warps=FUSED_NUM_WARPS)
+    out = out.reshape(batch, rows, parts * keys)
+    if parts > 1:
+        out = torch.sort(out, dim=-1).values
+    out = out[..., :count]
+    return _key_values(out), out & 0xFFFFFFFF
