@@ -217,3 +217,25 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
     found, position = triton_dense.smallest(values, count, in_registers=True)
     want, want_position = torch.sort(values, dim=-1, stable=True)
     assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3)])
+def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
+    """The fused chunk selection (a running list per query, merged a tile at a time, shares of
+    the references merged at the end) against every chunk minimum stored and sorted: integer
+    points make the products exact, so ties between chunks are many and must go to the
+    smaller chunk; invalid references (+inf norms) end the cloud."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.round(torch.randn(2, rows, 5, generator=generator) * 2).to(device)
+    r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2).to(device)
+    norms = (r * r).sum(-1)
+    norms[:, -3:] = math.inf
+    chunk = triton_dense.chunk_size(columns, count)
+    values, chosen = triton_dense.least_chunks(q, r, norms, count, chunk, "ieee")
+    stored = triton_dense.chunk_minima(q, r, norms, chunk, "ieee")
+    want, want_chosen = torch.sort(stored, dim=-1, stable=True)
+    assert torch.equal(chosen, want_chosen[..., :count]) and torch.equal(values, want[..., :count])

@@ -75,10 +75,11 @@ TENSOR_CORE_PRECISION = "tf32x3"
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
 CPU_GROUP_BYTES = 2**20  # items of up to this many products' bytes share a block
-# Candidate rows gathered at a time for the exact re-measure: cache-sized pieces. CPUs: 2048
+# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces (2048
 # queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at once,
-# the same bits; GPUs: pieces that stay in the L2 cache.
-REMEASURE_BYTES = {"cpu": 2 * 2**20, "cuda": 16 * 2**20}
+# the same bits). On the H100 pieces of 16 MiB were slower (the gathers 570 against 300 us at
+# 8 x 4096^2, D = 64, k = 20: dense-profile-run-EA.log).
+CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
@@ -109,16 +110,18 @@ def _gather_rows(points, rows, out=None):
 
 def _remeasure(q, r, candidates):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
-    in the reference's arithmetic: cache-sized pieces gathered into one reused buffer (fresh
-    pieces of a few MiB each cost page faults on CPUs: 16 x 256 queries x 28 candidates of
-    D = 64, 55% of a call). Above PER_COORDINATE_MAX_DIM the reference's
-    (q - r).square().sum(-1) runs in place there: (r - q)^2 is (q - r)^2 bit for bit."""
+    in the reference's arithmetic."""
+    if q.is_cuda:
+        return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
+    # CPUs: cache-sized pieces gathered into one reused buffer (fresh pieces of a few MiB each
+    # cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of a call). Above
+    # PER_COORDINATE_MAX_DIM the reference's (q - r).square().sum(-1) runs in place there:
+    # (r - q)^2 is (q - r)^2 bit for bit.
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
-    budget = REMEASURE_BYTES.get(q.device.type, REMEASURE_BYTES["cpu"])
-    step = max(1, budget // max(1, batch * take * dim * q.element_size()))
-    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype, device=q.device)
-    out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
+    step = max(1, CPU_REMEASURE_BYTES // max(1, batch * take * dim * q.element_size()))
+    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype)
+    out = torch.empty((batch, rows, take), dtype=q.dtype)
     for s in range(0, rows, step):
         piece = candidates[:, s:s + step]
         gathered = _gather_rows(r, piece, out=buffer[:piece.numel() * dim].view(*piece.shape, dim))

@@ -36,6 +36,9 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
+# Sorts in registers on GPUs by ``tl.sort`` (else by the bitonic network Triton's interpreter
+# runs fast).
+NATIVE_SORT = True
 
 
 def product_error(precision: str) -> float:
@@ -114,31 +117,43 @@ if triton is not None:
         return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
 
     @triton.jit
-    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
-        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
-        descending: a bitonic sort, then its last WIDTH."""
-        for stage in tl.static_range(1, LOG_NEW + 1):
-            for step in tl.static_range(stage):
-                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
+    def _sort_rows(keys, LOG_WIDTH: tl.constexpr, DESCENDING: tl.constexpr, NATIVE: tl.constexpr):
+        """Each row of keys [R, 2^LOG_WIDTH] sorted: ``tl.sort`` (NATIVE), else a bitonic network
+        of ``_compare_swap`` (Triton's interpreter)."""
+        if NATIVE:
+            keys = tl.sort(keys, 1, descending=DESCENDING)
+        else:
+            for stage in tl.static_range(1, LOG_WIDTH + 1):
+                for step in tl.static_range(stage):
+                    keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, DESCENDING)
+        return keys
+
+    @triton.jit
+    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr, NATIVE: tl.constexpr):
+        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW), descending."""
+        keys = _sort_rows(keys, LOG_NEW, True, NATIVE)
         GROUPS: tl.constexpr = keys.shape[1] // WIDTH
         x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
         return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
 
     @triton.jit
-    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
+    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr, NATIVE: tl.constexpr):
         """The WIDTH least keys of best (ascending) and new (descending) [R, WIDTH], ascending:
         their elementwise minimum is a bitonic sequence holding them, sorted by LOG_WIDTH
-        compare-and-swap steps."""
+        compare-and-swap steps (NATIVE: by ``tl.sort``)."""
         x = tl.minimum(best, new)
-        for step in tl.static_range(LOG_WIDTH):
-            x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
+        if NATIVE:
+            x = tl.sort(x, 1)
+        else:
+            for step in tl.static_range(LOG_WIDTH):
+                x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
         return x
 
     @triton.jit
     def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
         [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
@@ -153,10 +168,25 @@ if triton is not None:
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
-            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
+            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS, NATIVE), LOG_KEYS, NATIVE)
         slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
                  mask=m[:, None] < rows)
+
+    @triton.jit
+    def _merge_parts_kernel(lists_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
+                            LOG_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, NATIVE: tl.constexpr):
+        """lists [rows, parts, KEYS] (each ascending) -> out [rows, count]: the least ``count``
+        keys of each row's lists, ascending (a list read backwards is descending)."""
+        m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        slots = tl.arange(0, KEYS)
+        inside = m[:, None] < total_rows
+        best = tl.load(lists_ptr + m[:, None] * parts * KEYS + slots[None, :], mask=inside, other=_KEY_NONE)
+        for part in range(1, parts):
+            backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
+                                mask=inside, other=_KEY_NONE)
+            best = _merge_sorted(best, backwards, LOG_KEYS, NATIVE)
+        tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
     @triton.jit
     def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, out_ptr, rows, columns, dim, n_chosen,
@@ -288,17 +318,19 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     parts = _shares(batch, rows, columns, block_n, q.device)
     share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
     parts = triton.cdiv(columns, share)
-    out = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
+    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
+    out = torch.empty((batch, rows, count), dtype=torch.int64, device=q.device)
     if out.numel():
+        native = q.is_cuda and NATIVE_SORT
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, r, r_norms, out, rows, columns, dim, triton.cdiv(columns, chunk), share,
+        _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, triton.cdiv(columns, chunk), share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n,
-                                       BLOCK_K=block_k, num_warps=FUSED_NUM_WARPS)
-    out = out.reshape(batch, rows, parts * keys)
-    if parts > 1:
-        out = torch.sort(out, dim=-1).values
-    out = out[..., :count]
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NATIVE=native,
+                                       num_warps=FUSED_NUM_WARPS)
+        merge_rows = max(1, SORT_KEYS // keys)
+        _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
+            lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
+            NATIVE=native, num_warps=4)
     return _key_values(out), out & 0xFFFFFFFF
