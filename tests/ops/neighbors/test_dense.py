@@ -239,3 +239,19 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     stored = triton_dense.chunk_minima(q, r, norms, chunk, "ieee")
     want, want_chosen = torch.sort(stored, dim=-1, stable=True)
     assert torch.equal(chosen, want_chosen[..., :count]) and torch.equal(values, want[..., :count])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim", [5, 64, 300])
+def test_squared_differences_have_torchs_bits(dim, generator):
+    """The GPU re-measure's squares in one Triton pass: bit for bit torch's (q - r).square() of
+    the gathered rows, with near-duplicates (tiny differences) and far points among them."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 7, dim, generator=generator)
+    r = torch.cat([torch.randn(2, 40, dim, generator=generator) * 1e3, q + 1e-30, q * (1 + 2**-23)], 1)
+    candidates = torch.randint(0, r.shape[1], (2, 7, 9), generator=generator)
+    q, r, candidates = q.to(device), r.to(device), candidates.to(device)
+    got = triton_dense.squared_differences(q, r, candidates)
+    assert torch.equal(got, (q[:, :, None, :] - dense._gather_rows(r, candidates)).square())

@@ -33,12 +33,13 @@ SORT_MAX, SORT_KEYS = 2048, 4096
 # FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
 # queries; a tile of references holds at least as many chunks as the list.
 FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 64, 128, 4, 64
+# ... and up to this many references: beyond, the stored minima were faster on the H100 (graphed
+# ms fused / stored: 8 x 4096^2 D=64 k=20 4.38 / 4.55, 32 x 1024^2 3.75 / 4.14, but 2 x 10^4 x
+# 2 x 10^5 D=16 21.2 / 8.5 and 10^4 x 10^6 D=128 113 / 63: dense-profile-run-EB.log).
+FUSED_MAX_COLUMNS = 2**16
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
-# Sorts in registers on GPUs by ``tl.sort`` (else by the bitonic network Triton's interpreter
-# runs fast).
-NATIVE_SORT = True
 
 
 def product_error(precision: str) -> float:
@@ -53,7 +54,7 @@ def chunk_size(columns: int, count: int) -> int:
     """References per chunk when ``count`` chunks a query are kept: FUSED_CHUNK on the fused
     path; otherwise fewer, longer chunks for large clouds keep the stored minima
     (M x N / chunk) and their selection small."""
-    if count <= FUSED_MAX_KEYS:
+    if count <= FUSED_MAX_KEYS and columns <= FUSED_MAX_COLUMNS:
         return FUSED_CHUNK
     return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
 
@@ -105,8 +106,10 @@ if triton is not None:
         """One step of a bitonic network along the rows of x [R, W] (int64): the elements
         STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
         odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
-        sum may wrap, the difference does not): Triton's interpreter runs sums fast and the
-        xor reductions of ``tl.sort`` one element at a time."""
+        sum may wrap, the difference does not). Not ``tl.sort``: this network was as fast on
+        the H100 (4.38 against 4.61 ms graphed at 8 x 4096^2, dense-sweep-run-EB.log), and
+        Triton's interpreter runs sums fast, the xor reductions of ``tl.sort`` one element at
+        a time."""
         R: tl.constexpr = x.shape[0]
         W: tl.constexpr = x.shape[1]
         y = tl.reshape(x, (R, W // (2 * STRIDE), 2, STRIDE))
@@ -117,43 +120,31 @@ if triton is not None:
         return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
 
     @triton.jit
-    def _sort_rows(keys, LOG_WIDTH: tl.constexpr, DESCENDING: tl.constexpr, NATIVE: tl.constexpr):
-        """Each row of keys [R, 2^LOG_WIDTH] sorted: ``tl.sort`` (NATIVE), else a bitonic network
-        of ``_compare_swap`` (Triton's interpreter)."""
-        if NATIVE:
-            keys = tl.sort(keys, 1, descending=DESCENDING)
-        else:
-            for stage in tl.static_range(1, LOG_WIDTH + 1):
-                for step in tl.static_range(stage):
-                    keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, DESCENDING)
-        return keys
-
-    @triton.jit
-    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr, NATIVE: tl.constexpr):
-        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW), descending."""
-        keys = _sort_rows(keys, LOG_NEW, True, NATIVE)
+    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
+        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
+        descending: a bitonic sort, then its last WIDTH."""
+        for stage in tl.static_range(1, LOG_NEW + 1):
+            for step in tl.static_range(stage):
+                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         GROUPS: tl.constexpr = keys.shape[1] // WIDTH
         x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
         return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
 
     @triton.jit
-    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr, NATIVE: tl.constexpr):
+    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
         """The WIDTH least keys of best (ascending) and new (descending) [R, WIDTH], ascending:
         their elementwise minimum is a bitonic sequence holding them, sorted by LOG_WIDTH
-        compare-and-swap steps (NATIVE: by ``tl.sort``)."""
+        compare-and-swap steps."""
         x = tl.minimum(best, new)
-        if NATIVE:
-            x = tl.sort(x, 1)
-        else:
-            for step in tl.static_range(LOG_WIDTH):
-                x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
+        for step in tl.static_range(LOG_WIDTH):
+            x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
         return x
 
     @triton.jit
     def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NATIVE: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
         [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
@@ -168,14 +159,14 @@ if triton is not None:
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
-            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS, NATIVE), LOG_KEYS, NATIVE)
+            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
         slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
                  mask=m[:, None] < rows)
 
     @triton.jit
     def _merge_parts_kernel(lists_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
-                            LOG_KEYS: tl.constexpr, BLOCK_M: tl.constexpr, NATIVE: tl.constexpr):
+                            LOG_KEYS: tl.constexpr, BLOCK_M: tl.constexpr):
         """lists [rows, parts, KEYS] (each ascending) -> out [rows, count]: the least ``count``
         keys of each row's lists, ascending (a list read backwards is descending)."""
         m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -185,7 +176,7 @@ if triton is not None:
         for part in range(1, parts):
             backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
                                 mask=inside, other=_KEY_NONE)
-            best = _merge_sorted(best, backwards, LOG_KEYS, NATIVE)
+            best = _merge_sorted(best, backwards, LOG_KEYS)
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
     @triton.jit
@@ -213,6 +204,21 @@ if triton is not None:
         total = tl.where(norms == float("inf"), float("inf"), total)
         tl.store(out_ptr + query * members + j, total, mask=j < members)
 
+
+    @triton.jit
+    def _squared_differences_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
+                                    BLOCK_D: tl.constexpr):
+        """out [Q, take, dim] = (q[i] - r[refs[i, c]])^2 elementwise (no sum)."""
+        i = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        refs = tl.load(refs_ptr + i * take + c, mask=c < take, other=0)
+        for start in range(0, dim, BLOCK_D):
+            d = start + tl.arange(0, BLOCK_D)
+            inside = (c[:, None] < take) & (d[None, :] < dim)
+            q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
+            r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=inside, other=0.0)
+            diff = q[None, :] - r
+            tl.store(out_ptr + (i * take + c[:, None]) * dim + d[None, :], diff * diff, mask=inside)
 
     @triton.jit
     def _smallest_kernel(values_ptr, out_values_ptr, out_index_ptr, rows, width, count,
@@ -321,16 +327,32 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     lists = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
     out = torch.empty((batch, rows, count), dtype=torch.int64, device=q.device)
     if out.numel():
-        native = q.is_cuda and NATIVE_SORT
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, triton.cdiv(columns, chunk), share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, NATIVE=native,
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
-            NATIVE=native, num_warps=4)
+            num_warps=4)
     return _key_values(out), out & 0xFFFFFFFF
+
+
+def squared_differences(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """q [B, m, D], r [B, N, D] (float32), candidates [B, m, c] (rows of r, >= 0) ->
+    [B, m, c, D]: (q - r)^2 coordinate by coordinate, the bits of torch's ``(q - r).square()``
+    (one rounded subtraction and one rounded product each), in one pass instead of a gather
+    and two elementwise passes; the caller sums in torch's order."""
+    batch, rows, take = candidates.shape
+    dim = q.shape[-1]
+    out = torch.empty((batch, rows, take, dim), dtype=q.dtype, device=q.device)
+    if out.numel():
+        refs = candidates + (torch.arange(batch, device=q.device) * r.shape[1])[:, None, None]
+        block_c = min(32, triton.next_power_of_2(take))
+        _squared_differences_kernel[(batch * rows, triton.cdiv(take, block_c))](
+            q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c,
+            BLOCK_D=min(128, triton.next_power_of_2(dim)), num_warps=4)
+    return out
