@@ -200,8 +200,10 @@ if triton is not None:
                         mask=ok[:, None] & (d[None, :] < dim), other=0.0)
             diff = q[None, :] - r
             total += tl.sum(diff * diff, axis=1)
-        # +inf norms mark invalid references (past a length, or NaN rows)
-        total = tl.where(norms == float("inf"), float("inf"), total)
+        # +inf norms mark invalid references (past a length, or NaN rows); an invalid query (a
+        # NaN coordinate) measures +inf too: ``smallest`` wants no NaN (it would order them
+        # after the padding, whose positions lie past the members).
+        total = tl.where((norms == float("inf")) | (total != total), float("inf"), total)
         tl.store(out_ptr + query * members + j, total, mask=j < members)
 
 
