@@ -224,10 +224,15 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
     # Every reference of an unchosen chunk has a product value >= the least unchosen minimum;
     # every unmeasured member of a chosen chunk a member distance >= the last one measured.
+    # (A list shorter than k, when k exceeds the cloud, holds every member of every chunk.)
     beyond_chunks = (unchosen + q_norms - bound) * (1 - 2 * (dim + 2) * u)
-    beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
-    everything = torch.isinf(unchosen) & torch.isinf(measured[..., -1])
-    certified = (d[..., k - 1] ** 2 < torch.minimum(beyond_chunks, beyond_members)) | everything
+    if measured.shape[-1] < members.shape[-1]:
+        beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
+    else:
+        beyond_members = torch.full_like(q_norms, math.inf)
+    everything = torch.isinf(unchosen) & torch.isinf(beyond_members)
+    kth = d[..., min(k, d.shape[-1]) - 1]
+    certified = (kth ** 2 < torch.minimum(beyond_chunks, beyond_members)) | everything
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
