@@ -27,9 +27,11 @@ When the k-th exact candidate distance squared ``s_i`` is below that, the list i
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), steps 1-2 never store a block's M x N values: the
-products run on tensor cores (``triton_dense``) and each tile keeps, per query, only the
-least value of every chunk of ``_chunk(N)`` consecutive references. The k + CHUNK_SLACK
-chunks with the least minima are chosen; the squared distances to their members are summed
+products run on tensor cores (``triton_dense``) and per query only the least value of each
+chunk of ``triton_dense.chunk_size`` consecutive references counts (up to 2^16 references,
+one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers; beyond, every chunk's
+minimum is stored and selected from). The k + CHUNK_SLACK chunks with the least minima are
+chosen; the squared distances to their members are summed
 from differences (relative error below (D + 2) u, no cancellation), and the k + SLACK
 nearest members re-measured in the reference's arithmetic. Exactness: the k nearest lie in
 chosen chunks up to the products' error (each of the k chosen minima is a distinct
@@ -343,12 +345,13 @@ class DenseKernels(pairs.Kernels):
 AUTO_MIN_DIM = 10
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
-# (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log):
-#   B=16, M=N=256, D=64, k=20:     0.20 / 4.11 / 1.32 (0.90)   [per-call launches: see the note]
-#   B=32, M=N=1024, D=64, k=20:    1.70 / 4.53 / 6.92 (4.15)
-#   B=8, M=N=4096, D=64, k=20:     3.66 / 4.81 / 21.8 (4.58)
-#   M=20000, N=200000, D=16, k=10: 80.7 / 11.1 / 76.6 (8.42)
-#   M=10^4, N=10^6, D=128, k=10:   243 / 52.9 / 2,830 (63.3)
+# (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
+# session16/dense-profile-run-EC.log):
+#   B=16, M=N=256, D=64, k=20:     0.23 / 3.11 / 1.32 (0.71)   [per-call launches: see the note]
+#   B=32, M=N=1024, D=64, k=20:    1.57 / 3.50 / 6.92 (2.14)
+#   B=8, M=N=4096, D=64, k=20:     3.80 / 3.65 / 21.8 (2.75)
+#   M=20000, N=200000, D=16, k=10: 80.4 / 9.71 / 76.6 (8.20)
+#   M=10^4, N=10^6, D=128, k=10:   242 / 52.2 / 2,830 (62.6)
 # It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
 # against one); cdist + topk (inexact) stays faster below ~10^8 pairs (issue 14 is open).
 # Beyond REDO_MAX_DIM, outside a capture (benchmarks/dense_wide.py, session11-runs.log):
