@@ -101,6 +101,28 @@ def test_the_triton_search_restricted_to_flagged_rows(generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("k", [6, 60])
+def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, generator):
+    """Inside a capture (forced here; on a CPU through Triton's interpreter): rows proven from
+    the measured members, the rest (ties wider than the slack, and normal queries beside
+    them) taken from the Triton search, one re-measure: the reference's lists."""
+    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    monkeypatch.setattr(dense, "_capturing", lambda query: True)
+    searched = []
+    original = dense.triton_grid.nearest
+    monkeypatch.setattr(dense.triton_grid, "nearest",
+                        lambda *a, needed: searched.append(int(needed.sum())) or original(*a, needed=needed))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = _tied(generator, device)
+    query = torch.cat([query, points("normal", 20, 8, generator).float().to(device) + 10])
+    ref = torch.cat([ref, points("normal", 300, 8, generator).float().to(device) + 10])
+    dists, idx = fullgraph.knn(query, ref, k, backend="dense")
+    assert searched and 0 < searched[0] < query.shape[0]
+    want_dists, want_idx = fullgraph.knn(query, ref, k, backend="torch")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
     monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)

@@ -46,10 +46,12 @@ whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
-D <= REDO_MAX_DIM) the Triton search runs restricted to them, for k + SLACK neighbours
-re-measured in the reference's arithmetic: no host read (its programs without a failed row
-return at once). Otherwise one host read: on GPUs the stored products of steps 1-3 redo
-them first, then the Triton search (CUDA) or the reference (CPUs, float64) what still fails.
+D <= REDO_MAX_DIM) rows are proven before the re-measure, from the members as measured
+(``_in_capture``), and those not proven take the Triton search restricted to them (its
+programs without such a row return at once), for k + SLACK neighbours; then one re-measure
+of every row in the reference's arithmetic, and no host read. Otherwise one host read: on
+GPUs the stored products of steps 1-3 redo them first, then the Triton search (CUDA) or
+the reference (CPUs, float64) what still fails.
 """
 
 from __future__ import annotations
@@ -197,10 +199,13 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
-    """``_block`` on GPUs, never storing the block's M x N products (module docstring, "On
+def _tensor_core_candidates(frames: _Frames, rows: slice, k):
+    """Steps 1-2 on GPUs, never storing the block's M x N products (module docstring, "On
     GPUs"): the least chunks on tensor cores, the chosen chunks' members measured from
-    differences, the k + SLACK nearest members re-measured in the reference's arithmetic."""
+    differences. Returns the k + SLACK nearest members (positions [B, m, c], clamped;
+    ``inside`` [B, m, c] marks the real ones), their squared distances as measured [B, m, c]
+    (ascending) and ``limit`` [B, m]: the rows whose k-th squared distance lies below it are
+    exactly the reference's (+inf: every member of every chunk is a candidate)."""
     qc = frames.qc[:, rows].contiguous()
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     precision = TENSOR_CORE_PRECISION
@@ -210,12 +215,10 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     values, chosen = triton_dense.least_chunks(qc, frames.rc, frames.r_norms, min(n_chosen + 1, chunks), chunk,
                                                precision)
     chosen = chosen[..., :n_chosen]
-    q = frames.q[:, rows].contiguous()
-    members = triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk)
+    members = triton_dense.member_distances(frames.q[:, rows].contiguous(), frames.r, frames.r_norms, chosen, chunk)
     measured, position = triton_dense.smallest(members, min(k + SLACK, members.shape[-1]))
     candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
     inside = candidates < columns
-    d, candidates = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, inside)
     # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
     # then the float32 sums and norms as in step 3.
     u = 2.0**-24
@@ -232,10 +235,55 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
         beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
     else:
         beyond_members = torch.full_like(q_norms, math.inf)
-    everything = torch.isinf(unchosen) & torch.isinf(beyond_members)
+    return candidates.clamp(max=columns - 1), inside, measured, torch.minimum(beyond_chunks, beyond_members)
+
+
+def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
+    """``_block`` on GPUs: ``_tensor_core_candidates`` re-measured in the reference's arithmetic."""
+    candidates, inside, _, limit = _tensor_core_candidates(frames, rows, k)
+    d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius, inside)
     kth = d[..., min(k, d.shape[-1]) - 1]
-    certified = (kth ** 2 < torch.minimum(beyond_chunks, beyond_members)) | everything
+    certified = (kth ** 2 < limit) | torch.isinf(limit)
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+
+
+def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
+    """The tensor-core path inside a CUDA graph capture, re-measuring once: rows are proven
+    from the members as measured (the k-th exact squared distance is at most the k-th
+    measured one times 1 + 4 (D + 2) u: the same squares summed in another order, then
+    rounded by sqrt and squared), and the rows not proven take the Triton search's lists
+    (its programs without such a row return at once) before the one re-measure of all."""
+    batch, rows, dim = query.shape
+    take = max(k, min(k + SLACK, REDO_MAX_K))
+    candidates = torch.zeros((batch, rows, take), dtype=torch.int64, device=query.device)
+    inside = torch.zeros((batch, rows, take), dtype=torch.bool, device=query.device)
+    unproven = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
+    step = max(1, BLOCK_BYTES["cuda"] // (batch * _width(ref.shape[1], k) * frames.q.element_size()))
+    for start in range(0, rows, step):
+        block = slice(start, min(start + step, rows))
+        found, real, measured, limit = _tensor_core_candidates(frames, block, k)
+        kth = measured[..., min(k, measured.shape[-1]) - 1] * (1 + 4 * (dim + 2) * 2.0**-24)
+        unproven[:, block] = ~((kth < limit) | torch.isinf(limit))
+        candidates[:, block, :found.shape[-1]], inside[:, block, :found.shape[-1]] = found, real
+    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths,
+                                      needed=unproven & query_ok)
+    redo = unproven[..., None]
+    candidates = torch.where(redo, found.clamp(min=0), candidates)
+    inside = torch.where(redo, found >= 0, inside)
+    d, i = _exact_lists(frames.q, frames, candidates, ref_ok, radius, inside)
+    dists.copy_(d[..., :k] * frames.scale[..., None])
+    idx.copy_(i[..., :k])
+
+
+def _width(columns, k) -> int:
+    """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
+    path) or the chosen chunks' members."""
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    return max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk)
+
+
+def _capturing(query) -> bool:
+    return query.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _on_tensor_cores(query) -> bool:
@@ -247,11 +295,9 @@ def _redone_in_triton(query, k) -> bool:
 
 
 def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
-    """Search the ``failed`` [B, M] rows again exactly, in place: inside a CUDA graph capture
-    by the Triton search; otherwise (one host read) by the stored products when the chunks
-    missed, and what still fails by the Triton search (CUDA) or the reference."""
-    if query.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx)
+    """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
+    takes ``_in_capture``): by the stored products when the chunks missed, and what still
+    fails by the Triton search (CUDA) or the reference."""
     if not bool(failed.any()):
         return
     if _on_tensor_cores(query):
@@ -287,17 +333,10 @@ def _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_le
     idx.copy_(torch.where(failed[..., None], i[..., :k], idx))
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
+def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
+    """Steps 1-3 a block of queries at a time, then the failed rows redone (``_redo``)."""
     batch, rows, _ = query.shape
     columns = ref.shape[1]
-    acc = pairs.accumulation_dtype(query.dtype)
-    dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
-    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
-    if batch * rows * columns == 0:
-        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
-    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    frames = _Frames(query, ref, query_ok, ref_ok, acc)
     take = min(k + SLACK, columns)
     failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
     budget = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
@@ -311,8 +350,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     groups = [slice(b, b + together) for b in range(0, batch, together)]
     fused = _on_tensor_cores(query)
     # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
-    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    width = max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk) if fused else columns
+    width = _width(columns, k) if fused else columns
     for items in groups:
         part = frames.items(items)
         step = max(1, budget // (part.q.shape[0] * width * frames.q.element_size()))
@@ -324,6 +362,22 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
                 d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+
+
+def nearest(query, ref, k, radius, query_lengths, ref_lengths):
+    """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
+    batch, rows, _ = query.shape
+    acc = pairs.accumulation_dtype(query.dtype)
+    dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
+    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
+    if batch * rows * ref.shape[1] == 0:
+        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+    frames = _Frames(query, ref, query_ok, ref_ok, acc)
+    if _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):
+        _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
+    else:
+        _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
     ok = query_ok[..., None]
     dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
     return dists.to(query.dtype), idx, (idx >= 0).sum(-1)
