@@ -400,12 +400,12 @@ AUTO_MIN_DIM = 10
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
 # (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
-# session16/dense-profile-run-EC.log):
-#   B=16, M=N=256, D=64, k=20:     0.23 / 3.11 / 1.32 (0.71)   [per-call launches: see the note]
-#   B=32, M=N=1024, D=64, k=20:    1.57 / 3.50 / 6.92 (2.14)
-#   B=8, M=N=4096, D=64, k=20:     3.80 / 3.65 / 21.8 (2.75)
-#   M=20000, N=200000, D=16, k=10: 80.4 / 9.71 / 76.6 (8.20)
-#   M=10^4, N=10^6, D=128, k=10:   242 / 52.2 / 2,830 (62.6)
+# session16/dense-profile-run-EH.log; eager dense calls are launch-bound and vary by ~1.5x):
+#   B=16, M=N=256, D=64, k=20:     0.34 / 4.72 / 1.32 (0.56)   [per-call launches: see the note]
+#   B=32, M=N=1024, D=64, k=20:    1.72 / 5.94 / 6.92 (1.54)
+#   B=8, M=N=4096, D=64, k=20:     3.80 / 5.29 / 21.8 (2.16)
+#   M=20000, N=200000, D=16, k=10: 81.1 / 10.8 / 76.6 (8.12)
+#   M=10^4, N=10^6, D=128, k=10:   242 / 52.7 / 2,830 (51.7)
 # It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
 # against one); cdist + topk (inexact) stays faster below ~10^8 pairs (issue 14 is open).
 # Beyond REDO_MAX_DIM, outside a capture (benchmarks/dense_wide.py, session11-runs.log):
