@@ -100,6 +100,15 @@ def test_the_triton_search_restricted_to_flagged_rows(generator):
     assert torch.equal(some[1][needed], full[1][needed]) and torch.equal(some[0][needed], full[0][needed])
 
 
+def _count_searched_rows(monkeypatch) -> list[int]:
+    """The number of rows each call of the restricted Triton search is asked for."""
+    searched = []
+    original = dense.triton_grid.nearest
+    monkeypatch.setattr(dense.triton_grid, "nearest",
+                        lambda *a, needed: searched.append(int(needed.sum())) or original(*a, needed=needed))
+    return searched
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("k", [6, 60])
 def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, generator):
@@ -108,10 +117,7 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, gene
     them) taken from the Triton search, one re-measure: the reference's lists."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(dense, "_capturing", lambda query: True)
-    searched = []
-    original = dense.triton_grid.nearest
-    monkeypatch.setattr(dense.triton_grid, "nearest",
-                        lambda *a, needed: searched.append(int(needed.sum())) or original(*a, needed=needed))
+    searched = _count_searched_rows(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = _tied(generator, device)
     query = torch.cat([query, points("normal", 20, 8, generator).float().to(device) + 10])
@@ -126,10 +132,7 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, gene
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
     monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)
-    flagged = []
-    original = dense.triton_grid.nearest
-    monkeypatch.setattr(dense.triton_grid, "nearest",
-                        lambda *a, needed: flagged.append(int(needed.sum())) or original(*a, needed=needed))
+    flagged = _count_searched_rows(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = _tied(generator, device)
     dists, idx = fullgraph.knn(query, ref, 6, backend="dense")

@@ -6,7 +6,7 @@ the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32
 TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS chunks a
 query, one kernel does it all: each program walks its share of the references a tile at a
 time and merges the tile's chunk minima into a sorted list per query (a bitonic merge of
-packed (value, chunk) keys in registers); the shares' lists are merged by one sort. Longer
+packed (value, chunk) keys in registers); the shares' lists are merged the same way. Longer
 lists store every chunk minimum (``chunk_minima``) and select from them (``smallest``).
 ``member_distances``: the squared distances from each query to every reference of the chunks
 chosen for it, summed from the differences (no cancellation: within (D + 2) u of the truth,
