@@ -9,6 +9,7 @@ from .ops.conv_block import conv_groupnorm_mish
 from .ops.ddpm import ddim_step, ddpm_step
 from .ops.kmeans import KMeans, KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
+from .ops.mlp import narrow_mlp
 from .ops.neighbors import (
     ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, radius, radius_aggregate, radius_edges,
     radius_graph,
@@ -23,5 +24,5 @@ __all__ = [
     "knn", "knn_aggregate",
     "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",
-    "kmeans", "kmeans_assign", "KMeans", "KMeansResult", "lltm", "__version__",
+    "kmeans", "kmeans_assign", "KMeans", "KMeansResult", "lltm", "narrow_mlp", "__version__",
 ]

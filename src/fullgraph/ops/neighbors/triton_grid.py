@@ -216,8 +216,11 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     batch, rows, k = idx.shape
     qi, rj, found = pairs.neighbor_pairs(idx, columns)
     refs = batch * columns
-    sorted_refs, order = torch.sort(torch.where(found, rj, refs), stable=True)
-    starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, device=idx.device))
+    # 32-bit keys where they fit: a radix sort of half the passes (the H100's seed kNN step
+    # sorted 189,000 int64 keys in 8 passes of ~7.6 us, twice).
+    key_dtype = torch.int32 if refs < 2**31 - 1 else torch.int64
+    sorted_refs, order = torch.sort(torch.where(found, rj, refs).to(key_dtype), stable=True)
+    starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, dtype=key_dtype, device=idx.device))
     width = source.shape[-1]
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)

@@ -1,0 +1,81 @@
+"""fullgraph.narrow_mlp against the same layers in PyTorch (eager and torch.compile), forward
+and forward + backward, each from a CUDA graph (the GPU's time alone), over row counts and
+widths beyond the projector's; then the "triton" kernel's settings on the projector's MLPs.
+
+    python benchmarks/mlp_shapes.py > mlp.log     (needs a CUDA device)
+
+CUDA-event medians of graph replays after warm-up, all in one process, random inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from replay_profile import graphed_ms
+
+import fullgraph
+from fullgraph.ops import mlp
+
+WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 64, 64, 16), (64, 64), (3, 64, 64, 64, 64))
+ROWS = (1_000, 10_000, 100_000, 1_000_000)
+SETTINGS = {"BLOCK": (32, 64, 128), "PRECISION": ("tf32x3", "ieee"), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
+
+
+def _model(widths):
+    layers = []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]).cuda()
+
+
+def _calls(model, compiled, rows):
+    """{variant: (forward, forward + backward)} of ``model`` (and ``compiled``, it under
+    torch.compile) on one set of inputs of ``rows`` rows."""
+    linear = [m for m in model if isinstance(m, torch.nn.Linear)]
+    params = [layer.weight for layer in linear] + [layer.bias for layer in linear]
+    x = torch.randn(rows, linear[0].in_features, device="cuda", requires_grad=True)
+    grad_out = torch.randn(rows, linear[-1].out_features, device="cuda")
+
+    def fused(x):
+        return fullgraph.narrow_mlp(x, [layer.weight for layer in linear], [layer.bias for layer in linear])
+
+    calls = {}
+    for name, run in (("torch eager", model), ("torch.compile", compiled), ("narrow_mlp", fused)):
+        def forward(run=run):
+            with torch.no_grad():
+                run(x)
+
+        def train(run=run):
+            torch.autograd.grad(run(x), [x, *params], grad_out)
+
+        calls[name] = (forward, train)
+    return calls
+
+
+def shapes() -> None:
+    print("rows, widths: forward / forward + backward, graphed us (torch eager | torch.compile | narrow_mlp)")
+    for widths in WIDTHS:
+        model = _model(widths)
+        compiled = torch.compile(model, dynamic=True)
+        for rows in ROWS:
+            times = {name: [graphed_ms(f) * 1000 for f in pair] for name, pair in _calls(model, compiled, rows).items()}
+            cells = " | ".join(f"{t[0]:8.1f} / {t[1]:8.1f}" for t in times.values())
+            best = min(times["torch eager"][1], times["torch.compile"][1])
+            print(f"{rows:>9,} {str(widths):>22}: {cells}   train ratio {best / times['narrow_mlp'][1]:.2f}x")
+
+
+def settings() -> None:
+    print("narrow_mlp settings, projector MLPs (10^5 x (3, 25, 25, 25) and 27,000 x (25, 25, 25, 1)), graphed us")
+    defaults = {name: getattr(mlp, name) for name in SETTINGS}
+    for name, values in SETTINGS.items():
+        for value in values:
+            setattr(mlp, name, value)
+            times = [graphed_ms(f) * 1000 for widths, rows in (((3, 25, 25, 25), 100_000), ((25, 25, 25, 1), 27_000))
+                     for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
+            print(f"{name} = {value}: " + ", ".join(f"{t:.1f}" for t in times))
+        setattr(mlp, name, defaults[name])
+
+
+if __name__ == "__main__":
+    print(torch.cuda.get_device_name(), torch.__version__)
+    settings()
+    shapes()

@@ -1,0 +1,323 @@
+"""Narrow MLPs (Linear -> ReLU -> ... -> Linear, every width at most MAX_WIDTH) over many
+rows, each pass in one kernel: ``fullgraph.narrow_mlp``.
+
+Point-cloud models run small MLPs on every point (the projector's 3 -> 25 -> 25 -> 25 on
+100,000 points). Layer by layer, each is a thin matrix product (for widths such as 25, not
+multiples of 4, cuBLAS takes SIMT kernels and split-K reductions), a bias and a ReLU, and
+the backward as many again, each moving the [N, width] activations through memory: the two
+projector MLPs' products alone took ~225 us of the seed kNN train step (~1,040 us) on the
+H100 (session 15 profile). The "triton" backend keeps a block of rows in registers through
+every layer: the forward reads x and writes the output once; the backward recomputes the
+activations from x (none are saved), writes dL/dx, and each program sums its rows' weight
+and bias gradients in registers into its own slot of a partial buffer that a fixed-order
+reduction sums (deterministic, no atomics).
+
+Floor (H100, ~3.35 TB/s): the projector's 10^5 x (3 -> 25) MLP reads 1.2 MB and writes
+10 MB, ~3.5 us forward; the backward reads x and dL/dout (11 MB), ~3.5 us; the arithmetic
+(widths padded to WP = 32; the backward recomputes, O(L^2) products for L layers) runs on
+tensor cores.
+
+Products are float32 on tensor cores as three TF32 products (``tf32x3``: each operand
+split into a TF32 head and tail; accuracy of float32 products, ~1e-6 relative), summed in
+float32. A row holding a non-finite value may come out NaN where PyTorch gives +-inf (the
+split of inf is NaN); rows never mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import _triton, _validate, backends
+from .._triton import tl, triton
+
+MAX_WIDTH = 64
+MAX_LAYERS = 8
+BLOCK = 64
+# tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
+PRECISION = "tf32x3"
+# Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
+BACKWARD_PROGRAMS_PER_SM = 2
+
+Tensor = torch.Tensor
+
+if triton is not None:
+
+    @triton.jit
+    def _layer(a, w, b, layer: tl.constexpr, cols, WP: tl.constexpr, RELU: tl.constexpr,
+               PRECISION: tl.constexpr):
+        """a [BLOCK, WP] -> a @ W_layer^T + b_layer (ReLU'd if RELU; NaN kept, as torch.relu)."""
+        weights_t = tl.load(w + layer * WP * WP + cols[None, :] * WP + cols[:, None])  # [in, out]
+        h = tl.dot(a, weights_t, input_precision=PRECISION) + tl.load(b + layer * WP + cols)[None, :]
+        if RELU:
+            h = tl.where(h < 0, 0.0, h)
+        return h
+
+    @triton.jit
+    def _hidden(x_block, w, b, upto: tl.constexpr, cols, WP: tl.constexpr, PRECISION: tl.constexpr):
+        """The input of layer ``upto`` (the ReLU'd output of the layer below it)."""
+        a = x_block
+        for layer in tl.static_range(upto):
+            a = _layer(a, w, b, layer, cols, WP, True, PRECISION)
+        return a
+
+    @triton.jit
+    def _load_rows(base, offs, rows, width: tl.constexpr, cols):
+        mask = (offs < rows)[:, None] & (cols < width)[None, :]
+        return tl.load(base + offs[:, None] * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _forward_kernel(x, w, b, out, rows, IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr,
+                        WP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, WP)
+        a = _hidden(_load_rows(x, offs, rows, IN, cols), w, b, LAYERS - 1, cols, WP, PRECISION)
+        a = _layer(a, w, b, LAYERS - 1, cols, WP, False, PRECISION)
+        mask = (offs < rows)[:, None] & (cols < OUT)[None, :]
+        tl.store(out + offs[:, None] * OUT + cols[None, :], a.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _backward_kernel(x, w, b, grad_out, grad_x, partials, rows, blocks,
+                         IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr, WP: tl.constexpr,
+                         BLOCK: tl.constexpr, GRAD_X: tl.constexpr, PRECISION: tl.constexpr):
+        """Program p sums, over row blocks p, p + programs, ..., each layer's dL/dW [WP, WP]
+        and dL/db [WP] into partials[p, layer] (a layer at a time: one accumulator held);
+        the layer-0 pass writes dL/dx."""
+        pid = tl.program_id(0)
+        programs = tl.num_programs(0)
+        cols = tl.arange(0, WP)
+        part = partials + pid.to(tl.int64) * LAYERS * (WP * WP + WP)
+        for step in tl.static_range(LAYERS):
+            layer = LAYERS - 1 - step
+            acc_w = tl.zeros((WP, WP), dtype=tl.float32)
+            acc_b = tl.zeros((WP,), dtype=tl.float32)
+            for block in range(pid, blocks, programs):
+                offs = tl.arange(0, BLOCK).to(tl.int64) + block * BLOCK
+                x_block = _load_rows(x, offs, rows, IN, cols)
+                delta = _load_rows(grad_out, offs, rows, OUT, cols)  # dL/d(output of the top layer)
+                for down in tl.static_range(LAYERS - 1 - layer):
+                    top = LAYERS - 1 - down
+                    weights = tl.load(w + top * WP * WP + cols[:, None] * WP + cols[None, :])  # [out, in]
+                    delta = tl.dot(delta, weights, input_precision=PRECISION)  # dL/d(input of top)
+                    below = _hidden(x_block, w, b, top, cols, WP, PRECISION)
+                    delta = tl.where(below <= 0, 0.0, delta)  # through the ReLU (torch's threshold_backward)
+                a = _hidden(x_block, w, b, layer, cols, WP, PRECISION)
+                acc_w += tl.dot(tl.trans(delta), a, input_precision=PRECISION)
+                acc_b += tl.sum(delta, 0)
+                if GRAD_X and layer == 0:
+                    weights = tl.load(w + cols[:, None] * WP + cols[None, :])
+                    g = tl.dot(delta, weights, input_precision=PRECISION)
+                    mask = (offs < rows)[:, None] & (cols < IN)[None, :]
+                    tl.store(grad_x + offs[:, None] * IN + cols[None, :], g.to(grad_x.dtype.element_ty), mask=mask)
+            slot = part + layer * (WP * WP + WP)
+            tl.store(slot + cols[:, None] * WP + cols[None, :], acc_w)
+            tl.store(slot + WP * WP + cols, acc_b)
+
+
+def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> Tensor:
+    """The MLP in PyTorch: F.linear and ReLU, in x's dtype."""
+    for layer, (weight, bias) in enumerate(zip(weights, biases)):
+        x = torch.nn.functional.linear(x, weight, bias)
+        if layer < len(weights) - 1:
+            x = torch.relu(x)
+    return x
+
+
+def _reference_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]:
+    """[dL/dx (zeros unless need_x), dL/dW..., dL/db...] of ``reference``, in PyTorch."""
+    inputs = [x]  # each layer's input
+    for layer in range(len(weights) - 1):
+        inputs.append(torch.relu(torch.nn.functional.linear(inputs[-1], weights[layer], biases[layer])))
+    delta = grad_out  # dL/d(output of the layer below)
+    grad_w, grad_b = [], []
+    for layer in reversed(range(len(weights))):
+        rows = inputs[layer].reshape(-1, weights[layer].shape[1])
+        flat = delta.reshape(-1, weights[layer].shape[0])
+        grad_w.insert(0, flat.T @ rows)
+        grad_b.insert(0, flat.sum(0))
+        delta = delta @ weights[layer]
+        if layer > 0:
+            delta = torch.where(inputs[layer] <= 0, 0.0, delta)  # through the ReLU, as threshold_backward
+    return [delta if need_x else torch.zeros_like(x), *grad_w, *grad_b]
+
+
+def _width(weights: Sequence[Tensor], x: Tensor) -> int:
+    return max([x.shape[-1], *(w.shape[0] for w in weights)])
+
+
+def _padded(weights, biases, device) -> tuple[Tensor, Tensor, int]:
+    """Weights [L, WP, WP] and biases [L, WP] float32, zero-padded to one width WP."""
+    wp = max(16, triton.next_power_of_2(max(max(w.shape) for w in weights)))
+    packed_w = torch.zeros((len(weights), wp, wp), dtype=torch.float32, device=device)
+    packed_b = torch.zeros((len(weights), wp), dtype=torch.float32, device=device)
+    for layer, (weight, bias) in enumerate(zip(weights, biases)):
+        packed_w[layer, :weight.shape[0], :weight.shape[1]] = weight
+        packed_b[layer, :bias.shape[0]] = bias
+    return packed_w, packed_b, wp
+
+
+def _check_triton_widths(x, weights) -> None:
+    if _width(weights, x) > MAX_WIDTH:
+        raise ValueError(f'weights: backend="triton" takes widths up to {MAX_WIDTH}, got layers '
+                         f"{[x.shape[-1], *(w.shape[0] for w in weights)]}")
+
+
+def _triton_forward(x, weights, biases):
+    _check_triton_widths(x, weights)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    out = torch.empty((*x.shape[:-1], weights[-1].shape[0]), dtype=x.dtype, device=x.device)
+    if rows and out.numel():
+        packed_w, packed_b, wp = _padded(weights, biases, x.device)
+        _forward_kernel[(triton.cdiv(rows, BLOCK),)](
+            x.contiguous(), packed_w, packed_b, out, rows, IN=x.shape[-1], OUT=out.shape[-1], LAYERS=len(weights),
+            WP=wp, BLOCK=BLOCK, PRECISION=PRECISION)
+    elif out.numel():  # no input columns: each row is the last layer of the biases alone
+        out.copy_(reference(x.new_zeros((*x.shape[:-1], 0)), weights, biases))
+    return out
+
+
+def _programs(blocks: int, device: torch.device) -> int:
+    per_sm = _triton.multiprocessors(device) * BACKWARD_PROGRAMS_PER_SM if device.type == "cuda" else 4
+    return max(1, min(blocks, per_sm))
+
+
+def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]:
+    _check_triton_widths(x, weights)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0 or grad_out.numel() == 0:
+        return _reference_backward(grad_out, x, weights, biases, need_x)
+    layers = len(weights)
+    packed_w, packed_b, wp = _padded(weights, biases, x.device)
+    blocks = triton.cdiv(rows, BLOCK)
+    programs = _programs(blocks, x.device)
+    partials = torch.empty((programs, layers, wp * wp + wp), dtype=torch.float32, device=x.device)
+    grad_x = torch.empty_like(x) if need_x else torch.zeros_like(x)
+    _backward_kernel[(programs,)](
+        x.contiguous(), packed_w, packed_b, grad_out.contiguous(), grad_x, partials, rows, blocks,
+        IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BLOCK, GRAD_X=need_x,
+        PRECISION=PRECISION)
+    grad_w = [partials[:, layer, :wp * wp].unflatten(1, (wp, wp))[:, :w.shape[0], :w.shape[1]].sum(0).to(w.dtype)
+              for layer, w in enumerate(weights)]
+    grad_b = [partials[:, layer, wp * wp:wp * wp + bias.shape[0]].sum(0).to(bias.dtype)
+              for layer, bias in enumerate(biases)]
+    return [grad_x, *grad_w, *grad_b]
+
+
+def _widest(device_type: str, dtype: torch.dtype, width, k: int) -> bool:
+    return width is None or width <= MAX_WIDTH
+
+
+BACKENDS = backends.family(
+    "narrow_mlp",
+    backends.Backend("triton", ops=("narrow_mlp",), devices=_triton.devices(), auto_devices=("cuda",),
+                     dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
+                     available=_triton.available, implementation=(_triton_forward, _triton_backward),
+                     auto_when=_widest, note='computes in float32 (use backend="torch" for float64)'),
+    backends.Backend("torch", ops=("narrow_mlp",), devices=(backends.ANY_DEVICE,),
+                     auto_devices=(backends.ANY_DEVICE,), implementation=(reference, _reference_backward)),
+)
+
+
+def _check(x, weights, biases) -> None:
+    _validate.floating("x", x)
+    if x.dim() < 1:
+        raise ValueError("x: expected [..., C_in] rows of features, got a 0-d tensor")
+    for name, values in (("weights", weights), ("biases", biases)):
+        if not isinstance(values, (list, tuple)) or not values:
+            raise TypeError(f"{name}: expected a non-empty list of tensors, got {_validate._describe(values)}")
+    if len(weights) > MAX_LAYERS:
+        raise ValueError(f"weights: expected at most {MAX_LAYERS} layers, got {len(weights)}")
+    if len(biases) != len(weights):
+        raise ValueError(f"biases: expected one per layer ({len(weights)}), got {len(biases)}")
+    width = x.shape[-1]
+    for layer, (weight, bias) in enumerate(zip(weights, biases)):
+        for name, value in ((f"weights[{layer}]", weight), (f"biases[{layer}]", bias)):
+            _validate.floating(name, value)
+            _validate.same_dtype_and_device(name, value, "x", x)
+        _validate.rank(f"weights[{layer}]", weight, (2,), "[C_out, C_in] (nn.Linear's weight)")
+        if weight.shape[1] != width:
+            raise ValueError(f"weights[{layer}]: expected [C_out, {width}] (its input is "
+                             f"{'x' if layer == 0 else f'layer {layer - 1}'}'s {width} columns), got {list(weight.shape)}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"biases[{layer}]: expected [{weight.shape[0]}] like weights[{layer}], got "
+                             f"{list(bias.shape)}")
+        width = weight.shape[0]
+
+
+def _resolve(backend, x, weights):
+    return BACKENDS.resolve(backend, "narrow_mlp", x.device, x.dtype, _width(weights, x), argument="x")
+
+
+@torch.library.custom_op("fullgraph::narrow_mlp", mutates_args=())
+def narrow_mlp_op(x: Tensor, weights: list[Tensor], biases: list[Tensor], backend: str) -> Tensor:
+    _check(x, weights, biases)
+    forward, _ = _resolve(backend, x, weights).implementation
+    return forward(x, weights, biases)
+
+
+@narrow_mlp_op.register_fake
+def _(x, weights, biases, backend):
+    return x.new_empty((*x.shape[:-1], weights[-1].shape[0]))
+
+
+@torch.library.custom_op("fullgraph::narrow_mlp_backward", mutates_args=())
+def narrow_mlp_backward_op(grad_out: Tensor, x: Tensor, weights: list[Tensor], biases: list[Tensor], backend: str,
+                           need_x: bool) -> list[Tensor]:
+    """[dL/dx (zeros unless need_x), dL/dW per layer..., dL/db per layer...]."""
+    _check(x, weights, biases)
+    _validate.floating("grad_out", grad_out)
+    expected = (*x.shape[:-1], weights[-1].shape[0])
+    if tuple(grad_out.shape) != expected or grad_out.device != x.device:
+        raise ValueError(f"grad_out: expected {list(expected)} on {x.device}, got {list(grad_out.shape)} on "
+                         f"{grad_out.device}")
+    _, backward = _resolve(backend, x, weights).implementation
+    return backward(grad_out.to(x.dtype), x, weights, biases, need_x)
+
+
+@narrow_mlp_backward_op.register_fake
+def _(grad_out, x, weights, biases, backend, need_x):
+    return [torch.empty_like(x), *(torch.empty_like(w) for w in weights), *(torch.empty_like(b) for b in biases)]
+
+
+def _setup(ctx, inputs, output):
+    x, weights, biases, backend = inputs
+    ctx.backend, ctx.layers = backend, len(weights)
+    ctx.save_for_backward(x, *weights, *biases)
+
+
+def _backward(ctx, grad):
+    x, *params = ctx.saved_tensors
+    weights, biases = params[:ctx.layers], params[ctx.layers:]
+    grads = narrow_mlp_backward_op(grad, x, weights, biases, ctx.backend, ctx.needs_input_grad[0])
+    return (grads[0] if ctx.needs_input_grad[0] else None, grads[1:1 + ctx.layers], grads[1 + ctx.layers:], None)
+
+
+narrow_mlp_op.register_autograd(_backward, setup_context=_setup)
+
+
+def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *, backend: str = "auto") -> Tensor:
+    """``Linear(weights[0], biases[0]) -> ReLU -> ... -> Linear(weights[-1], biases[-1])`` on
+    every row of x, each pass (forward, backward) one kernel on the "triton" backend.
+
+    Args:
+        x: [..., C_0] floating. weights: L (1 to MAX_LAYERS = 8) tensors [C_l+1, C_l] (nn.Linear's
+            ``weight``), biases: L tensors [C_l+1]; x's dtype and device.
+        backend: "triton" (CUDA; every width C_l at most MAX_WIDTH = 64; float16, bfloat16 and
+            float32 computed in float32, products as three TF32 products; see the module
+            docstring), "torch" (``F.linear`` and ``relu``) or "auto" ("triton" on CUDA where
+            the widths allow, else "torch").
+
+    Returns:
+        [..., C_L] in x's dtype; differentiable in x, weights and biases (deterministic).
+
+    Example:
+        >>> import torch, fullgraph
+        >>> layers = [torch.nn.Linear(3, 25), torch.nn.Linear(25, 25), torch.nn.Linear(25, 8)]
+        >>> x = torch.randn(1000, 3)
+        >>> fullgraph.narrow_mlp(x, [l.weight for l in layers], [l.bias for l in layers]).shape
+        torch.Size([1000, 8])
+    """
+    _check(x, weights, biases)
+    name = _resolve(backend, x, weights).name
+    return torch.ops.fullgraph.narrow_mlp(x, list(weights), list(biases), name)
