@@ -88,16 +88,14 @@ if triton is not None:
         programs = tl.num_programs(0)
         cols = tl.arange(0, WP)
         part = partials + pid.to(tl.int64) * LAYERS * (WP * WP + WP)
-        for step in tl.static_range(LAYERS):
-            layer = LAYERS - 1 - step
+        for layer in tl.static_range(LAYERS - 1, -1, -1):
             acc_w = tl.zeros((WP, WP), dtype=tl.float32)
             acc_b = tl.zeros((WP,), dtype=tl.float32)
             for block in range(pid, blocks, programs):
                 offs = tl.arange(0, BLOCK).to(tl.int64) + block * BLOCK
                 x_block = _load_rows(x, offs, rows, IN, cols)
                 delta = _load_rows(grad_out, offs, rows, OUT, cols)  # dL/d(output of the top layer)
-                for down in tl.static_range(LAYERS - 1 - layer):
-                    top = LAYERS - 1 - down
+                for top in tl.static_range(LAYERS - 1, layer, -1):
                     weights = tl.load(w + top * WP * WP + cols[:, None] * WP + cols[None, :])  # [out, in]
                     delta = tl.dot(delta, weights, input_precision=PRECISION)  # dL/d(input of top)
                     below = _hidden(x_block, w, b, top, cols, WP, PRECISION)
