@@ -15,9 +15,9 @@ from replay_profile import graphed_ms
 import fullgraph
 from fullgraph.ops import mlp
 
-WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 64, 64, 16), (64, 64), (3, 64, 64, 64, 64))
+WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32), (64, 64, 64))  # the last: "auto" takes torch
 ROWS = (1_000, 10_000, 100_000, 1_000_000)
-SETTINGS = {"BLOCK": (32, 64, 128), "PRECISION": ("tf32x3", "ieee"), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
+SETTINGS = {"BLOCK": (32, 64, 128), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4, 8)}
 
 
 def _model(widths):

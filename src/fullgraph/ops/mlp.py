@@ -7,15 +7,15 @@ multiples of 4, cuBLAS takes SIMT kernels and split-K reductions), a bias and a 
 the backward as many again, each moving the [N, width] activations through memory: the two
 projector MLPs' products alone took ~225 us of the seed kNN train step (~1,040 us) on the
 H100 (session 15 profile). The "triton" backend keeps a block of rows in registers through
-every layer: the forward reads x and writes the output once; the backward recomputes the
-activations from x (none are saved), writes dL/dx, and each program sums its rows' weight
-and bias gradients in registers into its own slot of a partial buffer that a fixed-order
-reduction sums (deterministic, no atomics).
+every layer: the forward reads x and writes the output once; the backward (up to four
+layers) recomputes the activations from x (none are saved), writes dL/dx, and each program
+sums its rows' weight and bias gradients in registers and writes them once to its own slot
+of a partial buffer, which one fixed-order reduction sums (deterministic, no atomics).
 
-Floor (H100, ~3.35 TB/s): the projector's 10^5 x (3 -> 25) MLP reads 1.2 MB and writes
-10 MB, ~3.5 us forward; the backward reads x and dL/dout (11 MB), ~3.5 us; the arithmetic
-(widths padded to WP = 32; the backward recomputes, O(L^2) products for L layers) runs on
-tensor cores.
+Floor (H100, ~3.35 TB/s): the projector's 10^5 x (3 -> 25 -> 25 -> 25) MLP reads 1.2 MB and
+writes 10 MB, ~3.5 us forward; the backward reads x and dL/dout (11 MB), ~3.5 us; the
+arithmetic (widths padded to WP = 32: 2L - 1 + L products of [64, 32] x [32, 32] a block of
+64 rows backward) runs on tensor cores.
 
 Products are float32 on tensor cores as three TF32 products (``tf32x3``: each operand
 split into a TF32 head and tail; accuracy of float32 products, ~1e-6 relative), summed in
@@ -32,8 +32,9 @@ import torch
 from .. import _triton, _validate, backends
 from .._triton import tl, triton
 
-MAX_WIDTH = 64
+MAX_WIDTH = 32  # wider layers' dot operands outgrow shared memory (4 x 64 wide: ~230 KB)
 MAX_LAYERS = 8
+TRITON_MAX_LAYERS = 4  # the backward kernel holds one accumulator a layer, unrolled
 BLOCK = 64
 # tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
 PRECISION = "tf32x3"
@@ -78,39 +79,102 @@ if triton is not None:
         tl.store(out + offs[:, None] * OUT + cols[None, :], a.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _weights(w, layer: tl.constexpr, cols, WP: tl.constexpr):
+        """W_layer [out, in] (zero-padded to [WP, WP])."""
+        return tl.load(w + layer * WP * WP + cols[:, None] * WP + cols[None, :])
+
+    @triton.jit
+    def _through(delta, weights, below, PRECISION: tl.constexpr):
+        """dL/d(pre-activation below) from delta = dL/d(output of the layer of ``weights``),
+        whose input is ``below`` = ReLU(pre-activation): torch's threshold_backward."""
+        return tl.where(below <= 0, 0.0, tl.dot(delta, weights, input_precision=PRECISION))
+
+    @triton.jit
+    def _accumulate(acc_w, acc_b, delta, a, PRECISION: tl.constexpr):
+        return acc_w + tl.dot(tl.trans(delta), a, input_precision=PRECISION), acc_b + tl.sum(delta, 0)
+
+    @triton.jit
     def _backward_kernel(x, w, b, grad_out, grad_x, partials, rows, blocks,
                          IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr, WP: tl.constexpr,
                          BLOCK: tl.constexpr, GRAD_X: tl.constexpr, PRECISION: tl.constexpr):
-        """Program p sums, over row blocks p, p + programs, ..., each layer's dL/dW [WP, WP]
-        and dL/db [WP] into partials[p, layer] (a layer at a time: one accumulator held);
-        the layer-0 pass writes dL/dx."""
+        """Program p sums, over row blocks p, p + programs, ..., every layer's dL/dW [WP, WP]
+        and dL/db [WP] in registers, then writes them to partials[p]; it writes dL/dx of its
+        rows. Up to four layers, one accumulator and one activation each, unrolled."""
         pid = tl.program_id(0)
-        programs = tl.num_programs(0)
         cols = tl.arange(0, WP)
+        zero_w = tl.zeros((WP, WP), dtype=tl.float32)
+        zero_b = tl.zeros((WP,), dtype=tl.float32)
+        acc_w0, acc_w1, acc_w2, acc_w3 = zero_w, zero_w, zero_w, zero_w
+        acc_b0, acc_b1, acc_b2, acc_b3 = zero_b, zero_b, zero_b, zero_b
+        w0 = _weights(w, 0, cols, WP)
+        w1, w2, w3 = w0, w0, w0
+        if LAYERS > 1:
+            w1 = _weights(w, 1, cols, WP)
+        if LAYERS > 2:
+            w2 = _weights(w, 2, cols, WP)
+        if LAYERS > 3:
+            w3 = _weights(w, 3, cols, WP)
+        for block in range(pid, blocks, tl.num_programs(0)):
+            offs = tl.arange(0, BLOCK).to(tl.int64) + block * BLOCK
+            a0 = _load_rows(x, offs, rows, IN, cols)
+            a1, a2, a3 = a0, a0, a0  # each layer's input (a0 = x)
+            if LAYERS > 1:
+                a1 = _layer(a0, w, b, 0, cols, WP, True, PRECISION)
+            if LAYERS > 2:
+                a2 = _layer(a1, w, b, 1, cols, WP, True, PRECISION)
+            if LAYERS > 3:
+                a3 = _layer(a2, w, b, 2, cols, WP, True, PRECISION)
+            delta = _load_rows(grad_out, offs, rows, OUT, cols)  # dL/d(output of the top layer)
+            if LAYERS > 3:
+                acc_w3, acc_b3 = _accumulate(acc_w3, acc_b3, delta, a3, PRECISION)
+                delta = _through(delta, w3, a3, PRECISION)
+            if LAYERS > 2:
+                acc_w2, acc_b2 = _accumulate(acc_w2, acc_b2, delta, a2, PRECISION)
+                delta = _through(delta, w2, a2, PRECISION)
+            if LAYERS > 1:
+                acc_w1, acc_b1 = _accumulate(acc_w1, acc_b1, delta, a1, PRECISION)
+                delta = _through(delta, w1, a1, PRECISION)
+            acc_w0, acc_b0 = _accumulate(acc_w0, acc_b0, delta, a0, PRECISION)
+            if GRAD_X:
+                g = tl.dot(delta, w0, input_precision=PRECISION)
+                mask = (offs < rows)[:, None] & (cols < IN)[None, :]
+                tl.store(grad_x + offs[:, None] * IN + cols[None, :], g.to(grad_x.dtype.element_ty), mask=mask)
         part = partials + pid.to(tl.int64) * LAYERS * (WP * WP + WP)
-        for layer in tl.static_range(LAYERS - 1, -1, -1):
-            acc_w = tl.zeros((WP, WP), dtype=tl.float32)
-            acc_b = tl.zeros((WP,), dtype=tl.float32)
-            for block in range(pid, blocks, programs):
-                offs = tl.arange(0, BLOCK).to(tl.int64) + block * BLOCK
-                x_block = _load_rows(x, offs, rows, IN, cols)
-                delta = _load_rows(grad_out, offs, rows, OUT, cols)  # dL/d(output of the top layer)
-                for top in tl.static_range(LAYERS - 1, layer, -1):
-                    weights = tl.load(w + top * WP * WP + cols[:, None] * WP + cols[None, :])  # [out, in]
-                    delta = tl.dot(delta, weights, input_precision=PRECISION)  # dL/d(input of top)
-                    below = _hidden(x_block, w, b, top, cols, WP, PRECISION)
-                    delta = tl.where(below <= 0, 0.0, delta)  # through the ReLU (torch's threshold_backward)
-                a = _hidden(x_block, w, b, layer, cols, WP, PRECISION)
-                acc_w += tl.dot(tl.trans(delta), a, input_precision=PRECISION)
-                acc_b += tl.sum(delta, 0)
-                if GRAD_X and layer == 0:
-                    weights = tl.load(w + cols[:, None] * WP + cols[None, :])
-                    g = tl.dot(delta, weights, input_precision=PRECISION)
-                    mask = (offs < rows)[:, None] & (cols < IN)[None, :]
-                    tl.store(grad_x + offs[:, None] * IN + cols[None, :], g.to(grad_x.dtype.element_ty), mask=mask)
-            slot = part + layer * (WP * WP + WP)
-            tl.store(slot + cols[:, None] * WP + cols[None, :], acc_w)
-            tl.store(slot + WP * WP + cols, acc_b)
+        _store_partial(part, 0, acc_w0, acc_b0, cols, WP)
+        if LAYERS > 1:
+            _store_partial(part, 1, acc_w1, acc_b1, cols, WP)
+        if LAYERS > 2:
+            _store_partial(part, 2, acc_w2, acc_b2, cols, WP)
+        if LAYERS > 3:
+            _store_partial(part, 3, acc_w3, acc_b3, cols, WP)
+
+    @triton.jit
+    def _store_partial(part, layer: tl.constexpr, acc_w, acc_b, cols, WP: tl.constexpr):
+        slot = part + layer * (WP * WP + WP)
+        tl.store(slot + cols[:, None] * WP + cols[None, :], acc_w)
+        tl.store(slot + WP * WP + cols, acc_b)
+
+    @triton.jit
+    def _unpack_kernel(total, gw0, gw1, gw2, gw3, gb0, gb1, gb2, gb3, c0, c1, c2, c3, c4,
+                       LAYERS: tl.constexpr, WP: tl.constexpr):
+        """Each layer's summed [WP, WP] and [WP] of total [LAYERS, WP * WP + WP] into its
+        [C_l+1, C_l] weight and [C_l+1] bias gradients (widths c0..c4)."""
+        cols = tl.arange(0, WP)
+        _unpack(total, 0, gw0, gb0, c0, c1, cols, WP)
+        if LAYERS > 1:
+            _unpack(total, 1, gw1, gb1, c1, c2, cols, WP)
+        if LAYERS > 2:
+            _unpack(total, 2, gw2, gb2, c2, c3, cols, WP)
+        if LAYERS > 3:
+            _unpack(total, 3, gw3, gb3, c3, c4, cols, WP)
+
+    @triton.jit
+    def _unpack(total, layer: tl.constexpr, gw, gb, fan_in, fan_out, cols, WP: tl.constexpr):
+        slot = total + layer * (WP * WP + WP)
+        values = tl.load(slot + cols[:, None] * WP + cols[None, :])
+        mask = (cols < fan_out)[:, None] & (cols < fan_in)[None, :]
+        tl.store(gw + cols[:, None] * fan_in + cols[None, :], values.to(gw.dtype.element_ty), mask=mask)
+        tl.store(gb + cols, tl.load(slot + WP * WP + cols).to(gb.dtype.element_ty), mask=cols < fan_out)
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> Tensor:
@@ -156,9 +220,9 @@ def _padded(weights, biases, device) -> tuple[Tensor, Tensor, int]:
 
 
 def _check_triton_widths(x, weights) -> None:
-    if _width(weights, x) > MAX_WIDTH:
-        raise ValueError(f'weights: backend="triton" takes widths up to {MAX_WIDTH}, got layers '
-                         f"{[x.shape[-1], *(w.shape[0] for w in weights)]}")
+    if _width(weights, x) > MAX_WIDTH or len(weights) > TRITON_MAX_LAYERS:
+        raise ValueError(f'weights: backend="triton" takes up to {TRITON_MAX_LAYERS} layers of widths up to '
+                         f"{MAX_WIDTH}, got widths {[x.shape[-1], *(w.shape[0] for w in weights)]}")
 
 
 def _triton_forward(x, weights, biases):
@@ -195,15 +259,21 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
         x.contiguous(), packed_w, packed_b, grad_out.contiguous(), grad_x, partials, rows, blocks,
         IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BLOCK, GRAD_X=need_x,
         PRECISION=PRECISION)
-    grad_w = [partials[:, layer, :wp * wp].unflatten(1, (wp, wp))[:, :w.shape[0], :w.shape[1]].sum(0).to(w.dtype)
-              for layer, w in enumerate(weights)]
-    grad_b = [partials[:, layer, wp * wp:wp * wp + bias.shape[0]].sum(0).to(bias.dtype)
-              for layer, bias in enumerate(biases)]
+    grad_w = [torch.empty_like(weight) for weight in weights]
+    grad_b = [torch.empty_like(bias) for bias in biases]
+    widths = [x.shape[-1], *(weight.shape[0] for weight in weights)]
+    _unpack_kernel[(1,)](partials.sum(0), *_four(grad_w), *_four(grad_b), *(widths + [0] * 4)[:5], LAYERS=layers,
+                         WP=wp)
     return [grad_x, *grad_w, *grad_b]
 
 
-def _widest(device_type: str, dtype: torch.dtype, width, k: int) -> bool:
-    return width is None or width <= MAX_WIDTH
+def _four(tensors: list[Tensor]) -> list[Tensor]:
+    """The kernel's four per-layer pointers: the layers' tensors, then repeats of the first."""
+    return (tensors + tensors[:1] * 4)[:TRITON_MAX_LAYERS]
+
+
+def _fits_triton(device_type: str, dtype: torch.dtype, width, layers: int) -> bool:
+    return (width is None or width <= MAX_WIDTH) and layers <= TRITON_MAX_LAYERS
 
 
 BACKENDS = backends.family(
@@ -211,7 +281,7 @@ BACKENDS = backends.family(
     backends.Backend("triton", ops=("narrow_mlp",), devices=_triton.devices(), auto_devices=("cuda",),
                      dtypes=(torch.float16, torch.bfloat16, torch.float32), install=_triton.INSTALL,
                      available=_triton.available, implementation=(_triton_forward, _triton_backward),
-                     auto_when=_widest, note='computes in float32 (use backend="torch" for float64)'),
+                     auto_when=_fits_triton, note='computes in float32 (use backend="torch" for float64)'),
     backends.Backend("torch", ops=("narrow_mlp",), devices=(backends.ANY_DEVICE,),
                      auto_devices=(backends.ANY_DEVICE,), implementation=(reference, _reference_backward)),
 )
@@ -244,7 +314,7 @@ def _check(x, weights, biases) -> None:
 
 
 def _resolve(backend, x, weights):
-    return BACKENDS.resolve(backend, "narrow_mlp", x.device, x.dtype, _width(weights, x), argument="x")
+    return BACKENDS.resolve(backend, "narrow_mlp", x.device, x.dtype, _width(weights, x), len(weights), argument="x")
 
 
 @torch.library.custom_op("fullgraph::narrow_mlp", mutates_args=())
@@ -301,10 +371,10 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
     Args:
         x: [..., C_0] floating. weights: L (1 to MAX_LAYERS = 8) tensors [C_l+1, C_l] (nn.Linear's
             ``weight``), biases: L tensors [C_l+1]; x's dtype and device.
-        backend: "triton" (CUDA; every width C_l at most MAX_WIDTH = 64; float16, bfloat16 and
+        backend: "triton" (CUDA; up to 4 layers of widths C_l at most MAX_WIDTH = 32; float16, bfloat16 and
             float32 computed in float32, products as three TF32 products; see the module
             docstring), "torch" (``F.linear`` and ``relu``) or "auto" ("triton" on CUDA where
-            the widths allow, else "torch").
+            the layers allow, else "torch").
 
     Returns:
         [..., C_L] in x's dtype; differentiable in x, weights and biases (deterministic).
