@@ -2,12 +2,14 @@
 and forward + backward, each from a CUDA graph (the GPU's time alone), over row counts and
 widths beyond the projector's; then the "triton" kernel's settings on the projector's MLPs.
 
-    python benchmarks/mlp_shapes.py > mlp.log     (needs a CUDA device)
+    python benchmarks/mlp_shapes.py [--settings] > mlp.log     (needs a CUDA device)
 
 CUDA-event medians of graph replays after warm-up, all in one process, random inputs.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from replay_profile import graphed_ms
@@ -17,7 +19,9 @@ from fullgraph.ops import mlp
 
 WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32), (64, 64, 64))  # the last: "auto" takes torch
 ROWS = (1_000, 10_000, 100_000, 1_000_000)
-SETTINGS = {"BLOCK": (32, 64, 128), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4, 8)}
+# One setting at a time from the defaults, then BLOCK x NUM_WARPS together.
+SETTINGS = {"BLOCK": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
+PAIRS = ((128, 8), (256, 8), (128, 4), (32, 2))
 
 
 def _model(widths):
@@ -73,9 +77,16 @@ def settings() -> None:
                      for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
             print(f"{name} = {value}: " + ", ".join(f"{t:.1f}" for t in times))
         setattr(mlp, name, defaults[name])
+    for block, warps in PAIRS:
+        mlp.BLOCK, mlp.NUM_WARPS = block, warps
+        times = [graphed_ms(f) * 1000 for widths, rows in (((3, 25, 25, 25), 100_000), ((25, 25, 25, 1), 27_000))
+                 for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
+        print(f"BLOCK = {block}, NUM_WARPS = {warps}: " + ", ".join(f"{t:.1f}" for t in times))
+    mlp.BLOCK, mlp.NUM_WARPS = defaults["BLOCK"], defaults["NUM_WARPS"]
 
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
     settings()
-    shapes()
+    if "--settings" not in sys.argv:
+        shapes()

@@ -36,6 +36,7 @@ MAX_WIDTH = 32  # wider layers' dot operands outgrow shared memory (4 x 64 wide:
 MAX_LAYERS = 8
 TRITON_MAX_LAYERS = 4  # the backward kernel holds one accumulator a layer, unrolled
 BLOCK = 64
+NUM_WARPS = 4
 # tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
 PRECISION = "tf32x3"
 # Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
@@ -233,7 +234,7 @@ def _triton_forward(x, weights, biases):
         packed_w, packed_b, wp = _padded(weights, biases, x.device)
         _forward_kernel[(triton.cdiv(rows, BLOCK),)](
             x.contiguous(), packed_w, packed_b, out, rows, IN=x.shape[-1], OUT=out.shape[-1], LAYERS=len(weights),
-            WP=wp, BLOCK=BLOCK, PRECISION=PRECISION)
+            WP=wp, BLOCK=BLOCK, PRECISION=PRECISION, num_warps=NUM_WARPS)
     elif out.numel():  # no input columns: each row is the last layer of the biases alone
         out.copy_(reference(x.new_zeros((*x.shape[:-1], 0)), weights, biases))
     return out
@@ -258,7 +259,7 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
     _backward_kernel[(programs,)](
         x.contiguous(), packed_w, packed_b, grad_out.contiguous(), grad_x, partials, rows, blocks,
         IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BLOCK, GRAD_X=need_x,
-        PRECISION=PRECISION)
+        PRECISION=PRECISION, num_warps=NUM_WARPS)
     grad_w = [torch.empty_like(weight) for weight in weights]
     grad_b = [torch.empty_like(bias) for bias in biases]
     widths = [x.shape[-1], *(weight.shape[0] for weight in weights)]

@@ -175,3 +175,25 @@ def test_triton_gradients_match_the_reference(backend, device, generator):
         for e, a in zip(expected, actual):
             if e is not None:
                 torch.testing.assert_close(a.double(), e, rtol=1e-3, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("backend, device", backend_cases())
+@pytest.mark.parametrize("wanted", ["features", "features and query", "features and ref"])
+def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, device, wanted, generator):
+    """Coordinates that do not require grad (data, as in the projectors) skip their
+    gradient kernels; the gradients that are wanted equal those of the full backward."""
+    query = points("normal", 40, 3, generator).float().to(device)
+    ref = points("normal", 90, 3, generator).float().to(device)
+    features = torch.randn(90, 4, generator=generator).to(device)
+    for call in (lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 6, sigma=0.3, backend=backend),
+                 lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.8, sigma=0.3, backend=backend)):
+        full = [t.clone().requires_grad_() for t in (query, ref, features)]
+        out = call(*full)
+        grad = torch.randn(out.shape, generator=generator).to(device)
+        want = torch.autograd.grad(out, full, grad)
+        partial = [t.clone().requires_grad_(name in wanted) for t, name in zip((query, ref, features),
+                                                                                ("query", "ref", "features"))]
+        out = call(*partial)
+        got = torch.autograd.grad(out, [t for t in partial if t.requires_grad], grad)
+        for g, w in zip(got, [w for w, t in zip(want, partial) if t.requires_grad]):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

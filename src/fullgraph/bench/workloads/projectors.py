@@ -64,13 +64,17 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
         cases.append(Case(name, forward, train_step, check, explain))
     if device.type == "cuda":
         cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid, cloud, targets))
+        cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid.clone().requires_grad_(),
+                                      cloud.clone().requires_grad_(), targets))
     return cases
 
 
 def _whole_step_case(model: torch.nn.Module, grid, cloud, targets) -> Case:
     """The whole train step (forward, backward, Adam) replayed from one CUDA graph: the model
     compiled (default mode), Adam with ``capturable=True`` (its step counts on the device),
-    gradients zeroed in place so their memory stays put, all captured by fullgraph.graphs."""
+    gradients zeroed in place so their memory stays put, all captured by fullgraph.graphs.
+    Points that require grad (the variant "point gradients") also get dL/dgrid and dL/dcloud;
+    the tutorial's points are data (no gradient: those kernels do not run)."""
     model.aggregation = "fullgraph"
     compiled = torch.compile(model, fullgraph=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
@@ -84,7 +88,8 @@ def _whole_step_case(model: torch.nn.Module, grid, cloud, targets) -> Case:
 
     train_step = functools.partial(graphs.graphed(step), grid, cloud, targets)
     forward = functools.partial(graphs.graphed(torch.no_grad()(compiled)), grid, cloud)
-    return Case("fullgraph compiled, whole step graphed", forward, train_step)
+    name = "fullgraph compiled, whole step graphed" + (", point gradients" if cloud.requires_grad else "")
+    return Case(name, forward, train_step)
 
 
 def _knn_projector(params, device):

@@ -288,8 +288,10 @@ class Kernels:
         return out.to(features.dtype)
 
     def radius_aggregate_backward(self, grad_out, query, ref, features, out, radius: float, sigma: float,
-                                  query_lengths, ref_lengths):
-        """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk."""
+                                  query_lengths, ref_lengths, query_grad: bool = True, ref_grad: bool = True):
+        """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk. A
+        backend may skip grad_query (grad_ref) where query_grad (ref_grad) is False and return
+        zeros; here the pairs give all three at once."""
         acc = accumulation_dtype(query.dtype)
         grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (query, ref, features)]
         grad_query, grad_ref, grad_features = grads

@@ -315,7 +315,9 @@ def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
         return (None,) * 9
     grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma[0],
                                                           ctx.backend, ctx.sigma[1])
-    grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
+    grad_query = grad_ref = None
+    if any(ctx.needs_input_grad[:2]):  # points are often data: then their gradients are never computed
+        grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
     return grad_query, grad_ref, grad_features, None, None, None, None, None, None
 
 
@@ -346,9 +348,11 @@ def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend, 
 def radius_aggregate_backward_op(
     grad_out: Tensor, query: Tensor, ref: Tensor, features: Tensor, out: Tensor, radius: float,
     sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
-    radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None,
+    radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None, query_grad: bool = True,
+    ref_grad: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(grad_query, grad_ref, grad_features), recomputing the pairs."""
+    """(grad_query, grad_ref, grad_features), recomputing the pairs. With ``query_grad``
+    (``ref_grad``) False that gradient is not wanted: a backend may skip it and return zeros."""
     radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
@@ -359,12 +363,12 @@ def radius_aggregate_backward_op(
             raise ValueError(f"{name}: expected [B, M, C] = {list(expected)}, got {list(value.shape)}")
     return kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate_backward(
         grad_out, query.contiguous(), ref.contiguous(), features.contiguous(), out, radius, sigma,
-        query_lengths, ref_lengths)
+        query_lengths, ref_lengths, query_grad, ref_grad)
 
 
 @radius_aggregate_backward_op.register_fake
 def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend, radius_tensor=None,
-      sigma_tensor=None):
+      sigma_tensor=None, query_grad=True, ref_grad=True):
     return torch.empty_like(query), torch.empty_like(ref), torch.empty_like(features)
 
 
@@ -379,10 +383,11 @@ def _radius_aggregate_setup(ctx, inputs, output):
 
 def _radius_aggregate_backward(ctx, grad_out):
     query, ref, features, out, query_lengths, ref_lengths = ctx.saved_tensors
+    query_grad, ref_grad = ctx.needs_input_grad[:2]
     grads = radius_aggregate_backward_op(
-        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend, *ctx.tensors
-    )
-    return (*grads, None, None, None, None, None, None, None)
+        grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend, *ctx.tensors,
+        query_grad, ref_grad)
+    return (grads[0] if query_grad else None, grads[1] if ref_grad else None, grads[2], *(None,) * 7)
 
 
 radius_aggregate_op.register_autograd(_radius_aggregate_backward, setup_context=_radius_aggregate_setup)

@@ -163,8 +163,11 @@ def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_len
     return out
 
 
-def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
-    """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics."""
+def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
+                              query_grad=True, ref_grad=True):
+    """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics.
+    Without query_grad the query-side kernel does not run (grad_query is zeros); without
+    ref_grad the reference-side one sums the feature gradients only (grad_ref is zeros)."""
     batch, rows, dim = query.shape
     columns, channels = ref.shape[1], features.shape[-1]
     grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -181,10 +184,11 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         block_m, block_n, warps = AGGREGATE_BLOCKS
         launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps)
         clouds = (queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start)
-        for programs, grad_points, ref_side in (((triton.cdiv(rows, block_m), batch), grad_query, False),
-                                                ((triton.cdiv(columns, block_n), batch), grad_ref, True)):
+        sides = [((triton.cdiv(rows, block_m), batch), grad_query, False)] if query_grad else []
+        sides.append(((triton.cdiv(columns, block_n), batch), grad_ref, True))
+        for programs, grad_points, ref_side in sides:
             kernels.radius_grad_kernel[programs](*clouds, *stats, grad_points, grad_features, rows, columns, **common,
-                                             REF_SIDE=ref_side, **sizes, **launch)
+                                             REF_SIDE=ref_side, PULLS=ref_grad or not ref_side, **sizes, **launch)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 

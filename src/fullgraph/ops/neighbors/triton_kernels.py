@@ -390,14 +390,15 @@ if triton is not None:
     def radius_grad_kernel(
         q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
         values, shape, grad_points, grad_features, rows, columns, cells, channels, radius2, reach, inv_sigma,
-        REF_SIDE: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+        REF_SIDE: tl.constexpr, PULLS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
     ):
         """The gradients of radius_aggregate, gathered (no atomics). REF_SIDE False: a program
         owns BLOCK_M sorted queries and walks the reference cells around them, writing
         grad_points = dL/dquery; True: it owns BLOCK_N sorted references and walks the query
         cells, writing grad_points = dL/dref and grad_features. The owned side's per-row
-        arrays are indexed within the item, the walked side's by sorted position."""
+        arrays are indexed within the item, the walked side's by sorted position. PULLS False
+        (REF_SIDE only): the feature gradients alone (dL/dref is not wanted; it stays 0)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         slot_base = b * (cells + 1)
@@ -446,7 +447,8 @@ if triton is not None:
                                 delta + grad_rows, channels, inv_sigma, scale, D, DP, CP)
                             if REF_SIDE:
                                 acc_features += tl.dot(tl.trans(p), g, input_precision="ieee")
-                                acc_points -= _pulls(c, q, r, 0, D, DP)
+                                if PULLS:
+                                    acc_points -= _pulls(c, q, r, 0, D, DP)
                             else:
                                 acc_points += _pulls(c, q, r, 1, D, DP)
         _store_rows(grad_points, own_order, own_offs, own_count, item, acc_points, D, DP)

@@ -278,7 +278,9 @@ def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_len
     return out.reshape(batch, rows, channels)
 
 
-def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths):
+def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
+                              query_grad=True, ref_grad=True):
+    """``pairs.Kernels.radius_aggregate_backward``: Warp's kernel computes all three gradients."""
     if query.numel() == 0 or ref.numel() == 0 or features.shape[-1] == 0:
         return torch.zeros_like(query), torch.zeros_like(ref), torch.zeros_like(features)
     flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
