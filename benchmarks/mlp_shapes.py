@@ -20,8 +20,9 @@ from fullgraph.ops import mlp
 WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32), (64, 64, 64))  # the last: "auto" takes torch
 ROWS = (1_000, 10_000, 100_000, 1_000_000)
 # One setting at a time from the defaults, then BLOCK x NUM_WARPS together.
-SETTINGS = {"BLOCK": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
-PAIRS = ((128, 8), (256, 8), (128, 4), (32, 2))
+SETTINGS = {"BLOCK": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "BACKWARD_BLOCK": (16, 32, 64),
+            "BACKWARD_NUM_WARPS": (1, 2, 4), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
+PAIRS = ((128, 8), (32, 2), (16, 1))  # (BACKWARD_BLOCK, BACKWARD_NUM_WARPS) together
 
 
 def _model(widths):
@@ -78,11 +79,11 @@ def settings() -> None:
             print(f"{name} = {value}: " + ", ".join(f"{t:.1f}" for t in times))
         setattr(mlp, name, defaults[name])
     for block, warps in PAIRS:
-        mlp.BLOCK, mlp.NUM_WARPS = block, warps
+        mlp.BACKWARD_BLOCK, mlp.BACKWARD_NUM_WARPS = block, warps
         times = [graphed_ms(f) * 1000 for widths, rows in (((3, 25, 25, 25), 100_000), ((25, 25, 25, 1), 27_000))
                  for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
-        print(f"BLOCK = {block}, NUM_WARPS = {warps}: " + ", ".join(f"{t:.1f}" for t in times))
-    mlp.BLOCK, mlp.NUM_WARPS = defaults["BLOCK"], defaults["NUM_WARPS"]
+        print(f"BACKWARD_BLOCK = {block}, BACKWARD_NUM_WARPS = {warps}: " + ", ".join(f"{t:.1f}" for t in times))
+    mlp.BACKWARD_BLOCK, mlp.BACKWARD_NUM_WARPS = defaults["BACKWARD_BLOCK"], defaults["BACKWARD_NUM_WARPS"]
 
 
 if __name__ == "__main__":

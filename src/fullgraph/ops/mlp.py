@@ -14,8 +14,8 @@ of a partial buffer, which one fixed-order reduction sums (deterministic, no ato
 
 Floor (H100, ~3.35 TB/s): the projector's 10^5 x (3 -> 25 -> 25 -> 25) MLP reads 1.2 MB and
 writes 10 MB, ~3.5 us forward; the backward reads x and dL/dout (11 MB), ~3.5 us; the
-arithmetic (widths padded to WP = 32: 2L - 1 + L products of [64, 32] x [32, 32] a block of
-64 rows backward) runs on tensor cores.
+arithmetic (widths padded to WP = 32: 3L - 1 products of [32, 32] x [32, 32] a block of 32 rows
+backward) runs on tensor cores.
 
 Products are float32 on tensor cores as three TF32 products (``tf32x3``: each operand
 split into a TF32 head and tail; accuracy of float32 products, ~1e-6 relative), summed in
@@ -35,8 +35,12 @@ from .._triton import tl, triton
 MAX_WIDTH = 32  # wider layers' dot operands outgrow shared memory (4 x 64 wide: ~230 KB)
 MAX_LAYERS = 8
 TRITON_MAX_LAYERS = 4  # the backward kernel holds one accumulator a layer, unrolled
-BLOCK = 64
-NUM_WARPS = 4
+# Rows a program takes at once, and its warps: forward, backward (H100, the projector's two
+# MLPs, graphed forward / forward + backward, benchmarks/mlp_shapes.py --settings, run FD:
+# backward blocks of 32 rows on 2 warps 150 / 82 us against 191 / 90 for 64 on 4 and 422 /
+# 192 for 64 on 8; the forward 30 us at 64 on 4 against 36 at 32 on 2).
+BLOCK, NUM_WARPS = 64, 4
+BACKWARD_BLOCK, BACKWARD_NUM_WARPS = 32, 2
 # tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
 PRECISION = "tf32x3"
 # Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
@@ -252,14 +256,14 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
         return _reference_backward(grad_out, x, weights, biases, need_x)
     layers = len(weights)
     packed_w, packed_b, wp = _padded(weights, biases, x.device)
-    blocks = triton.cdiv(rows, BLOCK)
+    blocks = triton.cdiv(rows, BACKWARD_BLOCK)
     programs = _programs(blocks, x.device)
     partials = torch.empty((programs, layers, wp * wp + wp), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if need_x else torch.zeros_like(x)
     _backward_kernel[(programs,)](
         x.contiguous(), packed_w, packed_b, grad_out.contiguous(), grad_x, partials, rows, blocks,
-        IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BLOCK, GRAD_X=need_x,
-        PRECISION=PRECISION, num_warps=NUM_WARPS)
+        IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BACKWARD_BLOCK, GRAD_X=need_x,
+        PRECISION=PRECISION, num_warps=BACKWARD_NUM_WARPS)
     grad_w = [torch.empty_like(weight) for weight in weights]
     grad_b = [torch.empty_like(bias) for bias in biases]
     widths = [x.shape[-1], *(weight.shape[0] for weight in weights)]

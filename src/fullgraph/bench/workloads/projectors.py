@@ -63,32 +63,37 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
         explain = (variant_model, (grid, cloud)) if options is None else None
         cases.append(Case(name, forward, train_step, check, explain))
     if device.type == "cuda":
-        cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid, cloud, targets))
-        cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid.clone().requires_grad_(),
-                                      cloud.clone().requires_grad_(), targets))
+        for point_gradients in (False, True):
+            cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid, cloud, targets, point_gradients))
     return cases
 
 
-def _whole_step_case(model: torch.nn.Module, grid, cloud, targets) -> Case:
+def _whole_step_case(model: torch.nn.Module, grid, cloud, targets, point_gradients: bool) -> Case:
     """The whole train step (forward, backward, Adam) replayed from one CUDA graph: the model
     compiled (default mode), Adam with ``capturable=True`` (its step counts on the device),
     gradients zeroed in place so their memory stays put, all captured by fullgraph.graphs.
-    Points that require grad (the variant "point gradients") also get dL/dgrid and dL/dcloud;
-    the tutorial's points are data (no gradient: those kernels do not run)."""
+    The tutorial's points are data: no gradient, and those kernels do not run. With
+    ``point_gradients`` the step also takes dL/dgrid and dL/dcloud (leaves of the step, not
+    graph inputs: fullgraph.graphs copies its inputs, detached)."""
     model.aggregation = "fullgraph"
     compiled = torch.compile(model, fullgraph=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True)
+    points = [grid.clone().requires_grad_(), cloud.clone().requires_grad_()] if point_gradients else []
 
     def step(grid, cloud, targets):
+        if points:
+            grid, cloud = points
         loss = torch.mean((compiled(grid, cloud) - targets) ** 2)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
+        for point in points:
+            point.grad.zero_()
         return loss
 
     train_step = functools.partial(graphs.graphed(step), grid, cloud, targets)
     forward = functools.partial(graphs.graphed(torch.no_grad()(compiled)), grid, cloud)
-    name = "fullgraph compiled, whole step graphed" + (", point gradients" if cloud.requires_grad else "")
+    name = "fullgraph compiled, whole step graphed" + (", point gradients" if point_gradients else "")
     return Case(name, forward, train_step)
 
 
