@@ -197,3 +197,29 @@ def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, devic
         got = torch.autograd.grad(out, [t for t in partial if t.requires_grad], grad)
         for g, w in zip(got, [w for w, t in zip(want, partial) if t.requires_grad]):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
+def test_triton_forward_stats_spare_the_backward_a_pass(backend, device, generator):
+    """The forward's per-query stats (least distance within the radius, weight sum) are what
+    they say, and the backward given them equals the one that recomputes them, bit for bit."""
+    query = torch.stack([points("normal", 40, 3, generator) for _ in range(2)]).float().to(device) * 3
+    ref = torch.stack([points("clustered", 90, 3, generator) for _ in range(2)]).float().to(device) * 3
+    features = torch.randn(2, 90, 4, generator=generator).to(device)
+    lengths = torch.tensor([40, 17], device=device), torch.tensor([90, 60], device=device)
+    ops = torch.ops.fullgraph
+    out, stats = ops.radius_aggregate(query, ref, features, 1.5, 0.3, *lengths, backend)
+    d = torch.cdist(query.double(), ref.double())
+    valid = (torch.arange(40, device=device)[None, :, None] < lengths[0][:, None, None]) & (
+        torch.arange(90, device=device)[None, None, :] < lengths[1][:, None, None])
+    inside = valid & (d <= 1.5)
+    least = torch.where(inside, d, torch.inf).amin(-1)
+    total = torch.where(inside, torch.exp((least[..., None] - d) / 0.3), 0.0).sum(-1)
+    torch.testing.assert_close(stats[..., 0].double(), least, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(stats[..., 1].double(), total, rtol=1e-5, atol=1e-5)
+    grad = torch.randn(out.shape, generator=generator).to(device)
+    given = ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend, None, None,
+                                          True, True, stats)
+    recomputed = ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend)
+    for a, b in zip(given, recomputed):
+        assert torch.equal(a, b)

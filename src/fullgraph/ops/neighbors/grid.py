@@ -32,6 +32,7 @@ BUDGET = 32
 REFINEMENTS = 1
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
+SCALE_COLUMN = 9  # of Frame.values: the item's scale
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class SortedPoints:
 
 if triton is not None:
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
-    SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(9)
+    SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     VALUES = tl.constexpr(12)
 
     @triton.jit
@@ -293,7 +294,7 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, que
     cells = cell_budget(columns, grid_dims)
     values = torch.zeros((batch, 12), dtype=torch.float32, device=ref.device)
     values[:, 6:8] = 1.0  # a unit cell, until the kernel below sizes it
-    values[:, 9] = 1.0  # and unit scale
+    values[:, SCALE_COLUMN] = 1.0  # and unit scale
     shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
     if batch:
         bounds, blocks = _bounds(ref, ref_lengths, grid_dims)

@@ -140,34 +140,41 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
 
 
 def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=None):
-    """Per sorted query (minimum distance, weight sum) and, unless ``out`` is None, the output."""
+    """Per sorted query (minimum distance in the item's scaled units, weight sum); or, with
+    ``out`` [B, M, C], the output into it and returned, the stats [B, M, 2] (caller's units)
+    at the queries' original rows."""
     batch, rows = query.shape[:2]
-    row_min = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
-    row_sum = torch.empty_like(row_min)
+    if out is None:
+        row_min = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
+        row_sum, target = torch.empty_like(row_min), row_min
+    else:
+        row_min = row_sum = torch.empty((batch, rows, 2), dtype=torch.float32, device=query.device)
+        target = out
     block_m, block_n, warps = AGGREGATE_BLOCKS
     kernels.radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
-        frame.values, frame.shape, row_min if out is None else out, row_min, row_sum, rows, **common, **sizes,
+        frame.values, frame.shape, target, row_min, row_sum, rows, **common, **sizes,
         STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, num_warps=warps,
     )
-    return row_min, row_sum
+    return (row_min, row_sum) if out is None else row_min
 
 
 def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
-    """``pairs.Kernels.radius_aggregate`` (contiguous inputs): out [B, M, C]."""
+    """``pairs.Kernels.radius_aggregate`` (contiguous inputs): (out [B, M, C], stats [B, M, 2])."""
     out = torch.empty((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
     if out.numel() == 0:
-        return out
+        return out, None
     setup = _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma)
-    _row_stats(query, *setup, out=out)
-    return out
+    return out, _row_stats(query, *setup, out=out)
 
 
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
-                              query_grad=True, ref_grad=True):
+                              query_grad=True, ref_grad=True, stats=None):
     """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics.
     Without query_grad the query-side kernel does not run (grad_query is zeros); without
-    ref_grad the reference-side one sums the feature gradients only (grad_ref is zeros)."""
+    ref_grad the reference-side one sums the feature gradients only (grad_ref is zeros).
+    ``stats``: the forward's (``radius_aggregate``), read in the sorted order instead of a
+    second aggregation pass (the grid of the same clouds sorts them the same way)."""
     batch, rows, dim = query.shape
     columns, channels = ref.shape[1], features.shape[-1]
     grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -176,7 +183,12 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
     if batch * rows * columns * channels > 0:
         frame, queries, refs, sorted_features, common, sizes = _aggregate_setup(
             query, ref, features, query_lengths, ref_lengths, radius, sigma)
-        row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
+        if stats is None:
+            row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
+        else:  # to the sorted order and the items' scaled units (powers of two: exact)
+            sorted_stats = stats.reshape(-1, 2)[queries.order]
+            scale = frame.values[:, grid.SCALE_COLUMN].repeat_interleave(rows)
+            row_min, row_sum = sorted_stats[:, 0] / scale, sorted_stats[:, 1].contiguous()
         sorted_grad = grad_out.reshape(-1, channels)[queries.order].to(torch.float32)
         delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
         stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)

@@ -294,7 +294,9 @@ if triton is not None:
         D: tl.constexpr, CP: tl.constexpr, STATS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         LANES: tl.constexpr,
     ):
-        """Per sorted query: out (at its original row), minimum distance and weight sum (sorted)."""
+        """Per sorted query: minimum distance and weight sum (sorted, in the item's scaled
+        units) or, unless STATS_ONLY, out and out_min = [B*M, 2] of (minimum distance in the
+        caller's units, weight sum), both at the query's original row."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         item_q, slot_base = b * rows, b * (cells + 1)
@@ -340,11 +342,13 @@ if triton is not None:
                                     poison += tl.dot((w > 0).to(tl.float16), bad.to(tl.float16))
                                 acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
                             row_min = new_min
-        tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
-        tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
-        if not STATS_ONLY:
+        if STATS_ONLY:
+            tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
+            tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
+        else:
             result = tl.where(poison > 0, float("nan"), acc / tl.where(row_sum > 0, row_sum, 1.0)[:, None])
             _store_rows(out, q_order, offs_m, rows, item_q, result, channels, CP)
+            _store_rows(out_min, q_order, offs_m, rows, item_q, tl.join(row_min * scale, row_sum), 2, 2)
 
     @triton.jit
     def _radius_pair_terms(d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features, grad_out,
