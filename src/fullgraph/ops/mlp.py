@@ -51,22 +51,34 @@ Tensor = torch.Tensor
 if triton is not None:
 
     @triton.jit
-    def _layer(a, w, b, layer: tl.constexpr, cols, WP: tl.constexpr, RELU: tl.constexpr,
-               PRECISION: tl.constexpr):
-        """a [BLOCK, WP] -> a @ W_layer^T + b_layer (ReLU'd if RELU; NaN kept, as torch.relu)."""
-        weights_t = tl.load(w + layer * WP * WP + cols[None, :] * WP + cols[:, None])  # [in, out]
-        h = tl.dot(a, weights_t, input_precision=PRECISION) + tl.load(b + layer * WP + cols)[None, :]
+    def _weights(w, fan_in, fan_out, cols):
+        """nn.Linear's weight [fan_out, fan_in] as float32 [WP, WP], zero-padded."""
+        mask = (cols < fan_out)[:, None] & (cols < fan_in)[None, :]
+        return tl.load(w + cols[:, None] * fan_in + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _bias(b, fan_out, cols):
+        return tl.load(b + cols, mask=cols < fan_out, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _layer(a, weights, bias, RELU: tl.constexpr, PRECISION: tl.constexpr):
+        """a [BLOCK, WP] -> a @ W^T + b (ReLU'd if RELU; NaN kept, as torch.relu)."""
+        h = tl.dot(a, tl.trans(weights), input_precision=PRECISION) + bias[None, :]
         if RELU:
             h = tl.where(h < 0, 0.0, h)
         return h
 
     @triton.jit
-    def _hidden(x_block, w, b, upto: tl.constexpr, cols, WP: tl.constexpr, PRECISION: tl.constexpr):
-        """The input of layer ``upto`` (the ReLU'd output of the layer below it)."""
-        a = x_block
-        for layer in tl.static_range(upto):
-            a = _layer(a, w, b, layer, cols, WP, True, PRECISION)
-        return a
+    def _inputs(a0, w0, w1, w2, b0, b1, b2, LAYERS: tl.constexpr, PRECISION: tl.constexpr):
+        """The inputs (a1, a2, a3) of layers 1-3 (a0 where there is no such layer)."""
+        a1, a2, a3 = a0, a0, a0
+        if LAYERS > 1:
+            a1 = _layer(a0, w0, b0, True, PRECISION)
+        if LAYERS > 2:
+            a2 = _layer(a1, w1, b1, True, PRECISION)
+        if LAYERS > 3:
+            a3 = _layer(a2, w2, b2, True, PRECISION)
+        return a1, a2, a3
 
     @triton.jit
     def _load_rows(base, offs, rows, width: tl.constexpr, cols):
@@ -74,19 +86,39 @@ if triton is not None:
         return tl.load(base + offs[:, None] * width + cols[None, :], mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _forward_kernel(x, w, b, out, rows, IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr,
-                        WP: tl.constexpr, BLOCK: tl.constexpr, PRECISION: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        cols = tl.arange(0, WP)
-        a = _hidden(_load_rows(x, offs, rows, IN, cols), w, b, LAYERS - 1, cols, WP, PRECISION)
-        a = _layer(a, w, b, LAYERS - 1, cols, WP, False, PRECISION)
-        mask = (offs < rows)[:, None] & (cols < OUT)[None, :]
-        tl.store(out + offs[:, None] * OUT + cols[None, :], a.to(out.dtype.element_ty), mask=mask)
+    def _parameters(w0, w1, w2, w3, b0, b1, b2, b3, c0, c1, c2, c3, c4, cols, LAYERS: tl.constexpr):
+        """Every layer's weight and bias as float32 blocks (the first layer's where none)."""
+        weights0, bias0 = _weights(w0, c0, c1, cols), _bias(b0, c1, cols)
+        weights1, weights2, weights3, bias1, bias2, bias3 = weights0, weights0, weights0, bias0, bias0, bias0
+        if LAYERS > 1:
+            weights1, bias1 = _weights(w1, c1, c2, cols), _bias(b1, c2, cols)
+        if LAYERS > 2:
+            weights2, bias2 = _weights(w2, c2, c3, cols), _bias(b2, c3, cols)
+        if LAYERS > 3:
+            weights3, bias3 = _weights(w3, c3, c4, cols), _bias(b3, c4, cols)
+        return weights0, weights1, weights2, weights3, bias0, bias1, bias2, bias3
 
     @triton.jit
-    def _weights(w, layer: tl.constexpr, cols, WP: tl.constexpr):
-        """W_layer [out, in] (zero-padded to [WP, WP])."""
-        return tl.load(w + layer * WP * WP + cols[:, None] * WP + cols[None, :])
+    def _forward_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, out, rows, c0, c1, c2, c3, c4,
+                        IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr, WP: tl.constexpr,
+                        BLOCK: tl.constexpr, PRECISION: tl.constexpr):
+        """out = the MLP of x's rows; layer l maps c_l to c_(l+1) columns (c0 = IN)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        cols = tl.arange(0, WP)
+        weights0, weights1, weights2, weights3, bias0, bias1, bias2, bias3 = _parameters(
+            w0, w1, w2, w3, b0, b1, b2, b3, c0, c1, c2, c3, c4, cols, LAYERS)
+        a0 = _load_rows(x, offs, rows, IN, cols)
+        a1, a2, a3 = _inputs(a0, weights0, weights1, weights2, bias0, bias1, bias2, LAYERS, PRECISION)
+        top, weights, bias = a0, weights0, bias0
+        if LAYERS == 2:
+            top, weights, bias = a1, weights1, bias1
+        if LAYERS == 3:
+            top, weights, bias = a2, weights2, bias2
+        if LAYERS == 4:
+            top, weights, bias = a3, weights3, bias3
+        result = _layer(top, weights, bias, False, PRECISION)
+        mask = (offs < rows)[:, None] & (cols < OUT)[None, :]
+        tl.store(out + offs[:, None] * OUT + cols[None, :], result.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _through(delta, weights, below, PRECISION: tl.constexpr):
@@ -99,9 +131,9 @@ if triton is not None:
         return acc_w + tl.dot(tl.trans(delta), a, input_precision=PRECISION), acc_b + tl.sum(delta, 0)
 
     @triton.jit
-    def _backward_kernel(x, w, b, grad_out, grad_x, partials, rows, blocks,
-                         IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr, WP: tl.constexpr,
-                         BLOCK: tl.constexpr, GRAD_X: tl.constexpr, PRECISION: tl.constexpr):
+    def _backward_kernel(x, w0, w1, w2, w3, b0, b1, b2, b3, grad_out, grad_x, partials, rows, blocks,
+                         c0, c1, c2, c3, c4, IN: tl.constexpr, OUT: tl.constexpr, LAYERS: tl.constexpr,
+                         WP: tl.constexpr, BLOCK: tl.constexpr, GRAD_X: tl.constexpr, PRECISION: tl.constexpr):
         """Program p sums, over row blocks p, p + programs, ..., every layer's dL/dW [WP, WP]
         and dL/db [WP] in registers, then writes them to partials[p]; it writes dL/dx of its
         rows. Up to four layers, one accumulator and one activation each, unrolled."""
@@ -111,37 +143,25 @@ if triton is not None:
         zero_b = tl.zeros((WP,), dtype=tl.float32)
         acc_w0, acc_w1, acc_w2, acc_w3 = zero_w, zero_w, zero_w, zero_w
         acc_b0, acc_b1, acc_b2, acc_b3 = zero_b, zero_b, zero_b, zero_b
-        w0 = _weights(w, 0, cols, WP)
-        w1, w2, w3 = w0, w0, w0
-        if LAYERS > 1:
-            w1 = _weights(w, 1, cols, WP)
-        if LAYERS > 2:
-            w2 = _weights(w, 2, cols, WP)
-        if LAYERS > 3:
-            w3 = _weights(w, 3, cols, WP)
+        weights0, weights1, weights2, weights3, bias0, bias1, bias2, bias3 = _parameters(
+            w0, w1, w2, w3, b0, b1, b2, b3, c0, c1, c2, c3, c4, cols, LAYERS)
         for block in range(pid, blocks, tl.num_programs(0)):
             offs = tl.arange(0, BLOCK).to(tl.int64) + block * BLOCK
             a0 = _load_rows(x, offs, rows, IN, cols)
-            a1, a2, a3 = a0, a0, a0  # each layer's input (a0 = x)
-            if LAYERS > 1:
-                a1 = _layer(a0, w, b, 0, cols, WP, True, PRECISION)
-            if LAYERS > 2:
-                a2 = _layer(a1, w, b, 1, cols, WP, True, PRECISION)
-            if LAYERS > 3:
-                a3 = _layer(a2, w, b, 2, cols, WP, True, PRECISION)
+            a1, a2, a3 = _inputs(a0, weights0, weights1, weights2, bias0, bias1, bias2, LAYERS, PRECISION)
             delta = _load_rows(grad_out, offs, rows, OUT, cols)  # dL/d(output of the top layer)
             if LAYERS > 3:
                 acc_w3, acc_b3 = _accumulate(acc_w3, acc_b3, delta, a3, PRECISION)
-                delta = _through(delta, w3, a3, PRECISION)
+                delta = _through(delta, weights3, a3, PRECISION)
             if LAYERS > 2:
                 acc_w2, acc_b2 = _accumulate(acc_w2, acc_b2, delta, a2, PRECISION)
-                delta = _through(delta, w2, a2, PRECISION)
+                delta = _through(delta, weights2, a2, PRECISION)
             if LAYERS > 1:
                 acc_w1, acc_b1 = _accumulate(acc_w1, acc_b1, delta, a1, PRECISION)
-                delta = _through(delta, w1, a1, PRECISION)
+                delta = _through(delta, weights1, a1, PRECISION)
             acc_w0, acc_b0 = _accumulate(acc_w0, acc_b0, delta, a0, PRECISION)
             if GRAD_X:
-                g = tl.dot(delta, w0, input_precision=PRECISION)
+                g = tl.dot(delta, weights0, input_precision=PRECISION)
                 mask = (offs < rows)[:, None] & (cols < IN)[None, :]
                 tl.store(grad_x + offs[:, None] * IN + cols[None, :], g.to(grad_x.dtype.element_ty), mask=mask)
         part = partials + pid.to(tl.int64) * LAYERS * (WP * WP + WP)
@@ -213,15 +233,14 @@ def _width(weights: Sequence[Tensor], x: Tensor) -> int:
     return max([x.shape[-1], *(w.shape[0] for w in weights)])
 
 
-def _padded(weights, biases, device) -> tuple[Tensor, Tensor, int]:
-    """Weights [L, WP, WP] and biases [L, WP] float32, zero-padded to one width WP."""
-    wp = max(16, triton.next_power_of_2(max(max(w.shape) for w in weights)))
-    packed_w = torch.zeros((len(weights), wp, wp), dtype=torch.float32, device=device)
-    packed_b = torch.zeros((len(weights), wp), dtype=torch.float32, device=device)
-    for layer, (weight, bias) in enumerate(zip(weights, biases)):
-        packed_w[layer, :weight.shape[0], :weight.shape[1]] = weight
-        packed_b[layer, :bias.shape[0]] = bias
-    return packed_w, packed_b, wp
+def _layer_arguments(x, weights, biases) -> tuple[list, int]:
+    """The kernels' per-layer arguments (four weights, four biases, widths c0..c4; the
+    first layer's tensors and 0 where there is no layer) and the padded width WP."""
+    weights = [w.contiguous() for w in weights]
+    biases = [b.contiguous() for b in biases]
+    widths = [x.shape[-1], *(w.shape[0] for w in weights)]
+    wp = max(16, triton.next_power_of_2(max(widths)))
+    return [*_four(weights), *_four(biases), *(widths + [0] * TRITON_MAX_LAYERS)[:TRITON_MAX_LAYERS + 1]], wp
 
 
 def _check_triton_widths(x, weights) -> None:
@@ -235,9 +254,10 @@ def _triton_forward(x, weights, biases):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     out = torch.empty((*x.shape[:-1], weights[-1].shape[0]), dtype=x.dtype, device=x.device)
     if rows and out.numel():
-        packed_w, packed_b, wp = _padded(weights, biases, x.device)
+        layer_arguments, wp = _layer_arguments(x, weights, biases)
+        w_and_b, widths = layer_arguments[:8], layer_arguments[8:]
         _forward_kernel[(triton.cdiv(rows, BLOCK),)](
-            x.contiguous(), packed_w, packed_b, out, rows, IN=x.shape[-1], OUT=out.shape[-1], LAYERS=len(weights),
+            x.contiguous(), *w_and_b, out, rows, *widths, IN=x.shape[-1], OUT=out.shape[-1], LAYERS=len(weights),
             WP=wp, BLOCK=BLOCK, PRECISION=PRECISION, num_warps=NUM_WARPS)
     elif out.numel():  # no input columns: each row is the last layer of the biases alone
         out.copy_(reference(x.new_zeros((*x.shape[:-1], 0)), weights, biases))
@@ -255,20 +275,19 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
     if rows == 0 or grad_out.numel() == 0:
         return _reference_backward(grad_out, x, weights, biases, need_x)
     layers = len(weights)
-    packed_w, packed_b, wp = _padded(weights, biases, x.device)
+    layer_arguments, wp = _layer_arguments(x, weights, biases)
+    w_and_b, widths = layer_arguments[:8], layer_arguments[8:]
     blocks = triton.cdiv(rows, BACKWARD_BLOCK)
     programs = _programs(blocks, x.device)
     partials = torch.empty((programs, layers, wp * wp + wp), dtype=torch.float32, device=x.device)
     grad_x = torch.empty_like(x) if need_x else torch.zeros_like(x)
     _backward_kernel[(programs,)](
-        x.contiguous(), packed_w, packed_b, grad_out.contiguous(), grad_x, partials, rows, blocks,
+        x.contiguous(), *w_and_b, grad_out.contiguous(), grad_x, partials, rows, blocks, *widths,
         IN=x.shape[-1], OUT=grad_out.shape[-1], LAYERS=layers, WP=wp, BLOCK=BACKWARD_BLOCK, GRAD_X=need_x,
         PRECISION=PRECISION, num_warps=BACKWARD_NUM_WARPS)
     grad_w = [torch.empty_like(weight) for weight in weights]
     grad_b = [torch.empty_like(bias) for bias in biases]
-    widths = [x.shape[-1], *(weight.shape[0] for weight in weights)]
-    _unpack_kernel[(1,)](partials.sum(0), *_four(grad_w), *_four(grad_b), *(widths + [0] * 4)[:5], LAYERS=layers,
-                         WP=wp)
+    _unpack_kernel[(1,)](partials.sum(0), *_four(grad_w), *_four(grad_b), *widths, LAYERS=layers, WP=wp)
     return [grad_x, *grad_w, *grad_b]
 
 
