@@ -292,7 +292,7 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_cell_start, features, values, shape, out, out_min, out_sum,
         rows, cells, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, CP: tl.constexpr, STATS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        LANES: tl.constexpr,
+        LANES: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Per sorted query: minimum distance and weight sum (sorted, in the item's scaled
         units) or, unless STATS_ONLY, out and out_min = [B*M, 2] of (minimum distance in the
@@ -340,7 +340,7 @@ if triton is not None:
                                 if tl.max(bad.to(tl.int32)) > 0:
                                     f = tl.where(bad, 0.0, f)
                                     poison += tl.dot((w > 0).to(tl.float16), bad.to(tl.float16))
-                                acc = acc * alpha[:, None] + tl.dot(w, f, input_precision="ieee")
+                                acc = acc * alpha[:, None] + tl.dot(w, f, input_precision=PRECISION)
                             row_min = new_min
         if STATS_ONLY:
             tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
@@ -353,7 +353,7 @@ if triton is not None:
     @triton.jit
     def _radius_pair_terms(d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features, grad_out,
                            row_min_ptr, row_sum_ptr, delta_ptr, channels, inv_sigma, scale,
-                           D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr):
+                           D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, PRECISION: tl.constexpr):
         """For a [BM, BN] tile with pairs ``ok`` at squared distances d2 (in units of the
         item's ``scale``): weights p, the distance-gradient factor c = dL/dd / d, and the
         loaded blocks (q [BM, DP], r [BN, DP], f [BN, CP], g [BM, CP]). Query-side arrays are
@@ -365,7 +365,7 @@ if triton is not None:
         p, d = _radius_weights(d2, ok, row_min, row_sum, inv_sigma * scale)
         g = _load_block(grad_out, offs_m, q_count, channels, CP)
         f = _load_block(features, offs_n, r_count, channels, CP)
-        projected = tl.dot(g, tl.trans(f), input_precision="ieee")
+        projected = tl.dot(g, tl.trans(f), input_precision=PRECISION)
         grad_d = -(p * inv_sigma) * (projected - delta[:, None])
         c = tl.where(ok & (d > 0), grad_d / tl.where(d > 0, d, 1.0), 0.0)
         q = _load_block(q_base, offs_m, q_count, D, DP)
@@ -395,7 +395,7 @@ if triton is not None:
         q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
         values, shape, grad_points, grad_features, rows, columns, cells, channels, radius2, reach, inv_sigma,
         REF_SIDE: tl.constexpr, PULLS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """The gradients of radius_aggregate, gathered (no atomics). REF_SIDE False: a program
         owns BLOCK_M sorted queries and walks the reference cells around them, writing
@@ -448,9 +448,9 @@ if triton is not None:
                             p, c, q, r, f, g = _radius_pair_terms(
                                 d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features,
                                 grad_out + grad_rows * channels, row_min + grad_rows, row_sum + grad_rows,
-                                delta + grad_rows, channels, inv_sigma, scale, D, DP, CP)
+                                delta + grad_rows, channels, inv_sigma, scale, D, DP, CP, PRECISION)
                             if REF_SIDE:
-                                acc_features += tl.dot(tl.trans(p), g, input_precision="ieee")
+                                acc_features += tl.dot(tl.trans(p), g, input_precision=PRECISION)
                                 if PULLS:
                                     acc_points -= _pulls(c, q, r, 0, D, DP)
                             else:
