@@ -14,7 +14,9 @@ from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import triton_grid
 
 # (module attribute, values); the first value of each is the default, restored after.
-SETTINGS = (("AGGREGATE_PRECISION", ("ieee", "tf32x3")), ("_PAIR_BLOCK_R", (64, 16, 32, 128)))
+SETTINGS = (("GRAD_REF_BLOCKS", ((32, 16, 4), (16, 16, 4), (32, 32, 4), (64, 16, 4), (16, 32, 2), (32, 16, 2))),
+            ("AGGREGATE_BLOCKS", ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4))))
+WORKLOADS_OF = {"GRAD_REF_BLOCKS": ("radius",), "AGGREGATE_BLOCKS": ("radius",)}
 
 
 def step_ms(which: str) -> float:
@@ -31,7 +33,8 @@ def main() -> None:
     for name, values in SETTINGS:
         for value in values:
             setattr(triton_grid, name, value)
-            print(f"{name} = {value!r}: knn {step_ms('knn'):.3f}, radius {step_ms('radius'):.3f}", flush=True)
+            times = ", ".join(f"{w} {step_ms(w):.3f}" for w in WORKLOADS_OF.get(name, ("knn", "radius")))
+            print(f"{name} = {value!r}: {times}", flush=True)
         setattr(triton_grid, name, values[0])
 
 

@@ -65,7 +65,11 @@ INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
-# tl.dot's input_precision in the radius aggregation's weight x feature products.
+# (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
+# references and walks the queries around them BLOCK_M at a time.
+GRAD_REF_BLOCKS = AGGREGATE_BLOCKS
+# tl.dot's input_precision in the radius aggregation's weight x feature products ("tf32x3"
+# measured no faster: the seed radius step 1.18 against 1.13 ms, H100, session 17 run FH).
 AGGREGATE_PRECISION = "ieee"
 
 
@@ -196,15 +200,15 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
         stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
-        block_m, block_n, warps = AGGREGATE_BLOCKS
-        launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, PRECISION=AGGREGATE_PRECISION,
-                      num_warps=warps)
         clouds = (queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start)
-        sides = [((triton.cdiv(rows, block_m), batch), grad_query, False)] if query_grad else []
-        sides.append(((triton.cdiv(columns, block_n), batch), grad_ref, True))
-        for programs, grad_points, ref_side in sides:
-            kernels.radius_grad_kernel[programs](*clouds, *stats, grad_points, grad_features, rows, columns, **common,
-                                             REF_SIDE=ref_side, PULLS=ref_grad or not ref_side, **sizes, **launch)
+        sides = [(AGGREGATE_BLOCKS, grad_query, False)] if query_grad else []
+        sides.append((GRAD_REF_BLOCKS, grad_ref, True))
+        for (block_m, block_n, warps), grad_points, ref_side in sides:
+            programs = (triton.cdiv(columns, block_n) if ref_side else triton.cdiv(rows, block_m), batch)
+            kernels.radius_grad_kernel[programs](
+                *clouds, *stats, grad_points, grad_features, rows, columns, **common, REF_SIDE=ref_side,
+                PULLS=ref_grad or not ref_side, **sizes, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES,
+                PRECISION=AGGREGATE_PRECISION, num_warps=warps)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 
