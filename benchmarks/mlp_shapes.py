@@ -2,7 +2,7 @@
 and forward + backward, each from a CUDA graph (the GPU's time alone), over row counts and
 widths beyond the projector's; then the "triton" kernel's settings on the projector's MLPs.
 
-    python benchmarks/mlp_shapes.py [--settings] > mlp.log     (needs a CUDA device)
+    python benchmarks/mlp_shapes.py [--settings | --eager] > mlp.log     (needs a CUDA device)
 
 CUDA-event medians of graph replays after warm-up, all in one process, random inputs.
 """
@@ -15,6 +15,7 @@ import torch
 from replay_profile import graphed_ms
 
 import fullgraph
+from fullgraph.bench.timing import time_call
 from fullgraph.ops import mlp
 
 WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32), (64, 64, 64))  # the last: "auto" takes torch
@@ -68,6 +69,20 @@ def shapes() -> None:
             print(f"{rows:>9,} {str(widths):>22}: {cells}   train ratio {best / times['narrow_mlp'][1]:.2f}x")
 
 
+def eager() -> None:
+    """As called (no graph): the host's launches included, where a few thousand rows leave
+    the GPU idle between them."""
+    print("rows, widths: forward / forward + backward, eager us (torch eager | narrow_mlp)")
+    for widths in WIDTHS[:2]:
+        model = _model(widths)
+        for rows in ROWS[:3]:
+            calls = _calls(model, None, rows)
+            times = {name: [time_call(f, torch.device("cuda"), warmup=5, runs=50).median_ms * 1000 for f in calls[name]]
+                     for name in ("torch eager", "narrow_mlp")}
+            cells = " | ".join(f"{t[0]:8.1f} / {t[1]:8.1f}" for t in times.values())
+            print(f"{rows:>9,} {str(widths):>22}: {cells}")
+
+
 def settings() -> None:
     print("narrow_mlp settings, projector MLPs (10^5 x (3, 25, 25, 25) and 27,000 x (25, 25, 25, 1)), graphed us")
     defaults = {name: getattr(mlp, name) for name in SETTINGS}
@@ -88,6 +103,9 @@ def settings() -> None:
 
 if __name__ == "__main__":
     print(torch.cuda.get_device_name(), torch.__version__)
-    settings()
-    if "--settings" not in sys.argv:
+    if "--eager" in sys.argv:
+        eager()
+    else:
+        settings()
+    if not {"--settings", "--eager"} & set(sys.argv):
         shapes()

@@ -66,7 +66,9 @@ INTERPRETER_SORT_FROM = 1 << 30
 SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
 # (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
-# references and walks the queries around them BLOCK_M at a time.
+# references and walks the queries around them BLOCK_M at a time. (Session 17, run FI, seed
+# radius step: (16, 16, 4), (64, 16, 4) within the +-5 % between builds of the default's
+# 1.14-1.25 ms; (32, 32, 4) 1.31, (32, 16, 2) 1.36, (16, 32, 2) 1.63.)
 GRAD_REF_BLOCKS = AGGREGATE_BLOCKS
 # tl.dot's input_precision in the radius aggregation's weight x feature products ("tf32x3"
 # measured no faster: the seed radius step 1.18 against 1.13 ms, H100, session 17 run FH).
