@@ -337,7 +337,11 @@ def _check(x, weights, biases) -> None:
         width = weight.shape[0]
 
 
-def _resolve(backend, x, weights):
+def _resolve(backend, x, weights, running: bool = True):
+    """The backend for these tensors. "auto" is resolved where the op runs (``running``):
+    there, outside a CUDA graph capture, it takes PyTorch's layers (see ``narrow_mlp``)."""
+    if backend == "auto" and running and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+        backend = "torch"
     return BACKENDS.resolve(backend, "narrow_mlp", x.device, x.dtype, _width(weights, x), len(weights), argument="x")
 
 
@@ -397,8 +401,12 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
             ``weight``), biases: L tensors [C_l+1]; x's dtype and device.
         backend: "triton" (CUDA; up to 4 layers of widths C_l at most MAX_WIDTH = 32; float16, bfloat16 and
             float32 computed in float32, products as three TF32 products; see the module
-            docstring), "torch" (``F.linear`` and ``relu``) or "auto" ("triton" on CUDA where
-            the layers allow, else "torch").
+            docstring), "torch" (``F.linear`` and ``relu``) or "auto": "triton" where the
+            layers allow and the call is being captured into a CUDA graph (``mode="reduce-overhead"``,
+            ``fullgraph.graphs``), else "torch". As called, one Triton launch costs the host more
+            than the layers' few cuBLAS launches and the GPU waits on the host at these sizes
+            (H100, 10^5 x (3, 25, 25, 25) forward + backward: eager 1.68 against 1.10 ms;
+            graphed 0.12 against 0.25 ms; ``benchmarks/mlp_shapes.py``, session 17 runs FG, FJ).
 
     Returns:
         [..., C_L] in x's dtype; differentiable in x, weights and biases (deterministic).
@@ -411,5 +419,5 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
         torch.Size([1000, 8])
     """
     _check(x, weights, biases)
-    name = _resolve(backend, x, weights).name
-    return torch.ops.fullgraph.narrow_mlp(x, list(weights), list(biases), name)
+    _resolve(backend, x, weights, running=False)  # an explicit backend's refusal, before anything runs
+    return torch.ops.fullgraph.narrow_mlp(x, list(weights), list(biases), backend)
