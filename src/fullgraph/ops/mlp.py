@@ -340,7 +340,7 @@ def _check(x, weights, biases) -> None:
 def _resolve(backend, x, weights, running: bool = True):
     """The backend for these tensors. "auto" is resolved where the op runs (``running``):
     there, outside a CUDA graph capture, it takes PyTorch's layers (see ``narrow_mlp``)."""
-    if backend == "auto" and running and x.is_cuda and not torch.cuda.is_current_stream_capturing():
+    if backend == "auto" and running and x.is_cuda and not _capturing(x):
         backend = "torch"
     return BACKENDS.resolve(backend, "narrow_mlp", x.device, x.dtype, _width(weights, x), len(weights), argument="x")
 
@@ -406,7 +406,10 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
             ``fullgraph.graphs``), else "torch". As called, one Triton launch costs the host more
             than the layers' few cuBLAS launches and the GPU waits on the host at these sizes
             (H100, 10^5 x (3, 25, 25, 25) forward + backward: eager 1.68 against 1.10 ms;
-            graphed 0.12 against 0.25 ms; ``benchmarks/mlp_shapes.py``, session 17 runs FG, FJ).
+            graphed 0.12 against 0.25 ms; ``benchmarks/mlp_shapes.py``, session 17 runs FG, FJ),
+            so eager calls run PyTorch's layers directly. Under torch.compile without CUDA
+            graphs the operator runs PyTorch's layers inside it (one dispatch more than
+            the layers compiled alone: compile with CUDA graphs for the kernels).
 
     Returns:
         [..., C_L] in x's dtype; differentiable in x, weights and biases (deterministic).
@@ -420,4 +423,10 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
     """
     _check(x, weights, biases)
     _resolve(backend, x, weights, running=False)  # an explicit backend's refusal, before anything runs
+    if backend == "auto" and not torch.compiler.is_compiling() and not _capturing(x):
+        return reference(x, weights, biases)  # as called: PyTorch's own layers, without an operator's dispatch
     return torch.ops.fullgraph.narrow_mlp(x, list(weights), list(biases), backend)
+
+
+def _capturing(x: Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
