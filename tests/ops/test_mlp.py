@@ -14,8 +14,10 @@ from fullgraph.ops import mlp
 
 
 def _cases():
+    """(backend, device): "auto" as called runs PyTorch's layers without the operator."""
     triton_devices = [d for d in DEVICES if d == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"]
-    return [("torch", d) for d in DEVICES] + ([("triton", d) for d in triton_devices] if HAVE_TRITON else [])
+    return [(b, d) for b in ("torch", "auto") for d in DEVICES] + (
+        [("triton", d) for d in triton_devices] if HAVE_TRITON else [])
 
 
 def _layers(widths, generator, dtype=torch.float32, device="cpu", scale=1.0):
