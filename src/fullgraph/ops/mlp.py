@@ -233,14 +233,13 @@ def _width(weights: Sequence[Tensor], x: Tensor) -> int:
     return max([x.shape[-1], *(w.shape[0] for w in weights)])
 
 
-def _layer_arguments(x, weights, biases) -> tuple[list, int]:
-    """The kernels' per-layer arguments (four weights, four biases, widths c0..c4; the
-    first layer's tensors and 0 where there is no layer) and the padded width WP."""
-    weights = [w.contiguous() for w in weights]
-    biases = [b.contiguous() for b in biases]
+def _layer_arguments(x, weights, biases) -> tuple[list, list, int]:
+    """The kernels' per-layer arguments: (four weights then four biases, widths c0..c4, the
+    padded width WP); the first layer's tensors and width 0 where there is no layer."""
+    tensors = [*_four([w.contiguous() for w in weights]), *_four([b.contiguous() for b in biases])]
     widths = [x.shape[-1], *(w.shape[0] for w in weights)]
     wp = max(16, triton.next_power_of_2(max(widths)))
-    return [*_four(weights), *_four(biases), *(widths + [0] * TRITON_MAX_LAYERS)[:TRITON_MAX_LAYERS + 1]], wp
+    return tensors, (widths + [0] * TRITON_MAX_LAYERS)[:TRITON_MAX_LAYERS + 1], wp
 
 
 def _check_triton_widths(x, weights) -> None:
@@ -254,8 +253,7 @@ def _triton_forward(x, weights, biases):
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     out = torch.empty((*x.shape[:-1], weights[-1].shape[0]), dtype=x.dtype, device=x.device)
     if rows and out.numel():
-        layer_arguments, wp = _layer_arguments(x, weights, biases)
-        w_and_b, widths = layer_arguments[:8], layer_arguments[8:]
+        w_and_b, widths, wp = _layer_arguments(x, weights, biases)
         _forward_kernel[(triton.cdiv(rows, BLOCK),)](
             x.contiguous(), *w_and_b, out, rows, *widths, IN=x.shape[-1], OUT=out.shape[-1], LAYERS=len(weights),
             WP=wp, BLOCK=BLOCK, PRECISION=PRECISION, num_warps=NUM_WARPS)
@@ -275,8 +273,7 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
     if rows == 0 or grad_out.numel() == 0:
         return _reference_backward(grad_out, x, weights, biases, need_x)
     layers = len(weights)
-    layer_arguments, wp = _layer_arguments(x, weights, biases)
-    w_and_b, widths = layer_arguments[:8], layer_arguments[8:]
+    w_and_b, widths, wp = _layer_arguments(x, weights, biases)
     blocks = triton.cdiv(rows, BACKWARD_BLOCK)
     programs = _programs(blocks, x.device)
     partials = torch.empty((programs, layers, wp * wp + wp), dtype=torch.float32, device=x.device)
@@ -293,7 +290,7 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
 
 def _four(tensors: list[Tensor]) -> list[Tensor]:
     """The kernel's four per-layer pointers: the layers' tensors, then repeats of the first."""
-    return (tensors + tensors[:1] * 4)[:TRITON_MAX_LAYERS]
+    return (tensors + tensors[:1] * TRITON_MAX_LAYERS)[:TRITON_MAX_LAYERS]
 
 
 def _fits_triton(device_type: str, dtype: torch.dtype, width, layers: int) -> bool:

@@ -154,18 +154,18 @@ def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=
     batch, rows = query.shape[:2]
     if out is None:
         row_min = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
-        row_sum, target = torch.empty_like(row_min), row_min
+        results = (row_min, row_min, torch.empty_like(row_min))  # (out, out_min, out_sum) of the kernel
     else:
-        row_min = row_sum = torch.empty((batch, rows, 2), dtype=torch.float32, device=query.device)
-        target = out
+        stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=query.device)
+        results = (out, stats, stats)  # out_sum unused
     block_m, block_n, warps = AGGREGATE_BLOCKS
     kernels.radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
-        frame.values, frame.shape, target, row_min, row_sum, rows, **common, **sizes,
+        frame.values, frame.shape, *results, rows, **common, **sizes,
         STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, PRECISION=AGGREGATE_PRECISION,
         num_warps=warps,
     )
-    return (row_min, row_sum) if out is None else row_min
+    return results[1:] if out is None else results[1]
 
 
 def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
@@ -200,7 +200,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
             row_min, row_sum = sorted_stats[:, 0] / scale, sorted_stats[:, 1].contiguous()
         sorted_grad = grad_out.reshape(-1, channels)[queries.order].to(torch.float32)
         delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
-        stats = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
+        terms = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
         clouds = (queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start)
         sides = [(AGGREGATE_BLOCKS, grad_query, False)] if query_grad else []
@@ -208,7 +208,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         for (block_m, block_n, warps), grad_points, ref_side in sides:
             programs = (triton.cdiv(columns, block_n) if ref_side else triton.cdiv(rows, block_m), batch)
             kernels.radius_grad_kernel[programs](
-                *clouds, *stats, grad_points, grad_features, rows, columns, **common, REF_SIDE=ref_side,
+                *clouds, *terms, grad_points, grad_features, rows, columns, **common, REF_SIDE=ref_side,
                 PULLS=ref_grad or not ref_side, **sizes, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES,
                 PRECISION=AGGREGATE_PRECISION, num_warps=warps)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
