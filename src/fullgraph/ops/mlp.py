@@ -243,7 +243,7 @@ def _layer_arguments(x, weights, biases) -> tuple[list, list, int]:
 
 
 def _check_triton_widths(x, weights) -> None:
-    if _width(weights, x) > MAX_WIDTH or len(weights) > TRITON_MAX_LAYERS:
+    if not _fits_triton(x.device.type, x.dtype, _width(weights, x), len(weights)):
         raise ValueError(f'weights: backend="triton" takes up to {TRITON_MAX_LAYERS} layers of widths up to '
                          f"{MAX_WIDTH}, got widths {[x.shape[-1], *(w.shape[0] for w in weights)]}")
 
