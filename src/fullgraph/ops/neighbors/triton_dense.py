@@ -40,6 +40,10 @@ FUSED_MAX_COLUMNS = 2**16
 # The threshold path (``kth_slot_minimum``, ``within``): tiles of THRESHOLD_BLOCK_M queries x
 # THRESHOLD_BLOCK_N references (wider for k > 64, with fewer queries).
 THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_NUM_WARPS = 64, 128, 4
+# ``within`` places a row's hits by one atomic a row and a running sum (SCAN), or one a hit.
+WITHIN_SCAN = False
+# The products' depth: all of D in one block up to this many coordinates, pipelined STAGES deep.
+WHOLE_MAX_DIM, STAGES = 64, 3
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
@@ -66,39 +70,58 @@ if triton is not None:
     from .triton_kernels import _KEY_NONE
 
     @triton.jit
-    def _tile_values(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """[len(m), len(n)]: ``r_norms - 2 q.r`` of the queries m and references n (+inf past
-        ``columns`` and where r_norms is)."""
+    def _query_block(q_base, m, rows, dim, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+        """The coordinates [len(m), BLOCK_K] of the queries m, loaded once when one block of
+        BLOCK_K holds them all (WHOLE; else a placeholder: ``_tile_values`` loads per tile)."""
+        if WHOLE:
+            d = tl.arange(0, BLOCK_K)
+            return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim),
+                           other=0.0)
+        else:
+            return tl.zeros((1, 1), dtype=tl.float32)
+
+    @triton.jit
+    def _tile_values(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION: tl.constexpr,
+                     BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+        """[len(m), len(n)]: ``r_norms - 2 q.r`` of the queries m (``_query_block``) and the
+        references n (+inf past ``columns`` and where r_norms is)."""
         kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
-        for start in range(0, dim, BLOCK_K):
-            d = start + kk
-            in_d = d[None, :] < dim
-            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
-            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
-                        other=0.0)
-            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        if WHOLE:
+            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + kk[None, :],
+                        mask=(n[:, None] < columns) & (kk[None, :] < dim), other=0.0)
+            acc = tl.dot(q_block, tl.trans(r), input_precision=PRECISION)
+        else:
+            acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
+            for start in range(0, dim, BLOCK_K):
+                d = start + kk
+                in_d = d[None, :] < dim
+                q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
+                r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :],
+                            mask=(n[:, None] < columns) & in_d, other=0.0)
+                acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
         return norms[None, :] - 2.0 * acc
 
     @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _tile_minima(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
         """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
         ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
-        approx = _tile_values(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION, BLOCK_K)
+        approx = _tile_values(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION, BLOCK_K,
+                              WHOLE)
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
                              CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
-                              m, n, rows, columns, dim, CHUNK, PRECISION, BLOCK_K)
+        q_base = q_ptr + item * rows * dim
+        minima = _tile_minima(_query_block(q_base, m, rows, dim, BLOCK_K, WHOLE), q_base,
+                              r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows, columns, dim,
+                              CHUNK, PRECISION, BLOCK_K, WHOLE)
         c = tl.program_id(0) * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
         tl.store(out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :], minima,
                  mask=(m[:, None] < rows) & (c[None, :] < chunks))
@@ -163,19 +186,20 @@ if triton is not None:
     def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
         [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
+        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
         best = tl.full((BLOCK_M, KEYS), _KEY_NONE, tl.int64)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
-                                  PRECISION, BLOCK_K)
+            minima = _tile_minima(q_block, q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim,
+                                  CHUNK, PRECISION, BLOCK_K, WHOLE)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
@@ -201,7 +225,7 @@ if triton is not None:
     @triton.jit
     def _kth_slot_minimum_kernel(q_ptr, r_ptr, r_norms_ptr, wanted_ptr, out_ptr, rows, columns, dim, share, parts,
                                  k, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 LOG_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 LOG_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
         """Per query of the tile and over the references [part * share, (part + 1) * share):
         the least value of each slot (the references n of one n mod BLOCK_N), and the k-th
         least of the slots' minima -> out [B, M, parts]. Programs without a ``wanted`` row
@@ -213,12 +237,14 @@ if triton is not None:
         wanted = tl.load(wanted_ptr + query, mask=m < rows, other=0) != 0
         first = part * share
         end = tl.where(tl.max(wanted.to(tl.int32), 0) > 0, tl.minimum(first + share, columns), first)
+        q_base = q_ptr + item * rows * dim
+        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
         slots = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            slots = tl.minimum(slots, _tile_values(q_ptr + item * rows * dim, r_ptr + item * columns * dim,
+            slots = tl.minimum(slots, _tile_values(q_block, q_base, r_ptr + item * columns * dim,
                                                    r_norms_ptr + item * columns, m, n, rows, columns, dim,
-                                                   PRECISION, BLOCK_K))
+                                                   PRECISION, BLOCK_K, WHOLE))
         descending = _least_descending(_ordered_bits(slots), LOG_N, BLOCK_N)
         kth = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == BLOCK_N - k, descending, 0), 1)
         tl.store(out_ptr + query * parts + part, _bits_value(kth), mask=m < rows)
@@ -226,7 +252,7 @@ if triton is not None:
     @triton.jit
     def _within_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, out_ptr, count_ptr, rows, columns, dim, share, cap,
                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, WHOLE: tl.constexpr, SCAN: tl.constexpr):
         """Per query of the tile, the references of [part * share, (part + 1) * share) whose
         finite value is at most the query's limit [B * M] appended to its list out [B, M, cap]:
         count [B, M] counts them all, those past ``cap`` are dropped (the order of the shares'
@@ -238,17 +264,27 @@ if triton is not None:
         limit = tl.load(limit_ptr + query, mask=m < rows, other=-float("inf"))
         first = part * share
         end = tl.where(tl.max(limit, 0) > -float("inf"), tl.minimum(first + share, columns), first)
+        q_base = q_ptr + item * rows * dim
+        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            values = _tile_values(q_ptr + item * rows * dim, r_ptr + item * columns * dim,
-                                  r_norms_ptr + item * columns, m, n, rows, columns, dim, PRECISION, BLOCK_K)
+            values = _tile_values(q_block, q_base, r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n,
+                                  rows, columns, dim, PRECISION, BLOCK_K, WHOLE)
             hit = (values <= limit[:, None]) & (values < float("inf"))
             hits = hit.to(tl.int32)
-            per_row = tl.sum(hits, 1)
-            if tl.max(per_row, 0) > 0:
-                base = tl.atomic_add(count_ptr + query, per_row, mask=per_row > 0, sem="relaxed")
-                slot = base[:, None] + tl.cumsum(hits, 1) - 1
-                tl.store(out_ptr + query[:, None] * cap + slot, n[None, :], mask=hit & (slot < cap))
+            if SCAN:  # one atomic a row, positions by a running sum along the row
+                per_row = tl.sum(hits, 1)
+                if tl.max(per_row, 0) > 0:
+                    base = tl.atomic_add(count_ptr + query, per_row, mask=per_row > 0, sem="relaxed")
+                    slot = base[:, None] + tl.cumsum(hits, 1) - 1
+                    tl.store(out_ptr + query[:, None] * cap + slot, n[None, :], mask=hit & (slot < cap))
+            else:  # one atomic a hit
+                if tl.max(tl.max(hits, 1), 0) > 0:
+                    flat = tl.reshape(hit, (BLOCK_M * BLOCK_N,))
+                    owner = tl.reshape(query[:, None] + 0 * n[None, :], (BLOCK_M * BLOCK_N,))
+                    slot = tl.atomic_add(count_ptr + owner, 1, mask=flat, sem="relaxed")
+                    ref = tl.reshape(0 * query[:, None] + n[None, :], (BLOCK_M * BLOCK_N,))
+                    tl.store(out_ptr + owner * cap + slot, ref, mask=flat & (slot < cap))
 
     @triton.jit
     def _candidate_distances_kernel(q_ptr, r_ptr, r_norms_ptr, candidates_ptr, count_ptr, out_ptr, rows, columns,
@@ -360,10 +396,8 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     if out.numel():
         grid = (triton.cdiv(columns, BLOCK_N), triton.cdiv(rows, BLOCK_M), batch)
-        block_k = 16 if dim <= 16 else 32
         _chunk_minima_kernel[grid](q, r, r_norms, out, rows, columns, dim, chunks, CHUNK=chunk, PRECISION=precision,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
-                                   num_stages=4 if block_k == 16 else 3)
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, **_depth_tiles(dim))
     return out
 
 
@@ -405,9 +439,17 @@ def threshold_slots(k: int) -> int:
     return max(THRESHOLD_BLOCK_N, triton.next_power_of_2(2 * k))
 
 
+def _depth_tiles(dim: int) -> dict:
+    """The products' tiles along D: the whole of D at once up to WHOLE_MAX_DIM (the queries'
+    block loaded once a program), else blocks of 16 or 32 coordinates."""
+    if dim <= WHOLE_MAX_DIM:
+        return {"BLOCK_K": max(16, triton.next_power_of_2(dim)), "WHOLE": True, "num_stages": STAGES}
+    return {"BLOCK_K": 32, "WHOLE": False, "num_stages": 3}
+
+
 def _threshold_tiles(block_n: int, dim: int) -> dict:
     return {"BLOCK_M": max(16, THRESHOLD_BLOCK_M * THRESHOLD_BLOCK_N // block_n), "BLOCK_N": block_n,
-            "BLOCK_K": 16 if dim <= 16 else 32, "num_warps": THRESHOLD_NUM_WARPS}
+            "num_warps": THRESHOLD_NUM_WARPS, **_depth_tiles(dim)}
 
 
 def kth_slot_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, k: int, precision: str,
@@ -448,7 +490,7 @@ def within(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torch
         parts, share = _shares(batch, rows, columns, tiles["BLOCK_M"], tiles["BLOCK_N"], q.device)
         grid = (triton.cdiv(rows, tiles["BLOCK_M"]), parts, batch)
         _within_kernel[grid](q, r, r_norms, limit.contiguous(), lists, counts, rows, columns, dim, share, cap,
-                             PRECISION=precision, **tiles)
+                             PRECISION=precision, SCAN=WITHIN_SCAN, **tiles)
     return lists, counts
 
 
@@ -487,11 +529,10 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     out = torch.empty((batch, rows, count), dtype=torch.int64, device=q.device)
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
-        block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, triton.cdiv(columns, chunk), share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, **_depth_tiles(dim),
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
