@@ -5,7 +5,6 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
     python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
-    python benchmarks/dense_profile.py --path chunks    (the chunk-minima candidates instead)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -26,7 +25,6 @@ SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 
           (1, 20000, 200000, 16, 10), (4, 4096, 16384, 32, 50))
 SWEEP = {"FUSED_BLOCK_M": (64, 128), "FUSED_NUM_WARPS": (4, 8), "FUSED_CHUNK": (4, 8)}
 FAILED: list[tuple[int, int]] = []
-LISTS: list[str] = []
 
 
 def median_ms(fn, runs=30) -> float:
@@ -58,23 +56,6 @@ def _count_failed_rows():
     dense._redo = counting
 
 
-def _list_lengths():
-    """Record the mean and largest list length of each ``within`` call, and the rows cut."""
-    within = triton_dense.within
-
-    def recording(q, r, r_norms, limit, cap, precision):
-        lists, counts = within(q, r, r_norms, limit, cap, precision)
-        if not torch.cuda.is_current_stream_capturing():
-            wanted = limit > -float("inf")
-            if bool(wanted.any()):
-                lengths = counts[wanted].float()
-                LISTS.append(f"{precision}: {int(wanted.sum())} rows, mean {lengths.mean():.1f} max "
-                             f"{int(lengths.max())} cut {int((lengths > cap).sum())}")
-        return lists, counts
-
-    triton_dense.within = recording
-
-
 def sweep(generator) -> None:
     """Graphed dense kNN of the first three shapes under every tile setting of SWEEP."""
     clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
@@ -90,16 +71,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
     parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
-    parser.add_argument("--path", choices=("threshold", "chunks"), default="threshold",
-                        help="the tensor-core candidates: listed below a threshold, or chunk minima")
     args = parser.parse_args()
     _count_failed_rows()
-    _list_lengths()
-    if args.path == "chunks":
-        dense._tensor_core_candidates = dense._chunk_candidates
-        dense._width = lambda columns, k: max(-(-columns // triton_dense.chunk_size(columns, k + 5)),
-                                              (k + dense.CHUNK_SLACK) * triton_dense.chunk_size(columns, k + 5))
-    print("tensor-core candidates:", args.path)
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.sweep:
@@ -115,14 +88,12 @@ def main() -> None:
                 continue
             row[backend] = median_ms(lambda: fullgraph.knn(q, r, k, backend=backend), runs)
         FAILED.clear()
-        LISTS.clear()
         clusters = torch.randn(batch, 50, dim, device="cuda", generator=generator)
         clustered = clusters[:, torch.randint(0, 50, (columns,), device="cuda", generator=generator)]
         clustered = clustered + 0.1 * torch.randn(batch, columns, dim, device="cuda", generator=generator)
         for query, ref in ((q, r), (q + 1000, r + 1000), (clustered[:, :rows], clustered)):
             fullgraph.knn(query, ref, k, backend="dense")
         row["failed rows (normal, +1000, clustered)"] = list(FAILED)
-        row["lists"] = "; ".join(LISTS)
         replays = {}
         for name, fn in (("dense graphed", lambda: fullgraph.knn(q, r, k, backend="dense")),
                          ("cdist+topk graphed", lambda: torch.topk(torch.cdist(q, r), k, largest=False))):

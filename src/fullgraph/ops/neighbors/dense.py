@@ -71,9 +71,6 @@ CHUNK_SLACK = 4
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
 # (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
 TENSOR_CORE_PRECISION = "tf32x3"
-# The threshold path's products: one TF32 product, then three for the rows whose lists it cut
-# (near-ties within its error wider than the list).
-TENSOR_CORE_PRECISIONS = ("tf32", "tf32x3")
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
@@ -202,68 +199,7 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _product_bound(precision, dim, q_abs, reach):
-    """[B, m]: the most ``|q|^2 + r_norms - 2 q.r`` as computed on the tensor cores in
-    ``precision`` can differ from the squared distance of the centred points: each product's
-    input rounding (eps |q_d r_d|, summed: eps |q| |r| by Cauchy-Schwarz), then the float32
-    sums and norms as in step 3."""
-    u = 2.0**-24
-    return 2 * triton_dense.product_error(precision) * q_abs * reach + 2 * (dim + 4) * u * (q_abs + reach) ** 2
-
-
 def _tensor_core_candidates(frames: _Frames, rows: slice, k):
-    """Steps 1-2 on GPUs, never storing the block's M x N products (module docstring, "On
-    GPUs"): per query a threshold from the k-th least slot minimum, the references below it
-    listed, their squared distances measured from differences. Returns the k + SLACK nearest
-    listed (positions [B, m, c]; ``inside`` [B, m, c] marks the real ones), their squared
-    distances as measured [B, m, c] (ascending) and ``limit`` [B, m]: the rows whose k-th
-    squared distance lies below it are exactly the reference's (+inf: every valid reference
-    was measured; 0 where a list overflowed)."""
-    qc = frames.qc[:, rows].contiguous()
-    dim = qc.shape[-1]
-    u = 2.0**-24
-    q_abs = (qc * qc).sum(-1).sqrt()
-    q_norms = q_abs * q_abs
-    cap = list_length(k)
-    lists = counts = listed_limit = listed_bound = None
-    for precision in TENSOR_CORE_PRECISIONS:
-        wanted = None if lists is None else counts > cap
-        if wanted is not None and not _capturing(qc) and not bool(wanted.any()):
-            break
-        bound = _product_bound(precision, dim, q_abs, frames.reach)
-        # k references lie at or below the k-th slot minimum, up to one bound; every reference
-        # within one more bound of that is listed, and a third keeps the certificate clear.
-        limit = triton_dense.kth_slot_minimum(qc, frames.rc, frames.r_norms, k, precision, wanted) + 3 * bound
-        if wanted is not None:
-            limit = limit.masked_fill(~wanted, -math.inf)
-        found, found_counts = triton_dense.within(qc, frames.rc, frames.r_norms, limit, cap, precision)
-        if wanted is None:
-            lists, counts, listed_limit, listed_bound = found, found_counts, limit, bound
-        else:
-            lists = torch.where(wanted[..., None], found, lists)
-            counts = torch.where(wanted, found_counts, counts)
-            listed_limit = torch.where(wanted, limit, listed_limit)
-            listed_bound = torch.where(wanted, bound, listed_bound)
-    members = triton_dense.listed_distances(frames.q[:, rows].contiguous(), frames.r, frames.r_norms, lists, counts)
-    take = min(k + SLACK, cap)
-    measured, position = triton_dense.smallest(members, take)
-    candidates = lists.gather(2, position.to(torch.int32)).long()
-    inside = position < counts[..., None]
-    # Every unlisted reference has a product value above the listed limit; every listed one
-    # not kept a member distance at least the last one kept. A cut list proves nothing.
-    beyond_list = (listed_limit + q_norms - listed_bound) * (1 - 2 * (dim + 2) * u)
-    beyond_members = torch.where(counts > take, measured[..., -1] * (1 - 4 * (dim + 2) * u), math.inf)
-    limit = torch.minimum(beyond_list, beyond_members).masked_fill(counts > cap, 0.0)
-    return candidates, inside, measured, limit
-
-
-def list_length(k: int) -> int:
-    """References listed per query at most on GPUs: room for k, the slack and the near-ties
-    within the products' error."""
-    return max(64, triton_dense.triton.next_power_of_2(2 * k + SLACK))
-
-
-def _chunk_candidates(frames: _Frames, rows: slice, k):
     """Steps 1-2 on GPUs, never storing the block's M x N products (module docstring, "On
     GPUs"): the least chunks on tensor cores, the chosen chunks' members measured from
     differences. Returns the k + SLACK nearest members (positions [B, m, c], clamped;
@@ -340,8 +276,10 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
 
 
 def _width(columns, k) -> int:
-    """Values a query holds on the tensor-core path: its list's members."""
-    return list_length(k)
+    """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
+    path) or the chosen chunks' members."""
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    return max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk)
 
 
 def _capturing(query) -> bool:

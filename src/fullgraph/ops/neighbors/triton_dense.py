@@ -37,13 +37,6 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # ms fused / stored: 8 x 4096^2 D=64 k=20 4.38 / 4.55, 32 x 1024^2 3.75 / 4.14, but 2 x 10^4 x
 # 2 x 10^5 D=16 21.2 / 8.5 and 10^4 x 10^6 D=128 113 / 63: dense-profile-run-EB.log).
 FUSED_MAX_COLUMNS = 2**16
-# The threshold path (``kth_slot_minimum``, ``within``): tiles of THRESHOLD_BLOCK_M queries x
-# THRESHOLD_BLOCK_N references (wider for k > 64, with fewer queries).
-THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_NUM_WARPS = 64, 128, 4
-# ``within`` places a row's hits by one atomic a row and a running sum (SCAN), or one a hit.
-WITHIN_SCAN = False
-# The products' depth: all of D in one block up to this many coordinates, pipelined STAGES deep.
-WHOLE_MAX_DIM, STAGES = 64, 3
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
@@ -70,78 +63,43 @@ if triton is not None:
     from .triton_kernels import _KEY_NONE
 
     @triton.jit
-    def _query_block(q_base, m, rows, dim, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
-        """The coordinates [len(m), BLOCK_K] of the queries m, loaded once when one block of
-        BLOCK_K holds them all (WHOLE; else a placeholder: ``_tile_values`` loads per tile)."""
-        if WHOLE:
-            d = tl.arange(0, BLOCK_K)
-            return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim),
-                           other=0.0)
-        else:
-            return tl.zeros((1, 1), dtype=tl.float32)
-
-    @triton.jit
-    def _tile_values(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION: tl.constexpr,
-                     BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
-        """[len(m), len(n)]: ``r_norms - 2 q.r`` of the queries m (``_query_block``) and the
-        references n (+inf past ``columns`` and where r_norms is)."""
-        kk = tl.arange(0, BLOCK_K)
-        if WHOLE:
-            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + kk[None, :],
-                        mask=(n[:, None] < columns) & (kk[None, :] < dim), other=0.0)
-            acc = tl.dot(q_block, tl.trans(r), input_precision=PRECISION)
-        else:
-            acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
-            for start in range(0, dim, BLOCK_K):
-                d = start + kk
-                in_d = d[None, :] < dim
-                q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
-                r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :],
-                            mask=(n[:, None] < columns) & in_d, other=0.0)
-                acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
-        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        return norms[None, :] - 2.0 * acc
-
-    @triton.jit
-    def _tile_minima(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
         """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
         ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
-        approx = _tile_values(q_block, q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION, BLOCK_K,
-                              WHOLE)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            d = start + kk
+            in_d = d[None, :] < dim
+            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
+            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
+                        other=0.0)
+            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+        approx = norms[None, :] - 2.0 * acc
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
                              CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        q_base = q_ptr + item * rows * dim
-        minima = _tile_minima(_query_block(q_base, m, rows, dim, BLOCK_K, WHOLE), q_base,
-                              r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows, columns, dim,
-                              CHUNK, PRECISION, BLOCK_K, WHOLE)
+        minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
+                              m, n, rows, columns, dim, CHUNK, PRECISION, BLOCK_K)
         c = tl.program_id(0) * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
         tl.store(out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :], minima,
                  mask=(m[:, None] < rows) & (c[None, :] < chunks))
 
     @triton.jit
-    def _ordered_bits(values):
-        """float32 values (no NaN) -> int32 ordered as the values: the float's bits made
-        monotonic (negatives: flip the magnitude bits; -0.0 as 0.0). Its own inverse on the
-        bits (``_bits_value``)."""
-        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-    @triton.jit
-    def _bits_value(ordered):
-        return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _ordered_keys(values, positions):
-        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position)."""
-        return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
+        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position):
+        the float's bits made monotonic (negatives: flip the magnitude bits; -0.0 as 0.0)."""
+        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered.to(tl.int64) << 32) | positions.to(tl.int64)
 
     @triton.jit
     def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
@@ -186,20 +144,19 @@ if triton is not None:
     def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
         [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
-        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
         best = tl.full((BLOCK_M, KEYS), _KEY_NONE, tl.int64)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_block, q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim,
-                                  CHUNK, PRECISION, BLOCK_K, WHOLE)
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+                                  PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
@@ -223,103 +180,6 @@ if triton is not None:
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
     @triton.jit
-    def _kth_slot_minimum_kernel(q_ptr, r_ptr, r_norms_ptr, wanted_ptr, out_ptr, rows, columns, dim, share, parts,
-                                 k, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 LOG_N: tl.constexpr, BLOCK_K: tl.constexpr, WHOLE: tl.constexpr):
-        """Per query of the tile and over the references [part * share, (part + 1) * share):
-        the least value of each slot (the references n of one n mod BLOCK_N), and the k-th
-        least of the slots' minima -> out [B, M, parts]. Programs without a ``wanted`` row
-        [B * M] walk no tile (+inf)."""
-        item = tl.program_id(2).to(tl.int64)
-        part = tl.program_id(1)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        query = item * rows + m
-        wanted = tl.load(wanted_ptr + query, mask=m < rows, other=0) != 0
-        first = part * share
-        end = tl.where(tl.max(wanted.to(tl.int32), 0) > 0, tl.minimum(first + share, columns), first)
-        q_base = q_ptr + item * rows * dim
-        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
-        slots = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
-        for start in range(first, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            slots = tl.minimum(slots, _tile_values(q_block, q_base, r_ptr + item * columns * dim,
-                                                   r_norms_ptr + item * columns, m, n, rows, columns, dim,
-                                                   PRECISION, BLOCK_K, WHOLE))
-        descending = _least_descending(_ordered_bits(slots), LOG_N, BLOCK_N)
-        kth = tl.sum(tl.where(tl.arange(0, BLOCK_N)[None, :] == BLOCK_N - k, descending, 0), 1)
-        tl.store(out_ptr + query * parts + part, _bits_value(kth), mask=m < rows)
-
-    @triton.jit
-    def _within_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, out_ptr, count_ptr, rows, columns, dim, share, cap,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, WHOLE: tl.constexpr, SCAN: tl.constexpr):
-        """Per query of the tile, the references of [part * share, (part + 1) * share) whose
-        finite value is at most the query's limit [B * M] appended to its list out [B, M, cap]:
-        count [B, M] counts them all, those past ``cap`` are dropped (the order of the shares'
-        appends is the atomics'). Programs whose rows' limits are all -inf walk no tile."""
-        item = tl.program_id(2).to(tl.int64)
-        part = tl.program_id(1)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        query = item * rows + m
-        limit = tl.load(limit_ptr + query, mask=m < rows, other=-float("inf"))
-        first = part * share
-        end = tl.where(tl.max(limit, 0) > -float("inf"), tl.minimum(first + share, columns), first)
-        q_base = q_ptr + item * rows * dim
-        q_block = _query_block(q_base, m, rows, dim, BLOCK_K, WHOLE)
-        for start in range(first, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            values = _tile_values(q_block, q_base, r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n,
-                                  rows, columns, dim, PRECISION, BLOCK_K, WHOLE)
-            hit = (values <= limit[:, None]) & (values < float("inf"))
-            hits = hit.to(tl.int32)
-            if SCAN:  # one atomic a row, positions by a running sum along the row
-                per_row = tl.sum(hits, 1)
-                if tl.max(per_row, 0) > 0:
-                    base = tl.atomic_add(count_ptr + query, per_row, mask=per_row > 0, sem="relaxed")
-                    slot = base[:, None] + tl.cumsum(hits, 1) - 1
-                    tl.store(out_ptr + query[:, None] * cap + slot, n[None, :], mask=hit & (slot < cap))
-            else:  # one atomic a hit
-                if tl.max(tl.max(hits, 1), 0) > 0:
-                    flat = tl.reshape(hit, (BLOCK_M * BLOCK_N,))
-                    owner = tl.reshape(query[:, None] + 0 * n[None, :], (BLOCK_M * BLOCK_N,))
-                    slot = tl.atomic_add(count_ptr + owner, 1, mask=flat, sem="relaxed")
-                    ref = tl.reshape(0 * query[:, None] + n[None, :], (BLOCK_M * BLOCK_N,))
-                    tl.store(out_ptr + owner * cap + slot, ref, mask=flat & (slot < cap))
-
-    @triton.jit
-    def _candidate_distances_kernel(q_ptr, r_ptr, r_norms_ptr, candidates_ptr, count_ptr, out_ptr, rows, columns,
-                                    dim, cap, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out [B, M, cap]: the squared distance from each query to each of its listed
-        references (``_within_kernel``), summed from differences; +inf past its count and
-        where r_norms is."""
-        item = tl.program_id(2).to(tl.int64)
-        row = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        query = item * rows + row
-        listed = j < tl.minimum(tl.load(count_ptr + query), cap)
-        ref = tl.load(candidates_ptr + query * cap + j, mask=listed, other=0)
-        _measure(q_ptr + query * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns, ref, listed,
-                 out_ptr + query * cap + j, j < cap, dim, BLOCK_K)
-
-    @triton.jit
-    def _measure(q_base, r_base, r_norms_base, ref, ok, out, out_mask, dim, BLOCK_K: tl.constexpr):
-        """out[i] = |q - r[ref[i]]|^2 summed from differences where ``ok``, else +inf; an
-        invalid reference (+inf norm) or query (NaN sum) measures +inf: ``smallest`` wants no
-        NaN (it would order them after the padding)."""
-        norms = tl.load(r_norms_base + ref, mask=ok, other=float("inf"))
-        kk = tl.arange(0, BLOCK_K)
-        total = tl.zeros(ref.shape, dtype=tl.float32)
-        for start in range(0, dim, BLOCK_K):
-            d = start + kk
-            q = tl.load(q_base + d, mask=d < dim, other=0.0)
-            r = tl.load(r_base + ref[:, None].to(tl.int64) * dim + d[None, :], mask=ok[:, None] & (d[None, :] < dim),
-                        other=0.0)
-            diff = q[None, :] - r
-            total += tl.sum(diff * diff, axis=1)
-        total = tl.where((norms == float("inf")) | (total != total), float("inf"), total)
-        tl.store(out, total, mask=out_mask)
-
-    @triton.jit
     def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, out_ptr, rows, columns, dim, n_chosen,
                                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
@@ -329,8 +189,23 @@ if triton is not None:
         query = item * rows + row
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
-        _measure(q_ptr + query * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns, ref,
-                 (j < members) & (ref < columns), out_ptr + query * members + j, j < members, dim, BLOCK_K)
+        ok = (j < members) & (ref < columns)
+        norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
+        kk = tl.arange(0, BLOCK_K)
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, dim, BLOCK_K):
+            d = start + kk
+            q = tl.load(q_ptr + query * dim + d, mask=d < dim, other=0.0)
+            r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :],
+                        mask=ok[:, None] & (d[None, :] < dim), other=0.0)
+            diff = q[None, :] - r
+            total += tl.sum(diff * diff, axis=1)
+        # +inf norms mark invalid references (past a length, or NaN rows); an invalid query (a
+        # NaN coordinate) measures +inf too: ``smallest`` wants no NaN (it would order them
+        # after the padding, whose positions lie past the members).
+        total = tl.where((norms == float("inf")) | (total != total), float("inf"), total)
+        tl.store(out_ptr + query * members + j, total, mask=j < members)
+
 
     @triton.jit
     def _squared_differences_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
@@ -355,7 +230,8 @@ if triton is not None:
         inside = (r[:, None] < rows) & (c[None, :] < width)
         x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
         keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
-        value = _bits_value((keys >> 32).to(tl.int32))
+        top = (keys >> 32).to(tl.int32)
+        value = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         keep = (r[:, None] < rows) & (c[None, :] < count)
         tl.store(out_values_ptr + r[:, None] * count + c[None, :], value, mask=keep)
         tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
@@ -396,8 +272,10 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     if out.numel():
         grid = (triton.cdiv(columns, BLOCK_N), triton.cdiv(rows, BLOCK_M), batch)
+        block_k = 16 if dim <= 16 else 32
         _chunk_minima_kernel[grid](q, r, r_norms, out, rows, columns, dim, chunks, CHUNK=chunk, PRECISION=precision,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS, **_depth_tiles(dim))
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
+                                   num_stages=4 if block_k == 16 else 3)
     return out
 
 
@@ -423,91 +301,12 @@ def _key_values(keys: torch.Tensor) -> torch.Tensor:
     return (top ^ ((top >> 31) & 0x7FFFFFFF)).view(torch.float32)
 
 
-def _shares(batch: int, rows: int, columns: int, block_m: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """Shares of the references, (parts, references a part): enough programs to fill the
-    device, each share at least 8 tiles (Triton's interpreter: one multiprocessor)."""
+def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
+    """Shares of the references: enough programs to fill the device, each share at least
+    8 tiles (Triton's interpreter: one multiprocessor)."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    programs = batch * triton.cdiv(rows, block_m)
-    parts = max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
-    share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
-    return triton.cdiv(columns, share), share
-
-
-def threshold_slots(k: int) -> int:
-    """Slots per query of ``kth_slot_minimum`` (its tiles' width): at least 2k, so that the
-    k-th least slot minimum sits near the k-th least value."""
-    return max(THRESHOLD_BLOCK_N, triton.next_power_of_2(2 * k))
-
-
-def _depth_tiles(dim: int) -> dict:
-    """The products' tiles along D: the whole of D at once up to WHOLE_MAX_DIM (the queries'
-    block loaded once a program), else blocks of 16 or 32 coordinates."""
-    if dim <= WHOLE_MAX_DIM:
-        return {"BLOCK_K": max(16, triton.next_power_of_2(dim)), "WHOLE": True, "num_stages": STAGES}
-    return {"BLOCK_K": 32, "WHOLE": False, "num_stages": 3}
-
-
-def _threshold_tiles(block_n: int, dim: int) -> dict:
-    return {"BLOCK_M": max(16, THRESHOLD_BLOCK_M * THRESHOLD_BLOCK_N // block_n), "BLOCK_N": block_n,
-            "num_warps": THRESHOLD_NUM_WARPS, **_depth_tiles(dim)}
-
-
-def kth_slot_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, k: int, precision: str,
-                     wanted: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
-    [B, M]: an upper bound of each query's k-th least ``r_norms - 2 q.r`` (as computed in
-    ``precision``): the k-th least of the minima of ``threshold_slots(k)`` disjoint sets of
-    references (k distinct references lie at or below it); +inf where fewer than k are valid,
-    and for the rows not ``wanted`` [B, M] (bool; default all)."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
-    batch, rows, dim = q.shape
-    columns = r.shape[1]
-    tiles = _threshold_tiles(threshold_slots(k), dim)
-    parts, share = _shares(batch, rows, columns, tiles["BLOCK_M"], tiles["BLOCK_N"], q.device)
-    out = torch.empty((batch, rows, parts), dtype=torch.float32, device=q.device)
-    if wanted is None:
-        wanted = torch.ones((batch, rows), dtype=torch.bool, device=q.device)
-    if out.numel():
-        grid = (triton.cdiv(rows, tiles["BLOCK_M"]), parts, batch)
-        _kth_slot_minimum_kernel[grid](q, r, r_norms, wanted.contiguous(), out, rows, columns, dim, share, parts, k,
-                                       PRECISION=precision, LOG_N=tiles["BLOCK_N"].bit_length() - 1, **tiles)
-    return out.amin(-1) if parts > 1 else out[..., 0]
-
-
-def within(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torch.Tensor, cap: int,
-           precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N], limit [B, M] -> per query the
-    references whose ``r_norms - 2 q.r`` (in ``precision``) is finite and at most its limit
-    (-inf: none, and no work): lists [B, M, cap] (int32, in no particular order, 0 past the
-    count) and counts [B, M] (int32, all of them: a count above ``cap`` means the list was cut)."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
-    batch, rows, dim = q.shape
-    columns = r.shape[1]
-    lists = torch.zeros((batch, rows, cap), dtype=torch.int32, device=q.device)
-    counts = torch.zeros((batch, rows), dtype=torch.int32, device=q.device)
-    if lists.numel():
-        tiles = _threshold_tiles(THRESHOLD_BLOCK_N, dim)
-        parts, share = _shares(batch, rows, columns, tiles["BLOCK_M"], tiles["BLOCK_N"], q.device)
-        grid = (triton.cdiv(rows, tiles["BLOCK_M"]), parts, batch)
-        _within_kernel[grid](q, r, r_norms, limit.contiguous(), lists, counts, rows, columns, dim, share, cap,
-                             PRECISION=precision, SCAN=WITHIN_SCAN, **tiles)
-    return lists, counts
-
-
-def listed_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, lists: torch.Tensor,
-                     counts: torch.Tensor) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32), lists and counts of ``within`` -> [B, M, cap]: the
-    squared distances to the listed references, summed from differences (+inf past the
-    count, and where r_norms is)."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
-    batch, rows, dim = q.shape
-    cap = lists.shape[-1]
-    out = torch.empty((batch, rows, cap), dtype=torch.float32, device=q.device)
-    if out.numel():
-        block = min(BLOCK_MEMBERS, triton.next_power_of_2(cap))
-        _candidate_distances_kernel[(rows, triton.cdiv(cap, block), batch)](
-            q, r, r_norms, lists, counts, out, rows, r.shape[1], dim, cap, BLOCK=block, BLOCK_K=32, num_warps=4)
-    return out
+    programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
+    return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
 
 
 
@@ -524,15 +323,18 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     batch, rows, dim = q.shape
     keys = max(16, triton.next_power_of_2(count))
     block_n = max(FUSED_BLOCK_N, keys * chunk)
-    parts, share = _shares(batch, rows, columns, FUSED_BLOCK_M, block_n, q.device)
+    parts = _shares(batch, rows, columns, block_n, q.device)
+    share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
+    parts = triton.cdiv(columns, share)
     lists = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
     out = torch.empty((batch, rows, count), dtype=torch.int64, device=q.device)
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
+        block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, triton.cdiv(columns, chunk), share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, **_depth_tiles(dim),
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
