@@ -5,6 +5,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
     python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
+    python benchmarks/dense_profile.py --operators      (the capture path run eagerly: torch's operators
+                                                         with their input shapes, by CUDA time)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -67,16 +69,37 @@ def sweep(generator) -> None:
         print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
 
 
+def operators(generator) -> None:
+    """The capture path's operators with their shapes (run eagerly, as a capture runs it), by
+    CUDA time, for the first three shapes."""
+    dense._capturing = lambda query: True
+    for batch, rows, columns, dim, k in SHAPES[:3]:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        for _ in range(2):
+            fullgraph.knn(q, r, k, backend="dense")
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            fullgraph.knn(q, r, k, backend="dense")
+            torch.cuda.synchronize()
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k}", flush=True)
+        print(prof.key_averages(group_by_input_shape=True).table(
+            sort_by="cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
     parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
+    parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
     if args.sweep:
         return sweep(generator)
+    if args.operators:
+        return operators(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
