@@ -269,15 +269,37 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim", [5, 64, 300])
-def test_squared_differences_have_torchs_bits(dim, generator):
-    """The GPU re-measure's squares in one Triton pass: bit for bit torch's (q - r).square() of
-    the gathered rows, with near-duplicates (tiny differences) and far points among them."""
-    from fullgraph.ops.neighbors import triton_dense
+def test_squared_distances_have_the_references_bits(dim, generator):
+    """The GPU re-measure in one Triton pass (gather, square, halving sum): bit for bit the
+    reference's ``pairs.squared_difference`` of the gathered rows, on coordinates whose
+    squares span many orders of magnitude (so any other summation order shows), with
+    near-duplicates (tiny differences) and far points among them."""
+    from fullgraph.ops.neighbors import pairs, triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    q = torch.randn(2, 7, dim, generator=generator)
-    r = torch.cat([torch.randn(2, 40, dim, generator=generator) * 1e3, q + 1e-30, q * (1 + 2**-23)], 1)
+    q = torch.randn(2, 7, dim, generator=generator) * 10.0 ** torch.randint(-6, 6, (1, 1, dim), generator=generator)
+    r = torch.cat([torch.randn(2, 40, dim, generator=generator) * 1e3, q + 1e-30, q * (1 + 2**-23),
+                   q + torch.randn(2, 7, dim, generator=generator)], 1)
     candidates = torch.randint(0, r.shape[1], (2, 7, 9), generator=generator)
     q, r, candidates = q.to(device), r.to(device), candidates.to(device)
-    got = triton_dense.squared_differences(q, r, candidates)
-    assert torch.equal(got, (q[:, :, None, :] - dense._gather_rows(r, candidates)).square())
+    got = triton_dense.squared_distances(q, r, candidates)
+    want = pairs.squared_difference(q[:, :, None, :], dense._gather_rows(r, candidates))
+    assert torch.equal(got, want)
+    assert not torch.equal(want, (q[:, :, None, :] - dense._gather_rows(r, candidates)).square().double().sum(-1).float())
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 5, 8, 13, 64, 300])
+def test_halving_sum_adds_in_its_stated_order(width, generator):
+    """``halving_sum``: x[j] += x[j + h] for the largest power of two h below the width, down
+    to one value: the same bits as that loop written out over a zero-padded copy, and within
+    float rounding of the float64 sum."""
+    from fullgraph.ops.neighbors import pairs
+
+    x = torch.randn(50, width, generator=generator) * 10.0 ** torch.randint(-4, 4, (50, width), generator=generator)
+    padded = torch.zeros(50, 1 << (width - 1).bit_length())
+    padded[:, :width] = x
+    while padded.shape[1] > 1:
+        padded = padded[:, :padded.shape[1] // 2] + padded[:, padded.shape[1] // 2:]
+    got = pairs.halving_sum(x.clone())
+    assert torch.equal(got, padded[:, 0])
+    torch.testing.assert_close(got.double(), x.double().sum(-1), rtol=width * 2**-23, atol=0)

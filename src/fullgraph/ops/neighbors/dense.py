@@ -116,14 +116,15 @@ def _remeasure(q, r, candidates):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
     in the reference's arithmetic."""
     if q.is_cuda:
-        if q.shape[-1] > pairs.PER_COORDINATE_MAX_DIM and _triton.available() and q.dtype == torch.float32:
-            # the squares in one Triton pass, summed as the reference sums them (H100, 8 x 4096^2,
-            # D = 64, 28 candidates: the gather, subtraction and square took ~0.8 ms)
-            return triton_dense.squared_differences(q, r, candidates).sum(-1).sqrt_()
+        if triton_dense.measures(q):
+            # gathered, squared and summed in one Triton pass, as the reference sums (H100,
+            # 8 x 4096^2, D = 64, 28 candidates: torch's gather, subtraction and square took
+            # ~0.8 ms; the squares written by Triton and summed by torch 0.31 ms)
+            return triton_dense.squared_distances(q, r, candidates).sqrt_()
         return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
     # CPUs: cache-sized pieces gathered into one reused buffer (fresh pieces of a few MiB each
     # cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of a call). Above
-    # PER_COORDINATE_MAX_DIM the reference's (q - r).square().sum(-1) runs in place there:
+    # PER_COORDINATE_MAX_DIM the reference's squares and halving sum run in place there:
     # (r - q)^2 is (q - r)^2 bit for bit.
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
@@ -135,7 +136,7 @@ def _remeasure(q, r, candidates):
         gathered = _gather_rows(r, piece, out=buffer[:piece.numel() * dim].view(*piece.shape, dim))
         near = q[:, s:s + step, None, :]
         if dim > pairs.PER_COORDINATE_MAX_DIM:
-            out[:, s:s + step] = gathered.sub_(near).square_().sum(-1)
+            out[:, s:s + step] = pairs.halving_sum(gathered.sub_(near).square_())
         else:
             out[:, s:s + step] = pairs.squared_difference(near, gathered)
     return out.sqrt_()

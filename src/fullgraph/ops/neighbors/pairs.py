@@ -63,16 +63,30 @@ def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
 
 
 # Up to this many coordinates, differences are summed one coordinate at a time (no
-# [..., D] block is held); beyond, one fused reduction over D beats a Python loop.
+# [..., D] block is held); beyond, a [..., D] block of squares is summed by halving.
 PER_COORDINATE_MAX_DIM = 4
+
+
+def halving_sum(x: Tensor) -> Tensor:
+    """x [..., D] (overwritten) -> [...]: its sum over the last dim in one fixed order of
+    float additions, x[j] += x[j + h] for h the largest power of two below the width, until
+    one is left (a sum of D zero-padded to a power of two, halved). ``torch.sum`` promises no
+    order (it differs between devices and reduction configurations); Triton kernels repeat
+    this one bit for bit (``triton_dense.squared_distances``)."""
+    width = x.shape[-1]
+    while width > 2:
+        half = 1 << ((width - 1).bit_length() - 1)
+        x[..., :width - half] += x[..., half:width]
+        width = half
+    return x[..., 0] + x[..., 1] if width == 2 else x[..., 0].clone()
 
 
 def squared_difference(query: Tensor, ref: Tensor) -> Tensor:
     """sum_c (query_c - ref_c)^2 over the last dim, broadcasting. For D <=
     PER_COORDINATE_MAX_DIM one [...] pass per coordinate, summed in order; above, a
-    contiguous [..., D] difference reduced by ``sum``."""
+    [..., D] block of differences squared, summed by ``halving_sum``."""
     if query.shape[-1] > PER_COORDINATE_MAX_DIM:
-        return (query - ref).square().sum(-1)
+        return halving_sum((query - ref).square_())
     total = (query[..., 0] - ref[..., 0]).square()
     for c in range(1, query.shape[-1]):
         total += (query[..., c] - ref[..., c]).square()

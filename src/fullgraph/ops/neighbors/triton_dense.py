@@ -37,6 +37,9 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # ms fused / stored: 8 x 4096^2 D=64 k=20 4.38 / 4.55, 32 x 1024^2 3.75 / 4.14, but 2 x 10^4 x
 # 2 x 10^5 D=16 21.2 / 8.5 and 10^4 x 10^6 D=128 113 / 63: dense-profile-run-EB.log).
 FUSED_MAX_COLUMNS = 2**16
+# ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
+# a program; wider points take torch's gather and ops).
+MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
@@ -208,19 +211,24 @@ if triton is not None:
 
 
     @triton.jit
-    def _squared_differences_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
-                                    BLOCK_D: tl.constexpr):
-        """out [Q, take, dim] = (q[i] - r[refs[i, c]])^2 elementwise (no sum)."""
+    def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
+                                  DP: tl.constexpr, LOG_DP: tl.constexpr):
+        """out [Q, take] = sum_d (q[i] - r[refs[i, c]])_d^2: each difference and square rounded
+        as torch rounds them, summed as ``pairs.halving_sum`` sums (zero-padded to DP = 2^LOG_DP
+        coordinates, halved LOG_DP times). Launched without contraction into fused
+        multiply-adds, which would round differently."""
         i = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         refs = tl.load(refs_ptr + i * take + c, mask=c < take, other=0)
-        for start in range(0, dim, BLOCK_D):
-            d = start + tl.arange(0, BLOCK_D)
-            inside = (c[:, None] < take) & (d[None, :] < dim)
-            q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
-            r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=inside, other=0.0)
-            diff = q[None, :] - r
-            tl.store(out_ptr + (i * take + c[:, None]) * dim + d[None, :], diff * diff, mask=inside)
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
+        r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
+                    other=0.0)
+        diff = q[None, :] - r
+        x = diff * diff
+        for level in tl.static_range(LOG_DP):
+            x = tl.sum(tl.reshape(x, (BLOCK_C, 2, DP >> (level + 1))), 1)
+        tl.store(out_ptr + i * take + c, tl.reshape(x, (BLOCK_C,)), mask=c < take)
 
     @triton.jit
     def _smallest_kernel(values_ptr, out_values_ptr, out_index_ptr, rows, width, count,
@@ -343,18 +351,26 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     return _key_values(out), out & 0xFFFFFFFF
 
 
-def squared_differences(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """q [B, m, D], r [B, N, D] (float32), candidates [B, m, c] (rows of r, >= 0) ->
-    [B, m, c, D]: (q - r)^2 coordinate by coordinate, the bits of torch's ``(q - r).square()``
-    (one rounded subtraction and one rounded product each), in one pass instead of a gather
-    and two elementwise passes; the caller sums in torch's order."""
+def measures(q: torch.Tensor) -> bool:
+    """Whether ``squared_distances`` takes points like q: float32 with D in (4, MEASURE_MAX_DIM]
+    (at most 4 coordinates the reference sums one at a time)."""
+    from .pairs import PER_COORDINATE_MAX_DIM
+
+    return triton is not None and q.dtype == torch.float32 and PER_COORDINATE_MAX_DIM < q.shape[-1] <= MEASURE_MAX_DIM
+
+
+def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """q [B, m, D], r [B, N, D] (float32; ``measures``), candidates [B, m, c] (rows of r,
+    >= 0) -> [B, m, c]: the reference's squared distances (``pairs.squared_difference``) bit
+    for bit, in one pass instead of a gather, the squares [B, m, c, D] and their sum."""
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
-    out = torch.empty((batch, rows, take, dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
     if out.numel():
         refs = candidates + (torch.arange(batch, device=q.device) * r.shape[1])[:, None, None]
-        block_c = min(32, triton.next_power_of_2(take))
-        _squared_differences_kernel[(batch * rows, triton.cdiv(take, block_c))](
-            q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c,
-            BLOCK_D=min(128, triton.next_power_of_2(dim)), num_warps=4)
+        padded = triton.next_power_of_2(dim)
+        block_c = max(1, min(32, triton.next_power_of_2(take), MEASURE_BLOCK // padded))
+        _squared_distances_kernel[(batch * rows, triton.cdiv(take, block_c))](
+            q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c, DP=padded,
+            LOG_DP=padded.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     return out
