@@ -303,3 +303,31 @@ def test_halving_sum_adds_in_its_stated_order(width, generator):
     got = pairs.halving_sum(x.clone())
     assert torch.equal(got, padded[:, 0])
     torch.testing.assert_close(got.double(), x.double().sum(-1), rtol=width * 2**-23, atol=0)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [5, 64])
+def test_frames_in_triton_equal_torchs(dtype, dim, generator):
+    """The GPU frames (four Triton passes) against the torch ones: validity (ragged lengths,
+    NaN and inf coordinates, an empty item), the power-of-two scale (coordinates beyond its
+    range), the scaled clouds bit for bit, and the centred clouds, norms and reach to float
+    rounding (the centre's sum runs in another order)."""
+    from fullgraph.ops.neighbors import pairs, triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query = torch.randn(3, 40, dim, generator=generator) * torch.tensor([1.0, 1e15, 1.0])[:, None, None] + 7
+    ref = torch.randn(3, 70, dim, generator=generator) * torch.tensor([1.0, 1e15, 1.0])[:, None, None] + 7
+    query[0, 3, 1], ref[0, 5, 0], ref[2, 9, 2] = math.nan, math.inf, -math.inf
+    query, ref = query.to(dtype).to(device), ref.to(dtype).to(device)
+    query_lengths, ref_lengths = torch.tensor([40, 17, 0], device=device), torch.tensor([70, 70, 33], device=device)
+    got = triton_dense.frames(query, ref, query_lengths, ref_lengths)
+    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+    want = dense._Frames(query, ref, query_ok, ref_ok, torch.float32)
+    assert torch.equal(got["query_ok"], query_ok) and torch.equal(got["ref_ok"], ref_ok)
+    assert torch.equal(got["scale"], want.scale) and want.scale[1].item() > 1
+    torch.testing.assert_close(got["q"], want.q, rtol=0, atol=0, equal_nan=True)  # NaN rows stay NaN
+    torch.testing.assert_close(got["r"], want.r, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(torch.isinf(got["r_norms"]), ~ref_ok)
+    for name in ("qc", "rc", "r_norms", "reach"):
+        torch.testing.assert_close(got[name], getattr(want, name), rtol=1e-5, atol=1e-5)

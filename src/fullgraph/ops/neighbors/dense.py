@@ -160,6 +160,13 @@ class _Frames:
         # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
         self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
 
+    @classmethod
+    def of(cls, parts: dict) -> _Frames:
+        """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
+        frames = object.__new__(cls)
+        frames.__dict__.update({name: parts[name] for name in ("scale", "q", "r", "qc", "rc", "reach", "r_norms")})
+        return frames
+
     def items(self, chosen: slice) -> _Frames:
         """The frames of the batch items ``chosen`` (views)."""
         part = object.__new__(_Frames)
@@ -373,8 +380,13 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
     if batch * rows * ref.shape[1] == 0:
         return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
-    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    frames = _Frames(query, ref, query_ok, ref_ok, acc)
+    if _on_tensor_cores(query) and query.shape[-1] <= triton_dense.FRAMES_MAX_DIM:
+        parts = triton_dense.frames(query, ref, pairs.full_lengths(query_lengths, batch, rows, query.device),
+                                    pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device))
+        query_ok, ref_ok, frames = parts["query_ok"], parts["ref_ok"], _Frames.of(parts)
+    else:
+        query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+        frames = _Frames(query, ref, query_ok, ref_ok, acc)
     if _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):
         _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
     else:

@@ -40,6 +40,8 @@ FUSED_MAX_COLUMNS = 2**16
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
+# ``frames``: rows of points a program (FRAMES_BLOCK values), up to FRAMES_MAX_DIM coordinates.
+FRAMES_BLOCK, FRAMES_MAX_DIM = 4096, 1024
 # Programs to aim for per multiprocessor: a few queries against many references split the
 # references into shares.
 FUSED_PROGRAMS_PER_SM = 4
@@ -231,6 +233,52 @@ if triton is not None:
         tl.store(out_ptr + i * take + c, tl.reshape(x, (BLOCK_C,)), mask=c < take)
 
     @triton.jit
+    def _row_stats_kernel(points_ptr, lengths_ptr, ok_ptr, largest_ptr, sums_ptr, rows, dim, blocks,
+                          SUMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+        """Per row of points [B, L, D]: valid (inside its item's length, every coordinate
+        finite) -> ok [B, L] (int8); per block of rows, the largest |coordinate| of its valid
+        rows -> largest [B, blocks] and (SUMS) their coordinates' sums -> sums [B, blocks, D]."""
+        b = tl.program_id(1).to(tl.int64)
+        block = tl.program_id(0)
+        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        d = tl.arange(0, DP)
+        inside = r < rows
+        x = tl.load(points_ptr + (b * rows + r[:, None]) * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim),
+                    other=0.0).to(tl.float32)
+        size = tl.abs(x)
+        finite = tl.min(((x == x) & (size < float("inf"))).to(tl.int32), 1) == 1
+        ok = inside & (r < tl.load(lengths_ptr + b)) & finite
+        tl.store(ok_ptr + b * rows + r, ok.to(tl.int8), mask=inside)
+        tl.store(largest_ptr + b * blocks + block, tl.max(tl.where(ok, tl.max(size, 1), 0.0), 0))
+        if SUMS:
+            tl.store(sums_ptr + (b * blocks + block) * dim + d, tl.sum(tl.where(ok[:, None], x, 0.0), 0), mask=d < dim)
+
+    @triton.jit
+    def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, scaled_ptr, centred_ptr, norms_ptr, reach_ptr,
+                        rows, dim, blocks, NORMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+        """points [B, L, D] -> scaled = points / scale[b] (exact: a power of two) and centred =
+        scaled - centre[b] (0 on invalid rows); with NORMS, |centred|^2 [B, L] (+inf on invalid
+        rows) and per block the largest of the valid ones -> reach [B, blocks]."""
+        b = tl.program_id(1).to(tl.int64)
+        block = tl.program_id(0)
+        r = block * BLOCK_R + tl.arange(0, BLOCK_R)
+        d = tl.arange(0, DP)
+        inside = r < rows
+        where = (b * rows + r[:, None]) * dim + d[None, :]
+        mask = inside[:, None] & (d[None, :] < dim)
+        x = tl.load(points_ptr + where, mask=mask, other=0.0).to(tl.float32)
+        scaled = tl.math.div_rn(x, tl.load(scale_ptr + b))
+        ok = tl.load(ok_ptr + b * rows + r, mask=inside, other=0) != 0
+        centre = tl.load(centre_ptr + b * dim + d, mask=d < dim, other=0.0)
+        centred = tl.where(ok[:, None], scaled - centre[None, :], 0.0)
+        tl.store(scaled_ptr + where, scaled, mask=mask)
+        tl.store(centred_ptr + where, centred, mask=mask)
+        if NORMS:
+            norms = tl.sum(centred * centred, 1)
+            tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
+            tl.store(reach_ptr + b * blocks + block, tl.max(tl.where(ok, norms, 0.0), 0))
+
+    @triton.jit
     def _smallest_kernel(values_ptr, out_values_ptr, out_index_ptr, rows, width, count,
                          ROWS: tl.constexpr, WIDTH: tl.constexpr):
         r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -373,4 +421,50 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
         _squared_distances_kernel[(batch * rows, triton.cdiv(take, block_c))](
             q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c, DP=padded,
             LOG_DP=padded.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor) -> dict:
+    """The dense backend's frames (``dense._Frames``) in four passes over the clouds instead
+    of torch's two dozen: query [B, M, D], ref [B, N, D] (float32, float16 or bfloat16,
+    D <= FRAMES_MAX_DIM), lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the
+    item's power-of-two ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32),
+    centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
+    references' squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach``
+    [B, 1] (the largest valid norm)."""
+    from ..scaling import safe_scale
+
+    batch, dim = query.shape[0], query.shape[-1]
+    padded = triton.next_power_of_2(dim)
+    block = max(1, FRAMES_BLOCK // padded)
+    out = {}
+    stats = {}
+    for name, points, lengths in (("query", query, query_lengths), ("ref", ref, ref_lengths)):
+        points = points.contiguous()
+        rows = points.shape[1]
+        blocks = max(1, triton.cdiv(rows, block))
+        ok = torch.empty((batch, rows), dtype=torch.int8, device=points.device)
+        largest = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
+        sums = torch.zeros((batch, blocks, dim) if name == "ref" else (1,), dtype=torch.float32, device=points.device)
+        if rows:
+            _row_stats_kernel[(blocks, batch)](points, lengths.contiguous(), ok, largest, sums, rows, dim, blocks,
+                                               SUMS=name == "ref", BLOCK_R=block, DP=padded, num_warps=4)
+        out[f"{name}_ok"] = ok.view(torch.bool)
+        stats[name] = (points, rows, blocks, largest, sums, ok)
+    scale = safe_scale(torch.maximum(stats["query"][3].amax(1), stats["ref"][3].amax(1)))
+    sums = stats["ref"][4]
+    centre = (sums.sum(1) / scale[:, None] / out["ref_ok"].sum(1).clamp(min=1)[:, None]).contiguous()
+    out["scale"] = scale[:, None]
+    for name, (points, rows, blocks, _, _, ok) in stats.items():
+        scaled = torch.empty(points.shape, dtype=torch.float32, device=points.device)
+        centred = torch.empty(points.shape, dtype=torch.float32, device=points.device)
+        norms = torch.empty((batch, rows), dtype=torch.float32, device=points.device)
+        reach = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
+        if rows:
+            _centred_kernel[(blocks, batch)](points, ok, scale, centre, scaled, centred, norms, reach,
+                                             rows, dim, blocks, NORMS=name == "ref", BLOCK_R=block, DP=padded,
+                                             num_warps=4)
+        out[name[0]], out[name[0] + "c"] = scaled, centred
+        if name == "ref":
+            out["r_norms"], out["reach"] = norms, reach.amax(1, keepdim=True).sqrt()
     return out
