@@ -7,12 +7,14 @@ of queries, for every batch item at once:
 
 1. both clouds are scaled by the item's power of two (``ops.scaling.safe_scale``) and
    centred on the mean of its valid references (which shrinks the cancellation error
-   below); approximate squared distances come from one product,
+   below; on GPUs four Triton passes, ``triton_dense.frames``, where torch took two
+   dozen kernels); approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
 2. the ``k + SLACK`` smallest per query (``select.smallest``: torch.topk on GPUs, a C++
    selection on CPUs) are re-measured with the reference's
-   arithmetic (``pairs.norm_of_difference`` on the same scaled points) and ordered by
-   (distance, index);
+   arithmetic (``pairs.norm_of_difference`` on the same scaled points: its squares summed
+   in one fixed order, ``pairs.halving_sum``, which a Triton pass repeats on GPUs) and
+   ordered by (distance, index);
 3. a certificate checks that no reference outside the candidates can be nearer than, or tie
    with, the k-th: rows that fail it are searched again exactly.
 
@@ -145,7 +147,9 @@ def _remeasure(q, r, candidates):
 class _Frames:
     """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
-    invalid rows zeroed (``qc``, ``rc``, the operands of the products)."""
+    invalid rows zeroed (``qc``, ``rc``, the operands of the products). Built by torch here;
+    on GPUs by ``triton_dense.frames`` (``_Frames.of``: the same scaled clouds, the centre
+    summed in another order)."""
 
     def __init__(self, query, ref, query_ok, ref_ok, acc):
         largest = torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok))

@@ -4,7 +4,8 @@ Conventions (batched layout, after ``api`` added the batch dim): query [B, M, D]
 [B, N, D], lengths [B] int64 (the valid prefix of each item). A point with a non-finite
 coordinate, or beyond its item's length, is invalid: an invalid reference is never a
 neighbour, an invalid query has none. Distances are ``sqrt(sum((q - r)**2))`` in float32
-(float64 for float64 inputs), ties broken by index.
+(float64 for float64 inputs), the sum in one stated order (``squared_difference``) so that
+every backend measures the same bits, ties broken by index.
 
 The aggregations work on *pairs*: flat query rows ``qi``, flat reference rows ``rj`` and
 their distances ``d``, so that kNN lists and radius balls share one maths. A backend that
