@@ -100,12 +100,37 @@ def test_the_triton_search_restricted_to_flagged_rows(generator):
     assert torch.equal(some[1][needed], full[1][needed]) and torch.equal(some[0][needed], full[0][needed])
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
+    """What the dense path hands the Triton search instead of building its grid (D > 3): the
+    frames' scaled clouds, valid rows first, give the lists of a grid built from scratch, with
+    ragged lengths, non-finite points and flagged rows."""
+    from fullgraph.ops.neighbors import grid, pairs, triton_grid
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query = torch.stack([points("normal", 30, 8, generator) for _ in range(2)]).float() * 1e15
+    ref = torch.stack([points("normal", 90, 8, generator) for _ in range(2)]).float() * 1e15
+    query[0, 4, 2], ref[1, 7, 0], ref[0, 11, 5] = math.nan, math.inf, math.nan
+    query, ref = query.to(device), ref.to(device)
+    query_lengths, ref_lengths = torch.tensor([30, 21], device=device), torch.tensor([90, 64], device=device)
+    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+    frames = dense._Frames(query, ref, query_ok, ref_ok, torch.float32)
+    assert frames.scale.min().item() > 1  # far out: the clouds are scaled
+    built = grid.one_cell(frames.q, frames.r, query_ok, ref_ok, frames.scale)
+    assert torch.equal(built[2].cell_start.cpu(), torch.tensor([0, 89, 90, 90 + 63, 180], dtype=torch.int32))
+    needed = query_ok.clone()
+    needed[1, :5] = False
+    full = triton_grid.nearest(query, ref, 7, math.inf, query_lengths, ref_lengths, needed=needed)
+    some = triton_grid.nearest(query, ref, 7, math.inf, query_lengths, ref_lengths, needed=needed, built=built)
+    assert torch.equal(some[1][needed], full[1][needed]) and torch.equal(some[0][needed], full[0][needed])
+
+
 def _count_searched_rows(monkeypatch) -> list[int]:
     """The number of rows each call of the restricted Triton search is asked for."""
     searched = []
     original = dense.triton_grid.nearest
     monkeypatch.setattr(dense.triton_grid, "nearest",
-                        lambda *a, needed: searched.append(int(needed.sum())) or original(*a, needed=needed))
+                        lambda *a, needed, **kw: searched.append(int(needed.sum())) or original(*a, needed=needed, **kw))
     return searched
 
 

@@ -65,7 +65,7 @@ import torch
 from ... import _triton
 from ...backends import FLOATING, Backend
 from ..scaling import safe_scale
-from . import pairs, reference, select, triton_dense, triton_grid
+from . import grid, pairs, reference, select, triton_dense, triton_grid
 
 SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate.
@@ -278,13 +278,21 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
         unproven[:, block] = ~((kth < limit) | torch.isinf(limit))
         candidates[:, block, :found.shape[-1]], inside[:, block, :found.shape[-1]] = found, real
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths,
-                                      needed=unproven & query_ok)
+                                      needed=unproven & query_ok, built=_grid(frames, query_ok, ref_ok))
     redo = unproven[..., None]
     candidates = torch.where(redo, found.clamp(min=0), candidates)
     inside = torch.where(redo, found >= 0, inside)
     d, i = _exact_lists(frames.q, frames, candidates, ref_ok, radius, inside)
     dists.copy_(d[..., :k] * frames.scale[..., None])
     idx.copy_(i[..., :k])
+
+
+def _grid(frames: _Frames, query_ok, ref_ok):
+    """The Triton search's one-cell grid (points of D > 3) from the frames, or None (D <= 3:
+    the search builds its grid)."""
+    if frames.q.shape[-1] <= 3 or frames.q.dtype != torch.float32:
+        return None
+    return grid.one_cell(frames.q.contiguous(), frames.r.contiguous(), query_ok, ref_ok, frames.scale)
 
 
 def _width(columns, k) -> int:
@@ -338,7 +346,8 @@ def _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_le
     for k + SLACK neighbours re-measured in the reference's arithmetic: its own sums over D
     may differ from the reference's in the last bit, and so order near-ties differently."""
     take = max(k, min(k + SLACK, REDO_MAX_K))
-    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed)
+    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed,
+                                      built=_grid(frames, pairs.valid_points(query, query_lengths), ref_ok))
     d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0)
     d = d[..., :k] * frames.scale[..., None]
     dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))

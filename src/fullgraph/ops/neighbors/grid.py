@@ -364,3 +364,35 @@ def build(query, ref, query_lengths, ref_lengths):
     if batch:
         _to_scaled_units_kernel[(batch,)](grid.values)
     return grid, queries, refs
+
+
+def one_cell(query: torch.Tensor, ref: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor,
+             scale: torch.Tensor) -> tuple[Frame, SortedPoints, SortedPoints]:
+    """``build`` for points of more than three coordinates (a grid of one cell per item) from
+    what a caller already holds: both clouds in units of their item's scale (float32 [B, L, D],
+    contiguous), their valid rows [B, L] and the scale [B, 1]. The valid rows go first, in
+    their order (a running count, not two sorts), and no pass looks for bounds."""
+    batch = query.shape[0]
+    scale = scale.reshape(batch, 1).to(torch.float32)
+    side = torch.tensor(1.00001, dtype=torch.float32)  # the frame kernel's one cell: a unit side, as sized there
+    zeros = scale.new_zeros((batch, 6))
+    values = torch.cat([zeros, side / scale, (1 / side) * scale, (1e-6 * side) / scale, scale, zeros[:, :2]], 1)
+    shape = torch.ones((batch, 4), dtype=torch.int32, device=query.device)
+    return Frame(values, shape, 1, 0), _valid_first(query, query_ok), _valid_first(ref, ref_ok)
+
+
+def _valid_first(points: torch.Tensor, valid: torch.Tensor) -> SortedPoints:
+    """points [B, L, D] (float32, scaled) in the order of a one-cell grid: each item's valid
+    rows first, then its invalid ones, each in their order."""
+    batch, rows, dim = points.shape
+    device = points.device
+    before = torch.cumsum(valid, 1, dtype=torch.int64)  # valid rows up to and with each row
+    count = before[:, -1:] if rows else torch.zeros((batch, 1), dtype=torch.int64, device=device)
+    row = torch.arange(rows, device=device)
+    start = torch.arange(batch, device=device)[:, None] * rows
+    position = start + torch.where(valid, before - 1, count + row - before)
+    order = torch.empty(batch * rows, dtype=torch.int64, device=device)
+    order.scatter_(0, position.reshape(-1), torch.arange(batch * rows, device=device))
+    cell_start = torch.cat([torch.cat([start, start + count], 1).reshape(-1),
+                            torch.full((1,), batch * rows, dtype=torch.int64, device=device)]).to(torch.int32)
+    return SortedPoints(points.reshape(-1, dim).index_select(0, order), order, cell_start)

@@ -107,10 +107,11 @@ def _squared(radius: float) -> float:
     return float(t)
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False):
+def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False, built=None):
     """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
     bool: search only these queries (the other rows of the results are unspecified).
-    ``skip_self``: query is ref, and no point is listed as its own neighbour."""
+    ``skip_self``: query is ref, and no point is listed as its own neighbour. ``built``: the
+    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
@@ -119,7 +120,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     if batch * rows == 0:
         return dists, idx, counts
-    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+    frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     interpreted = _triton.INTERPRETED and not query.is_cuda
     block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
