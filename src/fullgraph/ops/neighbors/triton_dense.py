@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 
 from ..._triton import tl, triton
+from ..scaling import safe_scale
+from .pairs import PER_COORDINATE_MAX_DIM
 
 # Tiles of chunk_minima: the best of 8 configurations on the H100 (tf32x3; 8 x 4096^2 D=64,
 # 10^4 x 10^6 D=128, 2 x 10^4 x 2 x 10^5 D=16: benchmarks/results/h100-torch2.11/dense-tile-sweep.log);
@@ -402,8 +404,6 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
 def measures(q: torch.Tensor) -> bool:
     """Whether ``squared_distances`` takes points like q: float32 with D in (4, MEASURE_MAX_DIM]
     (at most 4 coordinates the reference sums one at a time)."""
-    from .pairs import PER_COORDINATE_MAX_DIM
-
     return triton is not None and q.dtype == torch.float32 and PER_COORDINATE_MAX_DIM < q.shape[-1] <= MEASURE_MAX_DIM
 
 
@@ -432,30 +432,26 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
     references' squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach``
     [B, 1] (the largest valid norm)."""
-    from ..scaling import safe_scale
-
     batch, dim = query.shape[0], query.shape[-1]
     padded = triton.next_power_of_2(dim)
     block = max(1, FRAMES_BLOCK // padded)
-    out = {}
-    stats = {}
+    out, clouds, largest = {}, {}, []
     for name, points, lengths in (("query", query, query_lengths), ("ref", ref, ref_lengths)):
         points = points.contiguous()
         rows = points.shape[1]
         blocks = max(1, triton.cdiv(rows, block))
         ok = torch.empty((batch, rows), dtype=torch.int8, device=points.device)
-        largest = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
+        largest.append(torch.zeros((batch, blocks), dtype=torch.float32, device=points.device))
         sums = torch.zeros((batch, blocks, dim) if name == "ref" else (1,), dtype=torch.float32, device=points.device)
         if rows:
-            _row_stats_kernel[(blocks, batch)](points, lengths.contiguous(), ok, largest, sums, rows, dim, blocks,
+            _row_stats_kernel[(blocks, batch)](points, lengths.contiguous(), ok, largest[-1], sums, rows, dim, blocks,
                                                SUMS=name == "ref", BLOCK_R=block, DP=padded, num_warps=4)
         out[f"{name}_ok"] = ok.view(torch.bool)
-        stats[name] = (points, rows, blocks, largest, sums, ok)
-    scale = safe_scale(torch.maximum(stats["query"][3].amax(1), stats["ref"][3].amax(1)))
-    sums = stats["ref"][4]
-    centre = (sums.sum(1) / scale[:, None] / out["ref_ok"].sum(1).clamp(min=1)[:, None]).contiguous()
+        clouds[name] = (points, rows, blocks, ok)
+    scale = safe_scale(torch.maximum(largest[0].amax(1), largest[1].amax(1)))
+    centre = sums.sum(1) / scale[:, None] / out["ref_ok"].sum(1).clamp(min=1)[:, None]  # sums: the ref's
     out["scale"] = scale[:, None]
-    for name, (points, rows, blocks, _, _, ok) in stats.items():
+    for name, (points, rows, blocks, ok) in clouds.items():
         scaled = torch.empty(points.shape, dtype=torch.float32, device=points.device)
         centred = torch.empty(points.shape, dtype=torch.float32, device=points.device)
         norms = torch.empty((batch, rows), dtype=torch.float32, device=points.device)
