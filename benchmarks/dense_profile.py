@@ -50,7 +50,7 @@ def _count_failed_rows():
     redo = dense._redo
 
     def counting(*args):
-        failed = args[8]
+        failed = args[9]
         if not torch.cuda.is_current_stream_capturing():
             FAILED.append((int(failed.sum()), failed.numel()))
         return redo(*args)

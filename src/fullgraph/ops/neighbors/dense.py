@@ -314,7 +314,7 @@ def _redone_in_triton(query, k) -> bool:
     return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
 
 
-def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+def _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
     takes ``_in_capture``): by the stored products when the chunks missed, and what still
     fails by the Triton search (CUDA) or the reference."""
@@ -332,7 +332,8 @@ def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, fai
         if not bool(failed.any()):
             return
     if _redone_in_triton(query, k):
-        return _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx)
+        return _redo_in_triton(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed,
+                               dists, idx)
     for b, rows in enumerate(failed):
         rows = rows.nonzero()[:, 0]
         if rows.numel():
@@ -341,13 +342,13 @@ def _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, fai
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-def _redo_in_triton(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+def _redo_in_triton(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """The Triton search over the ``failed`` rows (its programs without one return at once),
     for k + SLACK neighbours re-measured in the reference's arithmetic: its own sums over D
     may differ from the reference's in the last bit, and so order near-ties differently."""
     take = max(k, min(k + SLACK, REDO_MAX_K))
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed,
-                                      built=_grid(frames, pairs.valid_points(query, query_lengths), ref_ok))
+                                      built=_grid(frames, query_ok, ref_ok))
     d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0)
     d = d[..., :k] * frames.scale[..., None]
     dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
@@ -382,7 +383,7 @@ def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, r
             else:
                 d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
-    _redo(query, ref, frames, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
