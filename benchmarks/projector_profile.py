@@ -29,7 +29,8 @@ def main(which: str = "knn", points: str = "") -> None:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    report(step, f"{which} projector, seed size, one {variant.removeprefix('fullgraph compiled, ')} train step", FLOOR)
+    report(step, f"{which} projector, seed size, one {variant.removeprefix('fullgraph compiled, ')} train step", FLOOR,
+           sequence=True)
 
 
 if __name__ == "__main__":

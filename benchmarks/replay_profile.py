@@ -5,6 +5,7 @@ and ``graphed_ms``, a call's time from a graph of it. Shared by the scripts in t
 from __future__ import annotations
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from fullgraph.bench.timing import time_call
@@ -25,8 +26,10 @@ def graphed_ms(call, calls: int = 1, runs: int = 20) -> float:
     return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=runs).median_ms / calls
 
 
-def report(run, title: str, floor: str) -> None:
-    """Print the profile of ``run()`` (a replay, already warmed up) under ``title``."""
+def report(run, title: str, floor: str, sequence: bool = False) -> None:
+    """Print the profile of ``run()`` (a replay, already warmed up) under ``title``; with
+    ``sequence``, also the kernels of the last replay in the order they ran (start, gap
+    before, duration, name), to attribute each to the code that launched it."""
     per_step = time_call(run, torch.device("cuda"), warmup=0, runs=50).median_ms
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(REPLAYS):
@@ -41,3 +44,19 @@ def report(run, title: str, floor: str) -> None:
           f"gaps and launch latency inside the graph: {per_step * 1000 - kernel_us:.1f} us")
     print(f"floor: {floor}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    if sequence:
+        _print_sequence(prof, round(launches))
+
+
+def _print_sequence(prof, per_replay: int) -> None:
+    """The last ``per_replay`` device activities of the profile, in order."""
+    activities = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                        key=lambda e: e.time_range.start)[-per_replay:]
+    if not activities:
+        return
+    origin = previous_end = activities[0].time_range.start
+    print(f"the last replay's {len(activities)} kernels in order (us: start, gap before, duration):")
+    for event in activities:
+        start, end = event.time_range.start, event.time_range.end
+        print(f"{start - origin:8.1f} {start - previous_end:6.1f} {end - start:7.1f}  {event.name[:110]}")
+        previous_end = end

@@ -216,6 +216,10 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
 
 
 _KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
+# Pairs a reference row reads at once in pair_sum_kernel: its rows are a chain of dependent
+# loads (slot, then weight and source row) a pair, latency-bound one at a time (69 us of the
+# seed kNN step, H100 session 17, where a block's busiest reference has tens of slots).
+_PAIR_UNROLL = 4
 
 
 def _width(size: int) -> int:
@@ -254,7 +258,7 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     if refs and width:  # (no columns: nothing to sum; Triton 3.6 also fails to compile a width of 0)
         kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
             order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
-            PER_SLOT=per_slot)
+            PER_SLOT=per_slot, UNROLL=_PAIR_UNROLL)
     elif refs:
         sums.zero_()
         totals.zero_()

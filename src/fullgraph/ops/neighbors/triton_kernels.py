@@ -507,25 +507,32 @@ if triton is not None:
 
     @triton.jit
     def pair_sum_kernel(order, starts, weights, source, out_sum, out_weight, total, width,
-                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr, PER_SLOT: tl.constexpr):
+                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr, PER_SLOT: tl.constexpr,
+                         UNROLL: tl.constexpr):
         """For each reference row r: sum over its pairs t (sorted slots order[starts[r]:
         starts[r + 1]]) of weights[t] * source[t // K] (source[t] when PER_SLOT), and of
-        weights[t]; in slot order, so the sums are the same run to run (no atomics)."""
+        weights[t]; in slot order, so the sums are the same run to run (no atomics). UNROLL
+        pairs a row are read at once (their loads overlap), then added in order."""
         offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         first = tl.load(starts + offs, mask=offs < total, other=0).to(tl.int64)
         count = tl.load(starts + offs + 1, mask=offs < total, other=0).to(tl.int64) - first
         cols = tl.arange(0, WP)
+        lanes = tl.arange(0, UNROLL)
         acc = tl.zeros((BLOCK_R, WP), dtype=tl.float32)
         acc_weight = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for t in range(0, tl.max(count, 0)):
-            active = t < count
-            pair = tl.load(order + first + t, mask=active, other=0)
-            w = tl.load(weights + pair, mask=active, other=0.0).to(tl.float32)
-            row = pair if PER_SLOT else pair // K
-            v = tl.load(source + row[:, None] * width + cols[None, :],
-                        mask=active[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
-            acc += w[:, None] * v
-            acc_weight += w
+        for t in range(0, tl.max(count, 0), UNROLL):
+            active = (t + lanes)[None, :] < count[:, None]
+            pairs = tl.load(order + first[:, None] + t + lanes[None, :], mask=active, other=0)
+            w = tl.load(weights + pairs, mask=active, other=0.0).to(tl.float32)
+            rows = pairs if PER_SLOT else pairs // K
+            for u in tl.static_range(UNROLL):
+                pick = lanes[None, :] == u
+                w_u = tl.sum(tl.where(pick, w, 0.0), 1)
+                row = tl.sum(tl.where(pick, rows, 0), 1)
+                v = tl.load(source + row[:, None] * width + cols[None, :],
+                            mask=(t + u < count)[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
+                acc += w_u[:, None] * v
+                acc_weight += w_u
         tl.store(out_sum + offs[:, None] * width + cols[None, :], acc,
                  mask=(offs < total)[:, None] & (cols < width)[None, :])
         tl.store(out_weight + offs, acc_weight, mask=offs < total)
