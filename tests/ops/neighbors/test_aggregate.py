@@ -200,15 +200,17 @@ def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, devic
 
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
-def test_triton_forward_stats_spare_the_backward_a_pass(backend, device, generator):
+def test_triton_forward_stats_and_grid_spare_the_backward_a_pass(backend, device, generator):
     """The forward's per-query stats (least distance within the radius, weight sum) are what
-    they say, and the backward given them equals the one that recomputes them, bit for bit."""
+    they say, and the backward given them and the forward's grid equals the one that
+    recomputes both, bit for bit."""
     query = torch.stack([points("normal", 40, 3, generator) for _ in range(2)]).float().to(device) * 3
     ref = torch.stack([points("clustered", 90, 3, generator) for _ in range(2)]).float().to(device) * 3
     features = torch.randn(2, 90, 4, generator=generator).to(device)
     lengths = torch.tensor([40, 17], device=device), torch.tensor([90, 60], device=device)
     ops = torch.ops.fullgraph
-    out, stats = ops.radius_aggregate(query, ref, features, 1.5, 0.3, *lengths, backend)
+    out, stats, grid = ops.radius_aggregate(query, ref, features, 1.5, 0.3, *lengths, backend)
+    assert grid.dtype == torch.int32 and grid.numel() > 0
     d = torch.cdist(query.double(), ref.double())
     valid = (torch.arange(40, device=device)[None, :, None] < lengths[0][:, None, None]) & (
         torch.arange(90, device=device)[None, None, :] < lengths[1][:, None, None])
@@ -218,8 +220,29 @@ def test_triton_forward_stats_spare_the_backward_a_pass(backend, device, generat
     torch.testing.assert_close(stats[..., 0].double(), least, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(stats[..., 1].double(), total, rtol=1e-5, atol=1e-5)
     grad = torch.randn(out.shape, generator=generator).to(device)
-    given = ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend, None, None,
-                                          True, True, stats)
     recomputed = ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend)
-    for a, b in zip(given, recomputed):
-        assert torch.equal(a, b)
+    for saved in ((stats, None), (None, grid), (stats, grid)):
+        given = ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend, None,
+                                              None, True, True, *saved)
+        for a, b in zip(given, recomputed):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"grid: expected the forward's int32 \[\d+\]"):
+        ops.radius_aggregate_backward(grad, query, ref, features, out, 1.5, 0.3, *lengths, backend, None, None, True,
+                                      True, stats, grid[1:])
+
+
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] in ("triton", "cpu")])
+def test_radius_aggregate_grid_output_has_the_compiled_size(backend, device, generator):
+    """The grid output's length, worked out from the shapes when compiled (dynamic sizes),
+    is the length the backend returns: a record for "triton", empty for a backend keeping none."""
+    def grid_of(query, ref, features):
+        return torch.ops.fullgraph.radius_aggregate(query, ref, features, 0.4, 0.2, None, None, backend)[2]
+
+    compiled = torch.compile(grid_of, fullgraph=True, dynamic=True)
+    for rows, columns in ((30, 50), (17, 201)):
+        query = torch.rand(2, rows, 3, generator=generator).to(device)
+        ref = torch.rand(2, columns, 3, generator=generator).to(device)
+        features = torch.randn(2, columns, 5, generator=generator).to(device)
+        eager = grid_of(query, ref, features)
+        assert (eager.numel() > 0) == (backend == "triton")
+        assert torch.equal(compiled(query, ref, features), eager)

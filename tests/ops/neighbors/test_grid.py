@@ -41,6 +41,28 @@ def test_sorted_clouds_are_permutations_with_cell_ranges(distribution, dim):
         for b in range(batch):
             assert starts[b * slots] == b * size
             assert starts[b * slots + frame.cells] - b * size == live[b].sum()
+        # Within a cell, a cloud's points keep their order (one stable sort of both clouds).
+        order = sorted_points.order.cpu()
+        cell_of = torch.repeat_interleave(torch.arange(len(starts) - 1), starts[1:] - starts[:-1])
+        same_cell = cell_of[1:] == cell_of[:-1]
+        assert (order[1:][same_cell] > order[:-1][same_cell]).all()
+
+
+@pytest.mark.parametrize("dim", [3, 5])
+def test_a_saved_grid_restores_to_the_built_one(dim):
+    """grid.save's int32 record gives back the frame and both sorted clouds, bit for bit."""
+    from fullgraph.ops.neighbors import grid
+
+    query, ref, query_lengths, ref_lengths = _clouds("clustered", dim)
+    built = grid.build(query, ref, query_lengths, ref_lengths)
+    record = grid.save(*built)
+    assert record.dtype == torch.int32 and record.numel() == grid.saved_size(2, 50, 300, dim)
+    frame, queries, refs = grid.restore(record, query, ref)
+    assert torch.equal(frame.values, built[0].values) and torch.equal(frame.shape, built[0].shape)
+    assert (frame.cells, frame.grid_dims) == (built[0].cells, built[0].grid_dims)
+    for got, want in ((queries, built[1]), (refs, built[2])):
+        assert torch.equal(got.order, want.order) and torch.equal(got.cell_start, want.cell_start)
+        torch.testing.assert_close(got.points, want.points, rtol=0, atol=0, equal_nan=True)
 
 
 def test_cells_follow_the_density_the_queries_see():
@@ -51,7 +73,8 @@ def test_cells_follow_the_density_the_queries_see():
     generator = torch.Generator().manual_seed(1)
     ref = torch.randn(1, 20_000, 3, generator=generator).to(DEVICE)
     query = (torch.rand(1, 2_000, 3, generator=generator) * 2 - 1).to(DEVICE)
-    frame, queries, refs = grid.build(query, ref, None, None)
+    frame, queries, refs = grid.build(query, ref, torch.tensor([2_000], device=DEVICE),
+                                      torch.tensor([20_000], device=DEVICE))
     per_cell = (refs.cell_start[1:] - refs.cell_start[:-1]).long()
     keys = grid.cell_keys(query, torch.tensor([2_000], device=DEVICE), frame).long()
     load = per_cell[keys].float().mean().item()

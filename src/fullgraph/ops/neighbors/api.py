@@ -265,7 +265,7 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
     radius = _scalar("radius", radius, strict=False)
-    out, _ = torch.ops.fullgraph.radius_aggregate(
+    out, _, _ = torch.ops.fullgraph.radius_aggregate(
         query, ref, features, radius[0], sigma[0], query_lengths, ref_lengths, backend, radius[1], sigma[1]
     )
     return out[0] if unbatched else out

@@ -17,13 +17,11 @@ turns the search kernels into tiled brute force.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ..._triton import tl, triton
-from .pairs import full_lengths
 
 CELL_POINTS = 8
 # Cells allowed per item, in units of CELL_POINTS references; and the rounds of resizing
@@ -32,6 +30,7 @@ BUDGET = 32
 REFINEMENTS = 1
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
+VALUE_COLUMNS = 12  # of Frame.values
 SCALE_COLUMN = 9  # of Frame.values: the item's scale
 
 
@@ -69,7 +68,7 @@ class SortedPoints:
 if triton is not None:
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
-    VALUES = tl.constexpr(12)
+    VALUES = tl.constexpr(VALUE_COLUMNS)
 
     @triton.jit
     def _safe_scale(size):
@@ -243,12 +242,33 @@ if triton is not None:
 
     @triton.jit
     def _cell_keys_kernel(points, lengths, values, shape, keys, rows, cells,
-                          D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+                          D: tl.constexpr, G: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr):
+        """keys[b * rows + i] = the slot b * (cells + 1) + cell of point i of item b, or with
+        FLAG (0 or 1; -1: none) 2 * slot + FLAG."""
         b = tl.program_id(1).to(tl.int64)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
         key = b * (cells + 1) + tl.where(valid, cell, cells)
+        if FLAG >= 0:
+            key = 2 * key + FLAG
         tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=offs < rows)
+
+    @triton.jit
+    def _split_kernel(sorted_keys, order, queries_so_far, query_order, query_keys, ref_order, ref_keys, total,
+                      query_total, BLOCK: tl.constexpr):
+        """One sorted array of both clouds' flagged keys (2 * slot + 1 for references) into each
+        cloud's sorted order and slots; queries_so_far: the inclusive running count of queries."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < total
+        key = tl.load(sorted_keys + offs, mask=live, other=0)
+        source = tl.load(order + offs, mask=live, other=0)
+        before = tl.load(queries_so_far + offs, mask=live, other=0).to(tl.int64)
+        is_ref = (key & 1) == 1
+        slot = (key >> 1).to(query_keys.dtype.element_ty)
+        tl.store(query_order + before - 1, source, mask=live & ~is_ref)
+        tl.store(query_keys + before - 1, slot, mask=live & ~is_ref)
+        tl.store(ref_order + offs - before, source - query_total, mask=live & is_ref)
+        tl.store(ref_keys + offs - before, slot, mask=live & is_ref)
 
     @triton.jit
     def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
@@ -273,8 +293,9 @@ if triton is not None:
 
 def cell_budget(refs: int, grid_dims: int) -> int:
     """Static number of cells per item for ``refs`` references: room for cells
-    ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs."""
-    return 1 if grid_dims == 0 else BUDGET * max(1, math.ceil(refs / CELL_POINTS))
+    ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs. (Integer arithmetic, so
+    that a symbolic size under ``torch.compile`` gives a symbolic budget.)"""
+    return 1 if grid_dims == 0 else BUDGET * torch.sym_max(1, -(-refs // CELL_POINTS))
 
 
 def _bounds(points: torch.Tensor, lengths: torch.Tensor, grid_dims: int) -> tuple[torch.Tensor, int]:
@@ -292,10 +313,8 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, que
     batch, columns, dim = ref.shape
     grid_dims = dim if dim <= 3 else 0
     cells = cell_budget(columns, grid_dims)
-    values = torch.zeros((batch, 12), dtype=torch.float32, device=ref.device)
-    values[:, 6:8] = 1.0  # a unit cell, until the kernel below sizes it
-    values[:, SCALE_COLUMN] = 1.0  # and unit scale
-    shape = torch.ones((batch, 4), dtype=torch.int32, device=ref.device)
+    values = torch.zeros((batch, VALUE_COLUMNS), dtype=torch.float32, device=ref.device)
+    shape = torch.empty((batch, 4), dtype=torch.int32, device=ref.device)  # the kernel writes all but columns 10, 11
     if batch:
         bounds, blocks = _bounds(ref, ref_lengths, grid_dims)
         query_bounds, query_blocks = _bounds(query, query_lengths, grid_dims)
@@ -304,17 +323,19 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, que
     return Frame(values, shape, cells, grid_dims)
 
 
-def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> torch.Tensor:
+def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, flag: int = -1,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """[B*L] int32 (int64 for huge grids) keys b * (cells + 1) + cell of points [B, L, D]
-    (contiguous; lengths [B] int64); invalid points get their item's slot ``cells``."""
+    (contiguous; lengths [B] int64); invalid points get their item's slot ``cells``. With
+    ``flag`` (0 or 1), 2 * key + flag; written into ``out`` [B*L] where given."""
     batch, rows, dim = points.shape
     slots = batch * (grid.cells + 1)
-    keys = torch.empty((batch * rows,), dtype=torch.int32 if slots < 2**31 - 1 else torch.int64,
-                       device=points.device)
+    keys = out if out is not None else torch.empty(
+        (batch * rows,), dtype=torch.int32 if slots < 2**31 - 1 else torch.int64, device=points.device)
     if keys.numel():
         _cell_keys_kernel[(triton.cdiv(rows, _BLOCK), batch)](
             points, lengths, grid.values, grid.shape, keys, rows, grid.cells,
-            D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+            D=dim, G=grid.grid_dims, FLAG=flag, BLOCK=_BLOCK)
     return keys
 
 
@@ -332,38 +353,93 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
     _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.cells, float(CELL_POINTS), G=grid.grid_dims)
 
 
-def sort_points(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, slots: torch.Tensor) -> SortedPoints:
-    """Sort points [B, L, D] (contiguous; lengths [B] int64) into ``grid``'s (unscaled) cells;
-    slots is arange(B * (cells + 1) + 1) in the keys' dtype. The sorted points are float32
-    in units of their item's scale."""
+def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[SortedPoints, SortedPoints]:
+    """Sort query [B, M, D] and ref [B, N, D] (contiguous; lengths [B] int64) into ``grid``'s
+    (unscaled) cells with one sort: keys 2 * slot (+ 1 for references), stable, so that each
+    cloud keeps its own points' order within a cell. The sorted points are float32 in units of
+    their item's scale."""
+    (batch, rows, _), columns = query.shape, ref.shape[1]
+    count = batch * (grid.cells + 1) + 1
+    slot_dtype = torch.int32 if count < 2**31 else torch.int64
+    queries_total, total = batch * rows, batch * (rows + columns)
+    keys = torch.empty((total,), dtype=torch.int32 if 2 * count < 2**31 else torch.int64, device=query.device)
+    cell_keys(query, query_lengths, grid, 0, keys[:queries_total])
+    cell_keys(ref, ref_lengths, grid, 1, keys[queries_total:])
+    sorted_keys, order = torch.sort(keys, stable=True)
+    queries_so_far = torch.cumsum(1 - (sorted_keys & 1), 0, dtype=torch.int32 if total < 2**31 else torch.int64)
+    orders = torch.empty((total,), dtype=torch.int64, device=query.device)
+    slots_of = torch.empty((total,), dtype=slot_dtype, device=query.device)
+    if total:
+        _split_kernel[(triton.cdiv(total, _BLOCK),)](
+            sorted_keys, order, queries_so_far, orders, slots_of, orders[queries_total:], slots_of[queries_total:],
+            total, queries_total, BLOCK=_BLOCK)
+    slots = torch.arange(count, dtype=slot_dtype, device=query.device)
+    clouds = []
+    for points, part in ((query, slice(0, queries_total)), (ref, slice(queries_total, total))):
+        cell_start = torch.searchsorted(slots_of[part], slots, out_int32=True)
+        clouds.append(SortedPoints(_moved(points, orders[part], grid), orders[part], cell_start))
+    return clouds[0], clouds[1]
+
+
+def _moved(points: torch.Tensor, order: torch.Tensor, grid: Frame) -> torch.Tensor:
+    """points [B, L, D] in ``order`` (sorted position -> flat row), float32, in units of their
+    item's scale (``grid``'s scale column, in either units)."""
     batch, rows, dim = points.shape
-    sorted_keys, order = torch.sort(cell_keys(points, lengths, grid))
-    cell_start = torch.searchsorted(sorted_keys, slots, out_int32=True)
     moved = torch.empty((batch * rows, dim), dtype=torch.float32, device=points.device)
     if moved.numel():
         _sorted_points_kernel[(triton.cdiv(batch * rows, _BLOCK // 8),)](
             points, order, grid.values, moved, batch * rows, rows, D=dim, DP=triton.next_power_of_2(dim),
             BLOCK=_BLOCK // 8)
-    return SortedPoints(moved, order, cell_start)
+    return moved
 
 
 def build(query, ref, query_lengths, ref_lengths):
-    """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D],
-    in units of each item's scale (``Frame``)."""
+    """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D]
+    (lengths [B] int64 within [0, M] / [0, N]: ``pairs.full_lengths``), in units of each
+    item's scale (``Frame``)."""
     batch, rows = query.shape[:2]
     columns = ref.shape[1]
-    ref_lengths = full_lengths(ref_lengths, batch, columns, ref.device)
-    query_lengths = full_lengths(query_lengths, batch, rows, query.device)
     grid = frame(ref, ref_lengths, query, query_lengths)
     if grid.grid_dims and batch * rows * columns:
         for _ in range(REFINEMENTS):
             refine(grid, query, query_lengths, ref, ref_lengths)
-    count = batch * (grid.cells + 1) + 1
-    slots = torch.arange(count, dtype=torch.int32 if count < 2**31 else torch.int64, device=query.device)
-    queries, refs = sort_points(query, query_lengths, grid, slots), sort_points(ref, ref_lengths, grid, slots)
+    queries, refs = sort_both(query, query_lengths, ref, ref_lengths, grid)
     if batch:
         _to_scaled_units_kernel[(batch,)](grid.values)
     return grid, queries, refs
+
+
+def saved_size(batch: int, rows: int, columns: int, dim: int) -> int:
+    """Length of ``save``'s record of a ``build`` over query [B, M, D] and ref [B, N, D]; 0
+    where its orders would not fit int32 (then nothing is saved). Symbolic sizes welcome."""
+    if batch * torch.sym_max(rows, columns) >= 2**31:
+        return 0
+    slots = batch * (cell_budget(columns, dim if dim <= 3 else 0) + 1) + 1
+    return batch * (VALUE_COLUMNS + 4) + batch * (rows + columns) + 2 * slots
+
+
+def save(grid: Frame, queries: SortedPoints, refs: SortedPoints) -> torch.Tensor:
+    """``build``'s result as one int32 record [saved_size]: the frame (values' bits, shape),
+    then both clouds' orders and cell starts. ``restore`` takes it back without sorting."""
+    return torch.cat([grid.values.reshape(-1).view(torch.int32), grid.shape.reshape(-1),
+                      queries.order.to(torch.int32), refs.order.to(torch.int32), queries.cell_start.to(torch.int32),
+                      refs.cell_start.to(torch.int32)])
+
+
+def restore(record: torch.Tensor, query: torch.Tensor, ref: torch.Tensor) -> tuple[Frame, SortedPoints, SortedPoints]:
+    """``build(query, ref, ...)`` again from ``save``'s record of it: the sorted clouds are
+    gathered in the saved orders (no bounds, no sort)."""
+    batch, rows, dim = query.shape
+    columns = ref.shape[1]
+    grid_dims = dim if dim <= 3 else 0
+    cells = cell_budget(columns, grid_dims)
+    slots = batch * (cells + 1) + 1
+    values, shape, query_order, ref_order, query_start, ref_start = torch.split(
+        record, [batch * VALUE_COLUMNS, batch * 4, batch * rows, batch * columns, slots, slots])
+    grid = Frame(values.view(torch.float32).reshape(batch, VALUE_COLUMNS), shape.reshape(batch, 4), cells, grid_dims)
+    query_order, ref_order = query_order.to(torch.int64), ref_order.to(torch.int64)  # offsets beyond int32 downstream
+    return (grid, SortedPoints(_moved(query, query_order, grid), query_order, query_start),
+            SortedPoints(_moved(ref, ref_order, grid), ref_order, ref_start))
 
 
 def one_cell(query: torch.Tensor, ref: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor,

@@ -239,6 +239,11 @@ class Kernels:
     pairs of ``radius_pairs``. Backends with fused kernels override them.
     """
 
+    def saved_grid_size(self, batch: int, rows: int, columns: int, channels: int, dim: int) -> int:
+        """Length of the int32 record of its search structure that ``radius_aggregate`` returns
+        for its backward, for B, M, N, C, D (symbolic under ``torch.compile``); 0: none."""
+        return 0
+
     def nearest(self, query, ref, k: int, radius: float, query_lengths, ref_lengths):
         """The k nearest valid references with distance <= radius (inf for plain kNN).
 
@@ -294,19 +299,21 @@ class Kernels:
         return grad_dists.reshape(dists.shape).to(dists.dtype), _unflat(grad_features, features)
 
     def radius_aggregate(self, query, ref, features, radius: float, sigma: float, query_lengths, ref_lengths):
-        """(out [B, M, C], stats): the exp(-d / sigma)-weighted mean of the features within the
-        radius, and the per-query statistics [B, M, 2] float32 that this backend's backward
-        takes (see ``registration.radius_aggregate_op``), or None where it recomputes them."""
+        """(out [B, M, C], stats, saved_grid): the exp(-d / sigma)-weighted mean of the
+        features within the radius, the per-query statistics [B, M, 2] float32 that this
+        backend's backward takes (see ``registration.radius_aggregate_op``), or None where it
+        recomputes them, and its search structure's record [saved_grid_size] int32 for the
+        backward, or None where it keeps none."""
         acc = accumulation_dtype(query.dtype)
         out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc, device=query.device)
         for b, rows, qi, rj, d in self.radius_pairs(query, ref, radius, query_lengths, ref_lengths):
             block = out[b, rows]
             block += aggregate_pairs(features[b], qi, rj, d, sigma, block.shape[0])
-        return out.to(features.dtype), None
+        return out.to(features.dtype), None, None
 
     def radius_aggregate_backward(self, grad_out, query, ref, features, out, radius: float, sigma: float,
                                   query_lengths, ref_lengths, query_grad: bool = True, ref_grad: bool = True,
-                                  stats=None):
+                                  stats=None, saved_grid=None):
         """(grad_query, grad_ref, grad_features), recomputing the pairs chunk by chunk. A
         backend may skip grad_query (grad_ref) where query_grad (ref_grad) is False and return
         zeros; here the pairs give all three at once."""

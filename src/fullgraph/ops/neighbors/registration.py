@@ -329,27 +329,45 @@ def radius_aggregate_op(
     query: Tensor, ref: Tensor, features: Tensor, radius: float, sigma: float,
     query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
     radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None,
-) -> tuple[Tensor, Tensor]:
-    """Returns (out [B, M, C], stats [B, M, 2] float32); stats feed the backward: per query
-    the least distance within the radius (+inf without neighbours) and the sum of the
-    weights exp(-(d - least) / sigma), where the backend's forward computes them ("triton"),
-    else -1 (no weight sum is negative; that backward recomputes the pairs). ``radius_tensor`` / ``sigma_tensor``
-    (0-d), where given, replace the numbers (see ``scalar``)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (out [B, M, C], stats [B, M, 2] float32, grid [G] int32); stats and grid feed
+    the backward. stats: per query the least distance within the radius (+inf without
+    neighbours) and the sum of the weights exp(-(d - least) / sigma), where the backend's
+    forward computes them ("triton"), else -1 (no weight sum is negative; that backward
+    recomputes the pairs). grid: the search structure the forward built ("triton": the cell
+    grid and both clouds' sorted orders), which spares the backward building it again; G = 0
+    for backends that keep none. ``radius_tensor`` / ``sigma_tensor`` (0-d), where given,
+    replace the numbers (see ``scalar``)."""
     radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
-    out, stats = kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate(
+    out, stats, grid = kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate(
         query.contiguous(), ref.contiguous(), features.contiguous(), radius, sigma, query_lengths, ref_lengths)
     if stats is None:
         stats = torch.full((*query.shape[:2], 2), -1.0, dtype=torch.float32, device=query.device)
-    return out, stats
+    if grid is None:
+        grid = torch.empty((0,), dtype=torch.int32, device=query.device)
+    return out, stats, grid
+
+
+def _saved_grid_size(backend: str, query: Tensor, ref: Tensor, features: Tensor) -> int:
+    """G of radius_aggregate's grid output for these inputs (0 where the op would raise: it
+    says why when it runs)."""
+    if query.dim() != 3 or ref.dim() != 3 or features.dim() != 3:
+        return 0
+    try:
+        implementation = kernels(backend, "radius_aggregate", query, query.shape[-1])
+    except (TypeError, ValueError):
+        return 0
+    return implementation.saved_grid_size(*query.shape[:2], ref.shape[1], features.shape[-1], query.shape[-1])
 
 
 @radius_aggregate_op.register_fake
 def _(query, ref, features, radius, sigma, query_lengths, ref_lengths, backend, radius_tensor=None,
       sigma_tensor=None):
     rows = _rows(query)
-    return features.new_empty((*rows, features.shape[-1])), query.new_empty((*rows, 2), dtype=torch.float32)
+    return (features.new_empty((*rows, features.shape[-1])), query.new_empty((*rows, 2), dtype=torch.float32),
+            query.new_empty((_saved_grid_size(backend, query, ref, features),), dtype=torch.int32))
 
 
 @torch.library.custom_op("fullgraph::radius_aggregate_backward", mutates_args=())
@@ -357,12 +375,12 @@ def radius_aggregate_backward_op(
     grad_out: Tensor, query: Tensor, ref: Tensor, features: Tensor, out: Tensor, radius: float,
     sigma: float, query_lengths: OptionalTensor, ref_lengths: OptionalTensor, backend: str,
     radius_tensor: OptionalTensor = None, sigma_tensor: OptionalTensor = None, query_grad: bool = True,
-    ref_grad: bool = True, stats: OptionalTensor = None,
+    ref_grad: bool = True, stats: OptionalTensor = None, grid: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_query, grad_ref, grad_features), recomputing the pairs. With ``query_grad``
     (``ref_grad``) False that gradient is not wanted: a backend may skip it and return zeros.
-    ``stats``: the forward's [B, M, 2] (see radius_aggregate), which spare a backend that
-    computed them recomputing them."""
+    ``stats`` and ``grid``: the forward's (see radius_aggregate) for the same inputs, which
+    spare a backend that made them recomputing them."""
     radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
@@ -375,14 +393,20 @@ def radius_aggregate_backward_op(
                               or stats.device != query.device):
         raise ValueError(f"stats: expected float32 [B, M, 2] = {[*query.shape[:2], 2]} on {query.device}, got "
                          f"{stats.dtype} {list(stats.shape)} on {stats.device}")
-    return kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate_backward(
+    implementation = kernels(backend, "radius_aggregate", query, query.shape[-1])
+    if grid is not None:
+        size = implementation.saved_grid_size(*query.shape[:2], ref.shape[1], features.shape[-1], query.shape[-1])
+        if grid.dtype != torch.int32 or tuple(grid.shape) != (size,) or grid.device != query.device:
+            raise ValueError(f"grid: expected the forward's int32 [{size}] on {query.device} for these inputs, got "
+                             f"{grid.dtype} {list(grid.shape)} on {grid.device}")
+    return implementation.radius_aggregate_backward(
         grad_out, query.contiguous(), ref.contiguous(), features.contiguous(), out, radius, sigma,
-        query_lengths, ref_lengths, query_grad, ref_grad, stats)
+        query_lengths, ref_lengths, query_grad, ref_grad, stats, grid)
 
 
 @radius_aggregate_backward_op.register_fake
 def _(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths, backend, radius_tensor=None,
-      sigma_tensor=None, query_grad=True, ref_grad=True, stats=None):
+      sigma_tensor=None, query_grad=True, ref_grad=True, stats=None, grid=None):
     return torch.empty_like(query), torch.empty_like(ref), torch.empty_like(features)
 
 
@@ -395,12 +419,12 @@ def _radius_aggregate_setup(ctx, inputs, output):
     ctx.save_for_backward(query, ref, features, *output, query_lengths, ref_lengths)
 
 
-def _radius_aggregate_backward(ctx, grad_out, grad_stats_unused):
-    query, ref, features, out, stats, query_lengths, ref_lengths = ctx.saved_tensors
+def _radius_aggregate_backward(ctx, grad_out, grad_stats_unused, grad_grid_unused):
+    query, ref, features, out, stats, grid, query_lengths, ref_lengths = ctx.saved_tensors
     query_grad, ref_grad = ctx.needs_input_grad[:2]
     grads = radius_aggregate_backward_op(
         grad_out, query, ref, features, out, *ctx.params, query_lengths, ref_lengths, ctx.backend, *ctx.tensors,
-        query_grad, ref_grad, stats)
+        query_grad, ref_grad, stats, grid)
     return (grads[0] if query_grad else None, grads[1] if ref_grad else None, grads[2], *(None,) * 7)
 
 

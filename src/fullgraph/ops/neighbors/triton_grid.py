@@ -137,9 +137,13 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     return dists, idx, counts
 
 
-def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma):
-    """The sorted clouds, sorted features and the launch arguments they share."""
-    frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma, saved_grid=None):
+    """The sorted clouds, sorted features and the launch arguments they share; the grid from
+    ``saved_grid`` (``grid.save``'s record of the same clouds) where given, else built."""
+    if saved_grid is not None and saved_grid.numel():
+        frame, queries, refs = grid.restore(saved_grid, query, ref)
+    else:
+        frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     channels = features.shape[-1]
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
     common = dict(cells=frame.cells, channels=channels, radius2=_squared(radius), reach=_reach(radius),
@@ -169,22 +173,30 @@ def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=
     return results[1:] if out is None else results[1]
 
 
+def saved_grid_size(batch, rows, columns, channels, dim):
+    """``pairs.Kernels.saved_grid_size``: the forward's grid record (``grid.save``), where it runs."""
+    return 0 if batch * rows * channels == 0 else grid.saved_size(batch, rows, columns, dim)
+
+
 def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths):
-    """``pairs.Kernels.radius_aggregate`` (contiguous inputs): (out [B, M, C], stats [B, M, 2])."""
+    """``pairs.Kernels.radius_aggregate`` (contiguous inputs): (out [B, M, C], stats [B, M, 2],
+    the grid's record for the backward or None)."""
     out = torch.empty((*query.shape[:2], features.shape[-1]), dtype=features.dtype, device=query.device)
     if out.numel() == 0:
-        return out, None
+        return out, None, None
     setup = _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma)
-    return out, _row_stats(query, *setup, out=out)
+    keep = saved_grid_size(*query.shape[:2], ref.shape[1], features.shape[-1], query.shape[-1]) > 0
+    return out, _row_stats(query, *setup, out=out), grid.save(*setup[:3]) if keep else None
 
 
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
-                              query_grad=True, ref_grad=True, stats=None):
+                              query_grad=True, ref_grad=True, stats=None, saved_grid=None):
     """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics.
     Without query_grad the query-side kernel does not run (grad_query is zeros); without
     ref_grad the reference-side one sums the feature gradients only (grad_ref is zeros).
     ``stats``: the forward's (``radius_aggregate``), read in the sorted order instead of a
-    second aggregation pass (the grid of the same clouds sorts them the same way)."""
+    second aggregation pass (the grid of the same clouds sorts them the same way);
+    ``saved_grid``: the forward's grid record, which spares building the grid again."""
     batch, rows, dim = query.shape
     columns, channels = ref.shape[1], features.shape[-1]
     grad_query = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
@@ -192,7 +204,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
     grad_features = torch.zeros(features.shape, dtype=torch.float32, device=features.device)
     if batch * rows * columns * channels > 0:
         frame, queries, refs, sorted_features, common, sizes = _aggregate_setup(
-            query, ref, features, query_lengths, ref_lengths, radius, sigma)
+            query, ref, features, query_lengths, ref_lengths, radius, sigma, saved_grid)
         if stats is None:
             row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
         else:  # to the sorted order and the items' scaled units (powers of two: exact)
@@ -318,6 +330,7 @@ def nearest_but_self(points, k, lengths):
 
 
 class GridKernels(pairs.Kernels):
+    saved_grid_size = staticmethod(saved_grid_size)
     nearest = staticmethod(nearest)
     nearest_but_self = staticmethod(nearest_but_self)
     distances_backward = staticmethod(distances_backward)

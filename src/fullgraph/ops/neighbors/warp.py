@@ -272,14 +272,14 @@ def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_len
     batch, rows, _ = query.shape
     channels = features.shape[-1]
     if query.numel() == 0 or ref.numel() == 0 or channels == 0:
-        return features.new_zeros((batch, rows, channels)), None
+        return features.new_zeros((batch, rows, channels)), None, None
     flat_query, query_group, flat_ref, ref_group = _flat(query, ref, query_lengths, ref_lengths)
     out = _aggregate(flat_query, query_group, flat_ref, ref_group, features.reshape(-1, channels), radius, sigma)
-    return out.reshape(batch, rows, channels), None
+    return out.reshape(batch, rows, channels), None, None
 
 
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
-                              query_grad=True, ref_grad=True, stats=None):
+                              query_grad=True, ref_grad=True, stats=None, saved_grid=None):
     """``pairs.Kernels.radius_aggregate_backward``: Warp's kernel computes all three gradients."""
     if query.numel() == 0 or ref.numel() == 0 or features.shape[-1] == 0:
         return torch.zeros_like(query), torch.zeros_like(ref), torch.zeros_like(features)
