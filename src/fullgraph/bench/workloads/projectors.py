@@ -71,7 +71,9 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
 def _whole_step_case(model: torch.nn.Module, grid, cloud, targets, point_gradients: bool) -> Case:
     """The whole train step (forward, backward, Adam) replayed from one CUDA graph: the model
     compiled (default mode), Adam fused (one kernel for every parameter; ``capturable=True``:
-    its step counts on the device), gradients zeroed in place so their memory stays put, all captured by fullgraph.graphs.
+    its step counts on the device), gradients set to None after the step (the next backward writes
+    them afresh from the graph's memory pool instead of adding into zeroed ones: no accumulation
+    kernels), all captured by fullgraph.graphs.
     The tutorial's points are data: no gradient, and those kernels do not run. With
     ``point_gradients`` the step also takes dL/dgrid and dL/dcloud (leaves of the step, not
     graph inputs: fullgraph.graphs copies its inputs, detached)."""
@@ -86,9 +88,9 @@ def _whole_step_case(model: torch.nn.Module, grid, cloud, targets, point_gradien
         loss = torch.mean((compiled(grid, cloud) - targets) ** 2)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)
         for point in points:
-            point.grad.zero_()
+            point.grad = None
         return loss
 
     train_step = functools.partial(graphs.graphed(step), grid, cloud, targets)
