@@ -22,7 +22,7 @@ WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32
 ROWS = (1_000, 10_000, 100_000, 1_000_000)
 # One setting at a time from the defaults, then BLOCK x NUM_WARPS together.
 SETTINGS = {"BLOCK": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "BACKWARD_BLOCK": (16, 32, 64),
-            "BACKWARD_NUM_WARPS": (1, 2, 4), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4)}
+            "BACKWARD_NUM_WARPS": (1, 2, 4), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4, 8)}
 PAIRS = ((128, 8), (32, 2), (16, 1))  # (BACKWARD_BLOCK, BACKWARD_NUM_WARPS) together
 
 

@@ -69,6 +69,8 @@ if triton is not None:
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     VALUES = tl.constexpr(VALUE_COLUMNS)
+    # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100).
+    _FRAME_CHUNK = tl.constexpr(64)
 
     @triton.jit
     def _safe_scale(size):
@@ -105,18 +107,24 @@ if triton is not None:
         item's scale (from the largest coordinate of both clouds)."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
+        chunk = tl.arange(0, _FRAME_CHUNK)
         low = tl.full((4,), float("inf"), tl.float32)
         high = tl.full((4,), -float("inf"), tl.float32)
         n = tl.zeros((), tl.float32)
         largest = tl.zeros((), tl.float32)
-        for i in range(0, blocks):
-            row = bounds + (b * blocks + i) * 8
-            low = tl.minimum(low, tl.load(row + dims))
-            high = tl.maximum(high, tl.load(row + 4 + dims))
-            n += tl.load(row + 7)
-            largest = tl.maximum(largest, tl.load(row + 3))
-        for i in range(0, query_blocks):
-            largest = tl.maximum(largest, tl.load(query_bounds + (b * query_blocks + i) * 8 + 3))
+        for start in range(0, blocks, _FRAME_CHUNK):  # _FRAME_CHUNK blocks' bounds at a time
+            inside = start + chunk < blocks
+            rows = bounds + (b * blocks + start + chunk) * 8
+            low = tl.minimum(low, tl.min(tl.load(rows[:, None] + dims[None, :], mask=inside[:, None],
+                                                 other=float("inf")), 0))
+            top = tl.load(rows[:, None] + 4 + dims[None, :], mask=inside[:, None], other=-float("inf"))
+            high = tl.maximum(high, tl.max(top, 0))
+            n += tl.sum(tl.where(inside, tl.load(rows + 7, mask=inside, other=0.0), 0.0), 0)
+            largest = tl.maximum(largest, tl.max(tl.load(rows + 3, mask=inside, other=0.0), 0))
+        for start in range(0, query_blocks, _FRAME_CHUNK):
+            inside = start + chunk < query_blocks
+            largest = tl.maximum(largest, tl.max(tl.load(query_bounds + (b * query_blocks + start + chunk) * 8 + 3,
+                                                         mask=inside, other=0.0), 0))
         tl.store(values + b * VALUES + SCALE, _safe_scale(largest))
         on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
         low = tl.where(on, low, 0.0)

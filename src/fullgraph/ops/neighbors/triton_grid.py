@@ -107,19 +107,21 @@ def _squared(radius: float) -> float:
     return float(t)
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False, built=None):
+def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False, built=None,
+            counted=True):
     """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
     bool: search only these queries (the other rows of the results are unspecified).
     ``skip_self``: query is ref, and no point is listed as its own neighbour. ``built``: the
-    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here."""
+    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here.
+    ``counted`` False: a kNN caller that does not read the counts (they are left unset)."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
     idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
     use_radius = math.isfinite(radius)
-    counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    counts = torch.empty((batch, rows), dtype=torch.int64, device=query.device)
     if batch * rows == 0:
-        return dists, idx, counts
+        return dists, idx, counts  # (all empty)
     frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     interpreted = _triton.INTERPRETED and not query.is_cuda
     block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
@@ -132,7 +134,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
         num_warps=warps,
     )
-    if not use_radius:
+    if not use_radius and counted:
         counts = (idx >= 0).sum(-1)
     return dists, idx, counts
 
@@ -232,6 +234,7 @@ _KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
 # loads (slot, then weight and source row) a pair, latency-bound one at a time (69 us of the
 # seed kNN step, H100 session 17, where a block's busiest reference has tens of slots).
 _PAIR_UNROLL = 4
+_PAIR_KEYS_BLOCK = 1024
 
 
 def _width(size: int) -> int:
@@ -240,14 +243,16 @@ def _width(size: int) -> int:
 
 def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     """``pairs.Kernels.knn_aggregate`` (contiguous inputs): (out, dists, idx)."""
-    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths)
+    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths, counted=False)
     batch, rows = query.shape[:2]
     columns, channels = ref.shape[1], features.shape[-1]
-    out = torch.zeros((batch, rows, channels), dtype=features.dtype, device=query.device)
+    out = torch.empty((batch, rows, channels), dtype=features.dtype, device=query.device)
     if out.numel() and k:
         kernels.knn_aggregate_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, out, batch * rows, rows, columns, channels, 1.0 / sigma,
             K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+    elif out.numel():
+        out.zero_()
     return out, dists, idx
 
 
@@ -257,12 +262,15 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     when ``per_slot``), sum of weights), both float32 and deterministic: slots are sorted by
     reference (stably), then summed in order."""
     batch, rows, k = idx.shape
-    qi, rj, found = pairs.neighbor_pairs(idx, columns)
     refs = batch * columns
     # 32-bit keys where they fit: a radix sort of half the passes (the H100's seed kNN step
     # sorted 189,000 int64 keys in 8 passes of ~7.6 us, twice).
     key_dtype = torch.int32 if refs < 2**31 - 1 else torch.int64
-    sorted_refs, order = torch.sort(torch.where(found, rj, refs).to(key_dtype), stable=True)
+    keys = torch.empty((idx.numel(),), dtype=key_dtype, device=idx.device)
+    if keys.numel():
+        kernels.pair_keys_kernel[(triton.cdiv(keys.numel(), _PAIR_KEYS_BLOCK),)](
+            idx, keys, keys.numel(), rows, columns, refs, K=k, BLOCK=_PAIR_KEYS_BLOCK)
+    sorted_refs, order = torch.sort(keys, stable=True)
     starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, dtype=key_dtype, device=idx.device))
     width = source.shape[-1]
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
@@ -281,10 +289,12 @@ def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
     """(grad_dists [B, M, k], grad_features [B, N, C]) of ``knn_aggregate``, deterministic."""
     batch, rows, k = idx.shape
     columns, channels = features.shape[1], features.shape[-1]
-    grad_dists = torch.zeros((batch, rows, k), dtype=torch.float32, device=idx.device)
-    weights = torch.zeros((batch * rows * k,), dtype=torch.float32, device=idx.device)
+    written = batch * rows * k > 0 and channels > 0  # by the kernel, every slot; else zeros
+    allocate = torch.empty if written else torch.zeros
+    grad_dists = allocate((batch, rows, k), dtype=torch.float32, device=idx.device)
+    weights = allocate((batch * rows * k,), dtype=torch.float32, device=idx.device)
     grad_out = grad_out.contiguous()
-    if grad_dists.numel() and channels:
+    if written:
         kernels.knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
             1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)

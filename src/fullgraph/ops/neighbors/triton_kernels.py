@@ -506,6 +506,16 @@ if triton is not None:
         tl.store(weights + offs[:, None] * K + slots[None, :], p, mask=mask)
 
     @triton.jit
+    def pair_keys_kernel(idx, keys, total, rows, columns, refs, K: tl.constexpr, BLOCK: tl.constexpr):
+        """keys[t] = the flat reference row b * columns + idx[t] of slot t of lists [B, M, K]
+        (refs, past every row, for a missing slot), to sort the slots by reference."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < total
+        neighbour = tl.load(idx + offs, mask=live, other=-1)
+        key = tl.where(neighbour >= 0, (offs // K // rows) * columns + neighbour, refs)
+        tl.store(keys + offs, key.to(keys.dtype.element_ty), mask=live)
+
+    @triton.jit
     def pair_sum_kernel(order, starts, weights, source, out_sum, out_weight, total, width,
                          K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr, PER_SLOT: tl.constexpr,
                          UNROLL: tl.constexpr):
