@@ -9,6 +9,7 @@ CUDA-event medians of graph replays after warm-up, all in one process, random in
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -22,8 +23,9 @@ WIDTHS = ((3, 25, 25, 25), (25, 25, 25, 1), (16, 32, 32, 16), (3, 32, 32, 32, 32
 ROWS = (1_000, 10_000, 100_000, 1_000_000)
 # One setting at a time from the defaults, then BLOCK x NUM_WARPS together.
 SETTINGS = {"BLOCK": (32, 64, 128), "NUM_WARPS": (2, 4, 8), "BACKWARD_BLOCK": (16, 32, 64),
-            "BACKWARD_NUM_WARPS": (1, 2, 4), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4, 8)}
-PAIRS = ((128, 8), (32, 2), (16, 1))  # (BACKWARD_BLOCK, BACKWARD_NUM_WARPS) together
+            "BACKWARD_NUM_WARPS": (1, 2, 4), "BACKWARD_PROGRAMS_PER_SM": (1, 2, 4, 8, 16)}
+PAIRS = ((128, 8), (32, 2), (16, 1))  # (BACKWARD_BLOCK, BACKWARD_NUM_WARPS) together,
+PER_SM = (2, 4, 8)  # under each of these BACKWARD_PROGRAMS_PER_SM
 
 
 def _model(widths):
@@ -93,12 +95,14 @@ def settings() -> None:
                      for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
             print(f"{name} = {value}: " + ", ".join(f"{t:.1f}" for t in times))
         setattr(mlp, name, defaults[name])
-    for block, warps in PAIRS:
-        mlp.BACKWARD_BLOCK, mlp.BACKWARD_NUM_WARPS = block, warps
+    for (block, warps), per_sm in itertools.product(PAIRS, PER_SM):
+        mlp.BACKWARD_BLOCK, mlp.BACKWARD_NUM_WARPS, mlp.BACKWARD_PROGRAMS_PER_SM = block, warps, per_sm
         times = [graphed_ms(f) * 1000 for widths, rows in (((3, 25, 25, 25), 100_000), ((25, 25, 25, 1), 27_000))
                  for f in _calls(_model(widths), None, rows)["narrow_mlp"]]
-        print(f"BACKWARD_BLOCK = {block}, BACKWARD_NUM_WARPS = {warps}: " + ", ".join(f"{t:.1f}" for t in times))
-    mlp.BACKWARD_BLOCK, mlp.BACKWARD_NUM_WARPS = defaults["BACKWARD_BLOCK"], defaults["BACKWARD_NUM_WARPS"]
+        print(f"BACKWARD_BLOCK = {block}, BACKWARD_NUM_WARPS = {warps}, BACKWARD_PROGRAMS_PER_SM = {per_sm}: "
+              + ", ".join(f"{t:.1f}" for t in times))
+    for name in ("BACKWARD_BLOCK", "BACKWARD_NUM_WARPS", "BACKWARD_PROGRAMS_PER_SM"):
+        setattr(mlp, name, defaults[name])
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ BACKWARD_BLOCK, BACKWARD_NUM_WARPS = 32, 2
 PRECISION = "tf32x3"
 # Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
 BACKWARD_PROGRAMS_PER_SM = 2
+# Backward programs' partial sums the summing kernel reads at once.
+SUM_CHUNK = 64
 
 Tensor = torch.Tensor
 
@@ -180,26 +182,38 @@ if triton is not None:
         tl.store(slot + WP * WP + cols, acc_b)
 
     @triton.jit
-    def _unpack_kernel(total, gw0, gw1, gw2, gw3, gb0, gb1, gb2, gb3, c0, c1, c2, c3, c4,
-                       LAYERS: tl.constexpr, WP: tl.constexpr):
-        """Each layer's summed [WP, WP] and [WP] of total [LAYERS, WP * WP + WP] into its
-        [C_l+1, C_l] weight and [C_l+1] bias gradients (widths c0..c4)."""
+    def _sum_kernel(partials, programs, gw0, gw1, gw2, gw3, gb0, gb1, gb2, gb3, c0, c1, c2, c3, c4,
+                    LAYERS: tl.constexpr, WP: tl.constexpr, CHUNK: tl.constexpr):
+        """One row of one layer's gradients a program: row r < WP of dL/dW (row WP: dL/db)
+        summed over the backward programs' partials [programs, LAYERS, WP * WP + WP], CHUNK
+        programs at a time in a fixed order, into the layer's [C_l+1, C_l] weight or [C_l+1]
+        bias gradient (widths c0..c4)."""
+        layer = tl.program_id(0) // (WP + 1)
+        row = tl.program_id(0) % (WP + 1)
         cols = tl.arange(0, WP)
-        _unpack(total, 0, gw0, gb0, c0, c1, cols, WP)
-        if LAYERS > 1:
-            _unpack(total, 1, gw1, gb1, c1, c2, cols, WP)
-        if LAYERS > 2:
-            _unpack(total, 2, gw2, gb2, c2, c3, cols, WP)
-        if LAYERS > 3:
-            _unpack(total, 3, gw3, gb3, c3, c4, cols, WP)
+        chunk = tl.arange(0, CHUNK)
+        column = partials + layer * (WP * WP + WP) + row * WP + cols
+        total = tl.zeros((WP,), dtype=tl.float32)
+        for first in range(0, programs, CHUNK):
+            p = (first + chunk).to(tl.int64)
+            total += tl.sum(tl.load(column[None, :] + p[:, None] * (LAYERS * (WP * WP + WP)),
+                                    mask=(p < programs)[:, None], other=0.0), 0)
+        if layer == 0:
+            _store_sum(total, row, gw0, gb0, c0, c1, cols, WP)
+        if layer == 1:
+            _store_sum(total, row, gw1, gb1, c1, c2, cols, WP)
+        if layer == 2:
+            _store_sum(total, row, gw2, gb2, c2, c3, cols, WP)
+        if layer == 3:
+            _store_sum(total, row, gw3, gb3, c3, c4, cols, WP)
 
     @triton.jit
-    def _unpack(total, layer: tl.constexpr, gw, gb, fan_in, fan_out, cols, WP: tl.constexpr):
-        slot = total + layer * (WP * WP + WP)
-        values = tl.load(slot + cols[:, None] * WP + cols[None, :])
-        mask = (cols < fan_out)[:, None] & (cols < fan_in)[None, :]
-        tl.store(gw + cols[:, None] * fan_in + cols[None, :], values.to(gw.dtype.element_ty), mask=mask)
-        tl.store(gb + cols, tl.load(slot + WP * WP + cols).to(gb.dtype.element_ty), mask=cols < fan_out)
+    def _store_sum(total, row, gw, gb, fan_in, fan_out, cols, WP: tl.constexpr):
+        if row < WP:
+            stored = tl.where(row < fan_out, fan_in, 0)  # columns of the row: none past fan_out
+            tl.store(gw + row * fan_in + cols, total.to(gw.dtype.element_ty), mask=cols < stored)
+        else:
+            tl.store(gb + cols, total.to(gb.dtype.element_ty), mask=cols < fan_out)
 
 
 def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> Tensor:
@@ -284,7 +298,8 @@ def _triton_backward(grad_out, x, weights, biases, need_x: bool) -> list[Tensor]
         PRECISION=PRECISION, num_warps=BACKWARD_NUM_WARPS)
     grad_w = [torch.empty_like(weight) for weight in weights]
     grad_b = [torch.empty_like(bias) for bias in biases]
-    _unpack_kernel[(1,)](partials.sum(0), *_four(grad_w), *_four(grad_b), *widths, LAYERS=layers, WP=wp)
+    _sum_kernel[(layers * (wp + 1),)](partials, programs, *_four(grad_w), *_four(grad_b), *widths, LAYERS=layers,
+                                      WP=wp, CHUNK=SUM_CHUNK)
     return [grad_x, *grad_w, *grad_b]
 
 

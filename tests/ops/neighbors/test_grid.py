@@ -48,6 +48,25 @@ def test_sorted_clouds_are_permutations_with_cell_ranges(distribution, dim):
         assert (order[1:][same_cell] > order[:-1][same_cell]).all()
 
 
+@pytest.mark.parametrize("split", [None, 0, 7, 40])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_lower_bounds_equal_searchsorted(split, dtype):
+    """grid.lower_bounds: per part, torch.searchsorted of arange(count), with duplicate
+    values, gaps, values past count and empty parts."""
+    from fullgraph.ops.neighbors import grid
+
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randint(0, 30, (40,), generator=generator, dtype=dtype)
+    values[5:9] = 29  # a run of equal values
+    parts = [values.sort().values] if split is None else [values[:split].sort().values, values[split:].sort().values]
+    count = 34  # past the largest value: every bound there is the part's length
+    bounds = grid.lower_bounds(torch.cat(parts).to(DEVICE), count, split).cpu()
+    assert bounds.shape == (len(parts), count)
+    for part, bound in zip(parts, bounds):
+        assert torch.equal(bound.long(), torch.searchsorted(part, torch.arange(count, dtype=dtype)))
+    assert grid.lower_bounds(values[:0].to(DEVICE), 5).cpu().eq(0).all()
+
+
 @pytest.mark.parametrize("dim", [3, 5])
 def test_a_saved_grid_restores_to_the_built_one(dim):
     """grid.save's int32 record gives back the frame and both sorted clouds, bit for bit."""

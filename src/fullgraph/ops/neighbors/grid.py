@@ -279,6 +279,24 @@ if triton is not None:
         tl.store(ref_keys + offs - before, slot, mask=live & is_ref)
 
     @triton.jit
+    def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
+        """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
+        of the sorted ``values`` holding a value >= c, for c < count: one binary search of
+        ``steps`` halvings a value."""
+        part = tl.program_id(1)
+        c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        base = tl.where(part == 0, 0, split).to(tl.int64)
+        size = tl.zeros((BLOCK,), tl.int64) + tl.where(part == 0, split, total - split)
+        lo = tl.zeros((BLOCK,), tl.int64)
+        for _ in range(steps):
+            half = size // 2
+            searching = size > 0
+            below = searching & (tl.load(values + base + lo + half, mask=searching, other=0) < c)
+            lo = tl.where(below, lo + half + 1, lo)
+            size = tl.where(below, size - half - 1, half)
+        tl.store(bounds + part.to(tl.int64) * count + c, lo.to(bounds.dtype.element_ty), mask=c < count)
+
+    @triton.jit
     def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
                       D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
         """per_cell[b * (cells + 1) + cell] += valid points in the cell (integer atomics: exact)."""
@@ -381,12 +399,25 @@ def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[Sort
         _split_kernel[(triton.cdiv(total, _BLOCK),)](
             sorted_keys, order, queries_so_far, orders, slots_of, orders[queries_total:], slots_of[queries_total:],
             total, queries_total, BLOCK=_BLOCK)
-    slots = torch.arange(count, dtype=slot_dtype, device=query.device)
-    clouds = []
-    for points, part in ((query, slice(0, queries_total)), (ref, slice(queries_total, total))):
-        cell_start = torch.searchsorted(slots_of[part], slots, out_int32=True)
-        clouds.append(SortedPoints(_moved(points, orders[part], grid), orders[part], cell_start))
-    return clouds[0], clouds[1]
+    starts = lower_bounds(slots_of, count, queries_total).to(torch.int32)
+    return tuple(SortedPoints(_moved(points, orders[part], grid), orders[part], cell_start)
+                 for points, part, cell_start in ((query, slice(0, queries_total), starts[0]),
+                                                  (ref, slice(queries_total, total), starts[1])))
+
+
+def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> torch.Tensor:
+    """[parts, count]: for each c < count, the first position holding a value >= c of the
+    ascending integer ``values`` [T] (``torch.searchsorted`` of arange(count)), or with
+    ``split``, of values[:split] and of values[split:] (positions within each part). int32
+    where positions fit, else int64; one kernel, no arange."""
+    total = values.shape[0]
+    parts = 1 if split is None else 2
+    split = total if split is None else split
+    bounds = torch.empty((parts, count), dtype=torch.int32 if total < 2**31 else torch.int64, device=values.device)
+    if count:
+        _lower_bounds_kernel[(triton.cdiv(count, _BLOCK), parts)](
+            values, bounds, split, total, count, max(split, total - split).bit_length(), BLOCK=_BLOCK)
+    return bounds
 
 
 def _moved(points: torch.Tensor, order: torch.Tensor, grid: Frame) -> torch.Tensor:

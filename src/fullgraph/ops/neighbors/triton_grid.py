@@ -271,7 +271,7 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
         kernels.pair_keys_kernel[(triton.cdiv(keys.numel(), _PAIR_KEYS_BLOCK),)](
             idx, keys, keys.numel(), rows, columns, refs, K=k, BLOCK=_PAIR_KEYS_BLOCK)
     sorted_refs, order = torch.sort(keys, stable=True)
-    starts = torch.searchsorted(sorted_refs, torch.arange(refs + 1, dtype=key_dtype, device=idx.device))
+    starts = grid.lower_bounds(sorted_refs, refs + 1)[0]
     width = source.shape[-1]
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
