@@ -44,7 +44,7 @@ BACKWARD_BLOCK, BACKWARD_NUM_WARPS = 32, 2
 # tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
 PRECISION = "tf32x3"
 # Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
-BACKWARD_PROGRAMS_PER_SM = 2
+BACKWARD_PROGRAMS_PER_SM = 4
 # Backward programs' partial sums the summing kernel reads at once.
 SUM_CHUNK = 64
 

@@ -199,6 +199,21 @@ def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, devic
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend, device", backend_cases())
+def test_knn_backward_without_distance_gradients(backend, device, generator):
+    """The op's dists_grad=False (points as data): grad_dists zeros, grad_features the same bits."""
+    query = points("normal", 40, 3, generator).float().to(device)[None]
+    ref = points("clustered", 90, 3, generator).float().to(device)[None]
+    features = torch.randn(1, 90, 4, generator=generator).to(device)
+    ops = torch.ops.fullgraph
+    out, dists, idx = ops.knn_aggregate(query, ref, features, 6, 0.3, None, None, backend)
+    grad = torch.randn(out.shape, generator=generator).to(device)
+    full = ops.knn_aggregate_backward(grad, features, out, dists, idx, 0.3, backend)
+    spared = ops.knn_aggregate_backward(grad, features, out, dists, idx, 0.3, backend, None, False)
+    assert full[0].abs().sum() > 0 and torch.equal(spared[0], torch.zeros_like(full[0]))
+    assert torch.equal(spared[1], full[1])
+
+
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
 def test_triton_forward_stats_and_grid_spare_the_backward_a_pass(backend, device, generator):
     """The forward's per-query stats (least distance within the radius, weight sum) are what

@@ -287,8 +287,9 @@ class Kernels:
             out[rows] = aggregate_pairs(flat_features, qi, rj, d, sigma, rows.stop - rows.start)
         return out.reshape(*query.shape[:2], features.shape[-1]).to(features.dtype), dists, idx
 
-    def knn_aggregate_backward(self, grad_out, features, out, dists, idx, sigma: float):
-        """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    def knn_aggregate_backward(self, grad_out, features, out, dists, idx, sigma: float, dists_grad: bool = True):
+        """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum;
+        grad_dists is zeros without ``dists_grad``."""
         acc = accumulation_dtype(features.dtype)
         flat_features, flat_grad, flat_out = _flat(features), _flat(grad_out), _flat(out)
         grad_dists = torch.zeros(dists.numel(), dtype=acc, device=dists.device)
@@ -296,6 +297,8 @@ class Kernels:
         for rows, qi, rj, d, slots in _knn_chunks(idx, dists, features.shape[1], features.shape[-1]):
             grad_dists[slots] = aggregate_pairs_backward(
                 flat_grad[rows], flat_features, flat_out[rows], qi, rj, d, sigma, grad_features)
+        if not dists_grad:
+            grad_dists.zero_()
         return grad_dists.reshape(dists.shape).to(dists.dtype), _unflat(grad_features, features)
 
     def radius_aggregate(self, query, ref, features, radius: float, sigma: float, query_lengths, ref_lengths):

@@ -284,9 +284,10 @@ def _(query, ref, features, k, sigma, query_lengths, ref_lengths, backend, sigma
 @torch.library.custom_op("fullgraph::knn_aggregate_backward", mutates_args=())
 def knn_aggregate_backward_op(
     grad_out: Tensor, features: Tensor, out: Tensor, dists: Tensor, idx: Tensor, sigma: float, backend: str,
-    sigma_tensor: OptionalTensor = None,
+    sigma_tensor: OptionalTensor = None, dists_grad: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum."""
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of the softmax-weighted sum; without
+    ``dists_grad``, grad_dists is zeros (the points are data: a backend may skip its work)."""
     sigma = scalar("sigma", sigma, sigma_tensor)
     _validate.floating("features", features)
     _validate.rank("features", features, (3,), "[B, N, C]")
@@ -294,11 +295,11 @@ def knn_aggregate_backward_op(
     _check_grad("grad_out", grad_out, out)
     check_sigma(sigma, features.dtype)
     return kernels(backend, "knn_aggregate", dists, None, idx.shape[-1]).knn_aggregate_backward(
-        grad_out, features.contiguous(), out.contiguous(), dists, idx, sigma)
+        grad_out, features.contiguous(), out.contiguous(), dists, idx, sigma, dists_grad)
 
 
 @knn_aggregate_backward_op.register_fake
-def _(grad_out, features, out, dists, idx, sigma, backend, sigma_tensor=None):
+def _(grad_out, features, out, dists, idx, sigma, backend, sigma_tensor=None, dists_grad=True):
     return torch.empty_like(dists), torch.empty_like(features)
 
 
@@ -313,10 +314,11 @@ def _knn_aggregate_backward(ctx, grad_out, grad_dists_unused, grad_idx_unused):
     query, ref, features, out, dists, idx = ctx.saved_tensors
     if grad_out is None:
         return (None,) * 9
+    points_grad = any(ctx.needs_input_grad[:2])  # points are often data: then their gradients are never computed
     grad_dists, grad_features = knn_aggregate_backward_op(grad_out, features, out, dists, idx, ctx.sigma[0],
-                                                          ctx.backend, ctx.sigma[1])
+                                                          ctx.backend, ctx.sigma[1], points_grad)
     grad_query = grad_ref = None
-    if any(ctx.needs_input_grad[:2]):  # points are often data: then their gradients are never computed
+    if points_grad:
         grad_query, grad_ref = distances_backward_op(grad_dists, query, ref, idx, dists, ctx.backend)
     return grad_query, grad_ref, grad_features, None, None, None, None, None, None
 

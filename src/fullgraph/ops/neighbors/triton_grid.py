@@ -285,8 +285,9 @@ def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     return sums, totals
 
 
-def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
-    """(grad_dists [B, M, k], grad_features [B, N, C]) of ``knn_aggregate``, deterministic."""
+def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma, dists_grad=True):
+    """(grad_dists [B, M, k], grad_features [B, N, C]) of ``knn_aggregate``, deterministic;
+    without ``dists_grad`` the kernel writes the weights alone (grad_dists zeros)."""
     batch, rows, k = idx.shape
     columns, channels = features.shape[1], features.shape[-1]
     written = batch * rows * k > 0 and channels > 0  # by the kernel, every slot; else zeros
@@ -297,7 +298,8 @@ def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma):
     if written:
         kernels.knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
-            1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+            1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M,
+            DISTS=dists_grad)
     grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(batch * rows, channels), columns)
     return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
 

@@ -487,21 +487,23 @@ if triton is not None:
     @triton.jit
     def knn_grad_dists_kernel(dists, idx, features, grad_out, out, grad_dists, weights, total_rows, rows, columns,
                                channels, inv_sigma, K: tl.constexpr, KP: tl.constexpr, CP: tl.constexpr,
-                               BLOCK_M: tl.constexpr):
-        """dL/dd_ij = -(p_ij / sigma) (g_i . F_j - g_i . out_i), and the weights p_ij."""
+                               BLOCK_M: tl.constexpr, DISTS: tl.constexpr):
+        """dL/dd_ij = -(p_ij / sigma) (g_i . F_j - g_i . out_i) (zeros unless DISTS: the
+        points are data), and the weights p_ij."""
         offs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         slots = tl.arange(0, KP)
         p = _knn_weights(dists, offs, total_rows, slots, inv_sigma, K)
         mask = (offs < total_rows)[:, None] & (slots < K)[None, :]
-        neighbours = tl.load(idx + offs[:, None] * K + slots[None, :], mask=mask, other=-1)
-        cols = tl.arange(0, CP)
-        g = _load_block(grad_out, offs, total_rows, channels, CP)
-        baseline = tl.sum(g * _load_block(out, offs, total_rows, channels, CP), 1)
         grad = tl.zeros((BLOCK_M, KP), dtype=tl.float32)
-        for j in range(K):
-            weight, f = _neighbour_features(p, neighbours, slots, j, features, offs, rows, columns, channels, cols)
-            grad_j = -(weight * inv_sigma) * (tl.sum(g * f, 1) - baseline)
-            grad = tl.where(slots[None, :] == j, grad_j[:, None], grad)
+        if DISTS:
+            neighbours = tl.load(idx + offs[:, None] * K + slots[None, :], mask=mask, other=-1)
+            cols = tl.arange(0, CP)
+            g = _load_block(grad_out, offs, total_rows, channels, CP)
+            baseline = tl.sum(g * _load_block(out, offs, total_rows, channels, CP), 1)
+            for j in range(K):
+                weight, f = _neighbour_features(p, neighbours, slots, j, features, offs, rows, columns, channels, cols)
+                grad_j = -(weight * inv_sigma) * (tl.sum(g * f, 1) - baseline)
+                grad = tl.where(slots[None, :] == j, grad_j[:, None], grad)
         tl.store(grad_dists + offs[:, None] * K + slots[None, :], grad, mask=mask)
         tl.store(weights + offs[:, None] * K + slots[None, :], p, mask=mask)
 
