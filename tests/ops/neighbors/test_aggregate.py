@@ -201,7 +201,8 @@ def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, devic
 
 @pytest.mark.parametrize("backend, device", backend_cases())
 def test_knn_backward_without_distance_gradients(backend, device, generator):
-    """The op's dists_grad=False (points as data): grad_dists zeros, grad_features the same bits."""
+    """The op's dists_grad=False (points as data): grad_dists zeros, grad_features the same
+    (bits, where the backend is deterministic: torch's index_add on CUDA is not)."""
     query = points("normal", 40, 3, generator).float().to(device)[None]
     ref = points("clustered", 90, 3, generator).float().to(device)[None]
     features = torch.randn(1, 90, 4, generator=generator).to(device)
@@ -211,7 +212,10 @@ def test_knn_backward_without_distance_gradients(backend, device, generator):
     full = ops.knn_aggregate_backward(grad, features, out, dists, idx, 0.3, backend)
     spared = ops.knn_aggregate_backward(grad, features, out, dists, idx, 0.3, backend, None, False)
     assert full[0].abs().sum() > 0 and torch.equal(spared[0], torch.zeros_like(full[0]))
-    assert torch.equal(spared[1], full[1])
+    if backend == "torch" and device == "cuda":
+        torch.testing.assert_close(spared[1], full[1], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(spared[1], full[1])
 
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])

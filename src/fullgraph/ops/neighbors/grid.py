@@ -30,7 +30,6 @@ BUDGET = 32
 REFINEMENTS = 1
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
-_COUNT_BLOCK = 1024  # points a program of the refinement's counting kernels takes
 VALUE_COLUMNS = 12  # of Frame.values
 SCALE_COLUMN = 9  # of Frame.values: the item's scale
 
@@ -372,10 +371,10 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
     (batch, rows, dim), columns = query.shape, ref.shape[1]
     per_cell = torch.zeros((batch * (grid.cells + 1),), dtype=torch.int32, device=ref.device)
     load = torch.zeros((batch, 2), dtype=torch.int64, device=ref.device)
-    sizes = dict(D=dim, G=grid.grid_dims, BLOCK=_COUNT_BLOCK)
-    _count_kernel[(triton.cdiv(columns, _COUNT_BLOCK), batch)](
+    sizes = dict(D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    _count_kernel[(triton.cdiv(columns, _BLOCK), batch)](
         ref, ref_lengths, grid.values, grid.shape, per_cell, columns, grid.cells, **sizes)
-    _load_kernel[(triton.cdiv(rows, _COUNT_BLOCK), batch)](
+    _load_kernel[(triton.cdiv(rows, _BLOCK), batch)](
         query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.cells, **sizes)
     _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.cells, float(CELL_POINTS), G=grid.grid_dims)
 
