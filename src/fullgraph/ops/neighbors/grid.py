@@ -29,8 +29,9 @@ CELL_POINTS = 8
 BUDGET = 32
 REFINEMENTS = 1
 # lower_bounds' values a program searches, and its warps: a search is a chain of dependent
-# loads, so one value a thread (H100 session 20: 1,024 on 4 warps took 25.7 us for the seed
-# grid's 2 x 400,000 slots, where torch.searchsorted took 2 x 9).
+# loads, so one value a thread (H100 session 20, run HG, the seed grid's 2 x 400,001 slots /
+# the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
+# searchsorted per part 28.5 / 15.8; one launch fewer per part).
 LOWER_BOUNDS_BLOCK = (256, 8)
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
