@@ -19,6 +19,10 @@ def stable_smallest(values, take):
 def rows(kind, dtype, generator):
     if kind == "normal":
         return torch.randn(6, 40, 2048, generator=generator, dtype=dtype)
+    if kind == "short":  # the rows of tiny batches, and some in descending order
+        x = torch.randn(8, 64, 128, generator=generator, dtype=dtype)
+        x[:, :8] = x[:, :8].sort(-1, descending=True).values
+        return x
     if kind == "ties":  # five values only: long runs of equal values
         return torch.randint(0, 5, (4, 30, 300), generator=generator).to(dtype)
     if kind == "near-ties":  # equal in float32, distinct in float64
@@ -39,7 +43,7 @@ def rows(kind, dtype, generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["normal", "ties", "near-ties", "non-finite"])
+@pytest.mark.parametrize("kind", ["normal", "short", "ties", "near-ties", "non-finite"])
 def test_equals_a_stable_sort(kind, dtype, generator):
     x = rows(kind, dtype, generator)
     for take in (0, 1, 3, 28, x.shape[-1] // 4, x.shape[-1] - 1, x.shape[-1]):

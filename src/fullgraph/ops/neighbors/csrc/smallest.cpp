@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -35,6 +37,41 @@ std::vector<U>& scratch(int64_t count) {
 template <typename T>
 bool before(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
   return a.first < b.first || (a.first == b.first && a.second < b.second);
+}
+
+template <typename T>
+void write(const std::vector<std::pair<T, int64_t>>& found, int64_t take, T* values, int64_t* indices) {
+  for (int64_t j = 0; j < take; ++j) {
+    values[j] = found[j].first;
+    indices[j] = found[j].second;
+  }
+}
+
+// The first ``take`` of ``found`` (float32 numbers of ``row``, no NaN, positions < 2^32) in
+// (value, position) order, written out, by sorting 64-bit words: the value's bits made
+// monotonic (-0 as +0, so that equal values tie by position) above the position. A row of a
+// few hundred values spends most of its selection sorting its few dozen survivors, and word
+// comparisons beat the pairs'.
+inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, int64_t take, const float* row,
+                           float* values, int64_t* indices) {
+  std::vector<uint64_t>& words = scratch<uint64_t>(static_cast<int64_t>(found.size()));
+  for (size_t j = 0; j < found.size(); ++j) {
+    uint32_t bits;
+    const float value = found[j].first + 0.0f;  // -0 -> +0
+    std::memcpy(&bits, &value, sizeof bits);
+    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    words[j] = (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(found[j].second);
+  }
+  if (static_cast<int64_t>(words.size()) > 4 * take) {
+    std::nth_element(words.begin(), words.begin() + (take - 1), words.end());
+    std::sort(words.begin(), words.begin() + take);
+  } else {
+    std::sort(words.begin(), words.end());
+  }
+  for (int64_t j = 0; j < take; ++j) {
+    indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
+    values[j] = row[indices[j]];
+  }
 }
 
 // One row: an upper bound of its take-th smallest value first (the take-th smallest of the
@@ -80,6 +117,11 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
     if (row[i] <= bound) found.emplace_back(row[i], i);
   }
   const int64_t numbers = static_cast<int64_t>(found.size());
+  if constexpr (std::is_same_v<T, float>) {
+    if (numbers >= take && size <= (int64_t{1} << 32)) {
+      return write_in_order(found, take, row, values, indices);
+    }
+  }
   if (numbers >= take) {
     std::partial_sort(found.begin(), found.begin() + take, found.end(), before<T>);
   } else {
@@ -88,10 +130,7 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
       if (std::isnan(row[k])) found.emplace_back(row[k], k);
     }
   }
-  for (int64_t j = 0; j < take; ++j) {
-    values[j] = found[j].first;
-    indices[j] = found[j].second;
-  }
+  write(found, take, values, indices);
 }
 
 std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t take) {
