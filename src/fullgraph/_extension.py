@@ -52,7 +52,7 @@ def parallel_flags() -> list[str]:
 
 
 def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
-          cuda_flags: Sequence[str] = ()) -> None:
+          cflags: Sequence[str] = (), cuda_flags: Sequence[str] = ()) -> None:
     """Compile ``sources`` (and the headers beside them, hashed too) into the extension
     ``name`` + hash and load it into this process.
 
@@ -67,14 +67,16 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
         raise ExtensionBuildError(f"{what}: building it needs " + ", ".join(missing) + f". Or {instead}.")
     folders = sorted({Path(s).parent for s in sources})
     files = sorted(p for folder in folders for p in folder.iterdir() if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))
-    # The hash in the name: torch rebuilds on changes to the listed sources only, not to headers.
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in files)).hexdigest()
+    # The hash in the name: torch rebuilds on changes to the listed sources only, not to headers
+    # or flags.
+    flags = " ".join([*cflags, *cuda_flags]).encode()
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in files) + flags).hexdigest()
     full_name = f"{name}_{digest[:10]}"
     print(f"fullgraph: loading {full_name} ({what}; compiled on first use, ~1 min; cached afterwards)",
           file=sys.stderr, flush=True)
     try:
         cpp_extension.load(
-            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags(), *parallel_flags()],
+            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags(), *parallel_flags(), *cflags],
             extra_cuda_cflags=["-O3", *cuda_flags], extra_include_paths=[str(f) for f in folders],
             is_python_module=False, with_cuda=with_cuda,
             verbose=os.environ.get("FULLGRAPH_VERBOSE_BUILD") == "1",

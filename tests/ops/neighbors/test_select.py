@@ -75,3 +75,29 @@ def test_bad_arguments_are_named():
         select.smallest(torch.rand(3, 10), 2.0)
     with pytest.raises(TypeError, match="values: expected a tensor of at least one dimension"):
         select.smallest(torch.tensor(1.0), 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dim", [1, 3, 4, 5, 64, 300])
+def test_squared_distances_have_the_references_bits(dim, dtype, generator):
+    """The C++ re-measure equals pairs.squared_difference of the gathered rows bit for bit,
+    on coordinates spanning 12 orders of magnitude (every rounding shows)."""
+    from fullgraph.ops.neighbors import pairs
+
+    magnitude = 10.0 ** torch.randint(-6, 6, (3, 40, dim), generator=generator)
+    q = (torch.randn(3, 40, dim, generator=generator, dtype=torch.float64) * magnitude).to(dtype)
+    r = (torch.randn(3, 50, dim, generator=generator, dtype=torch.float64) * magnitude[:, :1]).to(dtype)
+    r[:, :5] = q[:, :5]  # exact duplicates: zero distances
+    candidates = torch.randint(0, 50, (3, 40, 9), generator=generator)
+    got = select.squared_distances(q, r, candidates)
+    rows = torch.gather(r, 1, candidates.reshape(3, -1, 1).expand(-1, -1, dim)).reshape(3, 40, 9, dim)
+    want = pairs.squared_difference(q[:, :, None, :], rows)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_squared_distances_refuse_positions_outside_the_cloud(generator):
+    q, r = torch.randn(1, 4, 8, generator=generator), torch.randn(1, 6, 8, generator=generator)
+    with pytest.raises(RuntimeError, match=r"candidates: expected positions in \[0, 6\)"):
+        select.squared_distances(q, r, torch.full((1, 4, 2), 6))
+    with pytest.raises(RuntimeError, match="r: expected a CPU tensor"):
+        select.squared_distances(q, r.double(), torch.zeros((1, 4, 2), dtype=torch.int64))

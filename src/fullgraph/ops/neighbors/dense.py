@@ -124,8 +124,12 @@ def _remeasure(q, r, candidates):
             # ~0.8 ms; the squares written by Triton and summed by torch 0.31 ms)
             return triton_dense.squared_distances(q, r, candidates).sqrt_()
         return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
-    # CPUs: cache-sized pieces gathered into one reused buffer (fresh pieces of a few MiB each
-    # cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of a call). Above
+    measured = select.squared_distances(q, r, candidates)
+    if measured is not None:  # each candidate row read once (C++)
+        return measured.sqrt_()
+    # Without the extension, cache-sized pieces gathered into one reused buffer (fresh pieces
+    # of a few MiB each cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of
+    # a call). Above
     # PER_COORDINATE_MAX_DIM the reference's squares and halving sum run in place there:
     # (r - q)^2 is (q - r)^2 bit for bit.
     batch, rows, take = candidates.shape

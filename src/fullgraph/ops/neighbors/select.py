@@ -1,5 +1,6 @@
 """The ``take`` smallest values of every row, ascending, with their positions: the dense
-backend's candidate selection. On CPUs a C++ extension (``csrc/smallest.cpp``, built on first
+backend's candidate selection (and, by the same C++ extension, its re-measure on CPUs:
+``squared_distances``). On CPUs a C++ extension (``csrc/smallest.cpp``, built on first
 use by ``fullgraph._extension``) bounds each row's take-th smallest value by group minima,
 keeps only the entries under the bound and sorts those, ties to the smaller position (3x
 torch.topk on the 2-core development CPU: 8 x 2048 rows of 2,048 float32, 28 kept: 29 ms
@@ -18,14 +19,17 @@ import torch
 
 from ..._extension import ExtensionBuildError, build
 
-SOURCE = Path(__file__).parent / "csrc" / "smallest.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("smallest.cpp", "squared_distances.cpp")]
 
 
 @functools.cache
 def _built() -> bool:
     try:
-        build("fullgraph_select", [SOURCE], with_cuda=False, what="fullgraph.knn: the CPU candidate selection",
-              instead="nothing: torch.topk selects instead (slower)")
+        # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise
+        # kernels round them (the re-measure's bits), no fused multiply-adds from -mfma.
+        build("fullgraph_select", SOURCES, with_cuda=False, cflags=["-ffp-contract=off"],
+              what="fullgraph.knn: the CPU candidate selection and re-measure",
+              instead="nothing: torch.topk selects and torch measures instead (slower)")
     except ExtensionBuildError as error:
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         return False
@@ -43,3 +47,14 @@ def smallest(values: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tenso
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and _built():
         return torch.ops.fullgraph_select.smallest(values, take)
     return torch.topk(values, take, dim=-1, largest=False, sorted=True)
+
+
+def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:
+    """[B, M, C]: the squared distances from q [B, M, D] to the rows ``candidates`` [B, M, C]
+    (int64, in [0, N)) of r [B, N, D], in ``pairs.squared_difference``'s order, bit for bit
+    (``csrc/squared_distances.cpp``: each candidate row read once, nothing of [B, M, C, D]
+    gathered); None where it does not run (not CPU float32/float64, D = 0, no extension)."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.shape[-1] == 0
+            or not _built()):
+        return None
+    return torch.ops.fullgraph_select.squared_distances(q, r, candidates)

@@ -1,0 +1,100 @@
+// fullgraph_select::squared_distances(q [B, M, D], r [B, N, D], candidates [B, M, C] int64)
+//   -> [B, M, C]: sum_d (q[b, i, d] - r[b, candidates[b, i, j], d])^2 in the reference's order
+// (pairs.squared_difference: coordinate by coordinate up to D = 4, above that the squares
+// summed by halving, pairs.halving_sum), float32 or float64, bit for bit.
+//
+// The dense kNN backend's re-measure on CPUs: torch gathered the candidates' rows ([B, M, C, D],
+// ~30 MB for 16 x 256 queries of D = 64 and 28 candidates), subtracted, squared and summed them in
+// four passes over memory; here each candidate's row is read once from the (cached) cloud.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+// Built with -ffp-contract=off (ops/neighbors/select.py): every product and sum is rounded on
+// its own, as torch's element-wise kernels round them; -mfma would otherwise let the compiler
+// fuse them.
+
+namespace {
+
+constexpr int64_t kPerCoordinateMaxDim = 4;  // pairs.PER_COORDINATE_MAX_DIM
+constexpr int64_t kGrainPairs = 4096;        // candidate pairs a task measures before rows are split across threads
+
+template <typename T>
+T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
+  if (dim <= kPerCoordinateMaxDim) {
+    T total = (q[0] - r[0]) * (q[0] - r[0]);
+    for (int64_t d = 1; d < dim; ++d) {
+      const T diff = q[d] - r[d];
+      total += diff * diff;
+    }
+    return total;
+  }
+  for (int64_t d = 0; d < dim; ++d) {
+    const T diff = q[d] - r[d];
+    squares[d] = diff * diff;
+  }
+  int64_t width = dim;
+  while (width > 2) {
+    int64_t half = 1;
+    while (half * 2 < width) half *= 2;  // the largest power of two below the width
+    for (int64_t d = 0; d < width - half; ++d) squares[d] += squares[d + half];
+    width = half;
+  }
+  return width == 2 ? squares[0] + squares[1] : squares[0];
+}
+
+at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates) {
+  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 3,
+              "q: expected a float32 or float64 CPU tensor [B, M, D], got ", q.scalar_type(), " of shape ", q.sizes(),
+              " on ", q.device());
+  TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == q.scalar_type() && r.dim() == 3 && r.size(0) == q.size(0) &&
+                  r.size(2) == q.size(2),
+              "r: expected a CPU tensor [B, N, D] of q's dtype with q's B and D (", q.sizes(), ", ", q.scalar_type(),
+              "), got ", r.scalar_type(), " of shape ", r.sizes(), " on ", r.device());
+  TORCH_CHECK(candidates.device().is_cpu() && candidates.scalar_type() == at::kLong && candidates.dim() == 3 &&
+                  candidates.size(0) == q.size(0) && candidates.size(1) == q.size(1),
+              "candidates: expected an int64 CPU tensor [B, M, C] with q's B and M (", q.sizes(), "), got ",
+              candidates.scalar_type(), " of shape ", candidates.sizes(), " on ", candidates.device());
+  const int64_t batch = q.size(0), rows = q.size(1), dim = q.size(2), columns = r.size(1), take = candidates.size(2);
+  const at::Tensor positions = candidates.contiguous();
+  if (positions.numel() > 0) {
+    const auto [low, high] = at::aminmax(positions);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < columns,
+                "candidates: expected positions in [0, ", columns, ") (r's rows), got ", low.item<int64_t>(), " to ",
+                high.item<int64_t>());
+  }
+  TORCH_CHECK(dim > 0, "q: expected at least one coordinate, got shape ", q.sizes());
+  const at::Tensor queries = q.contiguous(), cloud = r.contiguous();
+  at::Tensor out = at::empty({batch, rows, take}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "squared_distances", [&] {
+    const scalar_t* query = queries.data_ptr<scalar_t>();
+    const scalar_t* ref = cloud.data_ptr<scalar_t>();
+    const int64_t* position = positions.data_ptr<int64_t>();
+    scalar_t* target = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
+    at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
+      std::vector<scalar_t> squares(dim);
+      for (int64_t row = first; row < last; ++row) {
+        const scalar_t* item = ref + (row / rows) * columns * dim;
+        for (int64_t j = 0; j < take; ++j) {
+          target[row * take + j] = squared_distance(query + row * dim, item + position[row * take + j] * dim, dim,
+                                                    squares.data());
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fullgraph_select, m) {
+  m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) { m.impl("squared_distances", &squared_distances); }
