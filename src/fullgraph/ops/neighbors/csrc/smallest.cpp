@@ -62,7 +62,7 @@ inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, 
     bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
     words[j] = (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(found[j].second);
   }
-  if (static_cast<int64_t>(words.size()) > 4 * take) {
+  if (static_cast<int64_t>(words.size()) > 2 * take) {  // many survivors: the take least first
     std::nth_element(words.begin(), words.begin() + (take - 1), words.end());
     std::sort(words.begin(), words.begin() + take);
   } else {
