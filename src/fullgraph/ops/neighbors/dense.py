@@ -426,7 +426,8 @@ class DenseKernels(pairs.Kernels):
 # The tree wins up to D = 8 on large clouds; from D = 10 on the products win everywhere. Against
 # cdist + topk (inexact), session 14: 8 x 2048^2 D=64 k=20 92-147 / 147-174, 32 x 1024^2
 # 155-207 / 241-245, 5000 x 50000 D=16 300 / 886; tiny batches stay slower (16 x 256^2 D=64:
-# 13-20 / 8.2; the exact selection of short rows costs what topk does, plus the re-measure).
+# 13-20 / 8.2; the exact selection of short rows costs what topk does, plus the re-measure;
+# session 20, C++ re-measure and word-sorted selection: 9.3-9.5 / 7.2, 8 x 2048^2 74-78 / 138).
 AUTO_MIN_DIM = 10
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
