@@ -59,11 +59,22 @@ def _tree(points: np.ndarray):
     return tree
 
 
+# Queries from which a tree query runs on every core: below, starting and joining the threads
+# costs more than they save (2-core CPU, D = 3, k = 10, ms with every query on all cores /
+# with this threshold: 64 items of 128 points 111-201 / 46; 16 of 1,024 63 / 51; 8 of 2,048
+# 53-64 / 49; 20,000 x 2,048 40 / 44; 5,000 x 100,000 42 / 42).
+PARALLEL_QUERIES = 4096
+
+
+def _workers(points: np.ndarray) -> int:
+    return -1 if len(points) >= PARALLEL_QUERIES else 1
+
+
 @extern.op("fullgraph::kdtree_knn", "(Tensor ref, Tensor points, int k, float reach) -> Tensor",
            outputs=lambda ref, points, k, reach: [((points.shape[0], k), torch.int64)])
 def _kdtree_knn(ref, points, k, reach):
     """[Q, k] rows of ``ref`` [N, D] nearest to ``points`` [Q, D] within ``reach`` (-1: none)."""
-    _, local = _tree(ref).query(points, k=k, distance_upper_bound=reach, workers=-1)
+    _, local = _tree(ref).query(points, k=k, distance_upper_bound=reach, workers=_workers(points))
     local = local.reshape(len(points), k)
     return np.where(local < len(ref), local, -1).astype(np.int64)
 
@@ -72,14 +83,14 @@ def _kdtree_knn(ref, points, k, reach):
            outputs=lambda ref, points, radius: [((points.shape[0],), torch.int64)])
 def _kdtree_ball_counts(ref, points, radius):
     """[Q] int64: how many rows of ``ref`` lie within ``radius`` of each point."""
-    return _tree(ref).query_ball_point(points, radius, return_length=True, workers=-1).astype(np.int64)
+    return _tree(ref).query_ball_point(points, radius, return_length=True, workers=_workers(points)).astype(np.int64)
 
 
 @extern.op("fullgraph::kdtree_ball", "(Tensor ref, Tensor points, float radius, SymInt total) -> Tensor",
            outputs=lambda ref, points, radius, total: [((total,), torch.int64)])
 def _kdtree_ball(ref, points, radius, total):
     """[total] int64: the rows of ``ref`` within ``radius`` of each point, point after point."""
-    balls = _tree(ref).query_ball_point(points, radius, workers=-1)
+    balls = _tree(ref).query_ball_point(points, radius, workers=_workers(points))
     return np.concatenate([np.asarray(ball, dtype=np.int64) for ball in balls] or [np.zeros(0, np.int64)])
 
 
