@@ -31,7 +31,7 @@ def _always(device_type: str) -> bool:
     return True
 
 
-def _everywhere(device_type, dtype, dim, k) -> bool:
+def _everywhere(device_type, dtype, dim, k, size=None) -> bool:
     return True
 
 
@@ -40,9 +40,10 @@ class Backend:
     """One implementation of an operator family.
 
     devices / auto_devices: torch device types it runs on / where "auto" may pick it
-    (``ANY_DEVICE`` for all); auto_when(device_type, dtype, dim, k): where "auto" prefers it (the
-    measured crossovers against the backends after it). dims: the D it accepts (None: any). max_k: the longest
-    neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
+    (``ANY_DEVICE`` for all); auto_when(device_type, dtype, dim, k, size): where "auto"
+    prefers it (the measured crossovers against the backends after it; size: the work's size
+    where the family knows one, e.g. query-reference pairs per batch item, else None). dims:
+    the D it accepts (None: any). max_k: the longest neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
     capture (no host sync, no allocation outside PyTorch): True, False, the ops that may, or a
     function (op, dtype, dim, k) -> bool. available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
@@ -61,16 +62,16 @@ class Backend:
     available: Callable[[str], bool] = _always
     implementation: object = None
     note: str = ""  # why a dtype is refused, e.g. "computes in float32"
-    auto_when: Callable[[str, torch.dtype, object, int], bool] = _everywhere  # the measured crossovers for "auto"
+    auto_when: Callable[..., bool] = _everywhere  # the measured crossovers for "auto"
 
     def runs_on(self, device_type: str) -> bool:
         return ANY_DEVICE in self.devices or device_type in self.devices
 
-    def fits(self, op: str, device_type: str, dtype: torch.dtype, dim, k) -> bool:
+    def fits(self, op: str, device_type: str, dtype: torch.dtype, dim, k, size=None) -> bool:
         """Whether "auto" may pick it for these tensors (installed included)."""
         return (op in self.ops and (ANY_DEVICE in self.auto_devices or device_type in self.auto_devices)
                 and dtype in self.dtypes and (self.dims is None or dim is None or dim in self.dims)
-                and (self.max_k is None or k <= self.max_k) and self.auto_when(device_type, dtype, dim, k)
+                and (self.max_k is None or k <= self.max_k) and self.auto_when(device_type, dtype, dim, k, size)
                 and self.available(device_type))
 
     def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str,
@@ -129,15 +130,15 @@ class Family:
         raise ValueError(f"backend: expected one of {sorted(self.names)}, got {name!r}")
 
     def resolve(self, choice, op: str, device: torch.device, dtype: torch.dtype, dim=None, k: int = 1,
-                argument: str = "query", k_argument: str = "k") -> Backend:
+                argument: str = "query", k_argument: str = "k", size=None) -> Backend:
         """The backend ``choice`` ("auto" or a name) for ``op`` on tensors of this device,
-        dtype and D, holding lists of k; raises as the class docstring says, naming
+        dtype and D, holding lists of k (``size``: see ``Backend``); raises as the class docstring says, naming
         ``argument`` (the tensor) and ``k_argument`` (the list length) as the caller calls them."""
         if not isinstance(choice, str):
             raise TypeError(f"backend: expected a str, one of {sorted(self.names)}, got {type(choice).__name__}")
         if choice == "auto":
             for backend in self.backends:
-                if backend.fits(op, device.type, dtype, dim, k):
+                if backend.fits(op, device.type, dtype, dim, k, size):
                     return backend
             raise ValueError(f"{self.name}: no backend runs {op} on {dtype} tensors on {device}")
         backend = self.get(choice)

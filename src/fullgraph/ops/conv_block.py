@@ -351,7 +351,7 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
 AUTO_MAX_COLUMNS = 128
 
 
-def _few_columns(device_type: str, dtype: torch.dtype, columns, k: int) -> bool:
+def _few_columns(device_type: str, dtype: torch.dtype, columns, k: int, size=None) -> bool:
     return columns is None or columns <= AUTO_MAX_COLUMNS
 
 

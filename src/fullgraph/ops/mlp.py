@@ -310,7 +310,7 @@ def _four(tensors: list[Tensor]) -> list[Tensor]:
     return (tensors + tensors[:1] * TRITON_MAX_LAYERS)[:TRITON_MAX_LAYERS]
 
 
-def _fits_triton(device_type: str, dtype: torch.dtype, width, layers: int) -> bool:
+def _fits_triton(device_type: str, dtype: torch.dtype, width, layers: int, size=None) -> bool:
     return (width is None or width <= MAX_WIDTH) and layers <= TRITON_MAX_LAYERS
 
 

@@ -89,5 +89,5 @@ BACKEND = backends.Backend(
     dtypes=(torch.float16, torch.bfloat16, torch.float32), dims=tuple(range(1, MAX_DIM + 1)),
     install="a GPU of compute capability 9.0 or later, nvcc and a C++ compiler with ninja (to build the kernel)",
     available=available, implementation=farthest_points, note='computes in float32 (use backend="torch" for float64)',
-    auto_when=lambda device_type, dtype, dim, size: size <= max_points(),
+    auto_when=lambda device_type, dtype, dim, points, size=None: points <= max_points(),
 )

@@ -202,15 +202,26 @@ def test_gradients(path, generator):
                                     (query, ref, features), nondet_tol=1e-12 if path == "cuda" else 0.0)
 
 
-def test_auto_takes_it_in_feature_space_only(monkeypatch, generator):
+def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch, generator):
+    """On CPUs "auto" takes the products from AUTO_MIN_DIM on, and below it for items of
+    few query-reference pairs (more from CPU_AUTO_WIDE_DIM on); the k-d tree elsewhere."""
     calls = []
     kernels = dense.BACKEND.implementation
     original = kernels.nearest
-    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[0].shape[-1]) or original(*a))
-    for dim in (3, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
-        query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=30))
-        fullgraph.knn(query, ref, 3)
-    assert calls == [dense.AUTO_MIN_DIM, 64]
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append((a[0].shape[-1], a[1].shape[1])) or original(*a))
+    monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 20)
+    monkeypatch.setattr(dense, "CPU_AUTO_WIDE_MAX_PAIRS", 5 * 40)
+    for dim in (3, dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
+        for columns in (20, 40, 60):
+            query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=columns))
+            dists, idx = fullgraph.knn(query, ref, 3)
+            want = fullgraph.knn(query, ref, 3, backend="torch")
+            assert torch.equal(idx, want[1]) and torch.equal(dists, want[0])
+    wide = [(dim, 20) for dim in (dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1)] + [
+        (dim, 40) for dim in (dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1)]
+    assert sorted(calls) == sorted([(3, 20), *wide, *((dim, c) for dim in (dense.AUTO_MIN_DIM, 64)
+                                                         for c in (20, 40, 60))])
+    assert not dense._auto("cpu", torch.float32, 3, 3) and not dense._auto("cpu", torch.float32, None, 3, 10)
     with pytest.raises(ValueError, match='"dense" provides knn and knn_aggregate, not radius'):
         fullgraph.radius(query, ref, 0.5, 3, backend="dense")
 

@@ -12,7 +12,7 @@ import torch
 
 from ... import _validate
 from .batching import Padded, check_batch
-from .registration import BACKENDS, check_clouds, check_features, check_scalar_tensor, check_sigma
+from .registration import BACKENDS, check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
 
 
 def _checking() -> bool:
@@ -27,13 +27,14 @@ def _points(query, ref, query_lengths, ref_lengths):
     return (query[None], ref[None], unbatched) if unbatched else (query, ref, unbatched)
 
 
-def _backend(choice, query: torch.Tensor, op: str, k: int = 1) -> str:
-    """The name of the backend for ``op`` on batched ``query``; raises its refusal (while
-    tracing, the choice goes to the operator, which resolves it when it runs)."""
+def _backend(choice, query: torch.Tensor, ref: torch.Tensor, op: str, k: int = 1) -> str:
+    """The name of the backend for ``op`` on batched ``query`` and ``ref``; raises its refusal
+    (while tracing, the choice goes to the operator, which resolves it when it runs)."""
     if not _checking():
         return choice
     return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k,
-                            k_argument="max_neighbors" if op == "radius" else "k").name
+                            k_argument="max_neighbors" if op == "radius" else "k",
+                            size=pairs_per_item(query, ref)).name
 
 
 def _integer(name, value):
@@ -66,7 +67,7 @@ def _aggregate_inputs(query, ref, features, sigma, query_lengths, ref_lengths, b
     if _checking() and sigma[1] is None:
         check_sigma(sigma[0], query.dtype)
     features = features[None] if unbatched else features
-    return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, op, k), unbatched
+    return batched_query, batched_ref, features, sigma, _backend(backend, batched_query, batched_ref, op, k), unbatched
 
 
 def _unbatch(tensors, unbatched: bool):
@@ -155,7 +156,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
         return queries.unpad(dists), refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _integer("k", k)
-    backend = _backend(backend, query, "knn", k)
+    backend = _backend(backend, query, ref, "knn", k)
     dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
@@ -196,7 +197,7 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     radius, radius_tensor = _scalar("radius", radius, strict=False)
     max_neighbors = _integer("max_neighbors", max_neighbors)
-    backend = _backend(backend, query, "radius", max_neighbors)
+    backend = _backend(backend, query, ref, "radius", max_neighbors)
     result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend,
                                         radius_tensor)
     return _unbatch(result, unbatched)

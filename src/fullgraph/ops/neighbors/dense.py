@@ -429,6 +429,16 @@ class DenseKernels(pairs.Kernels):
 # 13-20 / 8.2; the exact selection of short rows costs what topk does, plus the re-measure;
 # session 20, C++ re-measure and word-sorted selection: 9.3-9.5 / 7.2, 8 x 2048^2 74-78 / 138).
 AUTO_MIN_DIM = 10
+# Below D = 10, small items too: the tree's per-item work (its queries' threads, the exact
+# re-measure and ordering in torch) outweighs the products up to about these query-reference
+# pairs per item (session 20, 2-core CPU, k = 10, normal clouds, ms dense / tree / cdist + topk):
+#   64 x 128^2: D=3 7.8 / 46-201 / 6.4;  16 x 1024^2: D=3 32 / 51-70 / 57;  8 x 2048^2: D=3 38 / 49-64 / 101,
+#   D=6 37 / 120 / 101;  500 x 5000: D=4 2.1 / 7.7 / 3.7;  2000 x 2000: D=8 4.8 / 21 / 7.3;
+#   2000 x 5000 (10^7 pairs): D=3 10.3 / 8.0, D=4 11.6 / 11.4, D=8 11.4 / 32;  2000 x 10^4: D=4 17 / 12.5,
+#   D=6 18 / 23, D=8 17 / 41;  20000 x 2048: D=3 93 / 42, D=6 91 / 92;  2000 x 20000: D=8 33 / 52;
+#   5000 x 30000: D=6 170 / 52, D=8 114 / 120;  50000 x 1024: D=3 145 / 82;  5000 x 10^5: D=8 378 / 256.
+CPU_AUTO_MAX_PAIRS = 2**22
+CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
 # (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
@@ -446,7 +456,8 @@ AUTO_MIN_DIM = 10
 CUDA_AUTO_MIN_DIM = 4
 
 
-def _auto(device_type, dtype, dim, k) -> bool:
+def _auto(device_type, dtype, dim, k, size=None) -> bool:
+    """``Backend.auto_when``: size is the query-reference pairs per batch item (None: unknown)."""
     if dim is None:
         return False
     if device_type == "cuda":
@@ -458,7 +469,8 @@ def _auto(device_type, dtype, dim, k) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_captures("knn", dtype, dim, k) or outside)
-    return dim >= AUTO_MIN_DIM
+    limit = CPU_AUTO_WIDE_MAX_PAIRS if dim >= CPU_AUTO_WIDE_DIM else CPU_AUTO_MAX_PAIRS
+    return dim >= AUTO_MIN_DIM or (size is not None and size <= limit)
 
 
 def _captures(op, dtype, dim, k) -> bool:

@@ -113,11 +113,18 @@ def check_list_width(name: str, k: int, columns: int) -> None:
                          f"(N = {columns} references exist; slots beyond N are padding), got {k}")
 
 
-def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1):
+def pairs_per_item(query: Tensor, ref: Tensor) -> int:
+    """Query-reference pairs of one batch item of query [B, M, D] and ref [B, N, D]: the
+    size by which "auto" chooses between backends (``backends.Backend.auto_when``)."""
+    return query.shape[1] * ref.shape[1]
+
+
+def kernels(backend: str, op: str, like: Tensor, dim, k: int = 1, size=None):
     """The ``pairs.Kernels`` of the backend resolved for ``op`` on tensors like ``like``
-    with D = dim (None: not known to this op), lists of k."""
+    with D = dim (None: not known to this op), lists of k, ``size`` pairs per item (None:
+    not known)."""
     chosen = BACKENDS.resolve(backend, op, like.device, like.dtype, dim, k,
-                              k_argument="max_neighbors" if op == "radius" else "k")
+                              k_argument="max_neighbors" if op == "radius" else "k", size=size)
     chosen.check_capture(like.device, op, like.dtype, dim, k)
     return chosen.implementation
 
@@ -168,7 +175,7 @@ def knn_op(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
-    dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k).nearest(
+    dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k, pairs_per_item(query, ref)).nearest(
         query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
     return dists, idx
 
@@ -193,7 +200,7 @@ def radius_op(
     """``radius_tensor`` (0-d), where given, replaces ``radius`` (see ``scalar``)."""
     radius = scalar("radius", radius, radius_tensor)
     _check_search(query, ref, max_neighbors, query_lengths, ref_lengths, backend, "radius", radius)
-    return kernels(backend, "radius", query, query.shape[-1], max_neighbors).nearest(
+    return kernels(backend, "radius", query, query.shape[-1], max_neighbors, pairs_per_item(query, ref)).nearest(
         query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
 
 
@@ -216,7 +223,8 @@ def distances_backward_op(
     check_clouds(query, ref, None, None)
     _check_lists(idx, dists, query, ref.shape[1])
     _check_grad("grad_dists", grad_dists, dists)
-    return kernels(backend, _search_op(backend), query, query.shape[-1], idx.shape[-1]).distances_backward(
+    return kernels(backend, _search_op(backend), query, query.shape[-1], idx.shape[-1],
+                   pairs_per_item(query, ref)).distances_backward(
         grad_dists, query.contiguous(), ref.contiguous(), idx, dists)
 
 
@@ -267,7 +275,7 @@ def knn_aggregate_op(
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.integer("k", k, minimum=1)
     check_list_width("k", k, ref.shape[1])
-    return kernels(backend, "knn_aggregate", query, query.shape[-1], k).knn_aggregate(
+    return kernels(backend, "knn_aggregate", query, query.shape[-1], k, pairs_per_item(query, ref)).knn_aggregate(
         query.contiguous(), ref.contiguous(), features.contiguous(), k, sigma, query_lengths, ref_lengths)
 
 
@@ -343,7 +351,8 @@ def radius_aggregate_op(
     radius, sigma = scalar("radius", radius, radius_tensor), scalar("sigma", sigma, sigma_tensor)
     _check_aggregate(query, ref, features, sigma, query_lengths, ref_lengths, backend)
     _validate.real("radius", radius, minimum=0.0, strict=False)
-    out, stats, grid = kernels(backend, "radius_aggregate", query, query.shape[-1]).radius_aggregate(
+    implementation = kernels(backend, "radius_aggregate", query, query.shape[-1], size=pairs_per_item(query, ref))
+    out, stats, grid = implementation.radius_aggregate(
         query.contiguous(), ref.contiguous(), features.contiguous(), radius, sigma, query_lengths, ref_lengths)
     if stats is None:
         stats = torch.full((*query.shape[:2], 2), -1.0, dtype=torch.float32, device=query.device)
@@ -358,7 +367,7 @@ def _saved_grid_size(backend: str, query: Tensor, ref: Tensor, features: Tensor)
     if query.dim() != 3 or ref.dim() != 3 or features.dim() != 3:
         return 0
     try:
-        implementation = kernels(backend, "radius_aggregate", query, query.shape[-1])
+        implementation = kernels(backend, "radius_aggregate", query, query.shape[-1], size=pairs_per_item(query, ref))
     except (TypeError, ValueError):
         return 0
     return implementation.saved_grid_size(*query.shape[:2], ref.shape[1], features.shape[-1], query.shape[-1])
@@ -395,7 +404,7 @@ def radius_aggregate_backward_op(
                               or stats.device != query.device):
         raise ValueError(f"stats: expected float32 [B, M, 2] = {[*query.shape[:2], 2]} on {query.device}, got "
                          f"{stats.dtype} {list(stats.shape)} on {stats.device}")
-    implementation = kernels(backend, "radius_aggregate", query, query.shape[-1])
+    implementation = kernels(backend, "radius_aggregate", query, query.shape[-1], size=pairs_per_item(query, ref))
     if grid is not None:
         size = implementation.saved_grid_size(*query.shape[:2], ref.shape[1], features.shape[-1], query.shape[-1])
         if grid.dtype != torch.int32 or tuple(grid.shape) != (size,) or grid.device != query.device:
