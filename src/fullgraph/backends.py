@@ -43,9 +43,9 @@ class Backend:
     (``ANY_DEVICE`` for all); auto_when(device_type, dtype, dim, k, size): where "auto"
     prefers it (the measured crossovers against the backends after it; size: the work's size
     where the family knows one, e.g. query-reference pairs per batch item, else None). dims:
-    the D it accepts (None: any). max_k: the longest neighbour list (None: any). capturable: its kernels may run inside a CUDA graph
-    capture (no host sync, no allocation outside PyTorch): True, False, the ops that may, or a
-    function (op, dtype, dim, k) -> bool. available(device_type): whether
+    the D it accepts (None: any). max_k: the longest neighbour list (None: any). capturable:
+    its kernels may run inside a CUDA graph capture (no host sync, no allocation outside
+    PyTorch): True, False, the ops that may, or a function (op, dtype, dim, k) -> bool. available(device_type): whether
     its library is installed (and, for a compiled one, buildable) for that device; install:
     what brings it there. implementation: the family's kernel interface.
     """

@@ -236,15 +236,19 @@ def test_gradcheck_distances(backend, device, generator):
     assert torch.autograd.gradcheck(capped, (query, ref))
 
 
-def test_auto_picks_the_tree_on_cpu(monkeypatch):
-    from fullgraph.ops.neighbors import cpu
+def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
+    """3-D points on CPUs: the k-d tree for items of more query-reference pairs than
+    dense.CPU_AUTO_MAX_PAIRS, the products for fewer."""
+    from fullgraph.ops.neighbors import cpu, dense
 
     calls = []
     kernels = cpu.BACKEND.implementation
     original = kernels.nearest
-    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(1) or original(*a))
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
+    monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
-    assert calls
+    fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)
+    assert calls == [10]
 
 
 def test_large_knn_is_fast_and_lean():
