@@ -83,7 +83,8 @@ def _kdtree_knn(ref, points, k, reach):
            outputs=lambda ref, points, radius: [((points.shape[0],), torch.int64)])
 def _kdtree_ball_counts(ref, points, radius):
     """[Q] int64: how many rows of ``ref`` lie within ``radius`` of each point."""
-    return _tree(ref).query_ball_point(points, radius, return_length=True, workers=_workers(points)).astype(np.int64)
+    counts = _tree(ref).query_ball_point(points, radius, return_length=True, workers=_workers(points))
+    return counts.astype(np.int64)
 
 
 @extern.op("fullgraph::kdtree_ball", "(Tensor ref, Tensor points, float radius, SymInt total) -> Tensor",

@@ -17,8 +17,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
