@@ -236,6 +236,25 @@ def test_gradcheck_distances(backend, device, generator):
     assert torch.autograd.gradcheck(capped, (query, ref))
 
 
+def test_auto_radius_on_cpu_takes_the_tree_beyond_small_items(monkeypatch):
+    """Radius searches on CPUs: the reference's brute force for items of at most
+    cpu.AUTO_MIN_PAIRS query-reference pairs, the k-d tree beyond; the same lists."""
+    from fullgraph.ops.neighbors import cpu
+
+    calls = []
+    kernels = cpu.BACKEND.implementation
+    original = kernels.nearest
+    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
+    monkeypatch.setattr(cpu, "AUTO_MIN_PAIRS", 5 * 9)
+    generator = torch.Generator().manual_seed(3)
+    for columns in (9, 10):
+        query, ref = torch.randn(5, 3, generator=generator), torch.randn(columns, 3, generator=generator)
+        got = fullgraph.radius(query, ref, 1.0, 4)
+        want = fullgraph.radius(query, ref, 1.0, 4, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert calls == [10]
+
+
 def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     """3-D points on CPUs: the k-d tree for items of more query-reference pairs than
     dense.CPU_AUTO_MAX_PAIRS, the products for fewer."""
@@ -246,6 +265,7 @@ def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     original = kernels.nearest
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
+    monkeypatch.setattr(cpu, "AUTO_MIN_PAIRS", 5 * 9)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
     fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)
     assert calls == [10]

@@ -70,6 +70,18 @@ def _workers(points: np.ndarray) -> int:
     return -1 if len(points) >= PARALLEL_QUERIES else 1
 
 
+# "auto" takes the tree for batch items of more query-reference pairs than this; below, the
+# reference's brute force costs less than the tree's queries an item (session 20, 2-core CPU,
+# D = 3, normal clouds, radius / radius_aggregate ms tree / torch: 64 x 128^2 (16,384 pairs)
+# 66 / 27, 71 / 23; 16 x 256^2 (65,536) 27 / 12, 20 / 9.2; 4 x 1024^2 (2^20) 20 / 39, 18 / 27;
+# 2,000^2 9.6 / 35; 500 x 5,000 5.1 / 30). kNN of such items goes to the products first (dense).
+AUTO_MIN_PAIRS = 2**17
+
+
+def _auto(device_type, dtype, dim, k, size=None) -> bool:
+    return size is None or size > AUTO_MIN_PAIRS
+
+
 @extern.op("fullgraph::kdtree_knn", "(Tensor ref, Tensor points, int k, float reach) -> Tensor",
            outputs=lambda ref, points, k, reach: [((points.shape[0], k), torch.int64)])
 def _kdtree_knn(ref, points, k, reach):
@@ -214,4 +226,5 @@ class KDTreeKernels(pairs.Kernels):
 BACKEND = Backend(
     "cpu", ops=("knn", "radius", "knn_aggregate", "radius_aggregate"), devices=("cpu",), auto_devices=("cpu",),
     install='scipy: pip install "fullgraph[cpu]"', available=lambda device: _HAVE_SCIPY, implementation=KDTreeKernels(),
+    auto_when=_auto,
 )
