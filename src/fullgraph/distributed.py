@@ -288,7 +288,11 @@ def _near(ref: torch.Tensor, query: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def _global(idx: torch.Tensor, offset: int) -> torch.Tensor:
-    return torch.where(idx >= 0, idx + offset, -1)
+    """The local indices ``idx`` (a fresh search result: changed in place, -1 kept) made
+    global. In place: at 10^8 queries x 16 each int64 copy is 12.8 GB."""
+    if offset:
+        idx.add_(offset).masked_fill_(idx < offset, -1)
+    return idx
 
 
 def _by_limit(rows: torch.Tensor, kth: torch.Tensor | None):
