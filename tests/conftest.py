@@ -21,6 +21,12 @@ TOLERANCES = {
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
 
+# On the H100 machine (torch 2.11+cu130) a C++ exception thrown out of a JIT-built extension
+# crashes the process (SIGSEGV; a minimal load_inline extension too), so the extensions' own
+# TORCH_CHECKs are exercised on torch 2.13 (CI) only; the Python checks before them run everywhere.
+CPP_CHECKS_CRASH = torch.__version__.startswith("2.11")
+CRASH_REASON = "a C++ exception out of the extension crashes the process on torch 2.11"
+
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 try:
     import triton  # noqa: F401

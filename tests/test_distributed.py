@@ -282,7 +282,7 @@ def test_merging_in_row_blocks_gives_the_same_lists(monkeypatch, generator):
     assert all(torch.equal(a, b) for a, b in zip(distributed._merge(empty, found, 4), (found[0][:, :4], found[1][:, :4])))
 
 
-def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it():
+def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it(monkeypatch):
     query = torch.tensor([[0.0, 0.0], [5.0, 0.0], [float("nan"), 0.0], [9.0, 9.0]])
     box = torch.tensor([[4.0, -1.0], [6.0, 1.0]], dtype=torch.float64)  # lo, hi
     best = (torch.tensor([[1.0, 3.9], [0.5, 0.7], [1.0, 2.0], [1.0, 3.0]]), torch.zeros(4, 2, dtype=torch.int64))
@@ -297,6 +297,10 @@ def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it():
     # an empty shard's box (+inf, -inf) is reached by nobody
     empty = torch.tensor([[float("inf")] * 2, [float("-inf")] * 2], dtype=torch.float64)
     assert distributed._reaching(query, empty, best, 2, 100.0).tolist() == [False, False, True, False]
+    # the same in blocks of rows (as for shards of 10^8 queries)
+    monkeypatch.setattr(distributed, "MERGE_ROWS", 3)
+    assert distributed._reaching(query, box, best, 2, None).tolist() == [False, True, True, False]
+    assert distributed._reaching(query, box, best, 2, 4.0).tolist() == [True, True, True, False]
 
 
 def test_queries_search_a_shard_within_their_k_th_distance_grouped_by_its_magnitude():

@@ -152,7 +152,7 @@ def _wrap(mesh, like, *outputs):
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
 
-# Query rows merged at a time: the merge sorts [rows, 2 k] lists (a few int64 copies), which
+# Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k] lists (a few int64 copies), which
 # for a shard of 100M queries at once needed 24 GiB per copy and ran an H200 out of memory.
 MERGE_ROWS = 1 << 22
 
@@ -165,6 +165,11 @@ def _merge_rows(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...],
     return dists.gather(-1, order), idx.gather(-1, order)
 
 
+def _row_blocks(rows: int):
+    """Slices of at most MERGE_ROWS rows covering ``rows``."""
+    return (slice(start, start + MERGE_ROWS) for start in range(0, rows, MERGE_ROWS))
+
+
 def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
     """The ``keep`` nearest of two lists (dists, idx) [M, *]: by distance, then global index
     (``found`` alone when ``best`` is empty: the operators' lists are in that order already)."""
@@ -174,8 +179,7 @@ def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep
     if rows <= MERGE_ROWS:
         return _merge_rows(best, found, keep)
     dists, idx = best[0].new_empty((rows, width)), best[1].new_empty((rows, width))
-    for start in range(0, rows, MERGE_ROWS):
-        block = slice(start, start + MERGE_ROWS)
+    for block in _row_blocks(rows):
         dists[block], idx[block] = _merge_rows((best[0][block], best[1][block]),
                                                (found[0][block], found[1][block]), keep)
     return dists, idx
@@ -203,16 +207,17 @@ _PRUNE_MARGIN = 1e-5
 def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: float | None) -> torch.Tensor:
     """[M] bool: the queries whose list can still change by searching a shard inside ``box``
     (its distance to the box is not beyond their radius, or for kNN their k-th distance so
-    far). Conservative: non-finite values keep a query."""
-    q = query.double()
-    gap = torch.maximum(box[0] - q, q - box[1]).clamp(min=0).norm(dim=-1)
-    if radius is not None:
-        limit = torch.full_like(gap, radius)
-    elif best[0].shape[1] < keep:
-        return torch.ones_like(gap, dtype=torch.bool)
-    else:
-        limit = best[0][:, keep - 1].double()
-    return ~(gap * (1 - _PRUNE_MARGIN) > limit)
+    far). Conservative: non-finite values keep a query. In blocks of rows: the float64
+    temporaries of 10^8 queries at once took ~10 GB."""
+    reaching = torch.ones(query.shape[0], dtype=torch.bool, device=query.device)
+    if radius is None and best[0].shape[1] < keep:
+        return reaching
+    for block in _row_blocks(query.shape[0]):
+        q = query[block].double()
+        gap = torch.maximum(box[0] - q, q - box[1]).clamp(min=0).norm(dim=-1)
+        limit = radius if radius is not None else best[0][block, keep - 1].double()
+        reaching[block] = ~(gap * (1 - _PRUNE_MARGIN) > limit)
+    return reaching
 
 
 def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, search, group,

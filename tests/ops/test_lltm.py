@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, TOLERANCES
+from conftest import CPP_CHECKS_CRASH, CRASH_REASON, DEVICES, TOLERANCES
 
 import fullgraph
 from fullgraph.ops.lltm import api, build
@@ -223,11 +223,8 @@ def test_a_missing_compiler_is_named(monkeypatch):
         build._compile(with_cuda=False)
 
 
-# The kernels' own operators (torch.ops.fullgraph_lltm.*) check with TORCH_CHECK. On the H100
-# machine (torch 2.11+cu130) a C++ exception thrown out of a JIT-built extension crashed the
-# process (SIGSEGV; a minimal load_inline extension too), so there only the public operators'
-# Python checks are exercised; on torch 2.13 (CI) the TORCH_CHECKs raise as well.
-CPP_CHECKS_CRASH = torch.__version__.startswith("2.11")
+# The kernels' own operators (torch.ops.fullgraph_lltm.*) check with TORCH_CHECK; where a C++
+# exception crashes the process (CPP_CHECKS_CRASH) only the public operators' Python checks run.
 
 
 def _forward_change(index, value):
@@ -253,9 +250,6 @@ FORWARD_CHANGES = [  # (change, error, public operator's message, kernel operato
     (_forward_change(0, lambda x: x.long()), TypeError, "input: expected a floating-point tensor, got torch.int64",
      "input: expected a floating-point tensor, got Long"),
 ]
-
-
-CRASH_REASON = "a C++ exception out of the extension crashes the process on torch 2.11"
 
 
 @pytest.mark.parametrize("device", DEVICES)

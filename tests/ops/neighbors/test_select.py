@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from conftest import CPP_CHECKS_CRASH, CRASH_REASON
+
 from fullgraph.ops.neighbors import select
 
 
@@ -97,7 +99,23 @@ def test_squared_distances_have_the_references_bits(dim, dtype, generator):
 
 def test_squared_distances_refuse_positions_outside_the_cloud(generator):
     q, r = torch.randn(1, 4, 8, generator=generator), torch.randn(1, 6, 8, generator=generator)
+    outside, positions = torch.full((1, 4, 2), 6), torch.zeros((1, 4, 2), dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"candidates: expected positions in \[0, 6\) \(r's rows\), got 6 to 6"):
+        select.squared_distances(q, r, outside)
+    with pytest.raises(ValueError, match=r"candidates: expected positions in \[0, 6\).*got -1 to 0"):
+        select.squared_distances(q, r, positions - (torch.arange(8).reshape(1, 4, 2) == 3).long())
+    with pytest.raises(TypeError, match=r"r: expected q's dtype and device \(torch.float32 on cpu\), got torch.float64"):
+        select.squared_distances(q, r.double(), positions)
+    with pytest.raises(ValueError, match=r"r: expected \[B, N, D\] with q's B and D"):
+        select.squared_distances(q, r[..., :3], positions)
+    with pytest.raises(TypeError, match="candidates: expected int64 on cpu, got torch.int32"):
+        select.squared_distances(q, r, positions.int())
+    with pytest.raises(ValueError, match=r"candidates: expected \[B, M, C\] with q's B and M"):
+        select.squared_distances(q, r, positions[:, :3])
+    if CPP_CHECKS_CRASH:
+        pytest.skip(CRASH_REASON)
+    # The extension's own operator checks the same (a public torch.ops namespace).
     with pytest.raises(RuntimeError, match=r"candidates: expected positions in \[0, 6\)"):
-        select.squared_distances(q, r, torch.full((1, 4, 2), 6))
+        torch.ops.fullgraph_select.squared_distances(q, r, outside)
     with pytest.raises(RuntimeError, match="r: expected a CPU tensor"):
-        select.squared_distances(q, r.double(), torch.zeros((1, 4, 2), dtype=torch.int64))
+        torch.ops.fullgraph_select.squared_distances(q, r.double(), positions)

@@ -57,4 +57,23 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.shape[-1] == 0
             or not _built()):
         return None
+    _check_measure(q, r, candidates)
     return torch.ops.fullgraph_select.squared_distances(q, r, candidates)
+
+
+def _check_measure(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> None:
+    """The extension's contract, checked before it is entered (its own TORCH_CHECKs raise
+    too, but a C++ exception crashed the process on one toolchain: torch 2.11's)."""
+    if q.dim() != 3 or r.dim() != 3 or r.shape[0] != q.shape[0] or r.shape[2] != q.shape[2]:
+        raise ValueError(f"r: expected [B, N, D] with q's B and D ({tuple(q.shape)}), got {tuple(r.shape)}")
+    if r.dtype != q.dtype or r.device != q.device:
+        raise TypeError(f"r: expected q's dtype and device ({q.dtype} on {q.device}), got {r.dtype} on {r.device}")
+    if candidates.dtype != torch.int64 or candidates.device != q.device:
+        raise TypeError(f"candidates: expected int64 on {q.device}, got {candidates.dtype} on {candidates.device}")
+    if candidates.dim() != 3 or tuple(candidates.shape[:2]) != tuple(q.shape[:2]):
+        raise ValueError(f"candidates: expected [B, M, C] with q's B and M ({tuple(q.shape)}), "
+                         f"got {tuple(candidates.shape)}")
+    if candidates.numel():
+        low, high = (int(v) for v in torch.aminmax(candidates))
+        if low < 0 or high >= r.shape[1]:
+            raise ValueError(f"candidates: expected positions in [0, {r.shape[1]}) (r's rows), got {low} to {high}")
