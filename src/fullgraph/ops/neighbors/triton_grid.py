@@ -116,13 +116,15 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     ``counted`` False: a kNN caller that does not read the counts (they are left unset)."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
+    use_radius = math.isfinite(radius)
+    # The grid first: its sort's temporaries are gone before the lists (12 B a slot) exist.
+    if batch * rows:
+        frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
     idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
-    use_radius = math.isfinite(radius)
     counts = torch.empty((batch, rows), dtype=torch.int64, device=query.device)
     if batch * rows == 0:
         return dists, idx, counts  # (all empty)
-    frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     interpreted = _triton.INTERPRETED and not query.is_cuda
     block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
