@@ -339,3 +339,32 @@ def test_partition_samples_stay_inside_large_shards():
         positions = distributed._evenly_spaced(n, count, "cpu")
         assert positions[0] == 0 and positions[-1] == n - 1 and positions.dtype == torch.int64
         assert bool((positions[1:] >= positions[:-1]).all())
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_the_occupancy_bound_never_exceeds_the_distance_to_the_shard(dim, generator):
+    """A query skips a remote shard when the shard's occupied cells are all farther than its
+    k-th distance: the bound must be below the true distance to every shard point (clustered
+    shards, queries inside, between and far outside the box, non-finite queries at 0), and
+    the references kept for a search within ``limit`` must include all within it."""
+    centres = torch.rand(5, dim, generator=generator, dtype=torch.float64)
+    shard = (centres[torch.randint(5, (4000,), generator=generator)]
+             + 0.01 * torch.randn(4000, dim, generator=generator, dtype=torch.float64)).float()
+    shard[:3] = float("nan")  # not anybody's neighbours: no cell of their own
+    queries = torch.cat([torch.rand(2000, dim, generator=generator) * 3 - 1,
+                         torch.full((1, dim), 1e30), torch.full((1, dim), float("nan"))])
+    occupancy = distributed._occupancy(shard, distributed._box(shard))
+    assert occupancy is not None and max(occupancy.shape) > 4
+    true = torch.cdist(queries[:-1].double(), shard[3:].double()).amin(1)
+    bound = occupancy.distance_below(queries)
+    assert bool((bound[:-1] <= true).all()) and bound[-1] == 0
+    # it prunes: in 3-D most random points are far from five small clusters
+    assert bool((bound > 0).float().mean() > (0.5 if dim == 3 else 0.02))
+    limit = 0.05
+    around = (centres[:1] + 0.03 * torch.randn(50, dim, generator=generator, dtype=torch.float64)).float()
+    near_any = (torch.cdist(shard[3:].double(), around.double()) <= limit).any(1).nonzero()[:, 0] + 3
+    kept = distributed._near(shard, around, limit, occupancy)
+    assert set(near_any.tolist()) <= set(kept.tolist())
+    assert kept.numel() < shard.shape[0] - 3  # and it filters
+    # too few points for cells: the box decides alone
+    assert distributed._occupancy(shard[3:10], distributed._box(shard[3:10])) is None

@@ -199,22 +199,122 @@ def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
     return _all_gather(_box(ref), group)
 
 
+# Cells per axis (at most) of the occupancy grid over a remote shard of a 1- to 3-D cloud:
+# a query skips the shard when it is farther from every occupied cell than its k-th distance
+# (or radius), and the search keeps the shard's points near the reaching queries' cells
+# only. A bounding box alone prunes slabs of space; clustered shards interleave (every
+# rank's box spans the cloud) and need the cells. Small shards get fewer: about
+# OCCUPANCY_POINTS points a cell of a uniform shard.
+OCCUPANCY_CELLS = 64
+OCCUPANCY_POINTS = 8
+
+
+class _Occupancy(NamedTuple):
+    """The cells of a grid over a shard's bounding box that hold its finite points."""
+    lo: torch.Tensor  # [D] float64, the grid's corner
+    side: torch.Tensor  # [D] float64, the cells' sides (1 along an axis of zero extent)
+    shape: tuple[int, ...]  # cells per axis
+    steps: torch.Tensor  # [cells] int64: Chebyshev distance in cells to an occupied one (capped)
+
+    def cells(self, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat cell [n] int64, finite [n] bool) of points [n, D]; points outside the box in
+        its border cells (their distance to any cell is at least the border cell's). In
+        blocks of rows (float64 temporaries)."""
+        flat = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
+        finite = torch.empty(points.shape[0], dtype=torch.bool, device=points.device)
+        upper = torch.tensor(self.shape, dtype=torch.float64, device=points.device) - 1
+        for block in _row_blocks(points.shape[0]):
+            coords = points[block].double()
+            finite[block] = torch.isfinite(coords).all(1)
+            index = ((coords - self.lo) / self.side).floor().nan_to_num(0.0, 0.0, 0.0)
+            index = torch.minimum(index.clamp(min=0), upper).long()  # clamped before the cast: far points
+            cell = index[:, 0]
+            for axis in range(1, len(self.shape)):
+                cell = cell * self.shape[axis] + index[:, axis]
+            flat[block] = cell
+        return flat, finite
+
+    def distance_below(self, points: torch.Tensor) -> torch.Tensor:
+        """[n] float64: a lower bound on the distance from each point to the shard's points
+        (0 for non-finite points). Cells m apart (Chebyshev) hold points at least (m - 1)
+        sides apart; one more cell of slack covers points binned across a cell's edge by
+        rounding."""
+        flat, finite = self.cells(points)
+        cells_between = (self.steps[flat] - 2).clamp(min=0)
+        return torch.where(finite, cells_between * self._smallest_side(), 0.0)
+
+    def near(self, points: torch.Tensor, reach: float) -> torch.Tensor | None:
+        """Per cell, bool [cells]: within ``reach`` of a cell holding one of ``points`` [n, D]
+        (all finite); None where that is every cell."""
+        dilation = 2 + math.ceil(reach / self._smallest_side())
+        if dilation >= max(self.shape):
+            return None
+        held = torch.zeros(self.steps.shape, dtype=torch.bool, device=points.device)
+        held[self.cells(points)[0]] = True
+        return _dilated(held.reshape(self.shape), dilation).reshape(-1)
+
+    def _smallest_side(self) -> float:
+        return min(side for side, cells in zip(self.side.tolist(), self.shape) if cells > 1)
+
+
+def _dilated(held: torch.Tensor, times: int) -> torch.Tensor:
+    """The bool grid ``held`` [*shape] (1-3 axes) grown by ``times`` cells along every axis
+    and diagonal (Chebyshev distance <= times)."""
+    pool = (torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d,
+            torch.nn.functional.max_pool3d)[held.dim() - 1]
+    grown = held[None, None].float()
+    for _ in range(times):
+        grown = pool(grown, 3, stride=1, padding=1)
+    return grown[0, 0] > 0
+
+
+def _occupancy(points: torch.Tensor, box: torch.Tensor) -> _Occupancy | None:
+    """The occupancy of a shard's ``points`` [N, D] over its ``box`` [2, D] (``_box``); None
+    for D > 3, an empty shard or one of a single position (the box decides alone)."""
+    lo, hi = box
+    extent = (hi - lo).tolist()
+    if points.shape[1] > 3 or not all(math.isfinite(e) for e in extent) or not any(e > 0 for e in extent):
+        return None
+    spread = sum(e > 0 for e in extent)
+    per_axis = max(1, min(OCCUPANCY_CELLS, round((points.shape[0] / OCCUPANCY_POINTS) ** (1 / spread))))
+    if per_axis == 1:
+        return None
+    shape = tuple(per_axis if e > 0 else 1 for e in extent)
+    side = torch.tensor([e / per_axis if e > 0 else 1.0 for e in extent], dtype=torch.float64, device=points.device)
+    grid = _Occupancy(lo, side, shape, torch.empty(0, dtype=torch.int64, device=points.device))
+    held = torch.zeros(math.prod(shape), dtype=torch.bool, device=points.device)
+    flat, finite = grid.cells(points)
+    held[flat[finite]] = True
+    cap = max(shape)
+    steps = torch.where(held, 0, cap).reshape(shape)
+    grown = held.reshape(shape)
+    for distance in range(1, cap):
+        reached = _dilated(grown, 1)
+        steps = torch.where(reached & ~grown, distance, steps)
+        grown = reached
+    return grid._replace(steps=steps.reshape(-1))
+
+
 # Relative margin on a query's distance to a box before a shard is skipped: the searched
 # distances carry float rounding (float32: ~1e-7 relative), the box gap is float64.
 _PRUNE_MARGIN = 1e-5
 
 
-def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: float | None) -> torch.Tensor:
+def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: float | None,
+              occupancy: _Occupancy | None = None) -> torch.Tensor:
     """[M] bool: the queries whose list can still change by searching a shard inside ``box``
-    (its distance to the box is not beyond their radius, or for kNN their k-th distance so
-    far). Conservative: non-finite values keep a query. In blocks of rows: the float64
-    temporaries of 10^8 queries at once took ~10 GB."""
+    (its distance to the box, or where given to the shard's ``occupancy`` cells, is not
+    beyond their radius, or for kNN their k-th distance so far). Conservative: non-finite
+    values keep a query. In blocks of rows: the float64 temporaries of 10^8 queries at once
+    took ~10 GB."""
     reaching = torch.ones(query.shape[0], dtype=torch.bool, device=query.device)
     if radius is None and best[0].shape[1] < keep:
         return reaching
     for block in _row_blocks(query.shape[0]):
         q = query[block].double()
         gap = torch.maximum(box[0] - q, q - box[1]).clamp(min=0).norm(dim=-1)
+        if occupancy is not None:
+            gap = torch.maximum(gap, occupancy.distance_below(q))
         limit = radius if radius is not None else best[0][block, keep - 1].double()
         reaching[block] = ~(gap * (1 - _PRUNE_MARGIN) > limit)
     return reaching
@@ -257,12 +357,13 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
             best = _widen(_merge(best, (dists[0], _global(idx[0], offsets[owner])), keep), keep)
             counts = None if found is None else found[0]
         else:
-            reaching = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
+            occupancy = _occupancy(current[:sizes[owner]], boxes[owner])
+            reaching = _reaching(query, boxes[owner], best, keep, radius, occupancy).nonzero()[:, 0]
             kth = None if radius is not None else best[0][reaching, keep - 1]
             groups = _by_limit(reaching, kth)
             limits = [radius if radius is not None else limit for _, limit in groups]
             kept = None if not groups or None in limits else _near(current[:sizes[owner]], query[reaching],
-                                                                    max(limits))
+                                                                    max(limits), occupancy)
             shard = current if kept is None else current[kept]
             lengths = lengths if kept is None else lengths.new_tensor([kept.shape[0]])
             for rows, limit in groups if kept is None or kept.numel() else ():
@@ -279,9 +380,10 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
     return best[0], best[1], counts
 
 
-def _near(ref: torch.Tensor, query: torch.Tensor, limit: float) -> torch.Tensor:
+def _near(ref: torch.Tensor, query: torch.Tensor, limit: float, occupancy: _Occupancy | None = None) -> torch.Tensor:
     """[n] int64 ascending: the rows of ``ref`` [N, D] inside the bounding box of the queries
-    [M, D] (``_box``) widened by ``limit`` (with margin) on every side, a superset of the
+    [M, D] (``_box``) widened by ``limit`` (with margin) on every side, and where
+    ``occupancy`` (of ``ref``) is given, in cells near the queries' cells: a superset of the
     references within ``limit`` of any query. A search within ``limit`` over these alone
     finds what it finds over all of ``ref`` (the order kept, so ties still go to the
     smaller index): for shards that are regions of space, a thin layer of the other shard."""
@@ -289,6 +391,10 @@ def _near(ref: torch.Tensor, query: torch.Tensor, limit: float) -> torch.Tensor:
     scale = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0, 0.0, 0.0)
     pad = limit * (1 + _PRUNE_MARGIN) + _PRUNE_MARGIN * scale
     inside = ((ref >= lo - pad) & (ref <= hi + pad)).all(1)
+    if occupancy is not None and bool(torch.isfinite(query).all()):
+        cells = occupancy.near(query, limit * (1 + _PRUNE_MARGIN) + float(_PRUNE_MARGIN * scale.max()))
+        if cells is not None:
+            inside &= cells[occupancy.cells(ref)[0]]
     return inside.nonzero()[:, 0]
 
 
