@@ -12,7 +12,9 @@ next shard in flight while the current one is searched); each rank searches its 
 against every shard with the single-device operator and merges the lists (by distance, then
 global index). Another rank's shard is searched only for the queries that can reach its
 bounding box, and only over its references inside those queries' box widened by their
-search limit (``_near``): for shards that are regions of space, a thin layer of it.
+search limit (``_near``): for shards that are regions of space, a thin layer of it. Where
+the boxes leave many queries reaching (shards that interleave, as clusters split between
+ranks do), an occupancy grid of the shard's cells (``_Occupancy``) prunes both further.
 Communication per rank: the other ranks' references, (W - 1) x max_r N_r x D elements, and
 for gradients or features one ``all_to_all_single`` of the neighbours' rows (M_r x k rows
 out and back). Gradients reach the ranks that own the references and features
