@@ -203,7 +203,7 @@ def test_reference_never_builds_the_full_matrix(monkeypatch, generator):
     monkeypatch.setattr(pairs, "BLOCK_BYTES", 200 * 1000 * 8 * 7)
     seen = []
     original = reference.pairwise_distances
-    monkeypatch.setattr(reference, "pairwise_distances", lambda q, r, s: seen.append(q.shape[0]) or original(q, r, s))
+    monkeypatch.setattr(reference, "pairwise_distances", lambda q, r, s: seen.append(q.shape[-2]) or original(q, r, s))
     query = points("normal", 2000, 3, generator).float()
     ref = points("normal", 1000, 3, generator).float()
     dists, idx = fullgraph.knn(query, ref, 4, backend="torch")
@@ -236,23 +236,49 @@ def test_gradcheck_distances(backend, device, generator):
     assert torch.autograd.gradcheck(capped, (query, ref))
 
 
-def test_auto_radius_on_cpu_takes_the_tree_beyond_small_items(monkeypatch):
-    """Radius searches on CPUs: the reference's brute force for items of at most
-    cpu.AUTO_MIN_PAIRS query-reference pairs, the k-d tree beyond; the same lists."""
+def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
+    """Radius searches on CPUs: the CPU backend at every size, items of at most
+    cpu.BRUTE_FORCE_MAX_PAIRS query-reference pairs by brute force (C++), the k-d tree
+    beyond; the reference's lists either way."""
     from fullgraph.ops.neighbors import cpu
 
     calls = []
-    kernels = cpu.BACKEND.implementation
-    original = kernels.nearest
-    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
-    monkeypatch.setattr(cpu, "AUTO_MIN_PAIRS", 5 * 9)
+    original = cpu._brute_force
+    monkeypatch.setattr(cpu, "_brute_force", lambda *a: calls.append(a[1].shape[1]) or original(*a))
+    monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
     generator = torch.Generator().manual_seed(3)
     for columns in (9, 10):
         query, ref = torch.randn(5, 3, generator=generator), torch.randn(columns, 3, generator=generator)
         got = fullgraph.radius(query, ref, 1.0, 4)
         want = fullgraph.radius(query, ref, 1.0, 4, backend="torch")
         assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert calls == [10]
+    assert calls == [9]
+
+
+@pytest.mark.parametrize("dim", [1, 3, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
+    """cpu._brute_force (every pair measured in C++) against reference.nearest: lists,
+    distances and counts equal bit for bit on ragged batches with duplicates (ties to the
+    smaller index), non-finite points, an item of huge coordinates (its scale), pairs exactly
+    at the radius, k beyond the cloud, and kNN (no radius)."""
+    from fullgraph.ops.neighbors import cpu, reference, select
+
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    generator = torch.Generator().manual_seed(dim)
+    query = torch.randint(0, 4, (3, 40, dim), generator=generator).to(dtype) / 4  # many equal distances
+    ref = torch.randint(0, 4, (3, 50, dim), generator=generator).to(dtype) / 4
+    ref[:, 10:15] = ref[:, :5]  # duplicates
+    ref[0, 7, 0], query[0, 3, -1] = float("nan"), float("inf")
+    query[2], ref[2] = query[2] * 1e30, ref[2] * 1e30  # scaled item
+    query_lengths, ref_lengths = torch.tensor([40, 17, 0]), torch.tensor([50, 3, 50])
+    for k, radius in ((4, 0.5), (8, 0.25 * dim**0.5), (60, math.inf), (6, math.inf)):
+        got = cpu._brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+        want = reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        if math.isfinite(radius):
+            assert torch.equal(got[2], want[2])
 
 
 def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
@@ -265,7 +291,7 @@ def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     original = kernels.nearest
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
-    monkeypatch.setattr(cpu, "AUTO_MIN_PAIRS", 5 * 9)
+    monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
     fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)
     assert calls == [10]

@@ -24,9 +24,9 @@ def _first_within(p1, p2, K, radius, lengths1, lengths2) -> torch.Tensor:
     take = min(K, columns)
     column = torch.arange(columns, device=p1.device)
     with torch.no_grad():
-        for b, chunk, _, ok, _ in reference.distance_blocks(p1, p2, radius, lengths1, lengths2):
-            _, order = torch.topk(torch.where(ok, column, column + columns), take, dim=1, largest=False, sorted=True)
-            idx[b, chunk, :take] = order.masked_fill(~ok.gather(1, order), -1)
+        for items, chunk, _, ok, _ in reference.distance_blocks(p1, p2, radius, lengths1, lengths2):
+            _, order = torch.topk(torch.where(ok, column, column + columns), take, dim=-1, largest=False, sorted=True)
+            idx[items, chunk, :take] = order.masked_fill(~ok.gather(-1, order), -1)
     return idx
 
 

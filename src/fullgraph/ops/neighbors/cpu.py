@@ -21,7 +21,7 @@ import torch
 
 from ... import extern
 from ...backends import Backend
-from . import pairs
+from . import pairs, reference, select
 
 # Candidate searches use a radius a hair larger than asked (the exact test follows): more
 # than the relative error of a float32 distance in D dimensions, (D + 2) * 2^-24, can be.
@@ -70,16 +70,23 @@ def _workers(points: np.ndarray) -> int:
     return -1 if len(points) >= PARALLEL_QUERIES else 1
 
 
-# "auto" takes the tree for batch items of more query-reference pairs than this; below, the
-# reference's brute force costs less than the tree's queries an item (session 20, 2-core CPU,
-# D = 3, normal clouds, radius / radius_aggregate ms tree / torch: 64 x 128^2 (16,384 pairs)
-# 66 / 27, 71 / 23; 16 x 256^2 (65,536) 27 / 12, 20 / 9.2; 4 x 1024^2 (2^20) 20 / 39, 18 / 27;
-# 2,000^2 9.6 / 35; 500 x 5,000 5.1 / 30). kNN of such items goes to the products first (dense).
+# Batch items of up to this many query-reference pairs are searched by brute force, where the
+# trees' per-item work costs more: every pair measured in C++ (``_brute_force``). 2-core CPU,
+# session 21, uniform 3-D clouds, radius (cap 32) ms tree / brute force: 4 x 1024^2 (2^20
+# pairs) 21.7 / 13.0, 8 x 1024^2 41.5 / 21.9; 500 x 5,000 5.8 / 5.0; 2,000^2 12.5 / 12.7;
+# 4 x 2048^2 40.1 / 38.9; 5,000^2 30.7 / 53.4 (benchmarks/radius_cpu.py and the log beside it).
+BRUTE_FORCE_MAX_PAIRS = 2**22
+# ... and radius_pairs (the aggregations) takes the reference's pairs up to this many
+# (radius_aggregate ms tree / reference pairs: 64 x 128^2 68.5 / 19.3, 16 x 256^2 24.6 / 14.6,
+# 8 x 512^2 20.9 / 16.1, 4 x 1024^2 17.3 / 27.7, 2,000^2 10.6 / 25.2).
+PAIRS_BRUTE_FORCE_MAX_PAIRS = 2**18
+# Without the C++ extension "auto" leaves items of up to this many pairs to the reference
+# ("torch"), whose brute force beat the trees there (session 20: 64 x 128^2 radius 66 / 27 ms).
 AUTO_MIN_PAIRS = 2**17
 
 
 def _auto(device_type, dtype, dim, k, size=None) -> bool:
-    return size is None or size > AUTO_MIN_PAIRS
+    return size is None or size > AUTO_MIN_PAIRS or select.available()
 
 
 @extern.op("fullgraph::kdtree_knn", "(Tensor ref, Tensor points, int k, float reach) -> Tensor",
@@ -152,7 +159,11 @@ def _exact_distances(query_b, ref_b, query_ids, candidates):
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """``pairs.Kernels.nearest`` on CPU tensors."""
+    """``pairs.Kernels.nearest`` on CPU tensors: small items by brute force, else the trees."""
+    if _small(query, ref, BRUTE_FORCE_MAX_PAIRS):
+        found = _brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+        if found is not None:
+            return found
     batch, rows, _ = query.shape
     acc = pairs.accumulation_dtype(query.dtype)
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
@@ -183,6 +194,36 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     return dists.to(query.dtype), idx, counts
 
 
+def _small(query, ref, most: int) -> bool:
+    """Whether a batch item's query-reference pairs are at most ``most``."""
+    return query.shape[1] * ref.shape[1] <= most
+
+
+def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
+    """``nearest`` by measuring every pair (the reference's distances and order, bit for bit:
+    the squares by ``select.squared_distances_all``, torch's square root, then masking,
+    counting and selection by ``select.nearest_within``), in blocks of whole items; None
+    without the extension."""
+    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
+    scale = reference.item_scales(query, ref, query_ok, ref_ok)
+    within = reference.radius_in_units(radius, scale)
+    within = (torch.full_like(scale, math.inf) if within is None else within).reshape(-1)
+    q, r = query.to(scale.dtype) / scale, ref.to(scale.dtype) / scale
+    (batch, rows, _), columns = query.shape, ref.shape[1]
+    take = min(k, columns)
+    dists = torch.full((batch, rows, k), math.inf, dtype=scale.dtype)
+    idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
+    counts = torch.zeros((batch, rows), dtype=torch.int64)
+    for items, chunk in reference.item_blocks(batch, rows, columns, 0, query.device):
+        squares = select.squared_distances_all(q[items, chunk], r[items])
+        if squares is None:
+            return None
+        values, order, counts[items, chunk] = select.nearest_within(
+            squares.sqrt_(), query_ok[items, chunk], ref_ok[items], within[items], take)
+        dists[items, chunk, :take], idx[items, chunk, :take] = reference.found_lists(values, order, scale[items])
+    return dists.to(query.dtype), idx, counts
+
+
 def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distance, k, radius):
     """Resolve a tie at the k-th place: every reference at the tied distance competes."""
     reach = _widened(tie_distance, point.shape[-1])
@@ -197,7 +238,11 @@ def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distanc
 
 
 def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
-    """``pairs.Kernels.radius_pairs``; chunks bounded by pair count."""
+    """``pairs.Kernels.radius_pairs``; chunks bounded by pair count. Small items: the
+    reference's pairs (its batched distance blocks cost less than a tree an item)."""
+    if _small(query, ref, PAIRS_BRUTE_FORCE_MAX_PAIRS):
+        yield from reference.radius_pairs(query, ref, radius, query_lengths, ref_lengths)
+        return
     budget = max(1, pairs.BLOCK_BYTES // 64)
     reach = _widened(radius, query.shape[-1])
     with _tree_scope():

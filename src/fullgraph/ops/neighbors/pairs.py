@@ -33,11 +33,16 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def query_chunks(rows: int, columns: int, row_width: int, device=None) -> Iterator[slice]:
-    """Slices of ``rows`` such that a [chunk, columns, row_width] float64 block fits the budget."""
+def rows_per_block(columns: int, row_width: int, device=None) -> int:
+    """Query rows whose [rows, columns, row_width] float64 block fits the budget (>= 1)."""
     per_row = max(1, columns) * (row_width + 4) * 8
     budget = CUDA_BLOCK_BYTES if torch.device(device or "cpu").type == "cuda" else BLOCK_BYTES
-    step = max(1, budget // per_row)
+    return max(1, budget // per_row)
+
+
+def query_chunks(rows: int, columns: int, row_width: int, device=None) -> Iterator[slice]:
+    """Slices of ``rows`` such that a [chunk, columns, row_width] float64 block fits the budget."""
+    step = rows_per_block(columns, row_width, device)
     for start in range(0, rows, step):
         yield slice(start, min(start + step, rows))
 

@@ -18,15 +18,16 @@ import torch
 
 from ...backends import ANY_DEVICE, Backend
 from ..scaling import magnitude, safe_scale
-from .pairs import PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks, valid_points
+from .pairs import (PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks, rows_per_block,
+                    valid_points)
 
 
 def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[m, n] distances between query [m, D] and ref [n, D] in the accumulation dtype, in
-    units of ``scale`` (a power of two, ``ops.scaling.safe_scale``): times scale, exactly
-    ``pairs.pair_distances``."""
+    """[..., m, n] distances between query [..., m, D] and ref [..., n, D] in the
+    accumulation dtype, in units of ``scale`` [..., 1, 1] (a power of two,
+    ``ops.scaling.safe_scale``): times scale, exactly ``pairs.pair_distances``."""
     acc = accumulation_dtype(query.dtype)
-    return norm_of_difference(query.to(acc)[:, None, :] / scale, ref.to(acc)[None, :, :] / scale)
+    return norm_of_difference((query.to(acc) / scale)[..., :, None, :], (ref.to(acc) / scale)[..., None, :, :])
 
 
 def nearest(
@@ -45,37 +46,69 @@ def nearest(
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
     counts = torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     take = min(k, columns)
-    for b, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+    for items, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
         # Excluded pairs become NaN, which ranks after every distance (+inf included).
-        values, order = smallest(torch.where(ok, d, math.nan), take)
-        found = ~torch.isnan(values)
-        dists[b, chunk, :take] = torch.where(found, values * scale, math.inf)
-        idx[b, chunk, :take] = order.masked_fill(~found, -1)
-        counts[b, chunk] = ok.sum(dim=1)
+        group, height, _ = d.shape
+        values, order = smallest(torch.where(ok, d, math.nan).reshape(group * height, columns), take)
+        dists[items, chunk, :take], idx[items, chunk, :take] = found_lists(
+            values.reshape(group, height, take), order.reshape(group, height, take), scale)
+        counts[items, chunk] = ok.sum(dim=-1)
     return dists.to(query.dtype), idx, counts
 
 
+def found_lists(values: torch.Tensor, order: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dists, idx) of selected ``values`` [g, m, t] in units of ``scale`` [g, 1, 1] (NaN: no
+    neighbour) and their columns ``order``: +inf / -1 where NaN."""
+    found = ~torch.isnan(values)
+    return torch.where(found, values * scale, math.inf), order.masked_fill(~found, -1)
+
+
+def item_scales(query, ref, query_ok, ref_ok) -> torch.Tensor:
+    """[B, 1, 1] each item's scale (``safe_scale`` of its largest valid |coordinate|) in the
+    accumulation dtype. One scale per item (the pairs' own would cost a pass over [m, N, D]):
+    far apart points stay finite; only in clouds that also hold points within ~1e-30 of each
+    other do those underflow to distance 0 (ties, broken by index)."""
+    acc = accumulation_dtype(query.dtype)
+    return safe_scale(torch.maximum(largest(query, query_ok), largest(ref, ref_ok)).to(acc))[:, None, None]
+
+
+def radius_in_units(radius: float, scale: torch.Tensor) -> torch.Tensor | None:
+    """radius / scale [B, 1, 1] (None for an infinite radius): d * scale <= radius exactly
+    when d <= radius / scale (both rounded to the accumulation dtype like d)."""
+    return torch.tensor(radius, dtype=scale.dtype, device=scale.device) / scale if math.isfinite(radius) else None
+
+
 def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
-    """Bounded blocks of the distance matrix: yields (b, rows, d [m, N], ok [m, N], scale)
-    where d is in units of ``scale`` (multiply to get distances: exact, a power of two) and
-    ok marks valid pairs within the radius."""
+    """Bounded blocks of the distance matrices: yields (items, rows, d [g, m, N], ok [g, m, N],
+    scale [g, 1, 1]) for the batch items ``items`` and query rows ``rows`` (slices), where d
+    is in units of each item's ``scale`` (multiply to get distances: exact, a power of two)
+    and ok marks valid pairs within the radius. Items small enough share a block (fewer
+    operators: 64 clouds of 128 points took ~20 operators each, 44 against 11 ms)."""
     batch, rows, dim = query.shape
     query_ok = valid_points(query, query_lengths)
     ref_ok = valid_points(ref, ref_lengths)
-    acc = accumulation_dtype(query.dtype)
+    scale = item_scales(query, ref, query_ok, ref_ok)
+    within = radius_in_units(radius, scale)
+    width = dim if dim > PER_COORDINATE_MAX_DIM else 0  # the [m, N, D] block norm_of_difference holds
+    for items, chunk in item_blocks(batch, rows, ref.shape[1], width, query.device):
+        d = pairwise_distances(query[items, chunk], ref[items], scale[items])
+        ok = query_ok[items, chunk, None] & ref_ok[items, None, :]
+        yield items, chunk, d, ok if within is None else ok & (d <= within[items]), scale[items]
+
+
+def item_blocks(batch: int, rows: int, columns: int, row_width: int, device) -> Iterator[tuple[slice, slice]]:
+    """(items, rows) slices covering [batch, rows]: whole items together while their
+    [rows, columns, row_width] float64 blocks fit the budget (``pairs.rows_per_block``),
+    else one item at a time in chunks of rows (``pairs.query_chunks``)."""
+    step = rows_per_block(columns, row_width, device)
+    if rows <= step:
+        together = max(1, step // max(1, rows))
+        for start in range(0, batch, together):
+            yield slice(start, min(start + together, batch)), slice(0, rows)
+        return
     for b in range(batch):
-        # One scale per item (the pairs' own would cost a pass over [m, N, D]): far apart
-        # points stay finite; only in clouds that also hold points within ~1e-30 of each
-        # other do those underflow to distance 0 (ties, broken by index).
-        size = torch.maximum(largest(query[b], query_ok[b]), largest(ref[b], ref_ok[b]))
-        scale = safe_scale(size.to(acc))
-        # d * scale <= radius exactly when d <= radius / scale (both rounded to acc like d).
-        within = torch.tensor(radius, dtype=acc, device=query.device) / scale if math.isfinite(radius) else None
-        width = dim if dim > PER_COORDINATE_MAX_DIM else 0  # the [m, N, D] block norm_of_difference holds
-        for chunk in query_chunks(rows, ref.shape[1], width, query.device):
-            d = pairwise_distances(query[b, chunk], ref[b], scale)
-            ok = query_ok[b, chunk, None] & ref_ok[b, None, :]
-            yield b, chunk, d, ok if within is None else ok & (d <= within), scale
+        for chunk in query_chunks(rows, columns, row_width, device):
+            yield slice(b, b + 1), chunk
 
 
 def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -138,9 +171,10 @@ def radius_pairs(
     ref_lengths: torch.Tensor | None,
 ) -> Iterator[tuple[int, slice, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``pairs.Kernels.radius_pairs``, chunk by chunk of queries."""
-    for b, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
-        qi, rj = ok.nonzero(as_tuple=True)
-        yield b, chunk, qi, rj, d[qi, rj] * scale
+    for items, chunk, d, ok, scale in distance_blocks(query, ref, radius, query_lengths, ref_lengths):
+        for i, b in enumerate(range(items.start, items.stop)):
+            qi, rj = ok[i].nonzero(as_tuple=True)
+            yield b, chunk, qi, rj, d[i, qi, rj] * scale[i, 0, 0]
 
 
 class ReferenceKernels(Kernels):

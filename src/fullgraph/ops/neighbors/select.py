@@ -36,6 +36,11 @@ def _built() -> bool:
     return True
 
 
+def available() -> bool:
+    """Whether the C++ extension runs in this process (built or loaded on first call)."""
+    return _built()
+
+
 def smallest(values: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., take] of values [..., N] (take <= N): the smallest of each row,
     ascending (NaN last)."""
@@ -77,3 +82,35 @@ def _check_measure(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -
         low, high = (int(v) for v in torch.aminmax(candidates))
         if low < 0 or high >= r.shape[1]:
             raise ValueError(f"candidates: expected positions in [0, {r.shape[1]}) (r's rows), got {low} to {high}")
+
+
+def squared_distances_all(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor | None:
+    """[B, M, N]: the squared distances of every pair of q [B, M, D] and r [B, N, D] in
+    ``pairs.squared_difference``'s order, bit for bit (``csrc/squared_distances.cpp``, one
+    pass); None where it does not run (not CPU float32/float64, D = 0, no extension)."""
+    if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.shape[-1] == 0
+            or not _built()):
+        return None
+    if q.dim() != 3 or r.dim() != 3 or r.shape[0] != q.shape[0] or r.shape[2] != q.shape[2]:
+        raise ValueError(f"r: expected [B, N, D] with q's B and D ({tuple(q.shape)}), got {tuple(r.shape)}")
+    if r.dtype != q.dtype or r.device != q.device:
+        raise TypeError(f"r: expected q's dtype and device ({q.dtype} on {q.device}), got {r.dtype} on {r.device}")
+    return torch.ops.fullgraph_select.squared_distances_all(q, r)
+
+
+def nearest_within(d: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor, within: torch.Tensor,
+                   take: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of the distances d [B, M, N] (>= 0) of every pair of each item (CPU float32/float64,
+    ``available()``): (values [B, M, take] ascending by (distance, position), NaN where fewer
+    valid pairs at or within ``within`` [B] exist, positions [B, M, take] int64, counts
+    [B, M] int64 of those pairs) - the reference's masking, count and selection
+    (``reference.nearest``) in one pass a row."""
+    batch, rows, columns = d.shape
+    for name, mask, shape in (("query_ok", query_ok, (batch, rows)), ("ref_ok", ref_ok, (batch, columns))):
+        if mask.dtype != torch.bool or tuple(mask.shape) != shape:
+            raise ValueError(f"{name}: expected bool {list(shape)}, got {mask.dtype} {list(mask.shape)}")
+    if within.dtype != d.dtype or tuple(within.shape) != (batch,):
+        raise ValueError(f"within: expected [{batch}] of d's dtype, got {within.dtype} {list(within.shape)}")
+    if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= columns:
+        raise ValueError(f"take: expected an int from 0 to {columns} (the rows' length), got {take!r}")
+    return torch.ops.fullgraph_select.nearest_within(d, query_ok, ref_ok, within, take)

@@ -164,8 +164,70 @@ std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t ta
   return {out_values.reshape(shape), out_indices.reshape(shape)};
 }
 
+// nearest_within(d [B, M, N], query_ok [B, M] bool, ref_ok [B, N] bool, within [B], take)
+//   -> (values [B, M, take], positions [B, M, take] int64, counts [B, M] int64):
+// of the distances d (>= 0) of every pair of each item, the valid pairs at or within
+// ``within`` counted and the ``take`` nearest selected by (distance, position), NaN-valued
+// where fewer (positions there unspecified): reference.nearest's masking, count and
+// selection in one pass a row (the CPU backend's brute force of small items).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& d, const at::Tensor& query_ok,
+                                                               const at::Tensor& ref_ok, const at::Tensor& within,
+                                                               int64_t take) {
+  TORCH_CHECK(d.device().is_cpu() && (d.scalar_type() == at::kFloat || d.scalar_type() == at::kDouble) && d.dim() == 3,
+              "d: expected a float32 or float64 CPU tensor [B, M, N], got ", d.scalar_type(), " of shape ", d.sizes());
+  const int64_t batch = d.size(0), rows = d.size(1), columns = d.size(2);
+  TORCH_CHECK(query_ok.scalar_type() == at::kBool && query_ok.sizes() == at::IntArrayRef({batch, rows}),
+              "query_ok: expected bool [B, M] = [", batch, ", ", rows, "], got ", query_ok.sizes());
+  TORCH_CHECK(ref_ok.scalar_type() == at::kBool && ref_ok.sizes() == at::IntArrayRef({batch, columns}),
+              "ref_ok: expected bool [B, N] = [", batch, ", ", columns, "], got ", ref_ok.sizes());
+  TORCH_CHECK(within.scalar_type() == d.scalar_type() && within.sizes() == at::IntArrayRef({batch}),
+              "within: expected [B] = [", batch, "] of d's dtype, got ", within.sizes());
+  TORCH_CHECK(take >= 0 && take <= columns, "take: expected 0 to ", columns, " (the rows' length), got ", take);
+  const at::Tensor distances = d.contiguous(), valid_query = query_ok.contiguous(), valid_ref = ref_ok.contiguous(),
+                   limits = within.contiguous();
+  at::Tensor values = at::empty({batch, rows, take}, d.options());
+  at::Tensor positions = at::empty({batch, rows, take}, d.options().dtype(at::kLong));
+  at::Tensor counts = at::empty({batch, rows}, d.options().dtype(at::kLong));
+  AT_DISPATCH_FLOATING_TYPES(d.scalar_type(), "nearest_within", [&] {
+    const scalar_t* source = distances.data_ptr<scalar_t>();
+    const bool* query_valid = valid_query.data_ptr<bool>();
+    const bool* ref_valid = valid_ref.data_ptr<bool>();
+    const scalar_t* limit = limits.data_ptr<scalar_t>();
+    scalar_t* value = values.data_ptr<scalar_t>();
+    int64_t* position = positions.data_ptr<int64_t>();
+    int64_t* count = counts.data_ptr<int64_t>();
+    const scalar_t nan = std::numeric_limits<scalar_t>::quiet_NaN();
+    const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(columns, 1));
+    at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
+      std::vector<scalar_t> row(columns);
+      std::vector<std::pair<scalar_t, int64_t>> kept;
+      kept.reserve(columns);
+      for (int64_t r = first; r < last; ++r) {
+        const int64_t item = r / rows;
+        const bool* cloud_valid = ref_valid + item * columns;
+        int64_t within_count = 0;
+        for (int64_t j = 0; j < columns; ++j) {
+          const scalar_t distance = source[r * columns + j];
+          const bool ok = query_valid[r] && cloud_valid[j] && distance <= limit[item];
+          row[j] = ok ? distance : nan;
+          within_count += ok;
+        }
+        count[r] = within_count;
+        if (take > 0) select_row(row.data(), columns, take, kept, value + r * take, position + r * take);
+      }
+    });
+  });
+  return {values, positions, counts};
+}
+
 }  // namespace
 
-TORCH_LIBRARY(fullgraph_select, m) { m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)"); }
+TORCH_LIBRARY(fullgraph_select, m) {
+  m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)");
+  m.def("nearest_within(Tensor d, Tensor query_ok, Tensor ref_ok, Tensor within, int take) -> (Tensor, Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) { m.impl("smallest", &smallest); }
+TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+  m.impl("smallest", &smallest);
+  m.impl("nearest_within", &nearest_within);
+}

@@ -91,10 +91,47 @@ at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at:
   return out;
 }
 
+// squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
+// reference's order (as squared_distances): the CPU backend's brute force of small items
+// (cpu._brute_force) measures with this, one pass, where torch took ~10 operators.
+at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
+  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 3,
+              "q: expected a float32 or float64 CPU tensor [B, M, D], got ", q.scalar_type(), " of shape ", q.sizes(),
+              " on ", q.device());
+  TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == q.scalar_type() && r.dim() == 3 && r.size(0) == q.size(0) &&
+                  r.size(2) == q.size(2),
+              "r: expected a CPU tensor [B, N, D] of q's dtype with q's B and D (", q.sizes(), ", ", q.scalar_type(),
+              "), got ", r.scalar_type(), " of shape ", r.sizes(), " on ", r.device());
+  TORCH_CHECK(q.size(2) > 0, "q: expected at least one coordinate, got shape ", q.sizes());
+  const int64_t batch = q.size(0), rows = q.size(1), dim = q.size(2), columns = r.size(1);
+  const at::Tensor queries = q.contiguous(), cloud = r.contiguous();
+  at::Tensor out = at::empty({batch, rows, columns}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "squared_distances_all", [&] {
+    const scalar_t* query = queries.data_ptr<scalar_t>();
+    const scalar_t* ref = cloud.data_ptr<scalar_t>();
+    scalar_t* target = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(columns, 1));
+    at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
+      std::vector<scalar_t> squares(dim);
+      for (int64_t row = first; row < last; ++row) {
+        const scalar_t* item = ref + (row / rows) * columns * dim;
+        for (int64_t j = 0; j < columns; ++j) {
+          target[row * columns + j] = squared_distance(query + row * dim, item + j * dim, dim, squares.data());
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fullgraph_select, m) {
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
+  m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) { m.impl("squared_distances", &squared_distances); }
+TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+  m.impl("squared_distances", &squared_distances);
+  m.impl("squared_distances_all", &squared_distances_all);
+}
