@@ -119,3 +119,29 @@ def test_squared_distances_refuse_positions_outside_the_cloud(generator):
         torch.ops.fullgraph_select.squared_distances(q, r, outside)
     with pytest.raises(RuntimeError, match="r: expected a CPU tensor"):
         torch.ops.fullgraph_select.squared_distances(q, r.double(), positions)
+
+
+def test_the_brute_force_ops_check_their_contract(generator):
+    """select.squared_distances_all and select.nearest_within refuse bad shapes and dtypes
+    by name before the extension runs (and nearest_within's NaN-valued slots mark the
+    missing neighbours)."""
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    q, r = torch.randn(2, 4, 3, generator=generator), torch.randn(2, 6, 3, generator=generator)
+    squares = select.squared_distances_all(q, r)
+    assert squares.shape == (2, 4, 6)
+    with pytest.raises(ValueError, match=r"r: expected \[B, N, D\] with q's B and D"):
+        select.squared_distances_all(q, r[:1])
+    with pytest.raises(TypeError, match="r: expected q's dtype"):
+        select.squared_distances_all(q, r.double())
+    d, query_ok, ref_ok = squares.sqrt(), torch.ones(2, 4, dtype=torch.bool), torch.ones(2, 6, dtype=torch.bool)
+    ref_ok[1, 2:] = False
+    values, positions, counts = select.nearest_within(d, query_ok, ref_ok, torch.full((2,), float("inf")), 3)
+    assert counts.tolist() == [[6] * 4, [2] * 4] and bool(values[1, :, 2].isnan().all())
+    assert torch.equal(values[0], d[0].sort(-1).values[:, :3])
+    with pytest.raises(ValueError, match=r"ref_ok: expected bool \[2, 6\]"):
+        select.nearest_within(d, query_ok, ref_ok[:, :5], torch.zeros(2), 3)
+    with pytest.raises(ValueError, match=r"within: expected \[2\] of d's dtype"):
+        select.nearest_within(d, query_ok, ref_ok, torch.zeros(2, dtype=torch.float64), 3)
+    with pytest.raises(ValueError, match="take: expected an int from 0 to 6"):
+        select.nearest_within(d, query_ok, ref_ok, torch.zeros(2), 7)
