@@ -66,13 +66,19 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     return torch.ops.fullgraph_select.squared_distances(q, r, candidates)
 
 
-def _check_measure(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> None:
-    """The extension's contract, checked before it is entered (its own TORCH_CHECKs raise
-    too, but a C++ exception crashed the process on one toolchain: torch 2.11's)."""
+def _check_clouds(q: torch.Tensor, r: torch.Tensor) -> None:
+    """q [B, M, D] and r [B, N, D] as the extension takes them, checked before it is entered
+    (its own TORCH_CHECKs raise too, but a C++ exception crashed the process on one
+    toolchain: torch 2.11's)."""
     if q.dim() != 3 or r.dim() != 3 or r.shape[0] != q.shape[0] or r.shape[2] != q.shape[2]:
         raise ValueError(f"r: expected [B, N, D] with q's B and D ({tuple(q.shape)}), got {tuple(r.shape)}")
     if r.dtype != q.dtype or r.device != q.device:
         raise TypeError(f"r: expected q's dtype and device ({q.dtype} on {q.device}), got {r.dtype} on {r.device}")
+
+
+def _check_measure(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> None:
+    """``squared_distances``' contract (see ``_check_clouds``)."""
+    _check_clouds(q, r)
     if candidates.dtype != torch.int64 or candidates.device != q.device:
         raise TypeError(f"candidates: expected int64 on {q.device}, got {candidates.dtype} on {candidates.device}")
     if candidates.dim() != 3 or tuple(candidates.shape[:2]) != tuple(q.shape[:2]):
@@ -91,10 +97,7 @@ def squared_distances_all(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor | No
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.shape[-1] == 0
             or not _built()):
         return None
-    if q.dim() != 3 or r.dim() != 3 or r.shape[0] != q.shape[0] or r.shape[2] != q.shape[2]:
-        raise ValueError(f"r: expected [B, N, D] with q's B and D ({tuple(q.shape)}), got {tuple(r.shape)}")
-    if r.dtype != q.dtype or r.device != q.device:
-        raise TypeError(f"r: expected q's dtype and device ({q.dtype} on {q.device}), got {r.dtype} on {r.device}")
+    _check_clouds(q, r)
     return torch.ops.fullgraph_select.squared_distances_all(q, r)
 
 

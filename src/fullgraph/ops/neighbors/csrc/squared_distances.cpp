@@ -48,53 +48,7 @@ T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
   return width == 2 ? squares[0] + squares[1] : squares[0];
 }
 
-at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates) {
-  TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 3,
-              "q: expected a float32 or float64 CPU tensor [B, M, D], got ", q.scalar_type(), " of shape ", q.sizes(),
-              " on ", q.device());
-  TORCH_CHECK(r.device().is_cpu() && r.scalar_type() == q.scalar_type() && r.dim() == 3 && r.size(0) == q.size(0) &&
-                  r.size(2) == q.size(2),
-              "r: expected a CPU tensor [B, N, D] of q's dtype with q's B and D (", q.sizes(), ", ", q.scalar_type(),
-              "), got ", r.scalar_type(), " of shape ", r.sizes(), " on ", r.device());
-  TORCH_CHECK(candidates.device().is_cpu() && candidates.scalar_type() == at::kLong && candidates.dim() == 3 &&
-                  candidates.size(0) == q.size(0) && candidates.size(1) == q.size(1),
-              "candidates: expected an int64 CPU tensor [B, M, C] with q's B and M (", q.sizes(), "), got ",
-              candidates.scalar_type(), " of shape ", candidates.sizes(), " on ", candidates.device());
-  const int64_t batch = q.size(0), rows = q.size(1), dim = q.size(2), columns = r.size(1), take = candidates.size(2);
-  const at::Tensor positions = candidates.contiguous();
-  if (positions.numel() > 0) {
-    const auto [low, high] = at::aminmax(positions);
-    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < columns,
-                "candidates: expected positions in [0, ", columns, ") (r's rows), got ", low.item<int64_t>(), " to ",
-                high.item<int64_t>());
-  }
-  TORCH_CHECK(dim > 0, "q: expected at least one coordinate, got shape ", q.sizes());
-  const at::Tensor queries = q.contiguous(), cloud = r.contiguous();
-  at::Tensor out = at::empty({batch, rows, take}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "squared_distances", [&] {
-    const scalar_t* query = queries.data_ptr<scalar_t>();
-    const scalar_t* ref = cloud.data_ptr<scalar_t>();
-    const int64_t* position = positions.data_ptr<int64_t>();
-    scalar_t* target = out.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
-    at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
-      std::vector<scalar_t> squares(dim);
-      for (int64_t row = first; row < last; ++row) {
-        const scalar_t* item = ref + (row / rows) * columns * dim;
-        for (int64_t j = 0; j < take; ++j) {
-          target[row * take + j] = squared_distance(query + row * dim, item + position[row * take + j] * dim, dim,
-                                                    squares.data());
-        }
-      }
-    });
-  });
-  return out;
-}
-
-// squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
-// reference's order (as squared_distances): the CPU backend's brute force of small items
-// (cpu._brute_force) measures with this, one pass, where torch took ~10 operators.
-at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
+void check_clouds(const at::Tensor& q, const at::Tensor& r) {
   TORCH_CHECK(q.device().is_cpu() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble) && q.dim() == 3,
               "q: expected a float32 or float64 CPU tensor [B, M, D], got ", q.scalar_type(), " of shape ", q.sizes(),
               " on ", q.device());
@@ -103,25 +57,56 @@ at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
               "r: expected a CPU tensor [B, N, D] of q's dtype with q's B and D (", q.sizes(), ", ", q.scalar_type(),
               "), got ", r.scalar_type(), " of shape ", r.sizes(), " on ", r.device());
   TORCH_CHECK(q.size(2) > 0, "q: expected at least one coordinate, got shape ", q.sizes());
+}
+
+// [B, M, take]: from each query to ``take`` rows of its item's cloud, the rows
+// position[row * take + j], or with no positions the rows j = 0 .. take - 1 (every row).
+at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* position, int64_t take) {
   const int64_t batch = q.size(0), rows = q.size(1), dim = q.size(2), columns = r.size(1);
   const at::Tensor queries = q.contiguous(), cloud = r.contiguous();
-  at::Tensor out = at::empty({batch, rows, columns}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "squared_distances_all", [&] {
+  at::Tensor out = at::empty({batch, rows, take}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "squared_distances", [&] {
     const scalar_t* query = queries.data_ptr<scalar_t>();
     const scalar_t* ref = cloud.data_ptr<scalar_t>();
     scalar_t* target = out.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(columns, 1));
+    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
     at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
       std::vector<scalar_t> squares(dim);
       for (int64_t row = first; row < last; ++row) {
         const scalar_t* item = ref + (row / rows) * columns * dim;
-        for (int64_t j = 0; j < columns; ++j) {
-          target[row * columns + j] = squared_distance(query + row * dim, item + j * dim, dim, squares.data());
+        for (int64_t j = 0; j < take; ++j) {
+          const int64_t column = position ? position[row * take + j] : j;
+          target[row * take + j] = squared_distance(query + row * dim, item + column * dim, dim, squares.data());
         }
       }
     });
   });
   return out;
+}
+
+at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates) {
+  check_clouds(q, r);
+  TORCH_CHECK(candidates.device().is_cpu() && candidates.scalar_type() == at::kLong && candidates.dim() == 3 &&
+                  candidates.size(0) == q.size(0) && candidates.size(1) == q.size(1),
+              "candidates: expected an int64 CPU tensor [B, M, C] with q's B and M (", q.sizes(), "), got ",
+              candidates.scalar_type(), " of shape ", candidates.sizes(), " on ", candidates.device());
+  const int64_t columns = r.size(1);
+  const at::Tensor positions = candidates.contiguous();
+  if (positions.numel() > 0) {
+    const auto [low, high] = at::aminmax(positions);
+    TORCH_CHECK(low.item<int64_t>() >= 0 && high.item<int64_t>() < columns,
+                "candidates: expected positions in [0, ", columns, ") (r's rows), got ", low.item<int64_t>(), " to ",
+                high.item<int64_t>());
+  }
+  return measure(q, r, positions.data_ptr<int64_t>(), positions.size(2));
+}
+
+// squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
+// same order: the CPU backend's brute force of small items (cpu._brute_force) measures with
+// this, one pass, where torch took ~10 operators.
+at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
+  check_clouds(q, r);
+  return measure(q, r, nullptr, r.size(1));
 }
 
 }  // namespace
