@@ -325,3 +325,25 @@ def test_knn_counts_are_summed_in_blocks_of_rows(monkeypatch, generator):
     idx = torch.randint(-1, 5, (2, 11, 4), generator=generator)
     monkeypatch.setattr(triton_grid, "COUNT_ROWS", 3)
     assert torch.equal(triton_grid._valid_counts(idx), (idx >= 0).sum(-1))
+
+
+@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator):
+    """The CPU backend's k-d trees (forced: small items otherwise take its brute force) give
+    the reference's lists, counts and aggregations on every distribution, ragged."""
+    from fullgraph.ops.neighbors import cpu
+
+    monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 0)
+    monkeypatch.setattr(cpu, "PAIRS_BRUTE_FORCE_MAX_PAIRS", 0)
+    query = torch.stack([points(distribution, 60, 3, generator) for _ in range(2)]).float()
+    ref = torch.stack([points(distribution, 80, 3, generator) for _ in range(2)]).float()
+    features = torch.randn(2, 80, 4, generator=generator)
+    lengths = dict(query_lengths=torch.tensor([60, 41]), ref_lengths=torch.tensor([80, 33]))
+    radius = float(torch.cdist(query[0], ref[0]).median())
+    for backend_results in (lambda b: fullgraph.knn(query, ref, 7, backend=b, **lengths),
+                            lambda b: fullgraph.radius(query, ref, radius, 9, backend=b, **lengths),
+                            lambda b: (fullgraph.radius_aggregate(query, ref, features, radius, sigma=0.5, backend=b,
+                                                                  **lengths),)):
+        got, want = backend_results("cpu"), backend_results("torch")
+        for a, b in zip(got, want):
+            assert torch.equal(a, b) if a.dtype == torch.int64 else torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
