@@ -154,8 +154,9 @@ def _wrap(mesh, like, *outputs):
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
 
-# Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k] lists (a few int64 copies), which
-# for a shard of 100M queries at once needed 24 GiB per copy and ran an H200 out of memory.
+# Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k]
+# lists (a few int64 copies), which for a shard of 100M queries at once needed 24 GiB per copy
+# and ran an H200 out of memory.
 MERGE_ROWS = 1 << 22
 
 

@@ -104,7 +104,8 @@ def test_squared_distances_refuse_positions_outside_the_cloud(generator):
         select.squared_distances(q, r, outside)
     with pytest.raises(ValueError, match=r"candidates: expected positions in \[0, 6\).*got -1 to 0"):
         select.squared_distances(q, r, positions - (torch.arange(8).reshape(1, 4, 2) == 3).long())
-    with pytest.raises(TypeError, match=r"r: expected q's dtype and device \(torch.float32 on cpu\), got torch.float64"):
+    with pytest.raises(TypeError, match=r"r: expected q's dtype and device \(torch.float32 on cpu\), got "
+                                        r"torch.float64"):
         select.squared_distances(q, r.double(), positions)
     with pytest.raises(ValueError, match=r"r: expected \[B, N, D\] with q's B and D"):
         select.squared_distances(q, r[..., :3], positions)

@@ -18,8 +18,8 @@ import torch
 
 from ...backends import ANY_DEVICE, Backend
 from ..scaling import magnitude, safe_scale
-from .pairs import (PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks, rows_per_block,
-                    valid_points)
+from .pairs import (PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks,
+                    rows_per_block, valid_points)
 
 
 def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,8 @@ def nearest(
     return dists.to(query.dtype), idx, counts
 
 
-def found_lists(values: torch.Tensor, order: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def found_lists(values: torch.Tensor, order: torch.Tensor,
+                scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(dists, idx) of selected ``values`` [g, m, t] in units of ``scale`` [g, 1, 1] (NaN: no
     neighbour) and their columns ``order``: +inf / -1 where NaN."""
     found = ~torch.isnan(values)
