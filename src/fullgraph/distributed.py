@@ -359,37 +359,42 @@ def _ring(query: torch.Tensor, ref: torch.Tensor, sizes: list[int], keep: int, s
                            (rank + 1) % world, group),
                 dist.P2POp(dist.irecv, incoming, dist.get_global_rank(group, (rank - 1) % world) if group else
                            (rank - 1) % world, group)])
-        lengths = torch.tensor([sizes[owner]], dtype=torch.int64, device=query.device)
         if step == 0:
-            dists, idx, found = search(query[None], current[None], lengths, None)
+            lengths = torch.tensor([ref.shape[0]], dtype=torch.int64, device=query.device)
+            dists, idx, found = search(query[None], ref[None], lengths, None)
             best = _widen(_merge(best, (dists[0], _global(idx[0], offsets[owner])), keep), keep)
             counts = None if found is None else found[0]
         else:
-            reaching = _reaching(query, boxes[owner], best, keep, radius).nonzero()[:, 0]
-            occupancy = (_occupancy(current[:sizes[owner]], boxes[owner])
-                         if reaching.numel() > OCCUPANCY_FROM * query.shape[0] else None)
-            if occupancy is not None:
-                subset = (best[0][reaching], best[1][reaching])
-                reaching = reaching[_reaching(query[reaching], boxes[owner], subset, keep, radius, occupancy)]
-            kth = None if radius is not None else best[0][reaching, keep - 1]
-            groups = _by_limit(reaching, kth)
-            limits = [radius if radius is not None else limit for _, limit in groups]
-            kept = None if not groups or None in limits else _near(current[:sizes[owner]], query[reaching],
-                                                                    max(limits), occupancy)
-            shard = current if kept is None else current[kept]
-            lengths = lengths if kept is None else lengths.new_tensor([kept.shape[0]])
-            for rows, limit in groups if kept is None or kept.numel() else ():
-                dists, idx, found = search(query[rows][None], shard[None], lengths, limit)
-                idx = idx[0] if kept is None else torch.where(idx[0] >= 0, kept[idx[0].clamp(min=0)], -1)
-                merged = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx, offsets[owner])), keep)
-                best[0][rows], best[1][rows] = merged
-                if found is not None:
-                    counts[rows] += found[0]
+            _search_remote(query, current[:sizes[owner]], boxes[owner], offsets[owner], best, counts, keep,
+                           search, radius)
         for request in pending:
             request.wait()
         if pending:
             current, owner = incoming, (owner - 1) % world
     return best[0], best[1], counts
+
+
+def _search_remote(query, shard, box, offset: int, best, counts, keep: int, search, radius: float | None):
+    """One ring step past the first: search another rank's reference ``shard`` [n, D] (inside
+    ``box``, its first global index ``offset``) for the queries that can reach it, and merge
+    what it finds into ``best`` (dists, idx) [M, keep] and ``counts`` [M] in place."""
+    reaching = _reaching(query, box, best, keep, radius).nonzero()[:, 0]
+    occupancy = _occupancy(shard, box) if reaching.numel() > OCCUPANCY_FROM * query.shape[0] else None
+    if occupancy is not None:
+        subset = (best[0][reaching], best[1][reaching])
+        reaching = reaching[_reaching(query[reaching], box, subset, keep, radius, occupancy)]
+    kth = None if radius is not None else best[0][reaching, keep - 1]
+    groups = _by_limit(reaching, kth)
+    limits = [radius if radius is not None else limit for _, limit in groups]
+    kept = None if not groups or None in limits else _near(shard, query[reaching], max(limits), occupancy)
+    searched = shard if kept is None else shard[kept]
+    lengths = torch.tensor([searched.shape[0]], dtype=torch.int64, device=query.device)
+    for rows, limit in groups if searched.shape[0] else ():
+        dists, idx, found = search(query[rows][None], searched[None], lengths, limit)
+        idx = idx[0] if kept is None else torch.where(idx[0] >= 0, kept[idx[0].clamp(min=0)], -1)
+        best[0][rows], best[1][rows] = _merge((best[0][rows], best[1][rows]), (dists[0], _global(idx, offset)), keep)
+        if found is not None:
+            counts[rows] += found[0]
 
 
 def _near(ref: torch.Tensor, query: torch.Tensor, limit: float, occupancy: _Occupancy | None = None) -> torch.Tensor:
