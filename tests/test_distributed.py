@@ -4,6 +4,7 @@ results and gradients against the single-process operators on the whole cloud.""
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 
 import pytest
@@ -12,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fullgraph
+from conftest import DEVICES, HAVE_TRITON
 from fullgraph import distributed
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
@@ -272,11 +274,15 @@ def test_merging_in_row_blocks_gives_the_same_lists(monkeypatch, generator):
         dists[:5, 3:], idx[:5, 3:] = float("inf"), -1
         return dists, idx
     best, found = lists(0), lists(1000)
+    best[0][10:12, 0], found[0][12:14, -1] = -0.0, math.inf  # a -0.0 distance; overflowed distances
     whole = distributed._merge(best, found, 8)
     monkeypatch.setattr(distributed, "MERGE_ROWS", 7)
     blocks = distributed._merge(best, found, 8)
     for got, want in zip(blocks, whole):
         assert torch.equal(got, want)
+    # float32 lists merge as one sort of packed keys: the same lists
+    packed = distributed._merge((best[0].float(), best[1]), (found[0].float(), found[1]), 8)
+    assert torch.equal(packed[0], whole[0].float()) and torch.equal(packed[1], whole[1])
     assert whole[0].shape == (50, 8) and bool((whole[0][:, 1:] >= whole[0][:, :-1]).all())
     empty = (best[0][:, :0], best[1][:, :0])
     assert all(torch.equal(a, b) for a, b in zip(distributed._merge(empty, found, 4), (found[0][:, :4], found[1][:, :4])))
@@ -301,6 +307,67 @@ def test_a_shard_is_searched_only_for_the_queries_that_can_reach_it(monkeypatch)
     monkeypatch.setattr(distributed, "MERGE_ROWS", 3)
     assert distributed._reaching(query, box, best, 2, None).tolist() == [False, True, True, False]
     assert distributed._reaching(query, box, best, 2, 4.0).tolist() == [True, True, True, False]
+
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_the_pruning_kernels_decide_as_the_torch_passes(monkeypatch, device, dim, generator):
+    """On CUDA the box and occupancy tests (``_reaching``) and the cells of points run as one
+    Triton pass each: the same decisions and cells as the torch passes, on clustered shards,
+    queries inside, between, far outside (1e30), on the box's faces, non-finite, a column
+    view (strided rows), float64 and bfloat16 queries, radius and k-th distance limits."""
+    centres = torch.rand(4, dim, generator=generator, dtype=torch.float64)
+    shard = (centres[torch.randint(4, (3000,), generator=generator)]
+             + 0.01 * torch.randn(3000, dim, generator=generator, dtype=torch.float64)).float()
+    box = distributed._box(shard)
+    faces = torch.cat([box.float(), box.float() + torch.tensor([1e-3] + [0.0] * (dim - 1))])
+    queries = torch.cat([torch.rand(700, dim, generator=generator) * 3 - 1, faces,
+                         torch.full((1, dim), 1e30), torch.full((1, dim), -math.inf),
+                         torch.full((1, dim), math.nan), torch.full((1, dim), math.inf)])
+    queries[:40, 1:] = box[:, 1:].mean(0).float()  # beside the box along x, at their k-th distance (ties)
+    queries[:40, 0] = (box[1, 0] + torch.rand(40, generator=generator, dtype=torch.float64)).float()
+    kth = torch.rand(len(queries), 3, generator=generator).sort(-1).values * 0.05
+    kth[:40, 2] = (queries[:40, 0].double() - box[1, 0]).float()
+    wide = torch.cat([queries, torch.rand(len(queries), 2, generator=generator)], 1)
+    kth[40:45, 2] = math.inf
+    occupancy = distributed._occupancy(shard, box)
+    cases = [(queries, None), (wide[:, :dim], None), (queries.double(), None), (queries.bfloat16(), None),
+             (queries, 0.2), (queries, 0.0)]
+
+    def decide(use_kernels):
+        monkeypatch.setattr(distributed, "_kernels", lambda tensor: use_kernels)
+        answers = [distributed._reaching(q.to(device), box.to(device), (kth.to(device), None), 3, radius, grid)
+                   for q, radius in cases for grid in (None, _on(occupancy, device))]
+        return [a.cpu() for a in answers], [c.cpu() for c in _on(occupancy, device).cells(queries.to(device))]
+
+    (torch_reaching, torch_cells), (kernel_reaching, kernel_cells) = decide(False), decide(True)
+    for got, want in zip(kernel_reaching, torch_reaching):
+        assert torch.equal(got, want)
+    assert all(torch.equal(got, want) for got, want in zip(kernel_cells, torch_cells))
+    assert 0 < int(torch_reaching[0].sum()) < len(queries)  # both outcomes are tested
+    assert int(torch_reaching[1].sum()) < int(torch_reaching[0].sum())  # the cells prune more
+
+
+
+def test_local_indices_become_global_in_place_padding_kept():
+    idx = torch.tensor([[0, 2, -1], [1, -1, -1], [3, 4, 5], [-1, -1, -1]])
+    assert distributed._global(idx, 10) is idx
+    assert idx.tolist() == [[10, 12, -1], [11, -1, -1], [13, 14, 15], [-1, -1, -1]]
+    assert distributed._global(idx[:, :0], 10).shape == (4, 0)
+
+
+def test_the_box_of_finite_points():
+    points = torch.tensor([[0.0, 5.0], [2.0, -1.0], [math.nan, 9.0], [math.inf, 0.0]])
+    assert distributed._box(points[:2]).tolist() == [[0.0, -1.0], [2.0, 5.0]]
+    assert distributed._box(points).tolist() == [[0.0, -1.0], [2.0, 9.0]]  # the finite coordinates
+    assert distributed._box(points[:0]).tolist() == [[math.inf] * 2, [-math.inf] * 2]
+    assert distributed._box(points[:2].bfloat16()).dtype == torch.float64
+
+def _on(occupancy, device):
+    return occupancy._replace(lo=occupancy.lo.to(device), side=occupancy.side.to(device),
+                              steps=occupancy.steps.to(device))
 
 
 def test_queries_search_a_shard_within_their_k_th_distance_grouped_by_its_magnitude():

@@ -39,10 +39,12 @@ import torch
 import torch.distributed as dist
 
 from . import _validate
+from ._triton import tl, triton
 from .ops.neighbors import api
 from .ops.neighbors.registration import MAX_PADDED_K
 
 _INDEX_LAST = torch.iinfo(torch.int64).max
+_PACKED_NONE = (1 << 32) - 1  # "no index" in a merge key's low 32 bits
 
 
 def _ranks(group) -> tuple[int, int]:
@@ -154,6 +156,65 @@ def _wrap(mesh, like, *outputs):
     return tuple(wrapped) if len(wrapped) > 1 else wrapped[0]
 
 
+# Points a program of the bound kernels tests.
+_BOUND_BLOCK = 1024
+
+
+def _kernels(tensor: torch.Tensor) -> bool:
+    """Whether the pruning passes over ``tensor``'s rows run as Triton kernels (one pass, no
+    float64 temporaries: ~15 ms of torch operators for 10^8 queries on an H100)."""
+    return tensor.is_cuda and triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _cell_of(points, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D: tl.constexpr):
+        """(flat cell int64, finite) of the rows ``offs`` of points: ``_Occupancy.cells``."""
+        flat = tl.zeros(offs.shape, tl.int64)
+        finite = live
+        for d in tl.static_range(D):
+            size = S0 if d == 0 else (S1 if d == 1 else S2)
+            q = tl.load(points + offs * stride + d * column_stride, mask=live, other=0.0).to(tl.float64)
+            finite &= tl.abs(q) < float("inf")  # false for NaN too
+            index = tl.floor((q - tl.load(grid_lo + d)) / tl.load(side + d))
+            index = tl.where(tl.abs(index) < float("inf"), index, 0.0)
+            index = tl.minimum(tl.maximum(index, 0.0), size - 1.0)
+            flat = flat * size + index.to(tl.int64)
+        return flat, finite
+
+    @triton.jit
+    def _cells_kernel(points, stride, column_stride, rows, grid_lo, side, S0, S1, S2, flat_out, finite_out,
+                      D: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < rows
+        flat, finite = _cell_of(points, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D)
+        tl.store(flat_out + offs, flat, mask=live)
+        tl.store(finite_out + offs, finite, mask=live)
+
+    @triton.jit
+    def _reaching_kernel(query, stride, column_stride, rows, box, limit, limit_stride, margin, out,
+                         grid_lo, side, S0, S1, S2, steps, smallest,
+                         D: tl.constexpr, OCCUPIED: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = not (gap_i (1 - margin) > limit_i): ``_reaching`` of one row a thread."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < rows
+        gap2 = tl.zeros([BLOCK], tl.float64)
+        undefined = offs < 0  # NaN anywhere in the gap: torch's maximum propagates it
+        for d in tl.static_range(D):
+            q = tl.load(query + offs * stride + d * column_stride, mask=live, other=0.0).to(tl.float64)
+            below, above = tl.load(box + d) - q, q - tl.load(box + D + d)
+            undefined |= (below != below) | (above != above)
+            g = tl.maximum(tl.maximum(below, above), 0.0)
+            gap2 += g * g
+        gap = tl.sqrt(gap2)
+        if OCCUPIED:
+            flat, finite = _cell_of(query, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D)
+            apart = tl.maximum(tl.load(steps + flat, mask=live & finite, other=0) - 2, 0)
+            gap = tl.maximum(gap, tl.where(finite, apart.to(tl.float64) * smallest, 0.0))
+        bound = tl.load(limit + offs * limit_stride, mask=live, other=0.0).to(tl.float64)
+        tl.store(out + offs, ~(~undefined & (gap * (1 - margin) > bound)), mask=live)
+
+
 # Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k]
 # lists (a few int64 copies), which for a shard of 100M queries at once needed 24 GiB per copy
 # and ran an H200 out of memory.
@@ -162,6 +223,14 @@ MERGE_ROWS = 1 << 22
 
 def _merge_rows(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep: int):
     dists, idx = torch.cat([best[0], found[0]], -1), torch.cat([best[1], found[1]], -1)
+    if dists.dtype == torch.float32 and idx.numel() and int(idx.max()) < _PACKED_NONE:
+        # One sort of int64 keys (distance bits, then index; -1 as the largest index): the
+        # bits of non-negative floats order as the floats (+ 0.0 turns -0.0 into 0.0).
+        bits = (dists + 0.0).view(torch.int32).long() << 32
+        keys = torch.sort(bits | torch.where(idx < 0, _PACKED_NONE, idx), dim=-1).values[:, :keep]
+        found_idx = keys & _PACKED_NONE
+        return ((keys >> 32).int().view(torch.float32),
+                torch.where(found_idx == _PACKED_NONE, -1, found_idx))
     order = torch.where(idx < 0, _INDEX_LAST, idx).argsort(dim=-1, stable=True)
     dists, idx = dists.gather(-1, order), idx.gather(-1, order)
     order = dists.argsort(dim=-1, stable=True)[..., :keep]
@@ -191,6 +260,10 @@ def _merge(best: tuple[torch.Tensor, ...], found: tuple[torch.Tensor, ...], keep
 def _box(points: torch.Tensor) -> torch.Tensor:
     """[2, D] float64: the bounding box (lo, hi) of the finite coordinates of ``points`` [N, D]
     (non-finite points are nobody's neighbours); with none, (+inf, -inf), which nothing reaches."""
+    if points.shape[0]:
+        box = torch.stack(torch.aminmax(points, dim=0)).double()  # one pass where all are finite
+        if bool(torch.isfinite(box).all()):
+            return box
     coords, finite = points.double(), torch.isfinite(points)
     edge = coords.new_full((1, points.shape[1]), math.inf)  # keeps an empty min/max defined
     return torch.stack([torch.cat([torch.where(finite, coords, math.inf), edge]).amin(0),
@@ -230,6 +303,11 @@ class _Occupancy(NamedTuple):
         blocks of rows (float64 temporaries)."""
         flat = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
         finite = torch.empty(points.shape[0], dtype=torch.bool, device=points.device)
+        if _kernels(points) and points.shape[0]:
+            _cells_kernel[(triton.cdiv(points.shape[0], _BOUND_BLOCK),)](
+                points, *points.stride(), points.shape[0], self.lo, self.side, *self._sizes(), flat, finite,
+                D=points.shape[1], BLOCK=_BOUND_BLOCK)
+            return flat, finite
         upper = torch.tensor(self.shape, dtype=torch.float64, device=points.device) - 1
         for block in _row_blocks(points.shape[0]):
             coords = points[block].double()
@@ -260,6 +338,9 @@ class _Occupancy(NamedTuple):
         held = torch.zeros(self.steps.shape, dtype=torch.bool, device=points.device)
         held[self.cells(points)[0]] = True
         return _dilated(held.reshape(self.shape), dilation).reshape(-1)
+
+    def _sizes(self) -> tuple[int, int, int]:
+        return tuple(self.shape) + (1,) * (3 - len(self.shape))
 
     def _smallest_side(self) -> float:
         return min(side for side, cells in zip(self.side.tolist(), self.shape) if cells > 1)
@@ -317,6 +398,16 @@ def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: f
     took ~10 GB."""
     reaching = torch.ones(query.shape[0], dtype=torch.bool, device=query.device)
     if radius is None and best[0].shape[1] < keep:
+        return reaching
+    if _kernels(query):
+        if query.shape[0]:
+            limit = best[0][:, keep - 1] if radius is None else query.new_full((1,), radius, dtype=torch.float64)
+            grid = occupancy or _Occupancy(box[0], box[0], (1,), limit.new_zeros(1, dtype=torch.int64))
+            _reaching_kernel[(triton.cdiv(query.shape[0], _BOUND_BLOCK),)](
+                query, *query.stride(), query.shape[0], box, limit, limit.stride(0) if radius is None else 0,
+                _PRUNE_MARGIN, reaching, grid.lo, grid.side, *grid._sizes(), grid.steps,
+                grid._smallest_side() if occupancy is not None else 0.0,
+                D=query.shape[1], OCCUPIED=occupancy is not None, BLOCK=_BOUND_BLOCK)
         return reaching
     for block in _row_blocks(query.shape[0]):
         q = query[block].double()
@@ -407,7 +498,8 @@ def _near(ref: torch.Tensor, query: torch.Tensor, limit: float, occupancy: _Occu
     lo, hi = _box(query)
     scale = torch.maximum(lo.abs(), hi.abs()).nan_to_num(0.0, 0.0, 0.0)
     pad = limit * (1 + _PRUNE_MARGIN) + _PRUNE_MARGIN * scale
-    inside = ((ref >= lo - pad) & (ref <= hi + pad)).all(1)
+    low, high = _outward(lo - pad, hi + pad, ref.dtype)
+    inside = ((ref >= low) & (ref <= high)).all(1)
     if occupancy is not None and bool(torch.isfinite(query).all()):
         cells = occupancy.near(query, limit * (1 + _PRUNE_MARGIN) + float(_PRUNE_MARGIN * scale.max()))
         if cells is not None:
@@ -415,11 +507,27 @@ def _near(ref: torch.Tensor, query: torch.Tensor, limit: float, occupancy: _Occu
     return inside.nonzero()[:, 0]
 
 
+def _outward(low: torch.Tensor, high: torch.Tensor, dtype: torch.dtype):
+    """float64 bounds [D] in ``dtype`` rounded outward (``low`` down, ``high`` up), so that
+    comparing points of that dtype with them keeps every point within the float64 bounds
+    without a float64 copy of the points. 16-bit dtypes keep float64 bounds."""
+    if dtype not in (torch.float32, torch.float64):
+        return low, high
+    rounded = [bound.to(dtype) for bound in (low, high)]
+    return (torch.where(rounded[0].double() > low, torch.nextafter(rounded[0], rounded[0].new_tensor(-math.inf)),
+                        rounded[0]),
+            torch.where(rounded[1].double() < high, torch.nextafter(rounded[1], rounded[1].new_tensor(math.inf)),
+                        rounded[1]))
+
+
 def _global(idx: torch.Tensor, offset: int) -> torch.Tensor:
-    """The local indices ``idx`` (a fresh search result: changed in place, -1 kept) made
-    global. In place: at 10^8 queries x 16 each int64 copy is 12.8 GB."""
-    if offset:
-        idx.add_(offset).masked_fill_(idx < offset, -1)
+    """The local indices ``idx`` [M, w] (a fresh search result, -1 padded at the end of its
+    rows: changed in place, -1 kept) made global. In place, and the padding mended on the
+    rows that have it only: at 10^8 queries x 16 each pass over the lists moves 12.8 GB."""
+    if offset and idx.numel():
+        padded = (idx[:, -1] < 0).nonzero()[:, 0]
+        idx.add_(offset)
+        idx[padded] = idx[padded].masked_fill(idx[padded] < offset, -1)
     return idx
 
 
