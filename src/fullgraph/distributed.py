@@ -284,9 +284,9 @@ def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
 OCCUPANCY_CELLS = 64
 OCCUPANCY_POINTS = 8
 # The cells are made only where the box leaves more than this share of the queries reaching
-# a shard: they cost passes over the shard and the queries (~90 ms a remote step at 10^8
-# points a rank on an H100, run IE: uniform slabs 589 -> 683 ms), where the box prunes slabs
-# to ~1 % of the queries alone.
+# a shard: they cost passes over the shard and the queries (at 10^8 points a rank on an H100:
+# ~90 ms a remote step as torch passes, run IE, uniform slabs 589 -> 683 ms; 12-16 ms as
+# kernels, run JB), where the box prunes slabs to ~1 % of the queries alone.
 OCCUPANCY_FROM = 0.1
 
 

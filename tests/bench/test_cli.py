@@ -100,6 +100,26 @@ def test_report_names_the_bad_file(tmp_path, capsys):
     assert "report --plot: expected one file, or runs of one torchrun workload at several rank counts" in line
 
 
+
+@pytest.mark.parametrize("per_rank", [False, True])
+def test_report_of_several_rank_counts_is_a_scaling_table(tmp_path, capsys, per_rank):
+    """Strong scaling (total sizes): speed-up and speed-up / rank ratio; weak (sizes per rank):
+    the time ratio and its inverse, the efficiency."""
+    paths = []
+    for ranks, ms in ((1, 100.0), (2, 125.0 if per_rank else 55.0)):
+        row = {"workload": "knn-sharded", "size": "weak" if per_rank else "seed", "ranks": ranks,
+               "params": {"points": 10, "per_rank": per_rank}, "variant": "distributed.knn, uniform",
+               "phase": "forward", "median_ms": ms, "device": "cpu", "torch": torch.__version__, "triton": None,
+               "commit": "0", "speedup_vs_eager": 1.0, "peak_memory_bytes": 0, "first_call_s": 0.1}
+        paths.append(tmp_path / f"rows-{ranks}.json")
+        paths[-1].write_text(json.dumps([row]))
+    assert main(["report", *map(str, paths)]) == 0
+    printed = capsys.readouterr().out
+    if per_rank:
+        assert "**weak scaling**" in printed and "| 100.00 | 125.00 | 1.25x | 80% |" in printed
+    else:
+        assert "**scaling**" in printed and "| 100.00 | 55.00 | 1.82x | 91% |" in printed
+
 def test_bench_kmeans_times_every_variant(tmp_path):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "kmeans", "--size", "tiny", "--device", "cpu", "--warmup", "1", "--runs", "2",

@@ -194,27 +194,39 @@ def _scaling_runs(tables: list[list[dict]]):
     return sorted(runs), runs
 
 
+def _weak(tables: list[list[dict]]) -> bool:
+    """Whether the sizes are per rank (weak scaling: the ideal time stays the same)."""
+    return bool(tables[0][0]["params"].get("per_rank"))
+
+
 def scaling(tables: list[list[dict]]) -> str | None:
     """A Markdown table of one workload and size run with several rank counts (torchrun):
-    per variant and phase, the median at each count and the speed-up over the fewest ranks
-    (efficiency: speed-up / rank ratio). None when the tables are not such a set."""
+    per variant and phase, the median at each count and against the fewest ranks the
+    speed-up and efficiency (speed-up / rank ratio), or for sizes per rank (weak scaling)
+    the time ratio and efficiency (its inverse). None when the tables are not such a set."""
     found = _scaling_runs(tables)
     if found is None:
         return None
     counts, runs = found
-    base = counts[0]
-    lines = [f"**scaling** of {tables[0][0]['workload']} ({tables[0][0]['size']}), medians in ms by rank count; "
-             f"speed-up and efficiency against {base} rank{'s' if base > 1 else ''}",
+    base, weak = counts[0], _weak(tables)
+    against = f"{base} rank{'s' if base > 1 else ''}"
+    lines = [f"**{'weak ' if weak else ''}scaling** of {tables[0][0]['workload']} ({tables[0][0]['size']}), medians "
+             f"in ms by rank count; {'time ratio' if weak else 'speed-up'} and efficiency against {against}"
+             + (" (sizes per rank: ideally the same time)" if weak else ""),
              "",
-             "| variant | phase | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in counts) + " | speed-up | efficiency |",
+             "| variant | phase | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}" for n in counts)
+             + f" | {'time ratio' if weak else 'speed-up'} | efficiency |",
              "| --- | --- |" + " ---: |" * (len(counts) + 2)]
     for key, first_ms in runs[base].items():
         times = [runs[n].get(key) for n in counts]
         last = times[-1]
         speedup = first_ms / last if first_ms and last else None
-        efficiency = None if speedup is None else speedup / (counts[-1] / base)
+        if weak:
+            ratio, efficiency = (None if speedup is None else 1 / speedup), speedup
+        else:
+            ratio, efficiency = speedup, None if speedup is None else speedup / (counts[-1] / base)
         lines.append(f"| {key[0]} | {key[1]} | " + " | ".join(_fmt(t, "{:.2f}") for t in times)
-                     + f" | {_fmt(speedup, '{:.2f}x')} | {_fmt(efficiency, '{:.0%}')} |")
+                     + f" | {_fmt(ratio, '{:.2f}x')} | {_fmt(efficiency, '{:.0%}')} |")
     return "\n".join(lines)
 
 
@@ -227,16 +239,17 @@ def scaling_plot(tables: list[list[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     counts, runs = _scaling_runs(tables)
-    base = counts[0]
+    base, weak = counts[0], _weak(tables)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(counts, [n / base for n in counts], "k--", linewidth=1, label="ideal")
+    ax.plot(counts, [1.0 if weak else n / base for n in counts], "k--", linewidth=1, label="ideal")
     for key, first_ms in runs[base].items():
         points = [(n, first_ms / runs[n][key]) for n in counts if first_ms and runs[n].get(key)]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{key[0]} / {key[1]}")
     ax.set_xticks(counts)
     ax.set_xlabel("ranks (GPUs)")
-    ax.set_ylabel(f"speed-up over {base} rank{'s' if base > 1 else ''}")
+    ax.set_ylabel(f"{'efficiency (time of' if weak else 'speed-up over'} {base} rank{'s' if base > 1 else ''}"
+                  + (" / time)" if weak else ""))
     first = tables[0][0]
     ax.set_title(f"{first['workload']} ({first['size']}: {first['params']}) on {first['device']}", fontsize=9)
     ax.legend(fontsize=7)
