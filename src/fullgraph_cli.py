@@ -23,7 +23,7 @@ WORKLOADS = {
     "knn-graph": ("seed", "small", "tiny"),
     "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),
-    "knn-sharded": ("seed", "weak", "weak-h100", "small", "tiny"),
+    "knn-sharded": ("seed", "weak", "weak-h100", "medium", "small", "tiny"),
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
     "neighbor-ops": ("seed", "large", "feature", "feature-small", "crossover"),
     "pointnet2": ("seed", "small", "tiny"),

@@ -113,8 +113,10 @@ register(Workload(
                 "radius search with the radius projector's aggregation as the train step (uniform)",
     sizes={"seed": {"points": 200_000_000, "k": 16, "train": False},
            "weak": {"points": 250_000_000, "k": 16, "per_rank": True, "train": False},
-           # 250M a GPU exceeds an H100 (80 GB): its lists alone take 48 GB, the search ~80 B a point more.
+           # 2 x 10^8 a GPU: the weak size before 2.5 x 10^8 fitted two H100s (session 22).
            "weak-h100": {"points": 200_000_000, "k": 16, "per_rank": True, "train": False},
+           # The largest size whose train steps fit one GPU (their neighbour rows: ~0.7 KB a query).
+           "medium": {"points": 20_000_000, "k": 16},
            "small": {"points": 1_000_000, "k": 16},
            "tiny": {"points": 4_000, "k": 16}},
     build=_knn_sharded,
