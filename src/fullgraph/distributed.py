@@ -724,7 +724,8 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, bac
 
     Two passes of the ring: the first counts each query's neighbours, the second lists all
     of them (the densest query's count, read back to the host, sizes the lists: memory
-    M_r x that count); their rows come by ``all_to_all_single``.
+    M_r x that count); the rows of the pairs (query, neighbour) come by ``all_to_all_single``
+    and are summed query by query (``torch.segment_reduce``: memory ~ the pairs' count).
     """
     radius = _validate.real("radius", radius, minimum=0.0, strict=False)
     sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
@@ -735,15 +736,21 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, bac
     _, _, counts = _ring(query.detach(), ref.detach(), sizes, 1, _radius_search(radius, 1, backend), group, radius)
     cap = max(1, int(counts.max()) if counts.numel() else 0)
     _, idx, _ = _ring(query.detach(), ref.detach(), sizes, cap, _radius_search(radius, cap, backend), group, radius)
-    rows = _neighbour_rows(torch.cat([ref, features], -1), idx, sizes, group)
-    neighbours, values = rows[..., :ref.shape[1]], rows[..., ref.shape[1]:]
-    valid = idx >= 0
-    measured = (query[:, None, :] - neighbours).norm(dim=-1)
+    # The pairs (query, neighbour), query by query: the lists hold every neighbour (counts[i]
+    # of them, then -1), and padded rows of features would take cap / mean count times more.
+    pairs = idx[idx >= 0]
+    lengths = counts.to(pairs.device)
+    owner = torch.repeat_interleave(torch.arange(query.shape[0], device=pairs.device), lengths)
+    del idx
+    rows = _FetchRows.apply(torch.cat([ref, features], -1), pairs, sizes, group)
+    neighbours, values = rows[:, :ref.shape[1]], rows[:, ref.shape[1]:]
+    measured = (query[owner] - neighbours).norm(dim=-1)
     # The shift by each query's nearest distance cancels in the ratio (it keeps exp from underflowing).
-    nearest = torch.where(valid, measured, float("inf")).amin(-1, keepdim=True).detach()
-    weights = torch.where(valid, torch.exp(torch.where(valid, nearest - measured, 0) / sigma), 0)
-    total = weights.sum(-1, keepdim=True)
-    return _wrap(mesh, like, (weights[..., None] * values).sum(-2) / torch.where(total > 0, total, 1))
+    nearest = torch.segment_reduce(measured.detach(), "min", lengths=lengths, unsafe=True)
+    weights = torch.exp((nearest[owner] - measured) / sigma)
+    total = torch.segment_reduce(weights, "sum", lengths=lengths, unsafe=True)[:, None]
+    summed = torch.segment_reduce(weights[:, None] * values, "sum", lengths=lengths, unsafe=True)
+    return _wrap(mesh, like, summed / torch.where(total > 0, total, 1))
 
 
 class Partitioned(NamedTuple):
