@@ -202,6 +202,27 @@ def test_gradients(path, generator):
                                     (query, ref, features), nondet_tol=1e-12 if path == "cuda" else 0.0)
 
 
+def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
+    """Items of few pairs (dense.CPU_BRUTE_FORCE, by D) go to the "cpu" backend's brute force
+    where the extension built, the same lists as the reference; wider D or more pairs to the
+    products."""
+    from fullgraph.ops.neighbors import cpu, select
+
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    brute, products = [], []
+    monkeypatch.setattr(cpu, "_brute_force", lambda *a, f=cpu._brute_force: brute.append(a[0].shape[-1]) or f(*a))
+    kernels = dense.BACKEND.implementation
+    monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ((8, 6 * 30), (64, 6 * 20)))
+    for dim, columns in ((3, 30), (8, 30), (16, 20), (16, 30), (64, 20), (65, 20)):
+        query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=6, columns=columns))
+        got = fullgraph.knn(query, ref, 4)
+        want = fullgraph.knn(query, ref, 4, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert brute == [3, 8, 16, 64] and products == [16, 65]
+
+
 def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch, generator):
     """On CPUs "auto" takes the products from AUTO_MIN_DIM on, and below it for items of
     few query-reference pairs (more from CPU_AUTO_WIDE_DIM on); the k-d tree elsewhere."""
@@ -211,6 +232,7 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append((a[0].shape[-1], a[1].shape[1])) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 20)
     monkeypatch.setattr(dense, "CPU_AUTO_WIDE_MAX_PAIRS", 5 * 40)
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ())  # (its own test below)
     for dim in (3, dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
         for columns in (20, 40, 60):
             query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=columns))

@@ -255,7 +255,7 @@ def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
     assert calls == [9]
 
 
-@pytest.mark.parametrize("dim", [1, 3, 5])
+@pytest.mark.parametrize("dim", [1, 3, 4, 5, 16, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
     """cpu._brute_force (every pair measured in C++) against reference.nearest: lists,
@@ -291,6 +291,7 @@ def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     original = kernels.nearest
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ())
     monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
     fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)
