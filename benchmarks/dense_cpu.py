@@ -1,7 +1,8 @@
-"""Feature-space kNN on the CPU: fullgraph.knn ("auto": the dense backend from D = 12, the k-d
-tree below) against cdist + topk, and the dense backend against the k-d tree near their
-crossover (``dense.AUTO_MIN_DIM``). Normal clouds; median of 5 wall times after one warm-up,
-all in one process.
+"""Feature-space kNN on the CPU: fullgraph.knn ("auto") against cdist + topk, the dense
+backend against the "cpu" backend (its brute force up to ``cpu.BRUTE_FORCE_MAX_PAIRS`` pairs an
+item, the k-d tree beyond) near their crossover (``dense.AUTO_MIN_DIM``), and small batched
+items (``dense.CPU_BRUTE_FORCE``: the products, the brute force, cdist + topk and "auto",
+interleaved). Normal clouds; medians of wall times after warm-up, all in one process.
 
     python benchmarks/dense_cpu.py > dense-cpu.log
 """
@@ -17,6 +18,8 @@ import fullgraph
 
 VERSUS_CDIST = ((8, 2048, 2048, 64, 20), (32, 1024, 1024, 64, 20), (16, 256, 256, 64, 20), (64, 128, 128, 16, 10), (1, 5000, 50000, 16, 10),
                 (1, 2000, 100000, 128, 10), (4, 512, 4096, 32, 50))
+SMALL = ((16, 256, 256, 64, 20), (64, 128, 128, 16, 10), (64, 128, 128, 8, 10), (16, 256, 256, 32, 20),
+         (4, 512, 512, 64, 20), (8, 512, 512, 64, 20), (4, 512, 512, 128, 20), (1, 1024, 1024, 16, 16))
 CROSSOVER = ((1, 5000, 100000, 6, 10), (1, 5000, 100000, 8, 10), (1, 5000, 100000, 10, 10), (1, 5000, 100000, 12, 10), (8, 2048, 2048, 8, 20), (8, 2048, 2048, 12, 20),
              (1, 2000, 10000, 8, 10), (1, 2000, 10000, 12, 10))
 
@@ -45,12 +48,26 @@ def main() -> None:
         ours = wall_ms(lambda: fullgraph.knn(q, r, k))
         same = torch.equal(fullgraph.knn(q, r, k)[1], torch.topk(torch.cdist(q, r), k, largest=False).indices)
         print(f"{batch} {m} {n} {dim} {k} | {plain:.1f} | {ours:.1f} | {same}", flush=True)
-    print("B M N D k | dense ms | kd-tree ms", flush=True)
+    print("B M N D k | dense ms | cpu backend ms (brute force or k-d tree)", flush=True)
     for batch, m, n, dim, k in CROSSOVER:
         q, r = clouds(batch, m, n, dim)
         dense = wall_ms(lambda: fullgraph.knn(q, r, k, backend="dense"), runs=3)
         tree = wall_ms(lambda: fullgraph.knn(q, r, k, backend="cpu"), runs=3)
         print(f"{batch} {m} {n} {dim} {k} | {dense:.1f} | {tree:.1f}", flush=True)
+    print("B M N D k | products (dense) / brute force (cpu) / cdist+topk / auto ms, interleaved, medians of 25",
+          flush=True)
+    for batch, m, n, dim, k in SMALL:
+        q, r = clouds(batch, m, n, dim)
+        calls = (lambda: fullgraph.knn(q, r, k, backend="dense"), lambda: fullgraph.knn(q, r, k, backend="cpu"),
+                 lambda: torch.topk(torch.cdist(q, r), k, largest=False), lambda: fullgraph.knn(q, r, k))
+        times = [[] for _ in calls]
+        for run in range(30):
+            for call, spent in zip(calls, times):
+                start = time.perf_counter()
+                call()
+                if run >= 5:
+                    spent.append((time.perf_counter() - start) * 1e3)
+        print(f"{batch} {m} {n} {dim} {k} | " + " / ".join(f"{statistics.median(t):.2f}" for t in times), flush=True)
 
 
 if __name__ == "__main__":
