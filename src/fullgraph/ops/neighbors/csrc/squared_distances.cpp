@@ -98,22 +98,33 @@ void squared_distances_of_block(const T* __restrict__ q, const T* __restrict__ b
   constexpr int64_t kVectors = kLanes / (32 / sizeof(T));
   const vec* lanes = reinterpret_cast<const vec*>(block);
   vec* sums = reinterpret_cast<vec*>(dim <= kPerCoordinateMaxDim ? out : squares);
-  for (int64_t v = 0; v < kVectors; ++v) {
-    const vec diff = q[0] - lanes[v];
-    sums[v] = diff * diff;
-  }
-  for (int64_t d = 1; d < dim; ++d) {
+  if (dim <= kPerCoordinateMaxDim) {
     for (int64_t v = 0; v < kVectors; ++v) {
-      const vec diff = q[d] - lanes[d * kVectors + v];
-      if (dim <= kPerCoordinateMaxDim) {
+      const vec diff = q[0] - lanes[v];
+      sums[v] = diff * diff;
+    }
+    for (int64_t d = 1; d < dim; ++d) {
+      for (int64_t v = 0; v < kVectors; ++v) {
+        const vec diff = q[d] - lanes[d * kVectors + v];
         sums[v] += diff * diff;
-      } else {
-        sums[d * kVectors + v] = diff * diff;
       }
     }
+    return;
   }
-  if (dim <= kPerCoordinateMaxDim) return;
-  int64_t width = dim;
+  // The halving's first two steps fused with the squares, in registers (the same roundings:
+  // each square, then the sums in the halving's order): stores bound this loop.
+  int64_t first = 1;  // the first step's half: the largest power of two below dim
+  while (first * 2 < dim) first *= 2;
+  const auto first_step = [&](int64_t d, int64_t v) {
+    const vec diff = q[d] - lanes[d * kVectors + v];
+    if (d >= dim - first) return diff * diff;
+    const vec other = q[d + first] - lanes[(d + first) * kVectors + v];
+    return diff * diff + other * other;
+  };
+  int64_t width = first / 2;  // the second step's half (a power of two: every pair full)
+  for (int64_t d = 0; d < width; ++d) {
+    for (int64_t v = 0; v < kVectors; ++v) sums[d * kVectors + v] = first_step(d, v) + first_step(d + width, v);
+  }
   while (width > 2) {
     int64_t half = 1;
     while (half * 2 < width) half *= 2;
