@@ -279,6 +279,12 @@ def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
         if math.isfinite(radius):
             assert torch.equal(got[2], want[2])
+    # every point valid (items 1 and 2; item 0 has a NaN reference): kNN selects in place
+    full_q, full_r = torch.tensor([40, 40, 40]), torch.tensor([50, 50, 50])
+    for k in (4, 50):
+        got = cpu._brute_force(query, ref, k, math.inf, full_q, full_r)
+        want = reference.nearest(query, ref, k, math.inf, full_q, full_r)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 
 
 def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):

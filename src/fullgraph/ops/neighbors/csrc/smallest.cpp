@@ -197,6 +197,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
     int64_t* position = positions.data_ptr<int64_t>();
     int64_t* count = counts.data_ptr<int64_t>();
     const scalar_t nan = std::numeric_limits<scalar_t>::quiet_NaN();
+    // Items whose references are all valid and whose limit is +inf (kNN) need no masked copy
+    // of a valid query's row: it is selected in place (NaN sorts last either way).
+    std::vector<char> unmasked(batch);
+    for (int64_t item = 0; item < batch; ++item) {
+      unmasked[item] = limit[item] == std::numeric_limits<scalar_t>::infinity() &&
+                       std::all_of(ref_valid + item * columns, ref_valid + (item + 1) * columns, [](bool ok) { return ok; });
+    }
     const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(columns, 1));
     at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
       std::vector<scalar_t> row(columns);
@@ -204,6 +211,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
       kept.reserve(columns);
       for (int64_t r = first; r < last; ++r) {
         const int64_t item = r / rows;
+        if (unmasked[item] && query_valid[r]) {
+          const scalar_t* distances = source + r * columns;
+          int64_t numbers = 0;
+          for (int64_t j = 0; j < columns; ++j) numbers += distances[j] == distances[j];
+          count[r] = numbers;
+          if (take > 0) select_row(distances, columns, take, kept, value + r * take, position + r * take);
+          continue;
+        }
         const bool* cloud_valid = ref_valid + item * columns;
         int64_t within_count = 0;
         for (int64_t j = 0; j < columns; ++j) {
