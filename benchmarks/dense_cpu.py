@@ -5,11 +5,13 @@ items (``dense.CPU_BRUTE_FORCE``: the products, the brute force, cdist + topk an
 interleaved). Normal clouds; medians of wall times after warm-up, all in one process.
 
     python benchmarks/dense_cpu.py > dense-cpu.log
+    python benchmarks/dense_cpu.py --sweep   # the products / brute force crossover by D and pairs an item
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import torch
@@ -39,7 +41,36 @@ def clouds(batch, m, n, dim):
     return torch.randn(batch, m, dim, generator=generator), torch.randn(batch, n, dim, generator=generator)
 
 
+SWEEP_DIMS = (3, 8, 16, 32, 64, 128)
+SWEEP_ITEMS = ((64, 128, 128), (16, 256, 256), (4, 512, 512), (1, 1024, 1024), (2, 1024, 2048), (1, 2048, 2048))
+
+
+def interleaved(calls, runs: int = 13, warmup: int = 3) -> list[float]:
+    """Median ms of each call, the calls taking turns."""
+    times = [[] for _ in calls]
+    for run in range(runs):
+        for call, spent in zip(calls, times):
+            start = time.perf_counter()
+            call()
+            if run >= warmup:
+                spent.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
+
+
+def sweep(k: int = 16) -> None:
+    print("D B M N | products (dense) / brute force (cpu) / cdist+topk ms, interleaved", flush=True)
+    for dim in SWEEP_DIMS:
+        for batch, m, n in SWEEP_ITEMS:
+            q, r = clouds(batch, m, n, dim)
+            times = interleaved((lambda: fullgraph.knn(q, r, k, backend="dense"),
+                                 lambda: fullgraph.knn(q, r, k, backend="cpu"),
+                                 lambda: torch.topk(torch.cdist(q, r), k, largest=False)))
+            print(f"{dim} {batch} {m} {n} | " + " / ".join(f"{t:.2f}" for t in times), flush=True)
+
+
 def main() -> None:
+    if "--sweep" in sys.argv[1:]:
+        return sweep()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
     print("B M N D k | cdist+topk ms | fullgraph.knn auto ms | indices equal to cdist + topk's (which is inexact)", flush=True)
     for batch, m, n, dim, k in VERSUS_CDIST:
@@ -60,14 +91,8 @@ def main() -> None:
         q, r = clouds(batch, m, n, dim)
         calls = (lambda: fullgraph.knn(q, r, k, backend="dense"), lambda: fullgraph.knn(q, r, k, backend="cpu"),
                  lambda: torch.topk(torch.cdist(q, r), k, largest=False), lambda: fullgraph.knn(q, r, k))
-        times = [[] for _ in calls]
-        for run in range(30):
-            for call, spent in zip(calls, times):
-                start = time.perf_counter()
-                call()
-                if run >= 5:
-                    spent.append((time.perf_counter() - start) * 1e3)
-        print(f"{batch} {m} {n} {dim} {k} | " + " / ".join(f"{statistics.median(t):.2f}" for t in times), flush=True)
+        times = interleaved(calls, runs=30, warmup=5)
+        print(f"{batch} {m} {n} {dim} {k} | " + " / ".join(f"{t:.2f}" for t in times), flush=True)
 
 
 if __name__ == "__main__":

@@ -442,14 +442,15 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute
 # force (every pair measured in C++, 16 references at a time in vectors; bit for bit the
 # reference's lists), where the C++ extension built. Session 22, 2-core CPU, k = 16, normal
-# clouds, ms products / brute force / cdist + topk (benchmarks/dense_cpu.py's small items):
-#   D=3:   64 x 128^2 10.6 / 5.7 / 7.2;  8 x 512^2 9.7 / 5.0 / 11.2;  1024^2 3.2 / 2.0 / 3.0;  2048^2 7.2 / 5.8 / 9.8
-#   D=8:   64 x 128^2 11.1 / 5.9 / 7.1;  8 x 512^2 9.6 / 5.3 / 11.5;  1024^2 2.9 / 2.0 / 2.9;  2048^2 6.9 / 6.1 / 9.4
-#   D=16:  16 x 256^2 9.5 / 5.3 / 7.0;   1024^2 4.4 / 3.5 / 3.7;  2 x 1024 x 2048 9.3 / 7.6 / 12.1;  2048^2 7.6 / 9.1 / 12.4
-#   D=32:  16 x 256^2 10.5 / 5.8 / 7.4;  1024^2 4.3 / 3.6 / 3.5;  2 x 1024 x 2048 10.2 / 11.6 / 12.7
-#   D=64:  16 x 256^2 13.5 / 7.3 / 7.8;  4 x 512^2 9.0 / 5.7 / 6.9;  1024^2 5.4 / 6.0 / 4.5
-#   D=128: 16 x 256^2 13.3 / 9.8 / 8.3; 4 x 512^2 7.9 / 7.3 / 6.9;  1024^2 4.9 / 6.4 / 4.3
-CPU_BRUTE_FORCE = ((8, 2**22), (16, 2**21), (32, 2**20), (128, 2**18))  # (largest D, largest pairs per item)
+# clouds, ms products / brute force / cdist + topk (`benchmarks/dense_cpu.py --sweep`,
+# results/cpu-2core-torch2.13/dense-cpu-sweep-session22.log; runs differ by ~10-30 %):
+#   D=3:   16 x 256^2 9.9 / 4.5 / 6.6;  1024^2 3.8 / 2.4 / 3.4;  2 x 1024 x 2048 9.1 / 6.4 / 12.2;  2048^2 7.7 / 11.3 / 12.3
+#   D=8:   16 x 256^2 11.1 / 5.2 / 7.1; 1024^2 3.7 / 2.9 / 3.4;  2 x 1024 x 2048 10.2 / 7.5 / 13.5;  2048^2 8.6 / 10.2 / 13.7
+#   D=16:  16 x 256^2 11.1 / 5.8 / 7.0; 1024^2 4.0 / 3.5 / 3.4;  2 x 1024 x 2048 10.2 / 10.3 / 12.8
+#   D=32:  16 x 256^2 10.0 / 5.8 / 6.6; 1024^2 5.4 / 4.7 / 3.9;  2 x 1024 x 2048 10.1 / 12.6 / 12.6
+#   D=64:  16 x 256^2 11.6 / 6.9 / 8.2; 4 x 512^2 7.8 / 6.0 / 6.7;  1024^2 4.7 / 4.5 / 3.9;  2048^2 11.7 / 17.7 / 15.6
+#   D=128: 16 x 256^2 14.0 / 9.7 / 9.1; 4 x 512^2 10.0 / 8.9 / 8.6;  1024^2 6.6 / 8.5 / 5.0
+CPU_BRUTE_FORCE = ((8, 2**21), (32, 2**20), (128, 2**18))  # (largest D, largest pairs per item)
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
 # (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
