@@ -214,13 +214,16 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     monkeypatch.setattr(cpu, "_brute_force", lambda *a, f=cpu._brute_force: brute.append(a[0].shape[-1]) or f(*a))
     kernels = dense.BACKEND.implementation
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
-    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ((8, 6 * 30), (64, 6 * 20)))
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # nearer 1 than 64
     for dim, columns in ((3, 30), (8, 30), (16, 20), (16, 30), (64, 20), (65, 20)):
         query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=6, columns=columns))
         got = fullgraph.knn(query, ref, 4)
         want = fullgraph.knn(query, ref, 4, backend="torch")
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     assert brute == [3, 8, 16, 64] and products == [16, 65]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 32)  # nearer 64: its table, no brute force
+    assert not dense._brute_force_limits() and dense._auto("cpu", torch.float32, 3, 4, 6 * 30)
 
 
 def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch, generator):
@@ -232,7 +235,7 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append((a[0].shape[-1], a[1].shape[1])) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 20)
     monkeypatch.setattr(dense, "CPU_AUTO_WIDE_MAX_PAIRS", 5 * 40)
-    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ())  # (its own test below)
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ()})  # (its own test below)
     for dim in (3, dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
         for columns in (20, 40, 60):
             query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=columns))

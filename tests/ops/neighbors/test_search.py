@@ -297,7 +297,7 @@ def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     original = kernels.nearest
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[1].shape[1]) or original(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
-    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", ())
+    monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ()})
     monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
     fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)

@@ -441,16 +441,31 @@ CPU_AUTO_MAX_PAIRS = 2**22
 CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute
 # force (every pair measured in C++, 16 references at a time in vectors; bit for bit the
-# reference's lists), where the C++ extension built. Session 22, 2-core CPU, k = 16, normal
-# clouds, ms products / brute force / cdist + topk (`benchmarks/dense_cpu.py --sweep`,
-# results/cpu-2core-torch2.13/dense-cpu-sweep-session22.log; runs differ by ~10-30 %):
+# reference's lists), where the C++ extension built; by the threads torch uses (the table of
+# the nearest measured count, in ratio). Session 22, k = 16, normal clouds, ms products /
+# brute force / cdist + topk (`benchmarks/dense_cpu.py --sweep`; runs differ by ~10-30 %):
+# 2 threads (the development CPU, results/cpu-2core-torch2.13/dense-cpu-sweep-session22.log):
 #   D=3:   16 x 256^2 9.9 / 4.5 / 6.6;  1024^2 3.8 / 2.4 / 3.4;  2 x 1024 x 2048 9.1 / 6.4 / 12.2;  2048^2 7.7 / 11.3 / 12.3
 #   D=8:   16 x 256^2 11.1 / 5.2 / 7.1; 1024^2 3.7 / 2.9 / 3.4;  2 x 1024 x 2048 10.2 / 7.5 / 13.5;  2048^2 8.6 / 10.2 / 13.7
 #   D=16:  16 x 256^2 11.1 / 5.8 / 7.0; 1024^2 4.0 / 3.5 / 3.4;  2 x 1024 x 2048 10.2 / 10.3 / 12.8
 #   D=32:  16 x 256^2 10.0 / 5.8 / 6.6; 1024^2 5.4 / 4.7 / 3.9;  2 x 1024 x 2048 10.1 / 12.6 / 12.6
 #   D=64:  16 x 256^2 11.6 / 6.9 / 8.2; 4 x 512^2 7.8 / 6.0 / 6.7;  1024^2 4.7 / 4.5 / 3.9;  2048^2 11.7 / 17.7 / 15.6
 #   D=128: 16 x 256^2 14.0 / 9.7 / 9.1; 4 x 512^2 10.0 / 8.9 / 8.6;  1024^2 6.6 / 8.5 / 5.0
-CPU_BRUTE_FORCE = ((8, 2**21), (32, 2**20), (128, 2**18))  # (largest D, largest pairs per item)
+# 16 threads (the H100 host, torch 2.11, results/h100-torch2.11/session22/dense-cpu-sweep-16core-run-JG.log):
+#   D=32:  1024^2 3.9 / 2.2 / 1.2;  2 x 1024 x 2048 7.4 / 4.9 / 3.1;  2048^2 5.7 / 4.8 / 3.0
+#   D=64:  1024^2 4.3 / 2.7 / 1.3;  2 x 1024 x 2048 7.8 / 6.8 / 3.5;  2048^2 5.9 / 6.9 / 3.4
+#   D=128: 1024^2 4.2 / 3.3 / 1.4;  2 x 1024 x 2048 8.5 / 10.8 / 4.0
+# (cdist + topk, inexact, is faster than both there: MKL's products and topk on 16 threads.)
+CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
+    2: ((8, 2**21), (32, 2**20), (128, 2**18)),
+    16: ((32, 2**22), (64, 2**21), (128, 2**20)),
+}
+
+
+def _brute_force_limits() -> tuple[tuple[int, int], ...]:
+    """CPU_BRUTE_FORCE's row for the measured thread count nearest (in ratio) to torch's."""
+    threads = max(1, torch.get_num_threads())
+    return CPU_BRUTE_FORCE[min(CPU_BRUTE_FORCE, key=lambda measured: abs(math.log(threads / measured)))]
 # CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
 # tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
 # (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
@@ -481,7 +496,7 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_captures("knn", dtype, dim, k) or outside)
-    if size is not None and any(dim <= most_dim and size <= most for most_dim, most in CPU_BRUTE_FORCE):
+    if size is not None and any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits()):
         return not select.available()
     limit = CPU_AUTO_WIDE_MAX_PAIRS if dim >= CPU_AUTO_WIDE_DIM else CPU_AUTO_MAX_PAIRS
     return dim >= AUTO_MIN_DIM or (size is not None and size <= limit)
