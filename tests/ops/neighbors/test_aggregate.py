@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -265,3 +267,54 @@ def test_radius_aggregate_grid_output_has_the_compiled_size(backend, device, gen
         eager = grid_of(query, ref, features)
         assert (eager.numel() > 0) == (backend == "triton")
         assert torch.equal(compiled(query, ref, features), eager)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_radius_aggregate_of_small_items_over_blocks_equals_the_pairs(monkeypatch, dtype):
+    """The "cpu" backend sums small items' pairs over whole blocks in C++
+    (``select.weighted_sums`` and its backward): values and all three gradients as the
+    pairs' path, with ragged lengths, a query without neighbours, non-finite points and NaN
+    features on references outside every radius (never read)."""
+    from fullgraph.ops.neighbors import cpu, select
+
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    generator = torch.Generator().manual_seed(7)
+    query = torch.rand(3, 30, 3, generator=generator, dtype=dtype)
+    ref = torch.rand(3, 40, 3, generator=generator, dtype=dtype)
+    features = torch.randn(3, 40, 5, generator=generator, dtype=dtype)
+    ref[0, 3], query[1, 4, 0], query[2, 5] = math.nan, math.inf, 50.0  # query 5 of item 2: no neighbour
+    ref[2, 39], features[2, 39] = 100.0, math.nan  # far from everything: its NaN features never count
+    lengths = {"query_lengths": torch.tensor([30, 20, 30]), "ref_lengths": torch.tensor([40, 33, 40])}
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (query, ref, features)]
+        out = fullgraph.radius_aggregate(*leaves, 0.3, sigma=0.1, backend="cpu", **lengths)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=dtype).reshape(out.shape)).sum().backward()
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    blocks = run()
+    monkeypatch.setattr(cpu, "DENSE_AGGREGATE_MAX_PAIRS", 0)  # every item by its pairs
+    by_pairs = run()
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-13}
+    for got, want in zip(blocks, by_pairs):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, want, **tolerance)
+    assert bool((blocks[0][2, 5] == 0).all()) and bool((blocks[0][1, 20:] == 0).all())
+
+
+def test_the_weighted_sums_ops_check_their_contract():
+    from fullgraph.ops.neighbors import select
+
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    d, ok, features = torch.rand(2, 3, 4), torch.ones(2, 3, 4, dtype=torch.bool), torch.rand(2, 4, 5)
+    with pytest.raises(ValueError, match=r"ok: expected bool \[2, 3, 4\]"):
+        select.weighted_sums(d, ok.float(), features, 0.1)
+    with pytest.raises(ValueError, match=r"features: expected \[2, 4, C\]"):
+        select.weighted_sums(d, ok, features[:, :3], 0.1)
+    out = select.weighted_sums(d, ok, features, 0.1)
+    with pytest.raises(ValueError, match=r"query, ref: expected \[2, 3, D\], \[2, 4, D\]"):
+        select.weighted_sums_backward(d, ok, features, torch.rand(2, 3, 3), torch.rand(2, 4, 2), out, out, 0.1)
+    with pytest.raises(ValueError, match=r"grad_out: expected \[2, 3, 5\]"):
+        select.weighted_sums_backward(d, ok, features, torch.rand(2, 3, 3), torch.rand(2, 4, 3), out[:, :2], out, 0.1)

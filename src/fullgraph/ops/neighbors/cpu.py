@@ -80,6 +80,13 @@ BRUTE_FORCE_MAX_PAIRS = 2**22
 # (radius_aggregate ms tree / reference pairs: 64 x 128^2 68.5 / 19.3, 16 x 256^2 24.6 / 14.6,
 # 8 x 512^2 20.9 / 16.1, 4 x 1024^2 17.3 / 27.7, 2,000^2 10.6 / 25.2).
 PAIRS_BRUTE_FORCE_MAX_PAIRS = 2**18
+# ... and radius_aggregate of items of up to this many pairs sums over whole blocks of
+# measured pairs in C++ (``select.weighted_sums`` and its backward), where the pairs cost
+# ~20 torch operators a chunk: 2-core CPU, session 22, uniform 3-D clouds, C = 8, ms forward /
+# train step, pairs / blocks / plain PyTorch (cdist, masked softmax, bmm):
+#   64 x 128^2 23.4 / 5.3 / 5.3, 58.3 / 17.3 / 15.5;   16 x 256^2 7.5 / 4.5 / 3.7, 18.9 / 10.8 / 10.8;
+#   4 x 512^2 5.6 / 6.1 / 8.6, 13.4 / 15.7 / 16.7;    8 x 1024^2 36.5 / 28.8 / 94.2, 74.4 / 93.6 / 308
+DENSE_AGGREGATE_MAX_PAIRS = 2**17
 # Without the C++ extension "auto" leaves items of up to this many pairs to the reference
 # ("torch"), whose brute force beat the trees there (session 20: 64 x 128^2 radius 66 / 27 ms).
 AUTO_MIN_PAIRS = 2**17
@@ -199,29 +206,54 @@ def _small(query, ref, most: int) -> bool:
     return query.shape[1] * ref.shape[1] <= most
 
 
-def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
-    """``nearest`` by measuring every pair (the reference's distances and order, bit for bit:
-    the squares by ``select.squared_distances_all``, torch's square root, then masking,
-    counting and selection by ``select.nearest_within``), in blocks of whole items; None
-    without the extension."""
+def _measured(query, ref, radius, query_lengths, ref_lengths):
+    """Every pair of small items measured (the reference's distances, bit for bit: the squares
+    by ``select.squared_distances_all``, torch's square root), in blocks of whole items:
+    yields (items, rows, d [g, m, N] in units of the item's scale, query_ok [g, m], ref_ok
+    [g, N], within [g]: the radius in those units, scale [g, 1, 1]); yields None first where
+    the extension does not run."""
     query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
     scale = reference.item_scales(query, ref, query_ok, ref_ok)
     within = reference.radius_in_units(radius, scale)
     within = (torch.full_like(scale, math.inf) if within is None else within).reshape(-1)
     q, r = query.to(scale.dtype) / scale, ref.to(scale.dtype) / scale
     (batch, rows, _), columns = query.shape, ref.shape[1]
-    take = min(k, columns)
-    dists = torch.full((batch, rows, k), math.inf, dtype=scale.dtype)
-    idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
-    counts = torch.zeros((batch, rows), dtype=torch.int64)
     for items, chunk in reference.item_blocks(batch, rows, columns, 0, query.device):
         squares = select.squared_distances_all(q[items, chunk], r[items])
         if squares is None:
+            yield None
+            return
+        yield items, chunk, squares.sqrt_(), query_ok[items, chunk], ref_ok[items], within[items], scale[items]
+
+
+def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
+    """``nearest`` by measuring every pair (``_measured``), then masking, counting and
+    selection by ``select.nearest_within``; None without the extension."""
+    acc = pairs.accumulation_dtype(query.dtype)
+    (batch, rows, _), columns = query.shape, ref.shape[1]
+    take = min(k, columns)
+    dists = torch.full((batch, rows, k), math.inf, dtype=acc)
+    idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
+    counts = torch.zeros((batch, rows), dtype=torch.int64)
+    for block in _measured(query, ref, radius, query_lengths, ref_lengths):
+        if block is None:
             return None
-        values, order, counts[items, chunk] = select.nearest_within(
-            squares.sqrt_(), query_ok[items, chunk], ref_ok[items], within[items], take)
-        dists[items, chunk, :take], idx[items, chunk, :take] = reference.found_lists(values, order, scale[items])
+        items, chunk, d, query_ok, ref_ok, within, scale = block
+        values, order, counts[items, chunk] = select.nearest_within(d, query_ok, ref_ok, within, take)
+        dists[items, chunk, :take], idx[items, chunk, :take] = reference.found_lists(values, order, scale)
     return dists.to(query.dtype), idx, counts
+
+
+def _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+    """``_measured`` as (items, rows, distances [g, m, N], ok [g, m, N]: the valid pairs within
+    the radius); None first without the extension."""
+    for block in _measured(query, ref, radius, query_lengths, ref_lengths):
+        if block is None:
+            yield None
+            return
+        items, chunk, d, query_ok, ref_ok, within, scale = block
+        ok = query_ok[..., None] & ref_ok[:, None, :] & (d <= within[:, None, None])
+        yield items, chunk, d * scale, ok
 
 
 def _widen_tie(query_b, ref_b, query_id, point, ref_ids, ref_points, tie_distance, k, radius):
@@ -266,6 +298,32 @@ def radius_pairs(query, ref, radius, query_lengths, ref_lengths) -> Iterator:
 class KDTreeKernels(pairs.Kernels):
     nearest = staticmethod(nearest)
     radius_pairs = staticmethod(radius_pairs)
+
+    def radius_aggregate(self, query, ref, features, radius, sigma, query_lengths, ref_lengths):
+        """Small items over whole blocks of pairs (``select.weighted_sums``), else the pairs."""
+        if _small(query, ref, DENSE_AGGREGATE_MAX_PAIRS) and select.available():
+            acc = pairs.accumulation_dtype(query.dtype)
+            out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc)
+            for items, rows, d, ok in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+                out[items, rows] = select.weighted_sums(d, ok, features[items].to(acc), sigma)
+            return out.to(features.dtype), None, None
+        return super().radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths)
+
+    def radius_aggregate_backward(self, grad_out, query, ref, features, out, radius, sigma, query_lengths,
+                                  ref_lengths, query_grad=True, ref_grad=True, stats=None, saved_grid=None):
+        if _small(query, ref, DENSE_AGGREGATE_MAX_PAIRS) and select.available():
+            acc = pairs.accumulation_dtype(query.dtype)
+            grads = [torch.zeros(t.shape, dtype=acc) for t in (query, ref, features)]
+            for items, rows, d, ok in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+                found = select.weighted_sums_backward(
+                    d, ok, features[items].to(acc), query[items, rows].to(acc), ref[items].to(acc),
+                    grad_out[items, rows].to(acc), out[items, rows].to(acc), sigma)
+                grads[0][items, rows] += found[0]
+                grads[1][items] += found[1]
+                grads[2][items] += found[2]
+            return tuple(g.to(t.dtype) for g, t in zip(grads, (query, ref, features)))
+        return super().radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths,
+                                                 ref_lengths, query_grad, ref_grad, stats, saved_grid)
 
 
 BACKEND = Backend(

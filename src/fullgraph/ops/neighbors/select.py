@@ -19,7 +19,7 @@ import torch
 
 from ..._extension import ExtensionBuildError, build
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("smallest.cpp", "squared_distances.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp")]
 
 
 @functools.cache
@@ -117,3 +117,39 @@ def nearest_within(d: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor
     if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= columns:
         raise ValueError(f"take: expected an int from 0 to {columns} (the rows' length), got {take!r}")
     return torch.ops.fullgraph_select.nearest_within(d, query_ok, ref_ok, within, take)
+
+
+def _check_blocks(d: torch.Tensor, ok: torch.Tensor, features: torch.Tensor) -> None:
+    batch, rows, columns = d.shape
+    if ok.dtype != torch.bool or ok.shape != d.shape:
+        raise ValueError(f"ok: expected bool {list(d.shape)}, got {ok.dtype} {list(ok.shape)}")
+    if features.dtype != d.dtype or features.dim() != 3 or tuple(features.shape[:2]) != (batch, columns):
+        raise ValueError(f"features: expected [{batch}, {columns}, C] {d.dtype}, got {features.dtype} "
+                         f"{list(features.shape)}")
+
+
+def weighted_sums(d: torch.Tensor, ok: torch.Tensor, features: torch.Tensor, sigma: float) -> torch.Tensor | None:
+    """[B, M, C]: per query row of the distances d [B, M, N] (CPU float32/float64), the
+    features [B, N, C] of the pairs marked ``ok`` weighted by exp(-(d - the row's least) /
+    sigma), normalized (``pairs.aggregate_pairs`` over whole blocks; ``csrc/weighted_sums.cpp``);
+    None where it does not run (see ``squared_distances_all``)."""
+    if d.device.type != "cpu" or d.dtype not in (torch.float32, torch.float64) or not _built():
+        return None
+    _check_blocks(d, ok, features)
+    return torch.ops.fullgraph_select.weighted_sums(d, ok, features, float(sigma))
+
+
+def weighted_sums_backward(d, ok, features, query, ref, grad_out, out, sigma: float):
+    """(grad_query [B, M, D], grad_ref [B, N, D], grad_features [B, N, C]) of ``weighted_sums``
+    then d = |query - ref| (all of d's dtype; ``out`` its result, ``grad_out`` its gradient)."""
+    _check_blocks(d, ok, features)
+    batch, rows, columns = d.shape
+    if query.dtype != d.dtype or tuple(query.shape[:2]) != (batch, rows) or ref.dtype != d.dtype \
+            or tuple(ref.shape) != (batch, columns, query.shape[-1]):
+        raise ValueError(f"query, ref: expected [{batch}, {rows}, D], [{batch}, {columns}, D] {d.dtype}, got "
+                         f"{list(query.shape)}, {list(ref.shape)}")
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if t.dtype != d.dtype or tuple(t.shape) != (batch, rows, features.shape[-1]):
+            raise ValueError(f"{name}: expected [{batch}, {rows}, {features.shape[-1]}] {d.dtype}, got {t.dtype} "
+                             f"{list(t.shape)}")
+    return torch.ops.fullgraph_select.weighted_sums_backward(d, ok, features, query, ref, grad_out, out, float(sigma))
