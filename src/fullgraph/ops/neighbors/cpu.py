@@ -304,7 +304,10 @@ class KDTreeKernels(pairs.Kernels):
         if _small(query, ref, DENSE_AGGREGATE_MAX_PAIRS) and select.available():
             acc = pairs.accumulation_dtype(query.dtype)
             out = torch.zeros((*query.shape[:2], features.shape[-1]), dtype=acc)
-            for items, rows, d, ok in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+            for block in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+                if block is None:  # the measuring op does not run here
+                    return super().radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths)
+                items, rows, d, ok = block
                 out[items, rows] = select.weighted_sums(d, ok, features[items].to(acc), sigma)
             return out.to(features.dtype), None, None
         return super().radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_lengths)
@@ -314,14 +317,18 @@ class KDTreeKernels(pairs.Kernels):
         if _small(query, ref, DENSE_AGGREGATE_MAX_PAIRS) and select.available():
             acc = pairs.accumulation_dtype(query.dtype)
             grads = [torch.zeros(t.shape, dtype=acc) for t in (query, ref, features)]
-            for items, rows, d, ok in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+            for block in _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
+                if block is None:
+                    break
+                items, rows, d, ok = block
                 found = select.weighted_sums_backward(
                     d, ok, features[items].to(acc), query[items, rows].to(acc), ref[items].to(acc),
                     grad_out[items, rows].to(acc), out[items, rows].to(acc), sigma)
                 grads[0][items, rows] += found[0]
                 grads[1][items] += found[1]
                 grads[2][items] += found[2]
-            return tuple(g.to(t.dtype) for g, t in zip(grads, (query, ref, features)))
+            else:
+                return tuple(g.to(t.dtype) for g, t in zip(grads, (query, ref, features)))
         return super().radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths,
                                                  ref_lengths, query_grad, ref_grad, stats, saved_grid)
 
