@@ -23,9 +23,9 @@ K = 16
 PARTS = ("_reaching", "_occupancy", "_by_limit", "_near", "_merge")
 
 
-def _timing_parts(spent: dict) -> None:
-    """Wrap the remote step's parts (and the shard search) to add their synchronized wall
-    time to ``spent``."""
+def _timing_parts(spent: dict):
+    """Wrap the remote step's parts to add their synchronized wall time to ``spent``; returns
+    the wrapper, ``timed(name, call)``, for other calls (the shard search)."""
     def timed(name, call):
         @functools.wraps(call)
         def wrapper(*args, **kwargs):
