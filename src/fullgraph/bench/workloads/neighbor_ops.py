@@ -9,6 +9,9 @@ query plus insertions; a brute-force search would evaluate M*N distances.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 from ...ops.neighbors import knn, knn_aggregate, radius, radius_aggregate
@@ -70,9 +73,19 @@ def _aggregate_cases(device):
         yield Case(f"{label}, graphed", replayed(forward, device), replayed(train, device))
 
 
+def _cuvs_brute_force(query, ref, k):
+    """cuVS's brute-force kNN as a user calls it, one batch item at a time (its index built
+    from each item's references, then searched; it synchronizes before returning)."""
+    from cuvs.neighbors import brute_force
+
+    found = [brute_force.search(brute_force.build(r, metric="sqeuclidean"), q, k) for q, r in zip(query, ref)]
+    return torch.stack([torch.as_tensor(neighbors, device=query.device) for _, neighbors in found])
+
+
 def _feature_cases(shapes, generator, device):
     """kNN in feature space (D >= 4): cdist + topk (what users write), "auto", "dense", and
-    the search dense competes with for "auto" ("triton" on CUDA, the k-d tree "cpu" on CPUs)."""
+    the search dense competes with for "auto" ("triton" on CUDA, the k-d tree "cpu" on CPUs);
+    where cuVS is installed, its brute force as called and the "cuvs" backend."""
     rival = "triton" if device.type == "cuda" else "cpu"
     for batch, m, n, dim, k in shapes:
         query = torch.randn(batch, m, dim, generator=generator, device=device)
@@ -92,6 +105,11 @@ def _feature_cases(shapes, generator, device):
         yield Case(f"{label}: fullgraph dense, as called", by_products, check=check)
         yield Case(f"{label}: fullgraph {rival}, as called",
                    lambda query=query, ref=ref, k=k: knn(query, ref, k, backend=rival))
+        if device.type == "cuda" and importlib.util.find_spec("cuvs") is not None:  # the peer (issue 14)
+            peer = lambda query=query, ref=ref, k=k: (None, _cuvs_brute_force(query, ref, k))  # noqa: E731
+            by_cuvs = lambda query=query, ref=ref, k=k: knn(query, ref, k, backend="cuvs")  # noqa: E731
+            yield Case(f"{label}: cuVS brute force, as called", peer, check=functools.partial(check, peer))
+            yield Case(f"{label}: fullgraph cuvs, as called", by_cuvs, check=functools.partial(check, by_cuvs))
         if device.type == "cuda":
             yield Case(f"{label}: cdist + topk, graphed", replayed(plain, device))
             yield Case(f"{label}: fullgraph auto, graphed", replayed(auto, device))

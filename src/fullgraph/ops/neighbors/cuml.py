@@ -14,7 +14,6 @@ tag is hidden from torch.compile, so a CUDA graph capture of it is refused with 
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import torch
 
@@ -48,20 +47,11 @@ def _candidates(query, ref, query_ok, ref_ok, count):
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     """``pairs.Kernels.nearest`` for plain kNN (radius = inf)."""
-    batch, rows, dim = query.shape
     count = min(k + CANDIDATE_SLACK, ref.shape[1])
     query_ok = pairs.valid_points(query, query_lengths)
     ref_ok = pairs.valid_points(ref, ref_lengths)
     candidates = _candidates(query.detach().float(), ref.detach().float(), query_ok, ref_ok, count)
-    found = candidates >= 0
-    near = torch.gather(ref, 1, candidates.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, dim))
-    d = pairs.pair_distances(query[:, :, None, :], near.reshape(batch, rows, count, dim))
-    d, idx = pairs.order_by_distance(d.masked_fill(~found, math.inf), candidates)
-    d, idx = d[..., :k], idx[..., :k]
-    if count < k:
-        d = torch.cat([d, d.new_full((batch, rows, k - count), math.inf)], dim=-1)
-        idx = torch.cat([idx, idx.new_full((batch, rows, k - count), -1)], dim=-1)
-    return d.to(query.dtype), idx, (idx >= 0).sum(-1)
+    return pairs.reranked(query, ref, k, candidates)
 
 
 class CumlKernels(pairs.Kernels):

@@ -135,6 +135,24 @@ def order_by_distance(d: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
     return d.gather(-1, by_distance), candidates.gather(-1, by_distance)
 
 
+def reranked(query: Tensor, ref: Tensor, k: int, candidates: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``Kernels.nearest``'s (dists, idx, counts) [B, M, k] from a library's candidate lists
+    [B, M, c] (int64 rows of ref, -1 = none): each candidate measured again in the
+    reference's arithmetic (differentiable) and the lists ordered by (distance, index), so
+    they are the reference's wherever the true k nearest are among the candidates."""
+    batch, rows, count = candidates.shape
+    dim = query.shape[-1]
+    found = candidates >= 0
+    near = torch.gather(ref, 1, candidates.clamp_min(0).reshape(batch, -1, 1).expand(-1, -1, dim))
+    d = pair_distances(query[:, :, None, :], near.reshape(batch, rows, count, dim))
+    d, idx = order_by_distance(d.masked_fill(~found, math.inf), candidates)
+    d, idx = d[..., :k], idx[..., :k]
+    if count < k:
+        d = torch.cat([d, d.new_full((batch, rows, k - count), math.inf)], dim=-1)
+        idx = torch.cat([idx, idx.new_full((batch, rows, k - count), -1)], dim=-1)
+    return d.to(query.dtype), idx, (idx >= 0).sum(-1)
+
+
 def pair_weights(qi: Tensor, d: Tensor, sigma: float, rows: int) -> Tensor:
     """[P] normalized weights p_ij = softmax_j(-d_ij / sigma) within each query row; pairs
     at +inf weigh 0, and a row without a finite pair has no weight."""
