@@ -7,8 +7,8 @@ norm, LeakyReLU 0.2) and the maximum over the k edges is the point's output.
 the smaller index; on GPUs and CPUs the matrix-product "dense" backend in feature space) and
 never forms the edges: the convolution of ``[x_i, x_j - x_i]`` is ``P_i + Q_j`` with
 ``P = x (W_a - W_b)^T`` and ``Q = x W_b^T`` (W = [W_a, W_b]), one product per point instead
-of per edge (k times fewer); the batch norm's statistics are the mean and variance of
-``P_i + Q_j`` over the edges (fused with the gather under torch.compile); and since the
+of per edge (k times fewer); the batch norm's statistics, the mean and variance of
+``P_i + Q_j`` over the edges, come from per-point sums (``_per_point``); and since the
 normalization is affine per channel and LeakyReLU increasing, the maximum over j moves
 inside: ``max_j act(s (P_i + Q_j) + t) = act(s (P_i + max_j Q_j) + t)`` (``min_j`` where a
 channel's scale s is negative). The same function as DGCNN's, rounded differently.
@@ -57,26 +57,40 @@ class EdgeConv(nn.Module):
         return self._per_point(x, idx)
 
     def _per_point(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The MLP over the edges of the lists idx [B, N, k], from per-point products (module docstring)."""
+        """The MLP over the edges of the lists idx [B, N, k], from per-point products (module
+        docstring). The batch norm's statistics in per-point sums: with n = B N k edges, c_j the
+        lists holding point j, mu_P the mean of P and mu_Q the c-weighted mean of Q, P' = P - mu_P,
+        Q' = Q - mu_Q and S_i = sum_j Q'_j over i's list, the edges' mean is mu_P + mu_Q and
+        n var = k sum_i P'_i^2 + 2 sum_i P'_i S_i + sum_j c_j Q'_j^2. One pass over the lists
+        gathers S and the extremes of Q'; nothing of size n is stored."""
         conv, norm, act = self.mlp
+        batch, points, _ = x.shape
         weight = conv.weight[:, :, 0, 0]  # [out, 2 in]: W_a acts on x_i, W_b on x_j - x_i
         centre, offset = weight.split(x.shape[-1], 1)
         p, q = (x @ torch.cat([centre - offset, offset]).T).split(weight.shape[0], -1)  # [B, N, out] each
-        neighbours = knn_gather(q, idx)  # [B, N, k, out]
         if norm.training or norm.running_mean is None:
-            edges = p[:, :, None, :] + neighbours
-            mean = edges.mean((0, 1, 2))
-            var = (edges - mean).square().mean((0, 1, 2))
+            flat = (idx + torch.arange(batch, device=idx.device)[:, None, None] * points).reshape(-1)
+            holding = torch.zeros(batch * points, dtype=x.dtype, device=x.device).index_add(
+                0, flat, torch.ones(flat.shape, dtype=x.dtype, device=x.device)).view(batch, points, 1)  # exact
+            edges = idx.numel()
+            mean_p = p.mean((0, 1))
+            mean_q = (holding * q).sum((0, 1)) / edges
+            p, q = p - mean_p, q - mean_q
+            neighbours = knn_gather(q, idx)  # [B, N, k, out]: fused into the reductions under torch.compile
+            var = (self.k * p.square().sum((0, 1)) + 2 * (p * neighbours.sum(2)).sum((0, 1))
+                   + (holding * q.square()).sum((0, 1))) / edges
+            mean, centred = mean_p + mean_q, 0
             if norm.training and norm.running_mean is not None:
-                self._track(norm, mean, var, edges.numel() // edges.shape[-1])
+                self._track(norm, mean, var, edges)
         else:
             mean, var = norm.running_mean, norm.running_var
+            neighbours, centred = knn_gather(q, idx), mean
         scale = torch.rsqrt(var + norm.eps)
         if norm.weight is not None:
             scale = scale * norm.weight
-        shift = -mean * scale if norm.bias is None else norm.bias - mean * scale
+        shift = 0 if norm.bias is None else norm.bias
         extreme = torch.where(scale >= 0, neighbours.amax(2), neighbours.amin(2))
-        return act(scale * (p + extreme) + shift)
+        return act(scale * (p + extreme - centred) + shift)
 
     @staticmethod
     @torch.no_grad()

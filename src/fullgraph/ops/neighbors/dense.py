@@ -195,6 +195,15 @@ def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None):
     return pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
 
 
+def beyond_expansion(value, q_abs, reach, dim: int, u: float):
+    """A floor under the squared distances, as the reference measures them, of the references
+    whose expanded value ``|q|^2 + |r|^2 - 2 q.r`` (D coordinates, unit roundoff u) came out
+    at least ``value`` [B, m], for queries of norm ``q_abs`` [B, m] among references of norm
+    at most ``reach`` (broadcasting): the expansion's error bound of the module docstring,
+    then the reference's own rounding. A list whose k-th squared distance lies below it is exact."""
+    return (value - 2 * (dim + 4) * u * (q_abs + reach) ** 2) * (1 - 2 * (dim + 2) * u)
+
+
 def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
     certificate leaves unproven [B, m]."""
@@ -208,8 +217,7 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     u = _roundoff(qc.dtype)
     q_norms = (qc * qc).sum(-1)
-    bound = 2 * (dim + 4) * u * (q_norms.sqrt() + frames.reach) ** 2
-    outside = (values[..., -1] + q_norms - bound) * (1 - 2 * (dim + 2) * u)
+    outside = beyond_expansion(values[..., -1] + q_norms, q_norms.sqrt(), frames.reach, dim, u)
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
@@ -240,13 +248,12 @@ def _tensor_core_candidates(frames: _Frames, rows: slice, k):
     u = 2.0**-24
     q_abs = (qc * qc).sum(-1).sqrt()
     q_norms = q_abs * q_abs
-    bound = (2 * triton_dense.product_error(precision) * q_abs * frames.reach
-             + 2 * (dim + 4) * u * (q_abs + frames.reach) ** 2)
     unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
     # Every reference of an unchosen chunk has a product value >= the least unchosen minimum;
     # every unmeasured member of a chosen chunk a member distance >= the last one measured.
     # (A list shorter than k, when k exceeds the cloud, holds every member of every chunk.)
-    beyond_chunks = (unchosen + q_norms - bound) * (1 - 2 * (dim + 2) * u)
+    beyond_chunks = beyond_expansion(unchosen + q_norms - 2 * triton_dense.product_error(precision) * q_abs
+                                     * frames.reach, q_abs, frames.reach, dim, u)
     if measured.shape[-1] < members.shape[-1]:
         beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
     else:
