@@ -61,7 +61,7 @@ def test_unknown_names_and_types():
 
 def test_neighbour_backends_are_declared_once():
     names = BACKENDS.names
-    assert names == ("auto", "dense", "triton", "cpu", "torch", "warp", "cuml", "cuvs")
+    assert names == ("auto", "dense", "triton", "cpu", "torch", "warp", "cuml")
     for backend in BACKENDS.backends:
         assert backend.implementation is not None and backend.ops
     assert BACKENDS.resolve("auto", "knn", CPU, torch.float32, 3, 4).name == "cpu"

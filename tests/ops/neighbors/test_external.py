@@ -19,7 +19,6 @@ from conftest import (
 CUDA = torch.cuda.is_available()
 needs_warp = pytest.mark.skipif(not CUDA or importlib.util.find_spec("warp") is None, reason="needs CUDA and warp")
 needs_cuml = pytest.mark.skipif(not CUDA or importlib.util.find_spec("cuml") is None, reason="needs CUDA and cuml")
-needs_cuvs = pytest.mark.skipif(not CUDA or importlib.util.find_spec("cuvs") is None, reason="needs CUDA and cuvs")
 
 
 def _cloud(distribution, count, generator, dim=3):
@@ -34,10 +33,6 @@ def test_external_backends_say_what_they_cover():
         fullgraph.radius_aggregate(cloud, cloud, cloud, 0.1, backend="cuml")
     with pytest.raises(ValueError, match='"warp" needs CUDA tensors, got tensors on cpu'):
         fullgraph.radius(cloud, cloud, 0.1, 4, backend="warp")
-    with pytest.raises(ValueError, match='"cuvs" provides knn and knn_aggregate, not radius'):
-        fullgraph.radius(cloud, cloud, 0.1, 4, backend="cuvs")
-    with pytest.raises(ValueError, match='"cuvs" needs CUDA tensors, got tensors on cpu'):
-        fullgraph.knn(cloud, cloud, 3, backend="cuvs")
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -168,54 +163,3 @@ def test_cuml_knn_matches_oracle(distribution, generator):
     torch.testing.assert_close(out, fullgraph.knn_aggregate(query, ref, features, 9, backend="torch"),
                                **tolerance(torch.float32))
 
-
-@needs_cuvs
-@pytest.mark.parametrize("distribution", DISTRIBUTIONS)
-@pytest.mark.parametrize("dim", [3, 64])
-def test_cuvs_knn_matches_oracle(distribution, dim, generator):
-    """cuVS's candidates, re-ranked and certified: exact on every distribution (far-off
-    halves and ties wider than the slack take the reference's search)."""
-    cloud = _cloud(distribution, 600, generator, dim)
-    query, ref = cloud[:100], cloud[100:]
-    dists, idx = fullgraph.knn(query, ref, 9, backend="cuvs")
-    d = oracle_distances(query, ref)
-    expected_dists, expected_idx, _ = oracle_nearest(d, 9)
-    assert_neighbors(dists, idx, expected_dists, expected_idx, d, torch.float32)
-    features = torch.randn(500, 4, device="cuda")
-    out = fullgraph.knn_aggregate(query, ref, features, 9, backend="cuvs")
-    torch.testing.assert_close(out, fullgraph.knn_aggregate(query, ref, features, 9, backend="torch"),
-                               **tolerance(torch.float32))
-
-
-@needs_cuvs
-def test_cuvs_ragged_float64(generator):
-    query = torch.randn(2, 40, 16, generator=generator, dtype=torch.float64).cuda()
-    ref = torch.randn(2, 70, 16, generator=generator, dtype=torch.float64).cuda()
-    ref[1, 5] = float("nan")  # an invalid reference is never proposed
-    query_lengths, ref_lengths = torch.tensor([40, 25], device="cuda"), torch.tensor([70, 3], device="cuda")
-    args = dict(query_lengths=query_lengths, ref_lengths=ref_lengths)
-    got = fullgraph.knn(query, ref, 5, backend="cuvs", **args)
-    want = fullgraph.knn(query, ref, 5, backend="torch", **args)
-    torch.testing.assert_close(got[0], want[0])
-    assert torch.equal(got[1], want[1])
-    assert (got[1][1, :, 3:] == -1).all() and torch.isinf(got[0][1, 25:]).all()  # 3 refs; queries past 25
-
-
-@needs_cuvs
-def test_cuvs_gradients_and_compile(generator):
-    query = torch.randn(2, 40, 16, generator=generator, dtype=torch.float64).cuda()
-    ref = torch.randn(2, 70, 16, generator=generator, dtype=torch.float64).cuda()
-    q, r = query[:1, :6].clone().requires_grad_(), ref[:1, :20].clone().requires_grad_()
-    torch.autograd.gradcheck(lambda q, r: fullgraph.knn(q, r, 4, backend="cuvs")[0], (q, r))
-    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 5, backend="cuvs"), fullgraph=True, dynamic=True)
-    assert torch.equal(compiled(query, ref)[1], fullgraph.knn(query, ref, 5, backend="torch")[1])
-
-
-@needs_cuvs
-def test_cuvs_refuses_a_capture():
-    from fullgraph.graphs import GraphCaptureError
-
-    cloud = torch.randn(300, 8, device="cuda")
-    with pytest.raises(GraphCaptureError, match='backend="cuvs"'):
-        fullgraph.graphs.graphed(lambda c: fullgraph.knn(c, c, 4, backend="cuvs")[0])(cloud)
-    assert torch.isfinite(torch.randn(3, device="cuda")).all()

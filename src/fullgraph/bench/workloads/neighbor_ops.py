@@ -85,7 +85,7 @@ def _cuvs_brute_force(query, ref, k):
 def _feature_cases(shapes, generator, device):
     """kNN in feature space (D >= 4): cdist + topk (what users write), "auto", "dense", and
     the search dense competes with for "auto" ("triton" on CUDA, the k-d tree "cpu" on CPUs);
-    where cuVS is installed, its brute force as called and the "cuvs" backend."""
+    where cuVS is installed, its brute force as called (RAPIDS; what cuML's NearestNeighbors runs)."""
     rival = "triton" if device.type == "cuda" else "cpu"
     for batch, m, n, dim, k in shapes:
         query = torch.randn(batch, m, dim, generator=generator, device=device)
@@ -107,9 +107,7 @@ def _feature_cases(shapes, generator, device):
                    lambda query=query, ref=ref, k=k: knn(query, ref, k, backend=rival))
         if device.type == "cuda" and importlib.util.find_spec("cuvs") is not None:  # the peer (issue 14)
             peer = lambda query=query, ref=ref, k=k: (None, _cuvs_brute_force(query, ref, k))  # noqa: E731
-            by_cuvs = lambda query=query, ref=ref, k=k: knn(query, ref, k, backend="cuvs")  # noqa: E731
             yield Case(f"{label}: cuVS brute force, as called", peer, check=functools.partial(check, peer))
-            yield Case(f"{label}: fullgraph cuvs, as called", by_cuvs, check=functools.partial(check, by_cuvs))
         if device.type == "cuda":
             yield Case(f"{label}: cdist + topk, graphed", replayed(plain, device))
             yield Case(f"{label}: fullgraph auto, graphed", replayed(auto, device))

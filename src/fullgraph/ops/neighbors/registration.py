@@ -16,7 +16,7 @@ import math
 import torch
 
 from ... import _validate, backends
-from . import cpu, cuml, cuvs, dense, pairs, reference, triton_grid, warp
+from . import cpu, cuml, dense, pairs, reference, triton_grid, warp
 
 BACKENDS = backends.family(
     "neighbors",
@@ -26,7 +26,6 @@ BACKENDS = backends.family(
     reference.BACKEND,
     warp.BACKEND,
     cuml.BACKEND,
-    cuvs.BACKEND,
 )
 
 Tensor = torch.Tensor
