@@ -11,8 +11,8 @@ from .ops.kmeans import KMeans, KMeansResult, kmeans, kmeans_assign
 from .ops.lltm import lltm
 from .ops.mlp import narrow_mlp
 from .ops.neighbors import (
-    ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, radius, radius_aggregate, radius_edges,
-    radius_graph,
+    ball_query, knn, knn_aggregate, knn_edges, knn_gather, knn_graph, knn_reduce, radius, radius_aggregate,
+    radius_edges, radius_graph,
 )
 from .ops.sampling import fps, voxel_grid
 
@@ -22,7 +22,7 @@ __all__ = [
     "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
     "conv_groupnorm_mish",
     "knn", "knn_aggregate",
-    "knn_gather", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
+    "knn_gather", "knn_reduce", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",
     "ball_query", "voxel_grid",
     "kmeans", "kmeans_assign", "KMeans", "KMeansResult", "lltm", "narrow_mlp", "__version__",
 ]

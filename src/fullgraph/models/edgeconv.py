@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import _validate
 from .switchable import IMPLEMENTATIONS, Switchable
-from ..ops.neighbors import knn, knn_gather
+from ..ops.neighbors import knn, knn_gather, knn_reduce
 
 
 
@@ -62,7 +62,7 @@ class EdgeConv(nn.Module):
         lists holding point j, mu_P the mean of P and mu_Q the c-weighted mean of Q, P' = P - mu_P,
         Q' = Q - mu_Q and S_i = sum_j Q'_j over i's list, the edges' mean is mu_P + mu_Q and
         n var = k sum_i P'_i^2 + 2 sum_i P'_i S_i + sum_j c_j Q'_j^2. One pass over the lists
-        gathers S and the extremes of Q'; nothing of size n is stored."""
+        (``knn_reduce``) gives S and the extremes of Q'; nothing of size n is stored."""
         conv, norm, act = self.mlp
         batch, points, _ = x.shape
         weight = conv.weight[:, :, 0, 0]  # [out, 2 in]: W_a acts on x_i, W_b on x_j - x_i
@@ -76,20 +76,20 @@ class EdgeConv(nn.Module):
             mean_p = p.mean((0, 1))
             mean_q = (holding * q).sum((0, 1)) / edges
             p, q = p - mean_p, q - mean_q
-            neighbours = knn_gather(q, idx)  # [B, N, k, out]: fused into the reductions under torch.compile
-            var = (self.k * p.square().sum((0, 1)) + 2 * (p * neighbours.sum(2)).sum((0, 1))
+            top, bottom, total = knn_reduce(q, idx)  # [B, N, out]: one pass over the lists
+            var = (self.k * p.square().sum((0, 1)) + 2 * (p * total).sum((0, 1))
                    + (holding * q.square()).sum((0, 1))) / edges
             mean, centred = mean_p + mean_q, 0
             if norm.training and norm.running_mean is not None:
                 self._track(norm, mean, var, edges)
         else:
             mean, var = norm.running_mean, norm.running_var
-            neighbours, centred = knn_gather(q, idx), mean
+            (top, bottom, _), centred = knn_reduce(q, idx), mean
         scale = torch.rsqrt(var + norm.eps)
         if norm.weight is not None:
             scale = scale * norm.weight
         shift = 0 if norm.bias is None else norm.bias
-        extreme = torch.where(scale >= 0, neighbours.amax(2), neighbours.amin(2))
+        extreme = torch.where(scale >= 0, top, bottom)
         return act(scale * (p + extreme - centred) + shift)
 
     @staticmethod

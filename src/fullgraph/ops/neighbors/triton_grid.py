@@ -272,7 +272,7 @@ def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     return out, dists, idx
 
 
-def _sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
+def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
     row (sum of weights * source row of the slot's query [B*M, W] (of the slot [B*M*k, W]
     when ``per_slot``), sum of weights), both float32 and deterministic: slots are sorted by
@@ -316,7 +316,7 @@ def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma, dists_gra
             dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
             1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M,
             DISTS=dists_grad)
-    grad_features, _ = _sum_pairs_by_ref(idx, weights, grad_out.reshape(batch * rows, channels), columns)
+    grad_features, _ = sum_pairs_by_ref(idx, weights, grad_out.reshape(batch * rows, channels), columns)
     return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
 
 
@@ -339,7 +339,7 @@ def distances_backward(grad_dists, query, ref, idx, dists):
     grad_query = pairs.weighted(scale, offset).reshape(batch, rows, k, dim).sum(2)
     # Each reference sums its slots' own offsets: r * sum(scale) - sum(scale * q) would cancel
     # catastrophically for near-coincident points (scale ~ 1 / d).
-    pulled, _ = _sum_pairs_by_ref(idx, scale.contiguous(), offset.contiguous(), columns, per_slot=True)
+    pulled, _ = sum_pairs_by_ref(idx, scale.contiguous(), offset.contiguous(), columns, per_slot=True)
     return grad_query.to(query.dtype), (-pulled).reshape(ref.shape).to(ref.dtype)
 
 
