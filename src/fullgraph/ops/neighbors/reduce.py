@@ -98,12 +98,16 @@ def _reduce_torch(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     flat = _flat(values, idx)
     ok = (flat >= 0)[..., None]
     gathered = values.reshape(-1, channels)[flat.clamp(min=0).reshape(-1)].reshape(batch, rows, k, channels)
-    top, top_slot = gathered.masked_fill(~ok, -torch.inf).max(2)
-    bottom, bottom_slot = gathered.masked_fill(~ok, torch.inf).min(2)
-    some = ok.any(2)
-    total = gathered.masked_fill(~ok, 0).sum(2)
-    slots = torch.stack([top_slot, bottom_slot]).to(torch.int16)
-    return top.masked_fill(~some, 0), bottom.masked_fill(~some, 0), total, slots
+    if values.is_cpu and bool(ok.all()):  # (a host read only on CPUs) no padding: nothing to mask
+        (top, top_slot), (bottom, bottom_slot) = gathered.max(2), gathered.min(2)
+        total = gathered.sum(2)
+    else:
+        some = ok.any(2)
+        top, top_slot = gathered.masked_fill(~ok, -torch.inf).max(2)
+        bottom, bottom_slot = gathered.masked_fill(~ok, torch.inf).min(2)
+        top, bottom = top.masked_fill(~some, 0), bottom.masked_fill(~some, 0)
+        total = gathered.masked_fill(~ok, 0).sum(2)
+    return top, bottom, total, torch.stack([top_slot, bottom_slot]).to(torch.int16)
 
 
 def _reduce_triton(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
