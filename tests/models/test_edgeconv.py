@@ -35,14 +35,15 @@ def test_dgcnn_compiles_in_one_graph_and_trains():
     assert_compiles_once_and_trains(model, (xyz,), lambda out: (out - target).square().mean(), lr=1e-2)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_per_point_products_equal_the_edges_mlp_in_training(momentum):
+def test_per_point_products_equal_the_edges_mlp_in_training(momentum, device):
     """Batch statistics, their running averages, channels of negative scale (a minimum
     instead of a maximum) and every gradient: the same as the MLP over the edges."""
     generator = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 90, 12, generator=generator, dtype=torch.float64)
-    ours = EdgeConv(12, 16, k=7).double()
-    plain = EdgeConv(12, 16, k=7, implementation="plain").double()
+    x = torch.randn(2, 90, 12, generator=generator, dtype=torch.float64).to(device)
+    ours = EdgeConv(12, 16, k=7).double().to(device)
+    plain = EdgeConv(12, 16, k=7, implementation="plain").double().to(device)
     norm = ours.mlp[1]
     norm.momentum = momentum
     with torch.no_grad():
@@ -55,7 +56,7 @@ def test_per_point_products_equal_the_edges_mlp_in_training(momentum):
         x_ours, x_plain = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_ours, out_plain = ours(x_ours), plain(x_plain)
         torch.testing.assert_close(out_ours, out_plain)
-        weights = torch.randn(out_ours.shape, generator=generator, dtype=torch.float64)
+        weights = torch.randn(out_ours.shape, generator=generator, dtype=torch.float64).to(device)
         (out_ours * weights).sum().backward()
         (out_plain * weights).sum().backward()
         torch.testing.assert_close(x_ours.grad, x_plain.grad)

@@ -103,3 +103,14 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="grad_sum: expected shape"):
         torch.ops.fullgraph.knn_reduce_backward(torch.zeros(2, 4, 3), torch.zeros(2, 4, 3), torch.zeros(2, 3, 3),
                                                 idx, torch.zeros(2, 2, 4, 3, dtype=torch.int16), 5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    generator = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 12, 5, generator=generator).to(device).requires_grad_()
+    idx = _lists(2, 9, 12, 4, generator, device)
+    torch.library.opcheck(torch.ops.fullgraph.knn_reduce.default, (values, idx))
+    _, _, _, slots = torch.ops.fullgraph.knn_reduce(values, idx)
+    grads = [torch.randn(2, 9, 5, generator=generator).to(device) for _ in range(3)]
+    torch.library.opcheck(torch.ops.fullgraph.knn_reduce_backward.default, (*grads, idx, slots, 12))
