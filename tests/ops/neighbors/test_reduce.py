@@ -63,6 +63,27 @@ def test_triton_kernels_equal_torch(device):
                                reduce._backward_torch(*grads, idx, want[3], 40))
 
 
+@pytest.mark.skipif(not reduce.select.available(), reason="needs the C++ extension")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_kernels_equal_torch(dtype):
+    """The C++ forward and backward against torch: padding, a query without neighbours, NaN,
+    equal rows (the first slot holding an extreme), channels beyond one block of 16."""
+    generator = torch.Generator().manual_seed(4)
+    values = torch.randn(2, 40, 37, generator=generator, dtype=dtype)
+    values[1, 3, 4] = float("nan")
+    values[0, 5] = values[0, 6]
+    idx = _lists(2, 33, 40, 7, generator, "cpu")
+    idx[0, 2, :2] = torch.tensor([6, 5])
+    idx[1, :, 0] = 3
+    got, want = torch.ops.fullgraph_select.knn_reduce(values, idx), reduce._reduce_torch(values, idx)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, equal_nan=True)
+    assert torch.equal(got[3], want[3])
+    grads = [torch.randn(2, 33, 37, generator=generator, dtype=dtype) for _ in range(3)]
+    torch.testing.assert_close(torch.ops.fullgraph_select.knn_reduce_backward(*grads, idx, want[3], 40),
+                               reduce._backward_torch(*grads, idx, want[3], 40))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_and_compile(device):
     generator = torch.Generator().manual_seed(2)

@@ -6,8 +6,11 @@ On CUDA one Triton pass reads each neighbour's row once and keeps the three redu
 the slots of the extremes in registers; the backward sends each query's gradients to the
 slots (the sum's to every slot, the maximum's and minimum's to the slot that held them, the
 first such slot on ties, as ``torch.max`` does) and sums them per row of ``values`` in slot
-order after a stable sort of the slots by row: deterministic, no atomics. Elsewhere torch
-does the same from the gathered rows (``index_add`` on CPUs, deterministic there).
+order after a stable sort of the slots by row: deterministic, no atomics. On CPUs a C++
+kernel does both in one pass each (``csrc/knn_reduce.cpp``, float32 and float64; 2 x 1024
+queries x 20 slots x 64 channels on the 2-core development CPU: forward 4.9 ms, backward
+2.5 ms, against 7.1 and 18.1 ms from torch's gathered rows); elsewhere torch does the same
+from the gathered rows.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 
 from ... import _triton, _validate
 from ..._triton import tl, triton
+from . import select
 from .triton_grid import sum_pairs_by_ref
 
 Tensor = torch.Tensor
@@ -92,6 +96,10 @@ def _uses_triton(values: Tensor) -> bool:
     return values.is_cuda and _triton.available()
 
 
+def _uses_cpp(values: Tensor) -> bool:
+    return values.is_cpu and values.dtype in (torch.float32, torch.float64) and select.available()
+
+
 def _reduce_torch(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     batch, rows, k = idx.shape
     channels = values.shape[-1]
@@ -129,6 +137,8 @@ def knn_reduce_op(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     and the extremes' slots [2, B, M, C] int16 (for the backward)."""
     _check(values, idx)
     values, idx = values.contiguous(), idx.contiguous()
+    if _uses_cpp(values):
+        return tuple(torch.ops.fullgraph_select.knn_reduce(values, idx))
     return (_reduce_triton if _uses_triton(values) else _reduce_torch)(values, idx)
 
 
@@ -156,6 +166,8 @@ def knn_reduce_backward_op(grad_max: Tensor, grad_min: Tensor, grad_sum: Tensor,
     if slots.shape != (2, batch, rows, channels) or slots.dtype != torch.int16:
         raise ValueError(f"slots: expected int16 of shape {(2, batch, rows, channels)}, got {slots.dtype} "
                          f"{tuple(slots.shape)}")
+    if _uses_cpp(grad_sum) and grad_max.dtype == grad_min.dtype == grad_sum.dtype:
+        return torch.ops.fullgraph_select.knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, columns)
     return (_backward_triton if _uses_triton(grad_sum) else _backward_torch)(grad_max, grad_min, grad_sum, idx,
                                                                             slots, columns)
 

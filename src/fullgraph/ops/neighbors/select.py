@@ -1,6 +1,7 @@
 """The ``take`` smallest values of every row, ascending, with their positions: the dense
 backend's candidate selection (and, by the same C++ extension, its re-measure on CPUs:
-``squared_distances``). On CPUs a C++ extension (``csrc/smallest.cpp``, built on first
+``squared_distances``; the cpu backend's ``weighted_sums``; ``knn_reduce``'s CPU kernels,
+``reduce.py``). On CPUs a C++ extension (``csrc/smallest.cpp``, built on first
 use by ``fullgraph._extension``) bounds each row's take-th smallest value by group minima,
 keeps only the entries under the bound and sorts those, ties to the smaller position (3x
 torch.topk on the 2-core development CPU: 8 x 2048 rows of 2,048 float32, 28 kept: 29 ms
@@ -19,7 +20,8 @@ import torch
 
 from ..._extension import ExtensionBuildError, build
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp", "knn_reduce.cpp")]
 
 
 @functools.cache
