@@ -86,7 +86,11 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   // The minima of G >= take groups, group g = the entries i with i % G == g (G lanes of
   // ``sets`` vectors, read in one pass), and their take-th smallest: a bound of the row's.
   T bound = infinity;
-  const int64_t sets = (take + V::size() - 1) / V::size(), groups = sets * V::size();
+  // Twice take's groups where the row is long enough (a tighter bound: fewer survivors to sort;
+  // 1,024 rows of 1,024, take 24: 1.27 -> 0.85 ms on the 2-core development CPU).
+  int64_t sets = (2 * take + V::size() - 1) / V::size();
+  if (4 * sets * V::size() > size) sets = (take + V::size() - 1) / V::size();
+  const int64_t groups = sets * V::size();
   if (4 * groups <= size) {  // else every number is a candidate
     std::vector<V>& lanes = scratch<V>(sets);
     for (int64_t set = 0; set < sets; ++set) lanes[set] = V(infinity);
