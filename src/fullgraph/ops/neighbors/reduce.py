@@ -86,9 +86,9 @@ if triton is not None:
             tl.store(out + (offs[:, None] * K + r) * channels + cols[None, :], share, mask=keep)
 
 
-def _flat(values: Tensor, idx: Tensor) -> Tensor:
+def _flat(columns: int, idx: Tensor) -> Tensor:
     """Flat rows b * N + j of the lists idx [B, M, k] (-1 kept)."""
-    offsets = (torch.arange(idx.shape[0], device=idx.device) * values.shape[1]).view(-1, 1, 1)
+    offsets = (torch.arange(idx.shape[0], device=idx.device) * columns).view(-1, 1, 1)
     return torch.where(idx >= 0, idx + offsets, -1)
 
 
@@ -103,7 +103,7 @@ def _uses_cpp(values: Tensor) -> bool:
 def _reduce_torch(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     batch, rows, k = idx.shape
     channels = values.shape[-1]
-    flat = _flat(values, idx)
+    flat = _flat(values.shape[1], idx)
     ok = (flat >= 0)[..., None]
     gathered = values.reshape(-1, channels)[flat.clamp(min=0).reshape(-1)].reshape(batch, rows, k, channels)
     if values.is_cpu and bool(ok.all()):  # (a host read only on CPUs) no padding: nothing to mask
@@ -182,7 +182,7 @@ def _per_slot(grad_max, grad_min, grad_sum, slots, k) -> Tensor:
 def _backward_torch(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tensor:
     batch, rows, k = idx.shape
     channels = grad_sum.shape[-1]
-    flat = _flat(grad_sum.new_empty((batch, columns, 0)), idx)
+    flat = _flat(columns, idx)
     per_slot = _per_slot(grad_max, grad_min, grad_sum, slots, k).masked_fill((flat < 0)[..., None], 0)
     out = grad_sum.new_zeros((batch * columns, channels))
     return out.index_add_(0, flat.clamp(min=0).reshape(-1), per_slot.reshape(-1, channels)).reshape(
