@@ -117,7 +117,7 @@ def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
     frames = dense._Frames(query, ref, query_ok, ref_ok, torch.float32)
     assert frames.scale.min().item() > 1  # far out: the clouds are scaled
     built = grid.one_cell(frames.q, frames.r, query_ok, ref_ok, frames.scale)
-    assert torch.equal(built[2].cell_start.cpu(), torch.tensor([0, 89, 90, 90 + 63, 180], dtype=torch.int32))
+    assert torch.equal(built[2].bucket_start.cpu(), torch.tensor([0, 89, 90, 90 + 63, 180], dtype=torch.int32))
     needed = query_ok.clone()
     needed[1, :5] = False
     full = triton_grid.nearest(query, ref, 7, math.inf, query_lengths, ref_lengths, needed=needed)

@@ -1,18 +1,26 @@
 """A uniform grid (cell list) over the first three coordinates, built on the GPU.
 
 Per batch item, the box around the valid references is cut into cubic cells of side h,
-first sized as if the cloud were uniform, then resized (``REFINEMENTS`` rounds) so that the
-cell of a typical query holds about ``CELL_POINTS`` references. Points outside the box
-(queries) are clamped into its border cells, which keeps every search exact. References and queries are then sorted by
-(item, cell) key with one ``torch.sort`` each, and ``cell_start`` marks where each
-cell's points begin in that order, so the points of a row of cells along x are one
-contiguous range. Invalid points (beyond the item's length, or not finite) sort to the
+first sized as if the cloud were uniform, then resized once so that the cell of a typical
+query holds about ``CELL_POINTS`` references. Points outside the box (queries) are clamped
+into its border cells, which keeps every search exact. References and queries are sorted
+by (item, cell) key with one ``torch.sort``, so the points of a row of cells along x are
+one contiguous range. Invalid points (beyond the item's length, or not finite) sort to the
 end of their item and are never visited.
 
-Nothing reads a value back to the host: the number of cells per item is a static budget
-derived from the shapes, and each item's grid (origin, cell side, cells per axis) stays in
-device tensors. Points with more than three coordinates get a grid of one cell, which
-turns the search kernels into tiled brute force.
+Sparse cells. The first cell of a range is found through a table of static size, the
+item's ``buckets`` (``BUDGET`` per ``CELL_POINTS`` references): a bucket is 2^shift
+consecutive cells (shift per item, 0 while the cells fit the table, at most
+log2(``FINER``)), ``bucket_start`` marks where each bucket's points begin, and a binary
+search over the points' offsets within their bucket (``within``, one byte a point) finds
+the cell. So a clustered cloud, whose clusters are hundreds of times denser than its box's
+mean, gets cells sized for its clusters (up to FINER times more cells than buckets) while
+memory stays O(points); a uniform one keeps one cell a bucket and one load a lookup.
+
+Nothing reads a value back to the host: the table's size is a static budget derived from
+the shapes, and each item's grid (origin, cell side, cells per axis, shift) stays in device
+tensors. Points with more than three coordinates get a grid of one cell, which turns the
+search kernels into tiled brute force.
 """
 
 from __future__ import annotations
@@ -24,10 +32,12 @@ import torch
 from ..._triton import tl, triton
 
 CELL_POINTS = 8
-# Cells allowed per item, in units of CELL_POINTS references; and the rounds of resizing
-# the cells to the density that the queries see.
+# Buckets per item, in units of CELL_POINTS references (room for cells BUDGET / 8 times
+# finer per axis than a uniform cloud needs, one a bucket), and how many times more cells
+# than buckets an item may have (clustered clouds; lowered where the sort keys would
+# otherwise not fit 32 bits).
 BUDGET = 32
-REFINEMENTS = 1
+FINER = 64
 # lower_bounds' values a program searches, and its warps: a search is a chain of dependent
 # loads, so one value a thread (H100 session 20, run HG, the seed grid's 2 x 400,001 slots /
 # the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
@@ -37,13 +47,15 @@ LOWER_BOUNDS_BLOCK = (256, 8)
 _BLOCK = 1024
 VALUE_COLUMNS = 12  # of Frame.values
 SCALE_COLUMN = 9  # of Frame.values: the item's scale
+SHIFT_COLUMN = 10  # of Frame.values: log2 of the cells a bucket holds
 
 
 @dataclass(frozen=True)
 class Frame:
     """The grid of every batch item: values [B, 12] float32 (origin xyz, extent xyz, cell
-    side, its inverse, the rounding slack of a distance to a cell face, the scale), shape [B, 4]
-    int32 (cells along x, y, z, then 1), and ``cells``, the static budget of cells per item.
+    side, its inverse, the rounding slack of a distance to a cell face, the scale, the shift),
+    shape [B, 4] int32 (cells along x, y, z, then 1); ``buckets``, the static size of each
+    item's lookup table, and ``space``, the static bound on its cells (a multiple of it).
 
     Scale: a power of two (``ops.scaling.safe_scale`` of the item's largest finite coordinate; 1 in
     the usual range). ``build`` returns the sorted points and the frame in units of it, so that
@@ -52,7 +64,8 @@ class Frame:
 
     values: torch.Tensor
     shape: torch.Tensor
-    cells: int
+    buckets: int
+    space: int
     grid_dims: int
 
 
@@ -61,18 +74,22 @@ class SortedPoints:
     """Points of a [B, L, D] cloud in (item, cell) order.
 
     points: [B*L, D] float32, sorted; order: [B*L] int64, sorted position -> flat row b*L + j;
-    cell_start: [B*(cells+1) + 1] int32, the first sorted position of slot b*(cells+1) + cell,
-    where slot ``cells`` of each item holds its invalid points (so it also ends its live ones).
+    bucket_start: [B*(buckets+1) + 1] int32, the first sorted position of slot
+    b*(buckets+1) + bucket, where slot ``buckets`` of each item holds its invalid points (so
+    it also ends its live ones); within: [B*L] int8, each point's cell's offset in its bucket
+    (cell mod 2^shift; 0 for invalid points).
     """
 
     points: torch.Tensor
     order: torch.Tensor
-    cell_start: torch.Tensor
+    bucket_start: torch.Tensor
+    within: torch.Tensor
 
 
 if triton is not None:
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
+    SHIFT = tl.constexpr(SHIFT_COLUMN)
     VALUES = tl.constexpr(VALUE_COLUMNS)
     # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100).
     _FRAME_CHUNK = tl.constexpr(64)
@@ -106,10 +123,10 @@ if triton is not None:
         tl.store(out + 4 + dims, tl.where(dims == 3, tl.sum(valid.to(tl.float32), 0), high))
 
     @triton.jit
-    def _frame_kernel(bounds, blocks, query_bounds, query_blocks, values, shape, cells, cell_points,
+    def _frame_kernel(bounds, blocks, query_bounds, query_blocks, values, shape, buckets, cell_points,
                       G: tl.constexpr):
-        """Cells over the box of each item's valid references, cell_points per cell, and the
-        item's scale (from the largest coordinate of both clouds)."""
+        """Cells over the box of each item's valid references, cell_points per cell (at most
+        one a bucket), and the item's scale (from the largest coordinate of both clouds)."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         chunk = tl.arange(0, _FRAME_CHUNK)
@@ -144,7 +161,7 @@ if triton is not None:
             log_volume = tl.sum(tl.where(longer, tl.log(tl.where(longer, extent, 1.0)), 0.0), 0)
             side = tl.where(count > 0, tl.exp((log_volume - tl.log(target)) / tl.maximum(count, 1.0)), 1.0)
             longer = longer & (extent >= side)
-        _store_frame(values, shape, b, dims, low, extent, side * 1.00001, cells, G)
+        _store_frame(values, shape, b, dims, low, extent, side * 1.00001, buckets, buckets, G)
 
     @triton.jit
     def _to_scaled_units_kernel(values):
@@ -171,9 +188,10 @@ if triton is not None:
         tl.store(out + offs[:, None] * D + cols[None, :], block / scale[:, None], mask=mask)
 
     @triton.jit
-    def _refine_kernel(values, shape, loads, cells, cell_points, G: tl.constexpr):
+    def _refine_kernel(values, shape, loads, buckets, space, cell_points, G: tl.constexpr):
         """Rescale each item's cells so that a query's cell holds about cell_points references,
-        given the mean load (references in a live query's cell) under the current cells."""
+        given the mean load (references in a live query's cell) under the current cells; at
+        most ``space`` cells."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         row = values + b * VALUES
@@ -184,17 +202,22 @@ if triton is not None:
         ratio = tl.where((split > 0) & (load > 0), tl.exp(tl.log(cell_points / tl.maximum(load, 1e-30))
                                                          / tl.maximum(split, 1.0)), 1.0)
         ratio = tl.minimum(tl.maximum(ratio, 1.0 / 16), 16.0)
-        _store_frame(values, shape, b, dims, low, extent, tl.load(row + SIDE) * ratio, cells, G)
+        _store_frame(values, shape, b, dims, low, extent, tl.load(row + SIDE) * ratio, space, buckets, G)
 
     @triton.jit
-    def _store_frame(values, shape, b, dims, low, extent, side, cells, G: tl.constexpr):
+    def _store_frame(values, shape, b, dims, low, extent, side, limit, buckets, G: tl.constexpr):
+        """Item b's frame with cells of about ``side`` (larger where more than ``limit`` cells
+        would cover the extent), and the shift that fits them into ``buckets``."""
         on = dims < G
-        per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
+        per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), limit - 1.0) + 1.0, 1.0).to(tl.int64)
         total = _product(per_axis, dims)
-        while total > cells:  # over the budget: grow the cells to fit it
-            side = side * tl.exp(tl.log(total.to(tl.float32) / cells) / G) * 1.001
-            per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), cells - 1.0) + 1.0, 1.0).to(tl.int64)
+        while total > limit:  # over the budget: grow the cells to fit it
+            side = side * tl.exp(tl.log(total.to(tl.float32) / limit) / G) * 1.001
+            per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), limit - 1.0) + 1.0, 1.0).to(tl.int64)
             total = _product(per_axis, dims)
+        shift = tl.zeros((), tl.int32)
+        while (buckets.to(tl.int64) << shift) < total:
+            shift += 1
         slack = 1e-6 * (tl.max(tl.abs(low), 0) + tl.max(extent, 0) + side)
         row = values + b * VALUES
         tl.store(row + dims, low, mask=dims < 3)
@@ -202,6 +225,7 @@ if triton is not None:
         tl.store(row + SIDE, side)
         tl.store(row + INV_SIDE, 1.0 / side)
         tl.store(row + SLACK, slack)
+        tl.store(row + SHIFT, shift.to(tl.float32))
         tl.store(shape + b * 4 + dims, per_axis.to(tl.int32))
 
     @triton.jit
@@ -254,34 +278,44 @@ if triton is not None:
         return cell, valid
 
     @triton.jit
-    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, cells,
+    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, space,
                           D: tl.constexpr, G: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr):
-        """keys[b * rows + i] = the slot b * (cells + 1) + cell of point i of item b, or with
-        FLAG (0 or 1; -1: none) 2 * slot + FLAG."""
+        """keys[b * rows + i] = the slot b * (space + 1) + cell of point i of item b (invalid
+        points: cell ``space``), or with FLAG (0 or 1; -1: none) 2 * slot + FLAG."""
         b = tl.program_id(1).to(tl.int64)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
-        key = b * (cells + 1) + tl.where(valid, cell, cells)
+        key = b * (space + 1) + tl.where(valid, cell, space)
         if FLAG >= 0:
             key = 2 * key + FLAG
         tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=offs < rows)
 
     @triton.jit
-    def _split_kernel(sorted_keys, order, queries_so_far, query_order, query_keys, ref_order, ref_keys, total,
-                      query_total, BLOCK: tl.constexpr):
-        """One sorted array of both clouds' flagged keys (2 * slot + 1 for references) into each
-        cloud's sorted order and slots; queries_so_far: the inclusive running count of queries."""
+    def _split_kernel(sorted_keys, order, queries_so_far, values, query_order, query_slots, query_within, ref_order,
+                      ref_slots, ref_within, total, query_total, space, buckets, BLOCK: tl.constexpr):
+        """One sorted array of both clouds' flagged keys (``_cell_keys_kernel``'s, + 1 for
+        references) into each cloud's sorted order, bucket slots b * (buckets + 1) + (cell >>
+        shift) and offsets within the bucket; queries_so_far: the inclusive running count of
+        queries."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = offs < total
         key = tl.load(sorted_keys + offs, mask=live, other=0)
         source = tl.load(order + offs, mask=live, other=0)
         before = tl.load(queries_so_far + offs, mask=live, other=0).to(tl.int64)
         is_ref = (key & 1) == 1
-        slot = (key >> 1).to(query_keys.dtype.element_ty)
+        slot = (key >> 1).to(tl.int64)
+        b = slot // (space + 1)
+        cell = slot - b * (space + 1)
+        shift = tl.load(values + b * VALUES + SHIFT, mask=live, other=0.0).to(tl.int64)
+        invalid = cell == space
+        bucket = (b * (buckets + 1) + tl.where(invalid, buckets, cell >> shift)).to(query_slots.dtype.element_ty)
+        within = tl.where(invalid, 0, cell & ((1 << shift) - 1)).to(tl.int8)
         tl.store(query_order + before - 1, source, mask=live & ~is_ref)
-        tl.store(query_keys + before - 1, slot, mask=live & ~is_ref)
+        tl.store(query_slots + before - 1, bucket, mask=live & ~is_ref)
+        tl.store(query_within + before - 1, within, mask=live & ~is_ref)
         tl.store(ref_order + offs - before, source - query_total, mask=live & is_ref)
-        tl.store(ref_keys + offs - before, slot, mask=live & is_ref)
+        tl.store(ref_slots + offs - before, bucket, mask=live & is_ref)
+        tl.store(ref_within + offs - before, within, mask=live & is_ref)
 
     @triton.jit
     def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
@@ -304,7 +338,8 @@ if triton is not None:
     @triton.jit
     def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
                       D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        """per_cell[b * (cells + 1) + cell] += valid points in the cell (integer atomics: exact)."""
+        """per_cell[b * (cells + 1) + cell] += valid points in the cell (integer atomics: exact),
+        for frames of at most ``cells`` cells an item."""
         b = tl.program_id(1).to(tl.int64)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
@@ -323,10 +358,24 @@ if triton is not None:
 
 
 def cell_budget(refs: int, grid_dims: int) -> int:
-    """Static number of cells per item for ``refs`` references: room for cells
-    ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs. (Integer arithmetic, so
-    that a symbolic size under ``torch.compile`` gives a symbolic budget.)"""
+    """Static number of buckets per item for ``refs`` references: room for cells
+    ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs, one a bucket. (Integer
+    arithmetic, so that a symbolic size under ``torch.compile`` gives a symbolic budget.)"""
     return 1 if grid_dims == 0 else BUDGET * torch.sym_max(1, -(-refs // CELL_POINTS))
+
+
+def _keys_fit_32_bits(batch: int, space: int) -> bool:
+    return 2 * (batch * (space + 1) + 1) < 2**31
+
+
+def cell_space(batch: int, buckets: int) -> int:
+    """Static bound on an item's cells: FINER times its ``buckets``, or fewer (down to one a
+    bucket) where more would take the sort's keys (``sort_both``) past 32 bits."""
+    finer = FINER
+    if _keys_fit_32_bits(batch, buckets):
+        while finer > 1 and not _keys_fit_32_bits(batch, buckets * finer):
+            finer //= 2
+    return buckets * finer
 
 
 def _bounds(points: torch.Tensor, lengths: torch.Tensor, grid_dims: int) -> tuple[torch.Tensor, int]:
@@ -343,71 +392,76 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, que
     points, with cells sized for a uniform cloud, and the scale of both clouds (unscaled)."""
     batch, columns, dim = ref.shape
     grid_dims = dim if dim <= 3 else 0
-    cells = cell_budget(columns, grid_dims)
+    buckets = cell_budget(columns, grid_dims)
     values = torch.zeros((batch, VALUE_COLUMNS), dtype=torch.float32, device=ref.device)
-    shape = torch.empty((batch, 4), dtype=torch.int32, device=ref.device)  # the kernel writes all but columns 10, 11
+    shape = torch.empty((batch, 4), dtype=torch.int32, device=ref.device)  # the kernel writes all but column 11
     if batch:
         bounds, blocks = _bounds(ref, ref_lengths, grid_dims)
         query_bounds, query_blocks = _bounds(query, query_lengths, grid_dims)
-        _frame_kernel[(batch,)](bounds, blocks, query_bounds, query_blocks, values, shape, cells,
+        _frame_kernel[(batch,)](bounds, blocks, query_bounds, query_blocks, values, shape, buckets,
                                 float(CELL_POINTS), G=grid_dims)
-    return Frame(values, shape, cells, grid_dims)
+    return Frame(values, shape, buckets, cell_space(batch, buckets), grid_dims)
 
 
 def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, flag: int = -1,
               out: torch.Tensor | None = None) -> torch.Tensor:
-    """[B*L] int32 (int64 for huge grids) keys b * (cells + 1) + cell of points [B, L, D]
-    (contiguous; lengths [B] int64); invalid points get their item's slot ``cells``. With
+    """[B*L] int32 (int64 for huge grids) keys b * (space + 1) + cell of points [B, L, D]
+    (contiguous; lengths [B] int64); invalid points get their item's slot ``space``. With
     ``flag`` (0 or 1), 2 * key + flag; written into ``out`` [B*L] where given."""
     batch, rows, dim = points.shape
-    slots = batch * (grid.cells + 1)
+    slots = batch * (grid.space + 1)
     keys = out if out is not None else torch.empty(
         (batch * rows,), dtype=torch.int32 if slots < 2**31 - 1 else torch.int64, device=points.device)
     if keys.numel():
         _cell_keys_kernel[(triton.cdiv(rows, _BLOCK), batch)](
-            points, lengths, grid.values, grid.shape, keys, rows, grid.cells,
+            points, lengths, grid.values, grid.shape, keys, rows, grid.space,
             D=dim, G=grid.grid_dims, FLAG=flag, BLOCK=_BLOCK)
     return keys
 
 
 def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
-    """Resize ``grid``'s cells (in place) so that a query's cell holds about CELL_POINTS
-    references: a cloud denser than its box's average (a normal cloud's core) gets finer cells."""
+    """Resize ``grid``'s cells (in place; from ``frame``'s, at most one a bucket) so that a
+    query's cell holds about CELL_POINTS references: a cloud denser than its box's average (a
+    normal cloud's core, clusters) gets finer cells, up to ``grid.space``."""
     (batch, rows, dim), columns = query.shape, ref.shape[1]
-    per_cell = torch.zeros((batch * (grid.cells + 1),), dtype=torch.int32, device=ref.device)
+    per_cell = torch.zeros((batch * (grid.buckets + 1),), dtype=torch.int32, device=ref.device)
     load = torch.zeros((batch, 2), dtype=torch.int64, device=ref.device)
     sizes = dict(D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
     _count_kernel[(triton.cdiv(columns, _BLOCK), batch)](
-        ref, ref_lengths, grid.values, grid.shape, per_cell, columns, grid.cells, **sizes)
+        ref, ref_lengths, grid.values, grid.shape, per_cell, columns, grid.buckets, **sizes)
     _load_kernel[(triton.cdiv(rows, _BLOCK), batch)](
-        query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.cells, **sizes)
-    _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.cells, float(CELL_POINTS), G=grid.grid_dims)
+        query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.buckets, **sizes)
+    _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.buckets, grid.space, float(CELL_POINTS),
+                             G=grid.grid_dims)
 
 
 def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[SortedPoints, SortedPoints]:
     """Sort query [B, M, D] and ref [B, N, D] (contiguous; lengths [B] int64) into ``grid``'s
     (unscaled) cells with one sort: keys 2 * slot (+ 1 for references), stable, so that each
-    cloud keeps its own points' order within a cell. The sorted points are float32 in units of
-    their item's scale."""
+    cloud keeps its own points' order within a cell; then each cloud's bucket starts. The
+    sorted points are float32 in units of their item's scale."""
     (batch, rows, _), columns = query.shape, ref.shape[1]
-    count = batch * (grid.cells + 1) + 1
+    count = batch * (grid.buckets + 1) + 1
     slot_dtype = torch.int32 if count < 2**31 else torch.int64
     queries_total, total = batch * rows, batch * (rows + columns)
-    keys = torch.empty((total,), dtype=torch.int32 if 2 * count < 2**31 else torch.int64, device=query.device)
+    key_dtype = torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64
+    keys = torch.empty((total,), dtype=key_dtype, device=query.device)
     cell_keys(query, query_lengths, grid, 0, keys[:queries_total])
     cell_keys(ref, ref_lengths, grid, 1, keys[queries_total:])
     sorted_keys, order = torch.sort(keys, stable=True)
     queries_so_far = torch.cumsum(1 - (sorted_keys & 1), 0, dtype=torch.int32 if total < 2**31 else torch.int64)
     orders = torch.empty((total,), dtype=torch.int64, device=query.device)
     slots_of = torch.empty((total,), dtype=slot_dtype, device=query.device)
+    within = torch.empty((total,), dtype=torch.int8, device=query.device)
     if total:
         _split_kernel[(triton.cdiv(total, _BLOCK),)](
-            sorted_keys, order, queries_so_far, orders, slots_of, orders[queries_total:], slots_of[queries_total:],
-            total, queries_total, BLOCK=_BLOCK)
+            sorted_keys, order, queries_so_far, grid.values, orders, slots_of, within, orders[queries_total:],
+            slots_of[queries_total:], within[queries_total:], total, queries_total, grid.space, grid.buckets,
+            BLOCK=_BLOCK)
     starts = lower_bounds(slots_of, count, queries_total).to(torch.int32)
-    return tuple(SortedPoints(_moved(points, orders[part], grid), orders[part], cell_start)
-                 for points, part, cell_start in ((query, slice(0, queries_total), starts[0]),
-                                                  (ref, slice(queries_total, total), starts[1])))
+    return tuple(SortedPoints(_moved(points, orders[part], grid), orders[part], bucket_start, within[part])
+                 for points, part, bucket_start in ((query, slice(0, queries_total), starts[0]),
+                                                    (ref, slice(queries_total, total), starts[1])))
 
 
 def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> torch.Tensor:
@@ -447,8 +501,7 @@ def build(query, ref, query_lengths, ref_lengths):
     columns = ref.shape[1]
     grid = frame(ref, ref_lengths, query, query_lengths)
     if grid.grid_dims and batch * rows * columns:
-        for _ in range(REFINEMENTS):
-            refine(grid, query, query_lengths, ref, ref_lengths)
+        refine(grid, query, query_lengths, ref, ref_lengths)
     queries, refs = sort_both(query, query_lengths, ref, ref_lengths, grid)
     if batch:
         _to_scaled_units_kernel[(batch,)](grid.values)
@@ -461,15 +514,29 @@ def saved_size(batch: int, rows: int, columns: int, dim: int) -> int:
     if batch * torch.sym_max(rows, columns) >= 2**31:
         return 0
     slots = batch * (cell_budget(columns, dim if dim <= 3 else 0) + 1) + 1
-    return batch * (VALUE_COLUMNS + 4) + batch * (rows + columns) + 2 * slots
+    return batch * (VALUE_COLUMNS + 4) + batch * (rows + columns) + 2 * slots + _words(batch * rows) + _words(
+        batch * columns)
+
+
+def _words(size: int) -> int:
+    """int32 words that hold ``size`` bytes."""
+    return -(-size // 4)
+
+
+def _packed(within: torch.Tensor) -> torch.Tensor:
+    """int8 [T] as int32 [_words(T)] (zero-padded)."""
+    padded = within.new_zeros((4 * _words(within.shape[0]),))
+    padded[:within.shape[0]] = within
+    return padded.view(torch.int32)
 
 
 def save(grid: Frame, queries: SortedPoints, refs: SortedPoints) -> torch.Tensor:
     """``build``'s result as one int32 record [saved_size]: the frame (values' bits, shape),
-    then both clouds' orders and cell starts. ``restore`` takes it back without sorting."""
+    then both clouds' orders, bucket starts and offsets within buckets. ``restore`` takes it
+    back without sorting."""
     return torch.cat([grid.values.reshape(-1).view(torch.int32), grid.shape.reshape(-1),
-                      queries.order.to(torch.int32), refs.order.to(torch.int32), queries.cell_start.to(torch.int32),
-                      refs.cell_start.to(torch.int32)])
+                      queries.order.to(torch.int32), refs.order.to(torch.int32), queries.bucket_start.to(torch.int32),
+                      refs.bucket_start.to(torch.int32), _packed(queries.within), _packed(refs.within)])
 
 
 def restore(record: torch.Tensor, query: torch.Tensor, ref: torch.Tensor) -> tuple[Frame, SortedPoints, SortedPoints]:
@@ -478,14 +545,19 @@ def restore(record: torch.Tensor, query: torch.Tensor, ref: torch.Tensor) -> tup
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     grid_dims = dim if dim <= 3 else 0
-    cells = cell_budget(columns, grid_dims)
-    slots = batch * (cells + 1) + 1
-    values, shape, query_order, ref_order, query_start, ref_start = torch.split(
-        record, [batch * VALUE_COLUMNS, batch * 4, batch * rows, batch * columns, slots, slots])
-    grid = Frame(values.view(torch.float32).reshape(batch, VALUE_COLUMNS), shape.reshape(batch, 4), cells, grid_dims)
+    buckets = cell_budget(columns, grid_dims)
+    slots = batch * (buckets + 1) + 1
+    values, shape, query_order, ref_order, query_start, ref_start, query_within, ref_within = torch.split(
+        record, [batch * VALUE_COLUMNS, batch * 4, batch * rows, batch * columns, slots, slots,
+                 _words(batch * rows), _words(batch * columns)])
+    grid = Frame(values.view(torch.float32).reshape(batch, VALUE_COLUMNS), shape.reshape(batch, 4), buckets,
+                 cell_space(batch, buckets), grid_dims)
     query_order, ref_order = query_order.to(torch.int64), ref_order.to(torch.int64)  # offsets beyond int32 downstream
-    return (grid, SortedPoints(_moved(query, query_order, grid), query_order, query_start),
-            SortedPoints(_moved(ref, ref_order, grid), ref_order, ref_start))
+    return (grid,
+            SortedPoints(_moved(query, query_order, grid), query_order, query_start,
+                         query_within.view(torch.int8)[:batch * rows]),
+            SortedPoints(_moved(ref, ref_order, grid), ref_order, ref_start,
+                         ref_within.view(torch.int8)[:batch * columns]))
 
 
 def one_cell(query: torch.Tensor, ref: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor,
@@ -500,7 +572,7 @@ def one_cell(query: torch.Tensor, ref: torch.Tensor, query_ok: torch.Tensor, ref
     zeros = scale.new_zeros((batch, 6))
     values = torch.cat([zeros, side / scale, (1 / side) * scale, (1e-6 * side) / scale, scale, zeros[:, :2]], 1)
     shape = torch.ones((batch, 4), dtype=torch.int32, device=query.device)
-    return Frame(values, shape, 1, 0), _valid_first(query, query_ok), _valid_first(ref, ref_ok)
+    return Frame(values, shape, 1, 1, 0), _valid_first(query, query_ok), _valid_first(ref, ref_ok)
 
 
 def _valid_first(points: torch.Tensor, valid: torch.Tensor) -> SortedPoints:
@@ -515,6 +587,7 @@ def _valid_first(points: torch.Tensor, valid: torch.Tensor) -> SortedPoints:
     position = start + torch.where(valid, before - 1, count + row - before)
     order = torch.empty(batch * rows, dtype=torch.int64, device=device)
     order.scatter_(0, position.reshape(-1), torch.arange(batch * rows, device=device))
-    cell_start = torch.cat([torch.cat([start, start + count], 1).reshape(-1),
-                            torch.full((1,), batch * rows, dtype=torch.int64, device=device)]).to(torch.int32)
-    return SortedPoints(points.reshape(-1, dim).index_select(0, order), order, cell_start)
+    bucket_start = torch.cat([torch.cat([start, start + count], 1).reshape(-1),
+                              torch.full((1,), batch * rows, dtype=torch.int64, device=device)]).to(torch.int32)
+    within = torch.zeros((batch * rows,), dtype=torch.int8, device=device)  # one cell: shift 0
+    return SortedPoints(points.reshape(-1, dim).index_select(0, order), order, bucket_start, within)

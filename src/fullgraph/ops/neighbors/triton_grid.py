@@ -128,9 +128,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     interpreted = _triton.INTERPRETED and not query.is_cuda
     block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
     kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
-        queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start,
+        queries.points, queries.order, queries.bucket_start, refs.points, refs.order, refs.bucket_start, refs.within,
         frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
-        rows, columns, frame.cells, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
+        rows, columns, frame.buckets, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
@@ -164,7 +164,7 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
         frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
     channels = features.shape[-1]
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
-    common = dict(cells=frame.cells, channels=channels, radius2=_squared(radius), reach=_reach(radius),
+    common = dict(buckets=frame.buckets, channels=channels, radius2=_squared(radius), reach=_reach(radius),
                   inv_sigma=1.0 / sigma)
     sizes = dict(D=query.shape[-1], CP=max(16, triton.next_power_of_2(max(channels, 1))))
     return frame, queries, refs, sorted_features, common, sizes
@@ -183,7 +183,7 @@ def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=
         results = (out, stats, stats)  # out_sum unused
     block_m, block_n, warps = AGGREGATE_BLOCKS
     kernels.radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
-        queries.points, queries.order, queries.cell_start, refs.points, refs.cell_start, sorted_features,
+        queries.points, queries.order, queries.bucket_start, refs.points, refs.bucket_start, refs.within, sorted_features,
         frame.values, frame.shape, *results, rows, **common, **sizes,
         STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, PRECISION=AGGREGATE_PRECISION,
         num_warps=warps,
@@ -233,7 +233,8 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
         terms = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
-        clouds = (queries.points, queries.order, queries.cell_start, refs.points, refs.order, refs.cell_start)
+        clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,
+                  refs.bucket_start, refs.within)
         sides = [(AGGREGATE_BLOCKS, grad_query, False)] if query_grad else []
         sides.append((GRAD_REF_BLOCKS, grad_ref, True))
         for (block_m, block_n, warps), grad_points, ref_side in sides:

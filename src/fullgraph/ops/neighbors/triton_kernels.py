@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..._triton import tl, triton
 
 if triton is not None:
-    from .grid import INV_SIDE, SCALE, SIDE, SLACK, VALUES
+    from .grid import INV_SIDE, SCALE, SHIFT, SIDE, SLACK, VALUES
 
     # The key of "no candidate": larger than every real (distance, index) key.
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
@@ -96,7 +96,24 @@ if triton is not None:
             _component(hi, dims, 2) - _component(lo, dims, 2) + 1)
 
     @triton.jit
-    def _row_segments(cell_start, axes, dims, lo, hi, prev_lo, prev_hi, first, LANES: tl.constexpr):
+    def _first_at(bucket_start, within, shift, cell, wanted):
+        """The first sorted position of the points in cells >= ``cell`` (int64, of the item
+        whose table starts at ``bucket_start``; lanes ``wanted``): the start of the cell's
+        bucket, then, where a bucket holds 2^shift cells, a binary search of ``within``."""
+        start = tl.load(bucket_start + (cell >> shift), mask=wanted, other=0)
+        if shift > 0:
+            target = (cell & ((1 << shift) - 1)).to(tl.int32)
+            size = tl.where(wanted & (target > 0),
+                            tl.load(bucket_start + (cell >> shift) + 1, mask=wanted, other=0) - start, 0)
+            while tl.max(size, 0) > 0:
+                half = size // 2
+                below = (size > 0) & (tl.load(within + start + half, mask=size > 0, other=0).to(tl.int32) < target)
+                start = tl.where(below, start + half + 1, start)
+                size = tl.where(below, size - half - 1, half)
+        return start
+
+    @triton.jit
+    def _row_segments(bucket_start, within, shift, axes, dims, lo, hi, prev_lo, prev_hi, first, LANES: tl.constexpr):
         """Sorted-position ranges [starts, ends) of the cells of box [lo, hi] outside box
         [prev_lo, prev_hi], for LANES // 2 rows along x from row ``first`` of the box: lane i
         takes the row's cells below the previous box (or the whole row when it misses that
@@ -115,9 +132,9 @@ if triton is not None:
         x0 = tl.where(above, _component(prev_hi, dims, 0) + 1, lo_x)
         x1 = tl.where(above | ~inner, hi_x, _component(prev_lo, dims, 0) - 1)
         wanted = in_box & (~above | inner)
-        base = cell_start + (z * _component(axes, dims, 1) + y).to(tl.int64) * _component(axes, dims, 0)
-        starts = tl.load(base + x0, mask=wanted, other=0)
-        ends = tl.load(base + x1 + 1, mask=wanted, other=0)
+        base = (z * _component(axes, dims, 1) + y).to(tl.int64) * _component(axes, dims, 0)
+        starts = _first_at(bucket_start, within, shift, base + x0, wanted)
+        ends = _first_at(bucket_start, within, shift, base + x1 + 1, wanted)
         return starts, ends, wanted & (ends > starts)
 
     @triton.jit
@@ -203,8 +220,8 @@ if triton is not None:
 
     @triton.jit
     def search_kernel(
-        q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, values, shape,
-        out_dist, out_idx, out_count, needed, rows, columns, cells, radius2, reach,
+        q_points, q_order, q_start, r_points, r_order, r_start, r_within, values, shape,
+        out_dist, out_idx, out_count, needed, rows, columns, buckets, radius2, reach,
         D: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, USE_RADIUS: tl.constexpr, MASKED: tl.constexpr,
         SKIP_SELF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr,
         SORT_FROM: tl.constexpr,
@@ -214,8 +231,9 @@ if triton is not None:
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         item_q, item_r = b * rows, b * columns
-        slot_base = b * (cells + 1)
-        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
+        slot_base = b * (buckets + 1)
+        q_live = tl.load(q_start + slot_base + buckets) - item_q
+        shift = tl.load(values + b * VALUES + SHIFT).to(tl.int64)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, SEARCH_SPREAD, D)
@@ -241,8 +259,8 @@ if triton is not None:
             while searching > 0:
                 lo, hi = tl.maximum(clo - ring, 0), tl.minimum(chi + ring, axes - 1)
                 for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
-                    starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, prev_lo,
-                                                          prev_hi, first, LANES)
+                    starts, ends, pending = _row_segments(r_start + slot_base, r_within, shift, axes, dims, lo, hi,
+                                                          prev_lo, prev_hi, first, LANES)
                     best, threshold, count = _search_segments(
                         best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
                         r_order, item_r, radius2, slots, flat_rows - item_q, D, USE_RADIUS, SKIP_SELF, BLOCK_N,
@@ -289,8 +307,8 @@ if triton is not None:
 
     @triton.jit
     def radius_aggregate_kernel(
-        q_points, q_order, q_cell_start, r_points, r_cell_start, features, values, shape, out, out_min, out_sum,
-        rows, cells, channels, radius2, reach, inv_sigma,
+        q_points, q_order, q_start, r_points, r_start, r_within, features, values, shape, out, out_min, out_sum,
+        rows, buckets, channels, radius2, reach, inv_sigma,
         D: tl.constexpr, CP: tl.constexpr, STATS_ONLY: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         LANES: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -299,8 +317,9 @@ if triton is not None:
         caller's units, weight sum), both at the query's original row."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        item_q, slot_base = b * rows, b * (cells + 1)
-        q_live = tl.load(q_cell_start + slot_base + cells) - item_q
+        item_q, slot_base = b * rows, b * (buckets + 1)
+        q_live = tl.load(q_start + slot_base + buckets) - item_q
+        shift = tl.load(values + b * VALUES + SHIFT).to(tl.int64)
         offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base = q_points + item_q * D
         groups, together, live = _groups(values, shape, b, q_base, offs_m, q_live, AGGREGATE_SPREAD, D)
@@ -317,8 +336,8 @@ if triton is not None:
             lo, hi, _, _, axes, dims = _cell_box(values, shape, b, q_base, offs_m, q_live, member, reach, D)
             for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
                 # The previous box is empty: every row of this one is new.
-                starts, ends, pending = _row_segments(r_cell_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
-                                                      first, LANES)
+                starts, ends, pending = _row_segments(r_start + slot_base, r_within, shift, axes, dims, lo, hi, axes,
+                                                      axes * 0 - 1, first, LANES)
                 while tl.max(pending.to(tl.int32), 0) > 0:
                     start, end, pending = _next_segment(starts, ends, pending)
                     for s in range(start, end, BLOCK_N):
@@ -392,8 +411,9 @@ if triton is not None:
 
     @triton.jit
     def radius_grad_kernel(
-        q_points, q_order, q_cell_start, r_points, r_order, r_cell_start, features, grad_out, row_min, row_sum, delta,
-        values, shape, grad_points, grad_features, rows, columns, cells, channels, radius2, reach, inv_sigma,
+        q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out, row_min,
+        row_sum, delta, values, shape, grad_points, grad_features, rows, columns, buckets, channels, radius2, reach,
+        inv_sigma,
         REF_SIDE: tl.constexpr, PULLS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, PRECISION: tl.constexpr,
     ):
@@ -405,20 +425,21 @@ if triton is not None:
         (REF_SIDE only): the feature gradients alone (dL/dref is not wanted; it stays 0)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        slot_base = b * (cells + 1)
+        slot_base = b * (buckets + 1)
+        shift = tl.load(values + b * VALUES + SHIFT).to(tl.int64)
         if REF_SIDE:
             item = b * columns
-            own_count, own_points, own_order, own_start, other_start = columns, r_points, r_order, r_cell_start, \
-                q_cell_start
+            own_count, own_points, own_order, own_start = columns, r_points, r_order, r_start
+            other_start, other_within = q_start, q_within
             own_offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             features, grad_rows = features + item * channels, 0
         else:
             item = b * rows
-            own_count, own_points, own_order, own_start, other_start = rows, q_points, q_order, q_cell_start, \
-                r_cell_start
+            own_count, own_points, own_order, own_start = rows, q_points, q_order, q_start
+            other_start, other_within = r_start, r_within
             own_offs = pid * BLOCK_M + tl.arange(0, BLOCK_M)
             grad_rows = item
-        own_live = tl.load(own_start + slot_base + cells) - item
+        own_live = tl.load(own_start + slot_base + buckets) - item
         own_base = own_points + item * D
         groups, together, live = _groups(values, shape, b, own_base, own_offs, own_live, AGGREGATE_SPREAD, D)
         radius2, reach, scale = _in_item_units(values, b, radius2, reach)
@@ -429,8 +450,8 @@ if triton is not None:
             lo, hi, _, _, axes, dims = _cell_box(values, shape, b, own_base, own_offs, own_live, member, reach, D)
             for first in range(0, _rows_in_box(lo, hi, dims), LANES // 2):
                 # The previous box is empty: every row of this one is new.
-                starts, ends, pending = _row_segments(other_start + slot_base, axes, dims, lo, hi, axes, axes * 0 - 1,
-                                                      first, LANES)
+                starts, ends, pending = _row_segments(other_start + slot_base, other_within, shift, axes, dims, lo, hi,
+                                                      axes, axes * 0 - 1, first, LANES)
                 while tl.max(pending.to(tl.int32), 0) > 0:
                     start, end, pending = _next_segment(starts, ends, pending)
                     for s in range(start, end, BLOCK_M if REF_SIDE else BLOCK_N):
