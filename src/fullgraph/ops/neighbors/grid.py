@@ -216,7 +216,7 @@ if triton is not None:
             per_axis = tl.where(on, tl.minimum(tl.floor(extent / side), limit - 1.0) + 1.0, 1.0).to(tl.int64)
             total = _product(per_axis, dims)
         shift = tl.zeros((), tl.int32)
-        while (buckets.to(tl.int64) << shift) < total:
+        while ((tl.zeros((), tl.int64) + buckets) << shift) < total:  # (buckets may come as the constant 1)
             shift += 1
         slack = 1e-6 * (tl.max(tl.abs(low), 0) + tl.max(extent, 0) + side)
         row = values + b * VALUES

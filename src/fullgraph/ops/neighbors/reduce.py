@@ -6,7 +6,8 @@ On CUDA one Triton pass reads each neighbour's row once and keeps the three redu
 the slots of the extremes in registers; the backward sends each query's gradients to the
 slots (the sum's to every slot, the maximum's and minimum's to the slot that held them, the
 first such slot on ties, as ``torch.max`` does) and sums them per row of ``values`` in slot
-order after a stable sort of the slots by row: deterministic, no atomics. On CPUs a C++
+order after a stable sort of the slots by row: deterministic, no atomics (float32 sums;
+float64 gradients go through torch's index_add). On CPUs a C++
 kernel does both in one pass each (``csrc/knn_reduce.cpp``, float32 and float64; 2 x 1024
 queries x 20 slots x 64 channels on the 2-core development CPU: forward 4.9 ms, backward
 2.5 ms, against 7.1 and 18.1 ms from torch's gathered rows); elsewhere torch does the same
@@ -168,8 +169,9 @@ def knn_reduce_backward_op(grad_max: Tensor, grad_min: Tensor, grad_sum: Tensor,
                          f"{tuple(slots.shape)}")
     if _uses_cpp(grad_sum) and grad_max.dtype == grad_min.dtype == grad_sum.dtype:
         return torch.ops.fullgraph_select.knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, columns)
-    return (_backward_triton if _uses_triton(grad_sum) else _backward_torch)(grad_max, grad_min, grad_sum, idx,
-                                                                            slots, columns)
+    # (The Triton sums are float32: float64 gradients take torch's float64 index_add.)
+    triton_sums = _uses_triton(grad_sum) and torch.float64 not in (grad_max.dtype, grad_min.dtype, grad_sum.dtype)
+    return (_backward_triton if triton_sums else _backward_torch)(grad_max, grad_min, grad_sum, idx, slots, columns)
 
 
 def _per_slot(grad_max, grad_min, grad_sum, slots, k) -> Tensor:
