@@ -34,10 +34,12 @@ from ..._triton import tl, triton
 CELL_POINTS = 8
 # Buckets per item, in units of CELL_POINTS references (room for cells BUDGET / 8 times
 # finer per axis than a uniform cloud needs, one a bucket), and how many times more cells
-# than buckets an item may have (clustered clouds; lowered where the sort keys would
-# otherwise not fit 32 bits).
+# than buckets an item may have (clustered clouds): FINER, or as few as FINER_LEAST where
+# that keeps the sort's keys 32 bits. (H100, search_times.py run MA: kNN 1M x 1M of 64
+# clusters 16.1 ms with one cell a bucket, 8.96 with 8, 8.94 with 64; nvidia-h200-x2 run MB:
+# a 2 x 10^8-point cloud kept at one cell a bucket by 32-bit keys searched in 3,770 ms.)
 BUDGET = 32
-FINER = 64
+FINER, FINER_LEAST = 64, 8
 # lower_bounds' values a program searches, and its warps: a search is a chain of dependent
 # loads, so one value a thread (H100 session 20, run HG, the seed grid's 2 x 400,001 slots /
 # the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
@@ -369,11 +371,11 @@ def _keys_fit_32_bits(batch: int, space: int) -> bool:
 
 
 def cell_space(batch: int, buckets: int) -> int:
-    """Static bound on an item's cells: FINER times its ``buckets``, or fewer (down to one a
-    bucket) where more would take the sort's keys (``sort_both``) past 32 bits."""
+    """Static bound on an item's cells: FINER times its ``buckets``, or fewer (down to
+    FINER_LEAST) where more would take the sort's keys (``sort_both``) past 32 bits."""
     finer = FINER
-    if _keys_fit_32_bits(batch, buckets):
-        while finer > 1 and not _keys_fit_32_bits(batch, buckets * finer):
+    if _keys_fit_32_bits(batch, buckets * FINER_LEAST):
+        while not _keys_fit_32_bits(batch, buckets * finer):
             finer //= 2
     return buckets * finer
 
