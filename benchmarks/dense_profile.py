@@ -7,6 +7,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
     python benchmarks/dense_profile.py --operators      (the capture path run eagerly: torch's operators
                                                          with their input shapes, by CUDA time)
+    python benchmarks/dense_profile.py --keys           (the fused chunk lists against the stored
+                                                         minima, by FUSED_MAX_KEYS, k up to 50)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -69,6 +71,26 @@ def sweep(generator) -> None:
         print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
 
 
+# (B, M, N, D) where the fused path may run (N <= FUSED_MAX_COLUMNS), each with k = 20, 32, 50.
+KEY_SHAPES = ((8, 4096, 4096, 64), (32, 1024, 1024, 64), (4, 4096, 16384, 32), (1, 8192, 65536, 16))
+
+
+def fused_keys(generator) -> None:
+    """Graphed dense kNN with the fused chunk lists up to FUSED_MAX_KEYS 64, 32, 16 chunks a
+    query (beyond: the stored minima), beside cdist + topk graphed, ms."""
+    for batch, rows, columns, dim in KEY_SHAPES:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        for k in (20, 32, 50):
+            times = {"cdist+topk": median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)))}
+            for keys in (64, 32, 16):
+                triton_dense.FUSED_MAX_KEYS = keys
+                times[f"fused up to {keys}"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            triton_dense.FUSED_MAX_KEYS = 64
+            print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
+                  ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
+
+
 def operators(generator) -> None:
     """The capture path's operators with their shapes (run eagerly, as a capture runs it), by
     CUDA time, for the first three shapes."""
@@ -92,6 +114,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
     parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
     parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
+    parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -100,6 +123,8 @@ def main() -> None:
         return sweep(generator)
     if args.operators:
         return operators(generator)
+    if args.keys:
+        return fused_keys(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
