@@ -30,9 +30,9 @@ reference's. Near-ties and duplicates wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), steps 1-2 never store a block's M x N values: the
 products run on tensor cores (``triton_dense``) and per query only the least value of each
-chunk of ``triton_dense.chunk_size`` consecutive references counts (up to 2^16 references,
-one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers; beyond, every chunk's
-minimum is stored and selected from). The k + CHUNK_SLACK chunks with the least minima are
+chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k and up to
+2^14 references, one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers;
+beyond, every chunk's minimum is stored and selected from). The k + CHUNK_SLACK chunks with the least minima are
 chosen; the squared distances to their members are summed
 from differences (relative error below (D + 2) u, no cancellation), and the k + SLACK
 nearest members re-measured in the reference's arithmetic. Exactness: the k nearest lie in

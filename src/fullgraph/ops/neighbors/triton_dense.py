@@ -4,10 +4,11 @@ per-chunk minima so that no M x N matrix is stored.
 ``least_chunks``: for every query i, the chunks c of ``chunk`` consecutive references with
 the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32, or three
 TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS chunks a
-query, one kernel does it all: each program walks its share of the references a tile at a
-time and merges the tile's chunk minima into a sorted list per query (a bitonic merge of
-packed (value, chunk) keys in registers); the shares' lists are merged the same way. Longer
-lists store every chunk minimum (``chunk_minima``) and select from them (``smallest``).
+query on up to FUSED_MAX_COLUMNS references, one kernel does it all: each program walks its
+share of the references a tile at a time and merges the tile's chunk minima into a sorted
+list per query (a bitonic merge of packed (value, chunk) keys in registers); the shares'
+lists are merged the same way. Longer lists and wider clouds store every chunk minimum
+(``chunk_minima``) and select from them (``smallest``).
 ``member_distances``: the squared distances from each query to every reference of the chunks
 chosen for it, summed from the differences (no cancellation: within (D + 2) u of the truth,
 relatively). ``smallest``: the least values of each row with their positions, ties to the
@@ -35,10 +36,13 @@ SORT_MAX, SORT_KEYS = 2048, 4096
 # FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
 # queries; a tile of references holds at least as many chunks as the list.
 FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 64, 128, 4, 64
-# ... and up to this many references: beyond, the stored minima were faster on the H100 (graphed
-# ms fused / stored: 8 x 4096^2 D=64 k=20 4.38 / 4.55, 32 x 1024^2 3.75 / 4.14, but 2 x 10^4 x
-# 2 x 10^5 D=16 21.2 / 8.5 and 10^4 x 10^6 D=128 113 / 63: dense-profile-run-EB.log).
-FUSED_MAX_COLUMNS = 2**16
+# ... and up to this many references, by the lists' width (keys, a power of two >= 16):
+# beyond, the stored minima were faster on the H100 (graphed ms fused / stored,
+# session24/dense-keys-run-MF.log: 32 keys (k = 20) 4 x 4096 x 16,384 D=32 1.99 / 2.29, 1 x
+# 8,192 x 65,536 D=16 3.17 / 1.88; 64 keys (k = 32, 50): 32 x 1024^2 D=64 2.28 / 3.66 and
+# 2.68 / 3.92, 8 x 4096^2 D=64 4.28 / 4.09 and 4.66 / 4.37, 4 x 4096 x 16,384 5.70 / 3.27;
+# session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5, dense-profile-run-EB.log).
+FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**10}
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -57,11 +61,17 @@ def product_error(precision: str) -> float:
     return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
+def _list_width(count: int) -> int:
+    """Keys a fused list of ``count`` chunks holds: a power of two, at least 16."""
+    return 1 << max(4, (count - 1).bit_length())
+
+
 def chunk_size(columns: int, count: int) -> int:
     """References per chunk when ``count`` chunks a query are kept: FUSED_CHUNK on the fused
     path; otherwise fewer, longer chunks for large clouds keep the stored minima
     (M x N / chunk) and their selection small."""
-    if count <= FUSED_MAX_KEYS and columns <= FUSED_MAX_COLUMNS:
+    keys = _list_width(count)
+    if keys <= FUSED_MAX_KEYS and columns <= FUSED_MAX_COLUMNS.get(keys, 0):
         return FUSED_CHUNK
     return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
 
@@ -379,7 +389,7 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
         return smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
     q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
-    keys = max(16, triton.next_power_of_2(count))
+    keys = _list_width(count)
     block_n = max(FUSED_BLOCK_N, keys * chunk)
     parts = _shares(batch, rows, columns, block_n, q.device)
     share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
