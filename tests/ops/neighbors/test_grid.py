@@ -200,3 +200,23 @@ def test_search_and_aggregation_are_exact_on_sparse_cells():
         outputs[backend] = [out.detach()] + [leaf.grad for leaf in leaves]
     for got, want in zip(outputs["triton"], outputs["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_cell_space_keeps_32_bit_keys_only_with_room_to_refine():
+    """Cells may be FINER times the buckets; fewer (down to FINER_LEAST) where that keeps the
+    sort's keys 32 bits; where even FINER_LEAST would not fit, the keys are 64-bit and the
+    cells FINER times the buckets again (a 2 x 10^8-point cloud kept at one cell a bucket to
+    save a sort pass searched its clusters 2x slower)."""
+    from fullgraph.ops.neighbors import grid
+
+    for points, batch in ((1_000, 1), (10**6, 1), (10**7, 1), (3 * 10**7, 1), (4 * 10**7, 1), (2 * 10**8, 1),
+                          (10**6, 64)):
+        buckets = grid.cell_budget(points, 3)
+        finer = grid.cell_space(batch, buckets) // buckets
+        assert finer in (8, 16, 32, 64) and finer >= grid.FINER_LEAST
+        if grid._keys_fit_32_bits(batch, buckets * grid.FINER_LEAST):
+            assert grid._keys_fit_32_bits(batch, buckets * finer)
+            assert finer == grid.FINER or not grid._keys_fit_32_bits(batch, buckets * finer * 2)
+        else:
+            assert finer == grid.FINER
+    assert grid.cell_space(1, grid.cell_budget(2 * 10**8, 3)) == grid.FINER * grid.cell_budget(2 * 10**8, 3)
