@@ -249,7 +249,8 @@ def _tensor_core_candidates(frames: _Frames, rows: slice, k):
     q_abs = (qc * qc).sum(-1).sqrt()
     q_norms = q_abs * q_abs
     unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
-    # Every reference of an unchosen chunk has a product value >= the least unchosen minimum;
+    # Every reference of an unchosen chunk has a product value >= the least unchosen minimum
+    # (as least_chunks returns it: rounded down on its fused path, a lower bound still);
     # every unmeasured member of a chosen chunk a member distance >= the last one measured.
     # (A list shorter than k, when k exceeds the cloud, holds every member of every chunk.)
     beyond_chunks = beyond_expansion(unchosen + q_norms - 2 * triton_dense.product_error(precision) * q_abs

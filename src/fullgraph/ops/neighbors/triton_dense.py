@@ -6,8 +6,9 @@ the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32
 TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS chunks a
 query on up to FUSED_MAX_COLUMNS references, one kernel does it all: each program walks its
 share of the references a tile at a time and merges the tile's chunk minima into a sorted
-list per query (a bitonic merge of packed (value, chunk) keys in registers); the shares'
-lists are merged the same way. Longer lists and wider clouds store every chunk minimum
+list per query (a bitonic merge of packed (value, chunk) int32 keys in registers, the value
+rounded down to the bits the chunk number leaves: 20 or more); the shares' lists are merged
+the same way. Longer lists and wider clouds store every chunk minimum
 (``chunk_minima``) and select from them (``smallest``).
 ``member_distances``: the squared distances from each query to every reference of the chunks
 chosen for it, summed from the differences (no cancellation: within (D + 2) u of the truth,
@@ -79,6 +80,8 @@ def chunk_size(columns: int, count: int) -> int:
 if triton is not None:
     from .triton_kernels import _KEY_NONE
 
+    _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
+
     @triton.jit
     def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -119,8 +122,17 @@ if triton is not None:
         return (ordered.to(tl.int64) << 32) | positions.to(tl.int64)
 
     @triton.jit
+    def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
+        """float32 values (no NaN) and positions < 2^POSITION_BITS -> int32 keys ordered as
+        (value rounded down to 32 - POSITION_BITS bits, position): ``_ordered_keys`` in half
+        the width, for the fused lists (int64 compare-and-swap steps cost twice)."""
+        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (ordered & -(1 << POSITION_BITS)) | positions.to(tl.int32)
+
+    @triton.jit
     def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
-        """One step of a bitonic network along the rows of x [R, W] (int64): the elements
+        """One step of a bitonic network along the rows of x [R, W] (integers): the elements
         STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
         odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
         sum may wrap, the difference does not). Not ``tl.sort``: this network was as fast on
@@ -160,22 +172,22 @@ if triton is not None:
     @triton.jit
     def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
-                                 LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, BLOCK_M: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per query of the tile, the KEYS least (chunk minimum, chunk) keys over the references
-        [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
+                                 LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per query of the tile, the KEYS least (chunk minimum, chunk) ``_short_keys`` over the
+        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
-        best = tl.full((BLOCK_M, KEYS), _KEY_NONE, tl.int64)
+        best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-            keys = tl.where((c < chunks)[None, :], _ordered_keys(minima, c[None, :]), _KEY_NONE)
+            keys = tl.where((c < chunks)[None, :], _short_keys(minima, c[None, :], POSITION_BITS), _SHORT_KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
         slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
@@ -189,10 +201,10 @@ if triton is not None:
         m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         slots = tl.arange(0, KEYS)
         inside = m[:, None] < total_rows
-        best = tl.load(lists_ptr + m[:, None] * parts * KEYS + slots[None, :], mask=inside, other=_KEY_NONE)
+        best = tl.load(lists_ptr + m[:, None] * parts * KEYS + slots[None, :], mask=inside, other=_SHORT_KEY_NONE)
         for part in range(1, parts):
             backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
-                                mask=inside, other=_KEY_NONE)
+                                mask=inside, other=_SHORT_KEY_NONE)
             best = _merge_sorted(best, backwards, LOG_KEYS)
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
@@ -383,7 +395,10 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
     per query the ``count`` chunks of ``chunk`` references (``chunk_size``) with the least
     ``r_norms - 2 q.r`` over their members, ascending, ties to the smaller chunk: minima
-    [B, M, count] and chunks [B, M, count] (int64). ``count`` is at most the number of chunks."""
+    [B, M, count] and chunks [B, M, count] (int64). ``count`` is at most the number of chunks.
+    On the fused path the minima (and the order) are rounded down to 32 - log2(chunks) bits,
+    at least 20 (relative 2^-11): lower bounds of the chunks' minima, which is all the
+    certificate in ``dense.py`` needs of them."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
         return smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
@@ -394,21 +409,26 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     parts = _shares(batch, rows, columns, block_n, q.device)
     share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
     parts = triton.cdiv(columns, share)
-    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int64, device=q.device)
-    out = torch.empty((batch, rows, count), dtype=torch.int64, device=q.device)
+    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
+    out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
+    chunks = triton.cdiv(columns, chunk)
+    position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, triton.cdiv(columns, chunk), share,
+        _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
+                                       POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
             num_warps=4)
-    return _key_values(out), out & 0xFFFFFFFF
+    ordered = out & -(1 << position_bits)
+    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    return values, (out & ((1 << position_bits) - 1)).to(torch.int64)
 
 
 def measures(q: torch.Tensor) -> bool:
