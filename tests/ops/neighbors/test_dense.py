@@ -312,7 +312,8 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     """The fused chunk selection (a running list per query, merged a tile at a time, shares of
     the references merged at the end) against every chunk minimum stored and sorted: integer
     points make the products exact, so ties between chunks are many and must go to the
-    smaller chunk; invalid references (+inf norms) end the cloud."""
+    smaller chunk (small integers keep their order through the lists' rounding); invalid
+    references (+inf norms) end the cloud."""
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
@@ -325,7 +326,14 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     values, chosen = triton_dense.least_chunks(q, r, norms, count, chunk, "ieee")
     stored = triton_dense.chunk_minima(q, r, norms, chunk, "ieee")
     want, want_chosen = torch.sort(stored, dim=-1, stable=True)
-    assert torch.equal(chosen, want_chosen[..., :count]) and torch.equal(values, want[..., :count])
+    want = want[..., :count]
+    assert torch.equal(chosen, want_chosen[..., :count])
+    # The fused lists round the minima down to the bits the chunk numbers leave.
+    kept = 23 - max(1, (-(-columns // chunk) - 1).bit_length())
+    finite = torch.isfinite(want)
+    assert torch.equal(values[~finite], want[~finite])
+    values, want = values[finite], want[finite]
+    assert (values <= want).all() and (want - values <= want.abs() * 2.0**-kept).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
