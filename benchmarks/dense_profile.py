@@ -27,7 +27,7 @@ from fullgraph.ops.neighbors import dense, triton_dense
 
 SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (1, 10000, 1000000, 128, 10),
           (1, 20000, 200000, 16, 10), (4, 4096, 16384, 32, 50))
-SWEEP = {"FUSED_BLOCK_M": (64, 128), "FUSED_NUM_WARPS": (4, 8), "FUSED_CHUNK": (4, 8)}
+SWEEP = {"FUSED_BLOCK_M": (32, 64, 128), "FUSED_NUM_WARPS": (2, 4, 8), "FUSED_CHUNK": (4, 8)}
 FAILED: list[tuple[int, int]] = []
 
 
