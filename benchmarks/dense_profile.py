@@ -9,6 +9,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          with their input shapes, by CUDA time)
     python benchmarks/dense_profile.py --keys           (the fused chunk lists against the stored
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
+    python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
+                                                         the products' path, by size)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -91,6 +93,30 @@ def fused_keys(generator) -> None:
                   ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
 
 
+BRUTE_SHAPES = ((16, 256, 256, 64, 20), (16, 256, 256, 16, 20), (16, 256, 256, 128, 20), (64, 128, 128, 32, 16),
+                (4, 512, 512, 64, 20), (2, 1024, 1024, 64, 20), (32, 1024, 1024, 64, 20), (32, 1024, 1024, 64, 50),
+                (8, 2048, 2048, 64, 20), (8, 4096, 4096, 64, 20), (1, 2048, 8192, 16, 10), (1, 4096, 4096, 128, 10))
+
+
+def brute(generator) -> None:
+    """Eager and graphed ms of the dense backend with every pair measured in one kernel
+    (``dense.BRUTE_FORCE_MAX_PAIRS`` unbounded) against its products' path (0), cdist + topk
+    beside."""
+    limit = dense.BRUTE_FORCE_MAX_PAIRS
+    for batch, rows, columns, dim, k in BRUTE_SHAPES:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        plain = lambda: torch.topk(torch.cdist(q, r), k, largest=False)
+        times = {"cdist+topk": (median_ms(plain), median_ms(graphed(plain)))}
+        for name, pairs_limit in (("products", 0), ("brute force", 2**62)):
+            dense.BRUTE_FORCE_MAX_PAIRS = pairs_limit
+            call = lambda: fullgraph.knn(q, r, k, backend="dense")
+            times[name] = (median_ms(call), median_ms(graphed(call)))
+        dense.BRUTE_FORCE_MAX_PAIRS = limit
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k} (pairs/item {rows * columns:,}), eager / graphed:",
+              ", ".join(f"{name} {e:.3f} / {g:.3f}" for name, (e, g) in times.items()), flush=True)
+
+
 def operators(generator) -> None:
     """The capture path's operators with their shapes (run eagerly, as a capture runs it), by
     CUDA time, for the first three shapes."""
@@ -115,6 +141,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
     parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
     parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
+    parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -125,6 +152,8 @@ def main() -> None:
         return operators(generator)
     if args.keys:
         return fused_keys(generator)
+    if args.brute:
+        return brute(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,16 +14,29 @@ from conftest import DEVICES, DISTRIBUTIONS, HAVE_TRITON, assert_neighbors, orac
 from fullgraph.ops.neighbors import dense
 
 
-@pytest.fixture(params=["blas", "tensor cores"])
+@pytest.fixture(autouse=True)
+def _tensor_cores_by_default(monkeypatch):
+    """The tests here check the products' path on every size; the brute force only where
+    ``path`` asks for it."""
+    monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0)
+
+
+@pytest.fixture(params=["blas", "tensor cores", "brute force"])
 def path(request, monkeypatch):
-    """Which formulation of steps 1-2 runs, and on which device: the products stored per block
-    (BLAS, CPU), or chunk minima on tensor cores (the GPU; without one, Triton's interpreter on
-    CPU tensors). Returns the device."""
+    """Which formulation runs, and on which device: the products stored per block (BLAS, CPU),
+    chunk minima on tensor cores, or every pair measured in one kernel (the GPU; without one,
+    Triton's interpreter on CPU tensors). Returns the device."""
     if request.param == "blas":
         monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: False)
         return "cpu"
     if not HAVE_TRITON:
         pytest.skip("needs triton")
+    interpreted_cases = ("test_ragged_batches_non_finite_points_and_small_sets", "test_gradients")
+    if request.param == "brute force" and not torch.cuda.is_available() and (
+            request.node.originalname not in interpreted_cases):
+        pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests, the ragged and "
+                    "gradient cases; every case on the GPU")
+    monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
     if torch.cuda.is_available():
         return "cuda"
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
@@ -67,6 +81,8 @@ def test_far_from_the_origin(offset, precision, path, generator):
 
 def test_ties_wider_than_the_slack_take_the_reference_path(monkeypatch, path, generator):
     """Many exact duplicates at the k-th place fail the certificate; those rows are redone."""
+    if dense.BRUTE_FORCE_MAX_PAIRS:
+        pytest.skip("the brute force measures every pair: nothing to redo")
     monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: False)
     query, ref = _tied(generator, path)
     redone = []
@@ -400,3 +416,31 @@ def test_frames_in_triton_equal_torchs(dtype, dim, generator):
     assert torch.equal(torch.isinf(got["r_norms"]), ~ref_ok)
     for name in ("qc", "rc", "r_norms", "reach"):
         torch.testing.assert_close(got[name], getattr(want, name), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim", [5, 64, 200])
+@pytest.mark.parametrize("k", [1, 7, 40])
+def test_brute_force_measures_every_pair_as_the_reference(dim, k, generator):
+    """``triton_dense.brute_force``: the k nearest valid references by the reference's
+    arithmetic (bits of the halving sums), ties to the smaller position, with duplicates,
+    invalid references and fewer valid references than k in one item."""
+    from fullgraph.ops.neighbors import pairs, triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 9, dim, generator=generator) * 10.0 ** torch.randint(-3, 3, (1, 1, dim), generator=generator)
+    r = torch.cat([torch.randn(2, 30, dim, generator=generator), q[:, :4], q[:, :4]], 1)  # exact duplicates
+    ok = torch.ones(2, r.shape[1], dtype=torch.bool)
+    ok[0, ::3] = False
+    ok[1, 5:] = False  # item 1: 5 valid references
+    found, position = triton_dense.brute_force(q.to(device), r.to(device), ok.to(device), k, sort_from=1 << 30)
+    # (the kernel's square root is correctly rounded, as torch's is on CUDA; on CPUs numpy's is)
+    squared = torch.from_numpy(np.sqrt(pairs.squared_difference(q[:, :, None, :], r[:, None, :, :]).numpy()))
+    squared = squared.masked_fill(~ok[:, None, :], math.inf)
+    want, want_position = pairs.order_by_distance(squared, torch.arange(r.shape[1]).expand_as(squared).clone())
+    pad = max(0, k - want.shape[-1])  # (k beyond the references: +inf, -1)
+    want = torch.nn.functional.pad(want, (0, pad), value=math.inf)[..., :k]
+    want_position = torch.nn.functional.pad(want_position, (0, pad), value=-1)[..., :k].masked_fill(
+        torch.isinf(want), -1)
+    assert torch.equal(position.cpu(), want_position)
+    assert torch.equal(found.cpu(), want)

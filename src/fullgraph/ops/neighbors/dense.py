@@ -322,6 +322,33 @@ def _on_tensor_cores(query) -> bool:
     return query.is_cuda and query.dtype != torch.float64 and _triton.available()
 
 
+# Query-reference pairs per batch item up to which GPUs measure every pair (one kernel,
+# ``triton_dense.brute_force``) instead of the products' candidates and certificate (~40
+# launches). Measured in session 24 (run MJ, ``python benchmarks/dense_profile.py --brute``).
+BRUTE_FORCE_MAX_PAIRS = 2**20
+
+
+def _brute_forced(query, ref, k) -> bool:
+    rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
+    return (_on_tensor_cores(query) and pairs.PER_COORDINATE_MAX_DIM < dim <= triton_dense.BRUTE_FORCE_MAX_DIM
+            and k <= triton_dense.BRUTE_FORCE_MAX_K and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
+
+
+def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx) -> None:
+    """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx."""
+    interpreted = _triton.INTERPRETED and not frames.q.is_cuda
+    found, position = triton_dense.brute_force(
+        frames.q, frames.r, ref_ok, k,
+        triton_grid.INTERPRETER_SORT_FROM if interpreted else triton_grid.SEARCH_SORT_FROM)
+    if interpreted:  # (numpy's sqrt, correctly rounded; torch's CPU sqrt may differ by an ulp)
+        found = _remeasure(frames.q, frames.r, position.clamp(min=0)).masked_fill_(position < 0, math.inf)
+        found, position = pairs.order_by_distance(found, position)
+    found = found * frames.scale[..., None]
+    keep = found <= radius
+    dists.copy_(found.masked_fill_(~keep, math.inf))
+    idx.copy_(position.masked_fill_(~keep, -1))
+
+
 def _redone_in_triton(query, k) -> bool:
     return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
 
@@ -413,7 +440,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     else:
         query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
         frames = _Frames(query, ref, query_ok, ref_ok, acc)
-    if _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):
+    if _brute_forced(query, ref, k):
+        _brute_force(frames, ref_ok, k, radius, dists, idx)
+    elif _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):
         _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
     else:
         _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)

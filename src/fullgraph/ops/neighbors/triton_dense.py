@@ -78,7 +78,7 @@ def chunk_size(columns: int, count: int) -> int:
 
 
 if triton is not None:
-    from .triton_kernels import _KEY_NONE
+    from .triton_kernels import _KEY_NONE, _insert
 
     _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
 
@@ -255,6 +255,44 @@ if triton is not None:
         for level in tl.static_range(LOG_DP):
             x = tl.sum(tl.reshape(x, (BLOCK_C, 2, DP >> (level + 1))), 1)
         tl.store(out_ptr + i * take + c, tl.reshape(x, (BLOCK_C,)), mask=c < take)
+
+    @triton.jit
+    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
+                            DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr):
+        """The k nearest valid references of BLOCK_M queries of item b, measured as
+        ``_squared_distances_kernel`` measures (the reference's arithmetic) and kept as
+        (distance, index) keys like the grid search's; launched without contraction."""
+        b = tl.program_id(1).to(tl.int64)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
+                    other=0.0)
+        slots = tl.arange(0, KP)
+        best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), _KEY_NONE, tl.int64),
+                        tl.full((BLOCK_M, KP), -1, tl.int64))
+        threshold = tl.max(best, 1)
+        for start in range(0, columns, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            inside = n < columns
+            r = tl.load(r_ptr + (b * columns + n)[:, None] * DIM + d[None, :],
+                        mask=inside[:, None] & (d[None, :] < DIM), other=0.0)
+            diff = q[:, None, :] - r[None, :, :]
+            x = diff * diff
+            for level in tl.static_range(LOG_DP):
+                x = tl.sum(tl.reshape(x, (BLOCK_M, BLOCK_N, 2, DP >> (level + 1))), 2)
+            d2 = tl.reshape(x, (BLOCK_M, BLOCK_N))
+            ok = inside & (tl.load(r_ok_ptr + b * columns + n, mask=inside, other=0) != 0)
+            keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | n.to(tl.int64)
+            keys = tl.where(ok[None, :] & (d2 == d2), keys, _KEY_NONE)
+            best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
+        best = tl.sort(tl.where(best < 0, _KEY_NONE, best), 1)
+        found = best != _KEY_NONE
+        where = (b * rows + m)[:, None] * K + slots[None, :]
+        keep = (m[:, None] < rows) & (slots[None, :] < K)
+        tl.store(out_dist + where, tl.where(found, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True),
+                                            float("inf")), mask=keep)
+        tl.store(out_idx + where, tl.where(found, best & 0xFFFFFFFF, -1), mask=keep)
 
     @triton.jit
     def _row_stats_kernel(points_ptr, lengths_ptr, ok_ptr, largest_ptr, sums_ptr, rows, dim, blocks,
@@ -435,6 +473,32 @@ def measures(q: torch.Tensor) -> bool:
     """Whether ``squared_distances`` takes points like q: float32 with D in (4, MEASURE_MAX_DIM]
     (at most 4 coordinates the reference sums one at a time)."""
     return triton is not None and q.dtype == torch.float32 and PER_COORDINATE_MAX_DIM < q.shape[-1] <= MEASURE_MAX_DIM
+
+
+# Brute force (every pair measured as the reference measures it): the widest points it takes,
+# the k it keeps in registers, and its tiles (queries, and references per DP / 64).
+BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
+BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
+
+
+def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
+                sort_from: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, M, D], r [B, N, D] (float32, D in (4, BRUTE_FORCE_MAX_DIM]), ref_ok [B, N] bool,
+    k <= BRUTE_FORCE_MAX_K -> each query's k nearest valid references: distances [B, M, k]
+    (float32, the reference's bits; +inf past the valid ones) and positions (-1 there),
+    ascending, ties to the smaller position. One kernel, no host read."""
+    batch, rows, dim = q.shape
+    columns = r.shape[1]
+    dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
+    idx = torch.empty((batch, rows, k), dtype=torch.int64, device=q.device)
+    if dists.numel():
+        padded = triton.next_power_of_2(dim)
+        block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
+        _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M), batch)](
+            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), dists, idx, rows, columns, DIM=dim, DP=padded,
+            LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
+            BLOCK_N=block_n, SORT_FROM=sort_from, num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
+    return dists, idx
 
 
 def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
