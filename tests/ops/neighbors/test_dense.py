@@ -31,12 +31,16 @@ def path(request, monkeypatch):
         return "cpu"
     if not HAVE_TRITON:
         pytest.skip("needs triton")
-    interpreted_cases = ("test_ragged_batches_non_finite_points_and_small_sets", "test_gradients")
+    interpreted_cases = ("test_gradients",)
     if request.param == "brute force" and not torch.cuda.is_available() and (
             request.node.originalname not in interpreted_cases):
-        pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests, the ragged and "
-                    "gradient cases; every case on the GPU")
+        pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests and the gradient "
+                    "case; every case on the GPU")
     monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
+    if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
+        from fullgraph.ops.neighbors import triton_dense
+
+        monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_DIM", triton_dense.BRUTE_FORCE_MAX_DIM)
     if torch.cuda.is_available():
         return "cuda"
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)

@@ -28,7 +28,9 @@ reference computes it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1
 When the k-th exact candidate distance squared ``s_i`` is below that, the list is exactly the
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
-On GPUs (float16/bfloat16/float32), steps 1-2 never store a block's M x N values: the
+On GPUs (float16/bfloat16/float32), small items of few coordinates (``_brute_forced``) skip
+all of this: one kernel measures every pair in the reference's arithmetic and keeps each
+query's k best, exact by construction. Otherwise steps 1-2 never store a block's M x N values: the
 products run on tensor cores (``triton_dense``) and per query only the least value of each
 chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k and up to
 2^14 references, one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers;
@@ -322,15 +324,20 @@ def _on_tensor_cores(query) -> bool:
     return query.is_cuda and query.dtype != torch.float64 and _triton.available()
 
 
-# Query-reference pairs per batch item up to which GPUs measure every pair (one kernel,
-# ``triton_dense.brute_force``) instead of the products' candidates and certificate (~40
-# launches). Measured in session 24 (run MJ, ``python benchmarks/dense_profile.py --brute``).
-BRUTE_FORCE_MAX_PAIRS = 2**20
+# Items of up to BRUTE_FORCE_MAX_PAIRS query-reference pairs and BRUTE_FORCE_MAX_DIM
+# coordinates are measured pair by pair on GPUs (one kernel, ``triton_dense.brute_force``)
+# instead of by the products' candidates and certificate (~40 launches). H100, session 24 run
+# MJ (``python benchmarks/dense_profile.py --brute``), graphed ms products / brute force /
+# cdist + topk: 16 x 256^2 D=16 k=20 0.369 / 0.157 / 0.099; 64 x 128^2 D=32 k=16 0.422 /
+# 0.160 / 0.103; but 16 x 256^2 D=64 0.379 / 0.784, D=128 0.417 / 2.04; 2,048 x 8,192 D=16
+# k=10 0.388 / 0.445; 32 x 1024^2 D=64 0.948 / 20.8 (its tiles of squares, [4, N, D], are
+# bound by the arithmetic). Eager calls cost ~1-2 ms of host time either way.
+BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 32
 
 
 def _brute_forced(query, ref, k) -> bool:
     rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
-    return (_on_tensor_cores(query) and pairs.PER_COORDINATE_MAX_DIM < dim <= triton_dense.BRUTE_FORCE_MAX_DIM
+    return (_on_tensor_cores(query) and pairs.PER_COORDINATE_MAX_DIM < dim <= BRUTE_FORCE_MAX_DIM
             and k <= triton_dense.BRUTE_FORCE_MAX_K and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
 
 
