@@ -482,11 +482,13 @@ BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
 
 
 def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
-                sort_from: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                sort_from: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32, D in (4, BRUTE_FORCE_MAX_DIM]), ref_ok [B, N] bool,
     k <= BRUTE_FORCE_MAX_K -> each query's k nearest valid references: distances [B, M, k]
     (float32, the reference's bits; +inf past the valid ones) and positions (-1 there),
-    ascending, ties to the smaller position. One kernel, no host read."""
+    ascending, ties to the smaller position. One kernel, no host read; a tile enters the
+    lists by sorting where some query wants ``sort_from`` of its candidates (the grid
+    search's ``SEARCH_SORT_FROM``)."""
     batch, rows, dim = q.shape
     columns = r.shape[1]
     dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
