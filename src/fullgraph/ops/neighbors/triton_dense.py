@@ -114,21 +114,23 @@ if triton is not None:
                  mask=(m[:, None] < rows) & (c[None, :] < chunks))
 
     @triton.jit
-    def _ordered_keys(values, positions):
-        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position):
-        the float's bits made monotonic (negatives: flip the magnitude bits; -0.0 as 0.0)."""
+    def _ordered_bits(values):
+        """float32 values (no NaN) -> int32 in the same order: the float's bits made monotonic
+        (negatives: flip the magnitude bits; -0.0 as 0.0). ``_ordered_floats`` undoes it."""
         bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return (ordered.to(tl.int64) << 32) | positions.to(tl.int64)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _ordered_keys(values, positions):
+        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position)."""
+        return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
 
     @triton.jit
     def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
         """float32 values (no NaN) and positions < 2^POSITION_BITS -> int32 keys ordered as
         (value rounded down to 32 - POSITION_BITS bits, position): ``_ordered_keys`` in half
         the width, for the fused lists (int64 compare-and-swap steps cost twice)."""
-        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
-        ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        return (ordered & -(1 << POSITION_BITS)) | positions.to(tl.int32)
+        return (_ordered_bits(values) & -(1 << POSITION_BITS)) | positions.to(tl.int32)
 
     @triton.jit
     def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
@@ -413,10 +415,9 @@ def member_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, ch
     return out
 
 
-def _key_values(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 values of int64 (value, position) keys (``_ordered_keys`` undone)."""
-    top = (keys >> 32).to(torch.int32)
-    return (top ^ ((top >> 31) & 0x7FFFFFFF)).view(torch.float32)
+def _ordered_floats(ordered: torch.Tensor) -> torch.Tensor:
+    """int32 ``_ordered_bits`` back to the float32 values."""
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
 
 
 def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
@@ -464,9 +465,7 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
             num_warps=4)
-    ordered = out & -(1 << position_bits)
-    values = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    return values, (out & ((1 << position_bits) - 1)).to(torch.int64)
+    return _ordered_floats(out & -(1 << position_bits)), (out & ((1 << position_bits) - 1)).to(torch.int64)
 
 
 def measures(q: torch.Tensor) -> bool:
