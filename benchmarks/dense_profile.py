@@ -11,6 +11,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
     python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
                                                          the products' path, by size)
+    python benchmarks/dense_profile.py --loop           (the fused lists by FUSED_LOOP_MAX, beside the
+                                                         products-only floor)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -93,6 +95,66 @@ def fused_keys(generator) -> None:
                   ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
 
 
+LOOP_SETTINGS = (0, 4, 8, 12, 16, 32)
+
+
+def _products_only_kernel():
+    """A kernel of the fused path's products and chunk minima alone (each query's least
+    minimum kept, no lists): the floor under ``least_chunks``."""
+    from fullgraph._triton import tl, triton
+
+    @triton.jit
+    def products_only(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, share, CHUNK: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        item = tl.program_id(2).to(tl.int64)
+        part = tl.program_id(1)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        least = tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32)
+        first = part * share
+        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            least = tl.minimum(least, triton_dense._tile_minima(
+                q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows,
+                columns, dim, CHUNK, "tf32x3", BLOCK_K))
+        tl.store(out_ptr + (item * rows + m) * tl.num_programs(1) + part, tl.min(least, 1), mask=m < rows)
+
+    return products_only
+
+
+def loop_max(generator) -> None:
+    """The fused chunk lists by FUSED_LOOP_MAX (0: the bitonic merge for every tile), graphed ms
+    of the whole dense call and of ``least_chunks`` alone, beside the products-only floor and
+    cdist + topk."""
+    products_only = _products_only_kernel()
+    default = triton_dense.FUSED_LOOP_MAX
+    for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES[:3]:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        norms = (r * r).sum(-1)
+        block_n, chunk = triton_dense.FUSED_BLOCK_N, triton_dense.FUSED_CHUNK
+        parts = triton_dense._shares(batch, rows, columns, block_n, q.device)
+        share = -(-(-(-columns // parts)) // block_n) * block_n
+        parts = -(-columns // share)
+        out = torch.empty(batch * rows * parts, device="cuda")
+        grid = (-(-rows // triton_dense.FUSED_BLOCK_M), parts, batch)
+        floor = median_ms(graphed(lambda: products_only[grid](
+            q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32, num_warps=triton_dense.FUSED_NUM_WARPS)))
+        for k in (20, 32, 50):
+            count = k + dense.CHUNK_SLACK + 1
+            if triton_dense.chunk_size(columns, count) != chunk:
+                continue
+            cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}",
+                     f"products only {floor:.3f}"]
+            for setting in LOOP_SETTINGS:
+                triton_dense.FUSED_LOOP_MAX = setting
+                whole = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+                lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
+                cells.append(f"loop {setting}: {whole:.3f} / lists {lists:.3f}")
+            triton_dense.FUSED_LOOP_MAX = default
+            print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
+
+
 BRUTE_SHAPES = ((16, 256, 256, 64, 20), (16, 256, 256, 16, 20), (16, 256, 256, 128, 20), (64, 128, 128, 32, 16),
                 (4, 512, 512, 64, 20), (2, 1024, 1024, 64, 20), (32, 1024, 1024, 64, 20), (32, 1024, 1024, 64, 50),
                 (8, 2048, 2048, 64, 20), (8, 4096, 4096, 64, 20), (1, 2048, 8192, 16, 10), (1, 4096, 4096, 128, 10))
@@ -142,6 +204,7 @@ def main() -> None:
     parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
     parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
     parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
+    parser.add_argument("--loop", action="store_true", help="the fused lists by FUSED_LOOP_MAX, beside the products")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -154,6 +217,8 @@ def main() -> None:
         return fused_keys(generator)
     if args.brute:
         return brute(generator)
+    if args.loop:
+        return loop_max(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)

@@ -328,18 +328,27 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3)])
-def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
-    """The fused chunk selection (a running list per query, merged a tile at a time, shares of
-    the references merged at the end) against every chunk minimum stored and sorted: integer
-    points make the products exact, so ties between chunks are many and must go to the
-    smaller chunk (small integers keep their order through the lists' rounding); invalid
-    references (+inf norms) end the cloud."""
+@pytest.mark.parametrize("loop_max", [0, 12, 32])
+@pytest.mark.parametrize("far_first", [False, True])
+def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, loop_max, far_first,
+                                                                  monkeypatch, generator):
+    """The fused chunk selection (a running list per query, a tile at a time merged by the
+    bitonic network or inserted key by key, by ``loop_max``; shares of the references merged
+    at the end) against every chunk minimum stored and sorted: integer points make the
+    products exact, so ties between chunks are many and must go to the smaller chunk (small
+    integers keep their order through the lists' rounding); invalid references (+inf norms)
+    end the cloud. ``far_first``: the references by decreasing norm, so that every tile
+    brings most rows new keys."""
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
+    monkeypatch.setattr(triton_dense, "FUSED_LOOP_MAX", loop_max)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, rows, 5, generator=generator) * 2).to(device)
-    r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2).to(device)
+    r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2)
+    if far_first:
+        r = r.gather(1, (r * r).sum(-1).argsort(1, descending=True)[..., None].expand_as(r))
+    r = r.to(device)
     norms = (r * r).sum(-1)
     norms[:, -3:] = math.inf
     chunk = triton_dense.chunk_size(columns, count)

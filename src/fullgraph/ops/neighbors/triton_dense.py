@@ -44,6 +44,9 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # 2.68 / 3.92, 8 x 4096^2 D=64 4.28 / 4.09 and 4.66 / 4.37, 4 x 4096 x 16,384 5.70 / 3.27;
 # session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5, dense-profile-run-EB.log).
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**10}
+# A tile's keys are inserted one at a time (``_insert_each``) where no row of the tile has more
+# than this many below its list's bar; beyond, the bitonic merge.
+FUSED_LOOP_MAX = 12
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -81,6 +84,7 @@ if triton is not None:
     from .triton_kernels import _KEY_NONE, _insert
 
     _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
+    _SHORT_KEY_LEAST = tl.constexpr(-0x80000000)  # below every ``_short_keys`` key
 
     @triton.jit
     def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
@@ -151,12 +155,18 @@ if triton is not None:
         return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
 
     @triton.jit
+    def _sorted(keys, LOG_WIDTH: tl.constexpr, DESCENDING: tl.constexpr):
+        """keys [R, 2^LOG_WIDTH] sorted along the rows (a bitonic network)."""
+        for stage in tl.static_range(1, LOG_WIDTH + 1):
+            for step in tl.static_range(stage):
+                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, DESCENDING)
+        return keys
+
+    @triton.jit
     def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
         """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
         descending: a bitonic sort, then its last WIDTH."""
-        for stage in tl.static_range(1, LOG_NEW + 1):
-            for step in tl.static_range(stage):
-                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
+        keys = _sorted(keys, LOG_NEW, True)
         GROUPS: tl.constexpr = keys.shape[1] // WIDTH
         x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
         return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
@@ -172,17 +182,43 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
+    def _insert_each(best, keys):
+        """best [R, W] (any order) with the keys [R, C] inserted one a row at a time, each
+        replacing its row's largest where below it: W least kept. For the few keys a tile adds
+        once the lists are full, a loop as long as the row with most of them, where the
+        bitonic merge costs its fixed ~20 network steps whatever enters."""
+        slots = tl.arange(0, best.shape[1])[None, :]
+        largest, at = tl.max(best, 1, return_indices=True)
+        pending = tl.where(keys < largest[:, None], keys, _SHORT_KEY_NONE)
+        while tl.min(pending) < _SHORT_KEY_NONE:
+            least = tl.min(pending, 1)
+            pending = tl.where(pending == least[:, None], _SHORT_KEY_NONE, pending)
+            best = tl.where((slots == at[:, None]) & (least < largest)[:, None], least[:, None], best)
+            largest, at = tl.max(best, 1, return_indices=True)
+            pending = tl.where(pending < largest[:, None], pending, _SHORT_KEY_NONE)
+        return best
+
+    @triton.jit
+    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts, count,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per query of the tile, the KEYS least (chunk minimum, chunk) ``_short_keys`` over the
-        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
+                                 LOOP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr):
+        """Per query of the tile, the ``count`` least (chunk minimum, chunk) ``_short_keys`` over
+        the references [part * share, (part + 1) * share), ascending and padded with
+        _SHORT_KEY_NONE -> out [B, M, parts, KEYS]. A tile's keys are merged by the bitonic
+        network, or, where no row has more than LOOP_MAX keys below its count-th,
+        inserted one at a time (``_insert_each``)."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
-        best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
+        slots = tl.arange(0, KEYS)
+        # The slots past ``count`` hold a key below all others, so that the list's largest key
+        # is its count-th least: the bar a new key must pass.
+        best = tl.where(slots[None, :] < KEYS - count, _SHORT_KEY_LEAST, _SHORT_KEY_NONE) + tl.zeros((BLOCK_M, KEYS),
+                                                                                                     tl.int32)
+        ordered = tl.full((), 1, tl.int32)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
@@ -190,8 +226,16 @@ if triton is not None:
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima, c[None, :], POSITION_BITS), _SHORT_KEY_NONE)
-            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
-        slots = tl.arange(0, KEYS)
+            entering = tl.sum((keys < tl.max(best, 1)[:, None]).to(tl.int32), 1)
+            if tl.max(entering) <= LOOP_MAX:
+                best = _insert_each(best, keys)
+                ordered = tl.full((), 0, tl.int32)
+            else:
+                if ordered == 0:
+                    best = _sorted(best, LOG_KEYS, False)
+                best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
+                ordered = tl.full((), 1, tl.int32)
+        best = _sorted(tl.where(best == _SHORT_KEY_LEAST, _SHORT_KEY_NONE, best), LOG_KEYS, False)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
                  mask=m[:, None] < rows)
 
@@ -456,9 +500,9 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, chunks, share,
-                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
+                                       parts, count, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       POSITION_BITS=position_bits,
+                                       POSITION_BITS=position_bits, LOOP_MAX=FUSED_LOOP_MAX,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
