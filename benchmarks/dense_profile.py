@@ -11,8 +11,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
     python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
                                                          the products' path, by size)
-    python benchmarks/dense_profile.py --loop           (the fused lists by FUSED_LOOP_MAX, beside the
-                                                         products-only floor)
+    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone,
+                                                         by the products' slices of D)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -26,6 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fullgraph
+from fullgraph._triton import triton
 from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import dense, triton_dense
 
@@ -95,17 +96,14 @@ def fused_keys(generator) -> None:
                   ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
 
 
-LOOP_SETTINGS = (0, 4, 8, 12, 16, 32)
-
-
 def _products_only_kernel():
     """A kernel of the fused path's products and chunk minima alone (each query's least
     minimum kept, no lists): the floor under ``least_chunks``."""
     from fullgraph._triton import tl, triton
 
     @triton.jit
-    def products_only(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, share, CHUNK: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def products_only(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, DIM: tl.constexpr, share,
+                      CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,20 +112,20 @@ def _products_only_kernel():
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             least = tl.minimum(least, triton_dense._tile_minima(
-                q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows,
-                columns, dim, CHUNK, "tf32x3", BLOCK_K))
+                q_ptr + item * rows * DIM, r_ptr + item * columns * DIM, r_norms_ptr + item * columns, m, n, rows,
+                columns, DIM, CHUNK, "tf32x3", BLOCK_K))
         tl.store(out_ptr + (item * rows + m) * tl.num_programs(1) + part, tl.min(least, 1), mask=m < rows)
 
     return products_only
 
 
-def loop_max(generator) -> None:
-    """The fused chunk lists by FUSED_LOOP_MAX (0: the bitonic merge for every tile), graphed ms
-    of the whole dense call and of ``least_chunks`` alone, beside the products-only floor and
-    cdist + topk."""
+def floor(generator) -> None:
+    """Graphed ms of the fused chunk lists (``least_chunks``) and of the whole dense call,
+    beside the products-only floor and cdist + topk, with the products of a tile over all D
+    at once (FUSED_WHOLE_DIM 128) and in slices of 32 (0)."""
     products_only = _products_only_kernel()
-    default = triton_dense.FUSED_LOOP_MAX
-    for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES[:3]:
+    default = triton_dense.FUSED_WHOLE_DIM
+    for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         norms = (r * r).sum(-1)
@@ -137,22 +135,20 @@ def loop_max(generator) -> None:
         parts = -(-columns // share)
         out = torch.empty(batch * rows * parts, device="cuda")
         grid = (-(-rows // triton_dense.FUSED_BLOCK_M), parts, batch)
-        floor = median_ms(graphed(lambda: products_only[grid](
-            q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32, num_warps=triton_dense.FUSED_NUM_WARPS)))
-        for k in (20, 32, 50):
-            count = k + dense.CHUNK_SLACK + 1
-            if triton_dense.chunk_size(columns, count) != chunk:
-                continue
-            cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}",
-                     f"products only {floor:.3f}"]
-            for setting in LOOP_SETTINGS:
-                triton_dense.FUSED_LOOP_MAX = setting
-                whole = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
-                lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
-                cells.append(f"loop {setting}: {whole:.3f} / lists {lists:.3f}")
-            triton_dense.FUSED_LOOP_MAX = default
-            print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
+        k = 20 if columns <= 2**14 else 10
+        count = k + dense.CHUNK_SLACK + 1
+        cells = [f"k={k} cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
+        for whole in (default, 0):
+            triton_dense.FUSED_WHOLE_DIM = whole
+            block_k = max(16, triton.next_power_of_2(dim)) if dim <= whole else 32
+            products = median_ms(graphed(lambda: products_only[grid](
+                q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
+                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=triton_dense.FUSED_NUM_WARPS)))
+            lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
+            whole_call = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            cells.append(f"BLOCK_K {block_k}: products only {products:.3f} / lists {lists:.3f} / dense {whole_call:.3f}")
+        triton_dense.FUSED_WHOLE_DIM = default
+        print(f"B={batch} M={rows} N={columns} D={dim}:", ", ".join(cells), flush=True)
 
 
 BRUTE_SHAPES = ((16, 256, 256, 64, 20), (16, 256, 256, 16, 20), (16, 256, 256, 128, 20), (64, 128, 128, 32, 16),
@@ -204,7 +200,7 @@ def main() -> None:
     parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
     parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
     parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
-    parser.add_argument("--loop", action="store_true", help="the fused lists by FUSED_LOOP_MAX, beside the products")
+    parser.add_argument("--floor", action="store_true", help="the fused lists beside their products alone")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -217,8 +213,8 @@ def main() -> None:
         return fused_keys(generator)
     if args.brute:
         return brute(generator)
-    if args.loop:
-        return loop_max(generator)
+    if args.floor:
+        return floor(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)

@@ -328,27 +328,18 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3)])
-@pytest.mark.parametrize("loop_max", [0, 12, 32])
-@pytest.mark.parametrize("far_first", [False, True])
-def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, loop_max, far_first,
-                                                                  monkeypatch, generator):
-    """The fused chunk selection (a running list per query, a tile at a time merged by the
-    bitonic network or inserted key by key, by ``loop_max``; shares of the references merged
-    at the end) against every chunk minimum stored and sorted: integer points make the
-    products exact, so ties between chunks are many and must go to the smaller chunk (small
-    integers keep their order through the lists' rounding); invalid references (+inf norms)
-    end the cloud. ``far_first``: the references by decreasing norm, so that every tile
-    brings most rows new keys."""
+def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
+    """The fused chunk selection (a running list per query, merged a tile at a time, shares of
+    the references merged at the end) against every chunk minimum stored and sorted: integer
+    points make the products exact, so ties between chunks are many and must go to the
+    smaller chunk (small integers keep their order through the lists' rounding); invalid
+    references (+inf norms) end the cloud."""
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
-    monkeypatch.setattr(triton_dense, "FUSED_LOOP_MAX", loop_max)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, rows, 5, generator=generator) * 2).to(device)
-    r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2)
-    if far_first:
-        r = r.gather(1, (r * r).sum(-1).argsort(1, descending=True)[..., None].expand_as(r))
-    r = r.to(device)
+    r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2).to(device)
     norms = (r * r).sum(-1)
     norms[:, -3:] = math.inf
     chunk = triton_dense.chunk_size(columns, count)
@@ -363,6 +354,61 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     assert torch.equal(values[~finite], want[~finite])
     values, want = values[finite], want[finite]
     assert (values <= want).all() and (want - values <= want.abs() * 2.0**-kept).all()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim", [3, 4, 5, 64, 300])
+@pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
+                                                          (16, 5, 12, 7)])
+def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chosen, take, count, generator):
+    """``triton_dense.nearest_members`` (one kernel a query: the chosen chunks' members
+    measured by summed differences, the ``take`` least re-measured in the reference's
+    arithmetic and ordered) against torch doing each step: the same members, bits and order,
+    with duplicates (ties to the smaller index), invalid references, a missing chunk (-1),
+    lists longer than the members (padding), and rows not ``needed`` left as they were."""
+    from fullgraph.ops.neighbors import pairs, triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, rows, columns = 2, 5, 200
+    q = torch.randn(batch, rows, dim, generator=generator)
+    r = torch.randn(batch, columns, dim, generator=generator)
+    r[:, 7] = r[:, 3]
+    ok = torch.rand(batch, columns, generator=generator) > 0.1
+    chunks = -(-columns // chunk)
+    chosen = torch.stack([torch.randperm(chunks, generator=generator)[:n_chosen].sort().values
+                          for _ in range(batch * rows)]).reshape(batch, rows, n_chosen)
+    chosen[0, 0, -1] = -1
+    needed = torch.rand(batch, rows, generator=generator) > 0.3
+    d, i, last = triton_dense.nearest_members(q.to(device), r.to(device), ok.to(device), chosen.to(device), chunk,
+                                              take, count)
+    kept, _, _ = triton_dense.nearest_members(q.to(device), r.to(device), ok.to(device), chosen.to(device), chunk,
+                                              take, count, needed=needed.to(device))
+    d, i, last, kept = d.cpu(), i.cpu(), last.cpu(), kept.cpu()
+
+    members = (chosen[..., None] * chunk + torch.arange(chunk)).reshape(batch, rows, -1)
+    valid = (chosen[..., None] >= 0).expand(-1, -1, -1, chunk).reshape(members.shape) & (members < columns)
+    members = members.clamp(0, columns - 1)
+    valid &= ok.gather(1, members.reshape(batch, -1)).reshape(members.shape)
+    gathered = lambda at: torch.stack([r[b][at[b]] for b in range(batch)])
+    first = ((q[:, :, None] - gathered(members)) ** 2).sum(-1).masked_fill(~valid, math.inf)
+    width = members.shape[-1]
+    power_of_two = lambda x: 1 << (max(x, 2) - 1).bit_length()
+    if power_of_two(take) < power_of_two(width):  # (the kernel's rows are powers of two)
+        least, position = torch.sort(first, dim=-1, stable=True)
+        position = position[..., :take]
+        assert torch.allclose(last, least[..., take - 1], rtol=1e-5)  # another summation order
+    else:  # every member re-measured
+        position = torch.arange(width).expand(batch, rows, width)
+        assert torch.isinf(last).all()
+    candidates, real = members.gather(2, position), valid.gather(2, position)
+    squares = pairs.squared_difference(q[:, :, None], gathered(candidates))
+    # (the interpreter's sqrt is numpy's, correctly rounded as CUDA's; torch's CPU one may differ)
+    exact = (squares.sqrt() if device == "cuda" else torch.from_numpy(np.sqrt(squares.numpy())))
+    want_d, want_i = pairs.order_by_distance(exact.masked_fill(~real, math.inf), candidates.masked_fill(~real, -1))
+    n = min(count, want_d.shape[-1])
+    assert torch.equal(d[..., :n], want_d[..., :n]) and torch.equal(i[..., :n], want_i[..., :n])
+    assert torch.isinf(d[..., n:]).all() and (i[..., n:] == -1).all()
+    assert torch.equal(kept[needed], d[needed]) and torch.isinf(kept[~needed]).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

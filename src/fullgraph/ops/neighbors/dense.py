@@ -37,10 +37,11 @@ chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k 
 beyond, every chunk's minimum is stored and selected from). The k + CHUNK_SLACK chunks with the least minima are
 chosen; the squared distances to their members are summed
 from differences (relative error below (D + 2) u, no cancellation), and the k + SLACK
-nearest members re-measured in the reference's arithmetic. Exactness: the k nearest lie in
-chosen chunks up to the products' error (each of the k chosen minima is a distinct
-reference at or below the k-th least minimum), and the certificate of step 3 takes the
-least of two floors: every reference of an unchosen chunk has a product value at least the
+nearest members re-measured in the reference's arithmetic (where they fit in registers,
+all of it in one kernel a query, ``triton_dense.nearest_members``). Exactness: the k
+nearest lie in chosen chunks up to the products' error (each of the k chosen minima is a
+distinct reference at or below the k-th least minimum), and the certificate of step 3
+takes the least of two floors: every reference of an unchosen chunk has a product value at least the
 least unchosen minimum (so a squared distance at least it + |q|^2 - e_i), every unmeasured
 member a member distance at least the last one measured. The products' error there is
 split in two: each product's input rounding, at most eps |q_d r_d| (``triton_dense.product_error``)
@@ -50,10 +51,9 @@ whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
-D <= REDO_MAX_DIM) rows are proven before the re-measure, from the members as measured
-(``_in_capture``), and those not proven take the Triton search restricted to them (its
-programs without such a row return at once), for k + SLACK neighbours; then one re-measure
-of every row in the reference's arithmetic, and no host read. Otherwise one host read: on
+D <= REDO_MAX_DIM) the rows not proven take the Triton search restricted to them (its
+programs without such a row return at once), for k + SLACK neighbours re-measured in the
+reference's arithmetic (``_in_capture``), and no host read. Otherwise one host read: on
 GPUs the stored products of steps 1-3 redo them first, then the Triton search (CUDA) or
 the reference (CPUs, float64) what still fails.
 """
@@ -184,11 +184,36 @@ class _Frames:
         return part
 
 
-def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None):
+def _in_torch_sqrt(q, r, d, i):
+    """Lists d, i [B, m, c] that a Triton kernel measured: on CPU tensors (Triton's
+    interpreter, whose sqrt is numpy's, correctly rounded, where torch's CPU sqrt may differ by
+    an ulp) re-measured by torch and ordered again; as they are on GPUs."""
+    if q.is_cuda:
+        return d, i
+    return pairs.order_by_distance(_remeasure(q, r, i.clamp(min=0)).masked_fill_(i < 0, math.inf), i)
+
+
+def _within(d, i, scale, radius):
+    """Lists d, i [B, m, c] (ascending, in units of ``scale`` [B, 1]) with the entries beyond
+    ``radius`` dropped (+inf, -1)."""
+    if radius == math.inf:
+        return d, i
+    keep = d * scale[..., None] <= radius
+    return d.masked_fill(~keep, math.inf), i.masked_fill(~keep, -1)
+
+
+def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None, needed=None):
     """The ``candidates`` [B, m, c] (reference positions; ``inside`` [B, m, c] marks the real
     ones) of the queries q [B, m, D] re-measured in the reference's arithmetic, the valid
     references within ``radius`` kept, ordered by (distance, index): distances [B, m, c] in
-    the frames' units (+inf where dropped), positions (-1 there)."""
+    the frames' units (+inf where dropped), positions (-1 there). On GPUs one Triton kernel
+    (``triton_dense.nearest_members``) where it takes them, which skips the rows ``needed``
+    [B, m] leaves out (unspecified then)."""
+    take, dim = candidates.shape[-1], q.shape[-1]
+    if q.is_cuda and q.dtype == torch.float32 and triton_dense.ranks_members(take, take, dim):
+        chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
+        d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
+        return _within(d, i, frames.scale, radius)
     exact = _remeasure(q, frames.r, candidates)
     keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
     keep &= exact * frames.scale[..., None] <= radius
@@ -225,13 +250,11 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _tensor_core_candidates(frames: _Frames, rows: slice, k):
-    """Steps 1-2 on GPUs, never storing the block's M x N products (module docstring, "On
-    GPUs"): the least chunks on tensor cores, the chosen chunks' members measured from
-    differences. Returns the k + SLACK nearest members (positions [B, m, c], clamped;
-    ``inside`` [B, m, c] marks the real ones), their squared distances as measured [B, m, c]
-    (ascending) and ``limit`` [B, m]: the rows whose k-th squared distance lies below it are
-    exactly the reference's (+inf: every member of every chunk is a candidate)."""
+def _chosen_chunks(frames: _Frames, rows: slice, k):
+    """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
+    per query the k + CHUNK_SLACK chunks with the least minima on tensor cores (chunk numbers
+    [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor under the squared distances, as
+    the reference measures them, of every reference in no chosen chunk (+inf: none is left)."""
     qc = frames.qc[:, rows].contiguous()
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     precision = TENSOR_CORE_PRECISION
@@ -240,65 +263,72 @@ def _tensor_core_candidates(frames: _Frames, rows: slice, k):
     n_chosen = min(k + CHUNK_SLACK, chunks)
     values, chosen = triton_dense.least_chunks(qc, frames.rc, frames.r_norms, min(n_chosen + 1, chunks), chunk,
                                                precision)
-    chosen = chosen[..., :n_chosen]
-    members = triton_dense.member_distances(frames.q[:, rows].contiguous(), frames.r, frames.r_norms, chosen, chunk)
-    measured, position = triton_dense.smallest(members, min(k + SLACK, members.shape[-1]))
-    candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
-    inside = candidates < columns
     # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
     # then the float32 sums and norms as in step 3.
-    u = 2.0**-24
     q_abs = (qc * qc).sum(-1).sqrt()
-    q_norms = q_abs * q_abs
-    unchosen = values[..., -1] if values.shape[-1] > n_chosen else torch.full_like(q_norms, math.inf)
+    if values.shape[-1] == n_chosen:
+        return chosen, chunk, torch.full_like(q_abs, math.inf)
     # Every reference of an unchosen chunk has a product value >= the least unchosen minimum
-    # (as least_chunks returns it: rounded down on its fused path, a lower bound still);
-    # every unmeasured member of a chosen chunk a member distance >= the last one measured.
-    # (A list shorter than k, when k exceeds the cloud, holds every member of every chunk.)
-    beyond_chunks = beyond_expansion(unchosen + q_norms - 2 * triton_dense.product_error(precision) * q_abs
-                                     * frames.reach, q_abs, frames.reach, dim, u)
-    if measured.shape[-1] < members.shape[-1]:
-        beyond_members = measured[..., -1] * (1 - 4 * (dim + 2) * u)
-    else:
-        beyond_members = torch.full_like(q_norms, math.inf)
-    return candidates.clamp(max=columns - 1), inside, measured, torch.minimum(beyond_chunks, beyond_members)
+    # (as least_chunks returns it: rounded down on its fused path, a lower bound still).
+    beyond = beyond_expansion(values[..., -1] + q_abs * q_abs - 2 * triton_dense.product_error(precision) * q_abs
+                              * frames.reach, q_abs, frames.reach, dim, 2.0**-24)
+    return chosen[..., :n_chosen], chunk, beyond
+
+
+def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius):
+    """Steps 1-3 on GPUs: the chosen chunks' members measured from differences (relative
+    error below (D + 2) u, no cancellation), the k + SLACK nearest by that re-measured in the
+    reference's arithmetic (in one kernel, ``triton_dense.nearest_members``, where it takes
+    them). Returns ``_exact_lists``' lists [B, m, >= k] and ``limit`` [B, m]: a row whose k-th
+    squared distance lies below it is exactly the reference's (+inf: every member of every
+    chunk was re-measured)."""
+    chosen, chunk, beyond = _chosen_chunks(frames, rows, k)
+    q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
+    members = chosen.shape[-1] * chunk
+    take = min(k + SLACK, members)
+    # Every unmeasured member of a chosen chunk has a first measure >= the last one re-measured.
+    shrink = 1 - 4 * (dim + 2) * 2.0**-24
+    if triton_dense.ranks_members(members, take, dim):
+        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, chunk, take, k)
+        d, i = _within(*_in_torch_sqrt(q, frames.r, d, i), frames.scale, radius)
+        return d, i, torch.minimum(beyond, last * shrink)
+    measured, position = triton_dense.smallest(
+        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk), take)
+    candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
+    columns = frames.r.shape[1]
+    d, i = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, candidates < columns)
+    if take < members:
+        beyond = torch.minimum(beyond, measured[..., -1] * shrink)
+    return d, i, beyond
 
 
 def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
-    """``_block`` on GPUs: ``_tensor_core_candidates`` re-measured in the reference's arithmetic."""
-    candidates, inside, _, limit = _tensor_core_candidates(frames, rows, k)
-    d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius, inside)
+    """``_block`` on GPUs (``_tensor_core_lists``)."""
+    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius)
     kth = d[..., min(k, d.shape[-1]) - 1]
     certified = (kth ** 2 < limit) | torch.isinf(limit)
-    return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+    return d[..., :k] * frames.scale[..., None], i[..., :k], ~certified
 
 
 def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
-    """The tensor-core path inside a CUDA graph capture, re-measuring once: rows are proven
-    from the members as measured (the k-th exact squared distance is at most the k-th
-    measured one times 1 + 4 (D + 2) u: the same squares summed in another order, then
-    rounded by sqrt and squared), and the rows not proven take the Triton search's lists
-    (its programs without such a row return at once) before the one re-measure of all."""
-    batch, rows, dim = query.shape
+    """The tensor-core path inside a CUDA graph capture, with no host read: the rows the
+    certificate leaves unproven take the Triton search's lists (its programs without such a
+    row return at once), re-measured in the reference's arithmetic."""
+    batch, rows, _ = query.shape
     take = max(k, min(k + SLACK, REDO_MAX_K))
-    candidates = torch.zeros((batch, rows, take), dtype=torch.int64, device=query.device)
-    inside = torch.zeros((batch, rows, take), dtype=torch.bool, device=query.device)
     unproven = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
     step = max(1, BLOCK_BYTES["cuda"] // (batch * _width(ref.shape[1], k) * frames.q.element_size()))
     for start in range(0, rows, step):
         block = slice(start, min(start + step, rows))
-        found, real, measured, limit = _tensor_core_candidates(frames, block, k)
-        kth = measured[..., min(k, measured.shape[-1]) - 1] * (1 + 4 * (dim + 2) * 2.0**-24)
-        unproven[:, block] = ~((kth < limit) | torch.isinf(limit))
-        candidates[:, block, :found.shape[-1]], inside[:, block, :found.shape[-1]] = found, real
-    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths,
-                                      needed=unproven & query_ok, built=_grid(frames, query_ok, ref_ok))
+        d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, ref_ok, k, radius)
+        dists[:, block, :d.shape[-1]], idx[:, block, :d.shape[-1]] = d, i
+    unproven &= query_ok
+    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=unproven,
+                                      built=_grid(frames, query_ok, ref_ok))
+    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=unproven)
     redo = unproven[..., None]
-    candidates = torch.where(redo, found.clamp(min=0), candidates)
-    inside = torch.where(redo, found >= 0, inside)
-    d, i = _exact_lists(frames.q, frames, candidates, ref_ok, radius, inside)
-    dists.copy_(d[..., :k] * frames.scale[..., None])
-    idx.copy_(i[..., :k])
+    dists.copy_(torch.where(redo, d[..., :k] * frames.scale[..., None], dists))
+    idx.copy_(torch.where(redo, i[..., :k], idx))
 
 
 def _grid(frames: _Frames, query_ok, ref_ok):
@@ -343,13 +373,10 @@ def _brute_forced(query, ref, k) -> bool:
 
 def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx) -> None:
     """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx."""
-    interpreted = _triton.INTERPRETED and not frames.q.is_cuda
     found, position = triton_dense.brute_force(
         frames.q, frames.r, ref_ok, k,
-        triton_grid.INTERPRETER_SORT_FROM if interpreted else triton_grid.SEARCH_SORT_FROM)
-    if interpreted:  # (numpy's sqrt, correctly rounded; torch's CPU sqrt may differ by an ulp)
-        found = _remeasure(frames.q, frames.r, position.clamp(min=0)).masked_fill_(position < 0, math.inf)
-        found, position = pairs.order_by_distance(found, position)
+        triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM)
+    found, position = _in_torch_sqrt(frames.q, frames.r, found, position)
     found = found * frames.scale[..., None]
     keep = found <= radius
     dists.copy_(found.masked_fill_(~keep, math.inf))
@@ -395,7 +422,7 @@ def _redo_in_triton(query, ref, frames, query_ok, ref_ok, k, radius, query_lengt
     take = max(k, min(k + SLACK, REDO_MAX_K))
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed,
                                       built=_grid(frames, query_ok, ref_ok))
-    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0)
+    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=failed)
     d = d[..., :k] * frames.scale[..., None]
     dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
     idx.copy_(torch.where(failed[..., None], i[..., :k], idx))

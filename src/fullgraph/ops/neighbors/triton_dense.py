@@ -20,6 +20,8 @@ how that is certified.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..._triton import tl, triton
@@ -44,9 +46,9 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # 2.68 / 3.92, 8 x 4096^2 D=64 4.28 / 4.09 and 4.66 / 4.37, 4 x 4096 x 16,384 5.70 / 3.27;
 # session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5, dense-profile-run-EB.log).
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**10}
-# A tile's keys are inserted one at a time (``_insert_each``) where no row of the tile has more
-# than this many below its list's bar; beyond, the bitonic merge.
-FUSED_LOOP_MAX = 12
+# Up to this many coordinates the fused kernel's products of a tile are one ``tl.dot`` over all
+# of them (each D compiles its own kernel); beyond, slices of 32.
+FUSED_WHOLE_DIM = 128
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -84,7 +86,7 @@ if triton is not None:
     from .triton_kernels import _KEY_NONE, _insert
 
     _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
-    _SHORT_KEY_LEAST = tl.constexpr(-0x80000000)  # below every ``_short_keys`` key
+    _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
     @triton.jit
     def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
@@ -155,18 +157,12 @@ if triton is not None:
         return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
 
     @triton.jit
-    def _sorted(keys, LOG_WIDTH: tl.constexpr, DESCENDING: tl.constexpr):
-        """keys [R, 2^LOG_WIDTH] sorted along the rows (a bitonic network)."""
-        for stage in tl.static_range(1, LOG_WIDTH + 1):
-            for step in tl.static_range(stage):
-                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, DESCENDING)
-        return keys
-
-    @triton.jit
     def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
         """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
         descending: a bitonic sort, then its last WIDTH."""
-        keys = _sorted(keys, LOG_NEW, True)
+        for stage in tl.static_range(1, LOG_NEW + 1):
+            for step in tl.static_range(stage):
+                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         GROUPS: tl.constexpr = keys.shape[1] // WIDTH
         x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
         return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
@@ -182,60 +178,28 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _insert_each(best, keys):
-        """best [R, W] (any order) with the keys [R, C] inserted one a row at a time, each
-        replacing its row's largest where below it: W least kept. For the few keys a tile adds
-        once the lists are full, a loop as long as the row with most of them, where the
-        bitonic merge costs its fixed ~20 network steps whatever enters."""
-        slots = tl.arange(0, best.shape[1])[None, :]
-        largest, at = tl.max(best, 1, return_indices=True)
-        pending = tl.where(keys < largest[:, None], keys, _SHORT_KEY_NONE)
-        while tl.min(pending) < _SHORT_KEY_NONE:
-            least = tl.min(pending, 1)
-            pending = tl.where(pending == least[:, None], _SHORT_KEY_NONE, pending)
-            best = tl.where((slots == at[:, None]) & (least < largest)[:, None], least[:, None], best)
-            largest, at = tl.max(best, 1, return_indices=True)
-            pending = tl.where(pending < largest[:, None], pending, _SHORT_KEY_NONE)
-        return best
-
-    @triton.jit
-    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts, count,
-                                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
+    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, DIM: tl.constexpr, chunks, share,
+                                 parts, CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 LOOP_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr):
-        """Per query of the tile, the ``count`` least (chunk minimum, chunk) ``_short_keys`` over
-        the references [part * share, (part + 1) * share), ascending and padded with
-        _SHORT_KEY_NONE -> out [B, M, parts, KEYS]. A tile's keys are merged by the bitonic
-        network, or, where no row has more than LOOP_MAX keys below its count-th,
-        inserted one at a time (``_insert_each``)."""
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per query of the tile, the KEYS least (chunk minimum, chunk) ``_short_keys`` over the
+        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS].
+        (DIM a constant: with BLOCK_K >= DIM the products are one ``tl.dot`` a tile, and the loop
+        over tiles the innermost, whose loads Triton pipelines.)"""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
-        slots = tl.arange(0, KEYS)
-        # The slots past ``count`` hold a key below all others, so that the list's largest key
-        # is its count-th least: the bar a new key must pass.
-        best = tl.where(slots[None, :] < KEYS - count, _SHORT_KEY_LEAST, _SHORT_KEY_NONE) + tl.zeros((BLOCK_M, KEYS),
-                                                                                                     tl.int32)
-        ordered = tl.full((), 1, tl.int32)
+        q_base, r_base = q_ptr + item * rows * DIM, r_ptr + item * columns * DIM
+        best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, DIM, CHUNK,
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima, c[None, :], POSITION_BITS), _SHORT_KEY_NONE)
-            entering = tl.sum((keys < tl.max(best, 1)[:, None]).to(tl.int32), 1)
-            if tl.max(entering) <= LOOP_MAX:
-                best = _insert_each(best, keys)
-                ordered = tl.full((), 0, tl.int32)
-            else:
-                if ordered == 0:
-                    best = _sorted(best, LOG_KEYS, False)
-                best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
-                ordered = tl.full((), 1, tl.int32)
-        best = _sorted(tl.where(best == _SHORT_KEY_LEAST, _SHORT_KEY_NONE, best), LOG_KEYS, False)
+            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
+        slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
                  mask=m[:, None] < rows)
 
@@ -296,11 +260,97 @@ if triton is not None:
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
+        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
+
+    @triton.jit
+    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+        """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
+        summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
+        one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
+        are launched without contraction into fused multiply-adds."""
+        C: tl.constexpr = r.shape[0]
+        DP: tl.constexpr = r.shape[1]
         diff = q[None, :] - r
         x = diff * diff
-        for level in tl.static_range(LOG_DP):
-            x = tl.sum(tl.reshape(x, (BLOCK_C, 2, DP >> (level + 1))), 1)
-        tl.store(out_ptr + i * take + c, tl.reshape(x, (BLOCK_C,)), mask=c < take)
+        if DIM <= _PER_COORDINATE:
+            d = tl.arange(0, DP)[None, :]
+            total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
+            for c in tl.static_range(1, DIM):
+                total += tl.sum(tl.where(d == c, x, 0.0), 1)
+        else:
+            for level in tl.static_range(LOG_DP):
+                x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
+            total = tl.reshape(x, (C,))
+        return total
+
+    @triton.jit
+    def _row_of(x, at, WIDTH: tl.constexpr):
+        """Row ``at`` of x [R * WIDTH] seen as [R, WIDTH] (integers): [WIDTH]."""
+        ROWS: tl.constexpr = x.shape[0] // WIDTH
+        return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
+
+    @triton.jit
+    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
+                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
+                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                NEEDED: tl.constexpr):
+        """One query: its members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
+        none) measured by summed differences, the ``take`` least (by (value, member)) measured
+        again in the reference's arithmetic and the ``count`` nearest stored by (distance,
+        index); out_last: the take-th least first measure (+inf where every member was)."""
+        row = tl.program_id(0).to(tl.int64)
+        if NEEDED:
+            if tl.load(needed_ptr + row) == 0:
+                return
+        item = row // rows
+        r_base = r_ptr + item * columns * DIM
+        ok_base = ok_ptr + item * columns
+        members = n_chosen * CHUNK
+        j = tl.arange(0, WP)
+        if SEL < WP:
+            chunk = tl.load(chosen_ptr + row * n_chosen + j // CHUNK, mask=j < members, other=-1)
+            ref = chunk * CHUNK + j % CHUNK
+            valid = (chunk >= 0) & (ref < columns)
+            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            total = tl.zeros((WP,), tl.float32)
+            for start in range(0, DIM, BLOCK_K):
+                d = start + tl.arange(0, BLOCK_K)
+                qd = tl.load(q_ptr + row * DIM + d, mask=d < DIM, other=0.0)
+                rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=valid[:, None] & (d[None, :] < DIM),
+                             other=0.0)
+                diff = qd[None, :] - rd
+                total += tl.sum(diff * diff, 1)
+            total = tl.where(valid & (total == total), total, float("inf"))
+            first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
+            last = tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0))
+            top = (last >> 32).to(tl.int32)
+            tl.store(out_last + row, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+            slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
+        else:
+            tl.store(out_last + row, float("inf"))
+            slot = j
+        dp = tl.arange(0, 1 << LOG_DP)
+        q = tl.load(q_ptr + row * DIM + dp, mask=dp < DIM, other=0.0)
+        BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
+        keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
+        for b in tl.static_range(BLOCKS):
+            s = _row_of(slot, b, BLOCK_C)
+            chunk = tl.load(chosen_ptr + row * n_chosen + s // CHUNK, mask=s < members, other=-1)
+            ref = chunk * CHUNK + s % CHUNK
+            valid = (chunk >= 0) & (ref < columns)
+            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
+                        other=0.0)
+            d2 = _reference_squares(q, r, DIM, LOG_DP)
+            found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
+            found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
+            keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
+        keys = tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0)
+        at = tl.arange(0, BLOCKS * BLOCK_C)
+        hit = keys != _KEY_NONE
+        tl.store(out_d + row * count + at, tl.where(hit, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True),
+                                                     float("inf")), mask=at < count)
+        tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
     def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
@@ -498,11 +548,11 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
-        block_k = 16 if dim <= 16 else 32
+        block_k = max(16, triton.next_power_of_2(dim)) if dim <= FUSED_WHOLE_DIM else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, chunks, share,
-                                       parts, count, CHUNK=chunk, PRECISION=precision, KEYS=keys,
+                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       POSITION_BITS=position_bits, LOOP_MAX=FUSED_LOOP_MAX,
+                                       POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
                                        num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
@@ -561,6 +611,50 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
             q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c, DP=padded,
             LOG_DP=padded.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+# ``nearest_members``: the most members a query (in registers: measured, sorted) and the longest
+# lists it re-measures.
+MEMBERS_MAX, MEMBERS_TAKE_MAX = 1024, 64
+
+
+def ranks_members(members: int, take: int, dim: int) -> bool:
+    """Whether ``nearest_members`` takes ``members`` members a query, ``take`` re-measured, of
+    D = dim (float32 points; the caller checks)."""
+    return triton is not None and members <= MEMBERS_MAX and take <= MEMBERS_TAKE_MAX and dim <= MEASURE_MAX_DIM
+
+
+def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
+                    take: int, count: int, needed: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, M, D], r [B, N, D] (float32), ref_ok [B, N] bool, chosen [B, M, C] chunk numbers
+    (-1: none; ``chunk`` 1: references) -> the ``count`` nearest valid members of each query's
+    chunks: distances [B, M, count] in the reference's arithmetic (+inf where none), positions
+    (-1 there), ascending, ties to the smaller position; and last [B, M]: the take-th least
+    squared distance by the first measure (summed differences, within (D + 2) u of the
+    truth, relatively), below which every member not re-measured lies not (+inf where every
+    member was). Only the ``take`` least by the first measure are re-measured, in one
+    kernel a query (``ranks_members``). Rows ``needed`` marks not (when given) are left
+    unwritten."""
+    batch, rows, dim = q.shape
+    n_chosen = chosen.shape[-1]
+    members = n_chosen * chunk
+    width = triton.next_power_of_2(max(members, 2))
+    selected = min(triton.next_power_of_2(max(take, 2)), width)
+    # (padded: lists longer than the members measured keep their tails)
+    dists = torch.full((batch, rows, count), math.inf, dtype=torch.float32, device=q.device)
+    idx = torch.full((batch, rows, count), -1, dtype=torch.int64, device=q.device)
+    last = torch.empty((batch, rows), dtype=torch.float32, device=q.device)
+    if dists.numel():
+        padded = triton.next_power_of_2(dim)
+        block_c = max(1, min(selected, MEASURE_BLOCK // padded))
+        _nearest_members_kernel[(batch * rows,)](
+            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
+            needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
+            DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
+            BLOCK_K=max(1, min(32, MEASURE_BLOCK // width)), BLOCK_C=block_c, NEEDED=needed is not None,
+            num_warps=4, enable_fp_fusion=False)
+    return dists, idx, last
 
 
 def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor) -> dict:
