@@ -11,8 +11,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
     python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
                                                          the products' path, by size)
-    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone,
-                                                         by the products' slices of D)
+    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone;
+                                                         the members measured in one kernel or apart)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -26,7 +26,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fullgraph
-from fullgraph._triton import triton
 from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import dense, triton_dense
 
@@ -120,11 +119,12 @@ def _products_only_kernel():
 
 
 def floor(generator) -> None:
-    """Graphed ms of the fused chunk lists (``least_chunks``) and of the whole dense call,
-    beside the products-only floor and cdist + topk, with the products of a tile over all D
-    at once (FUSED_WHOLE_DIM 128) and in slices of 32 (0)."""
+    """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone, and
+    of the whole dense call by how the chosen chunks' members are measured and ordered: in
+    one kernel a query (``triton_dense.nearest_members``, by its warps) or by the member
+    distances, their selection and the re-measure apart ("apart"); cdist + topk beside."""
     products_only = _products_only_kernel()
-    default = triton_dense.FUSED_WHOLE_DIM
+    warps, most = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX
     for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -138,16 +138,15 @@ def floor(generator) -> None:
         k = 20 if columns <= 2**14 else 10
         count = k + dense.CHUNK_SLACK + 1
         cells = [f"k={k} cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
-        for whole in (default, 0):
-            triton_dense.FUSED_WHOLE_DIM = whole
-            block_k = max(16, triton.next_power_of_2(dim)) if dim <= whole else 32
-            products = median_ms(graphed(lambda: products_only[grid](
-                q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
-                BLOCK_N=block_n, BLOCK_K=block_k, num_warps=triton_dense.FUSED_NUM_WARPS)))
-            lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
-            whole_call = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
-            cells.append(f"BLOCK_K {block_k}: products only {products:.3f} / lists {lists:.3f} / dense {whole_call:.3f}")
-        triton_dense.FUSED_WHOLE_DIM = default
+        products = median_ms(graphed(lambda: products_only[grid](
+            q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32, num_warps=triton_dense.FUSED_NUM_WARPS)))
+        lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
+        cells.append(f"products only {products:.3f} / lists {lists:.3f}")
+        for name, setting in (("apart", (warps, 0)), *((f"{w} warps", (w, most)) for w in (1, 2, 4))):
+            triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = setting
+            cells.append(f"{name} {median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend='dense'))):.3f}")
+        triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = warps, most
         print(f"B={batch} M={rows} N={columns} D={dim}:", ", ".join(cells), flush=True)
 
 

@@ -46,9 +46,6 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # 2.68 / 3.92, 8 x 4096^2 D=64 4.28 / 4.09 and 4.66 / 4.37, 4 x 4096 x 16,384 5.70 / 3.27;
 # session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5, dense-profile-run-EB.log).
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**10}
-# Up to this many coordinates the fused kernel's products of a tile are one ``tl.dot`` over all
-# of them (each D compiles its own kernel); beyond, slices of 32.
-FUSED_WHOLE_DIM = 128
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -178,23 +175,21 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, DIM: tl.constexpr, chunks, share,
-                                 parts, CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
+    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
+                                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum, chunk) ``_short_keys`` over the
-        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS].
-        (DIM a constant: with BLOCK_K >= DIM the products are one ``tl.dot`` a tile, and the loop
-        over tiles the innermost, whose loads Triton pipelines.)"""
+        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        q_base, r_base = q_ptr + item * rows * DIM, r_ptr + item * columns * DIM
+        q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, DIM, CHUNK,
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima, c[None, :], POSITION_BITS), _SHORT_KEY_NONE)
@@ -548,7 +543,7 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
-        block_k = max(16, triton.next_power_of_2(dim)) if dim <= FUSED_WHOLE_DIM else 32
+        block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
@@ -615,7 +610,7 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 
 # ``nearest_members``: the most members a query (in registers: measured, sorted) and the longest
 # lists it re-measures.
-MEMBERS_MAX, MEMBERS_TAKE_MAX = 1024, 64
+MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 1024, 64, 1
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -647,13 +642,14 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     last = torch.empty((batch, rows), dtype=torch.float32, device=q.device)
     if dists.numel():
         padded = triton.next_power_of_2(dim)
-        block_c = max(1, min(selected, MEASURE_BLOCK // padded))
+        tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
+        block_c = max(1, min(selected, tile // padded))
         _nearest_members_kernel[(batch * rows,)](
             q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
             needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
             DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
-            BLOCK_K=max(1, min(32, MEASURE_BLOCK // width)), BLOCK_C=block_c, NEEDED=needed is not None,
-            num_warps=4, enable_fp_fusion=False)
+            BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, NEEDED=needed is not None,
+            num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
     return dists, idx, last
 
 
