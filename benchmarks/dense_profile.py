@@ -11,8 +11,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
     python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
                                                          the products' path, by size)
-    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone;
-                                                         the members measured in one kernel or apart)
+    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone,
+                                                         by precision; the members in one kernel or apart)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -101,8 +101,8 @@ def _products_only_kernel():
     from fullgraph._triton import tl, triton
 
     @triton.jit
-    def products_only(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, DIM: tl.constexpr, share,
-                      CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def products_only(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, share, CHUNK: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,23 +111,32 @@ def _products_only_kernel():
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             least = tl.minimum(least, triton_dense._tile_minima(
-                q_ptr + item * rows * DIM, r_ptr + item * columns * DIM, r_norms_ptr + item * columns, m, n, rows,
-                columns, DIM, CHUNK, "tf32x3", BLOCK_K))
+                q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows,
+                columns, dim, CHUNK, PRECISION, BLOCK_K))
         tl.store(out_ptr + (item * rows + m) * tl.num_programs(1) + part, tl.min(least, 1), mask=m < rows)
 
     return products_only
 
 
+def _clustered(batch, rows, columns, dim, generator):
+    clusters = torch.randn(batch, 50, dim, device="cuda", generator=generator)
+    cloud = clusters[:, torch.randint(0, 50, (columns,), device="cuda", generator=generator)]
+    cloud = cloud + 0.1 * torch.randn(batch, columns, dim, device="cuda", generator=generator)
+    return cloud[:, :rows], cloud
+
+
 def floor(generator) -> None:
-    """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone, and
-    of the whole dense call by how the chosen chunks' members are measured and ordered: in
-    one kernel a query (``triton_dense.nearest_members``, by its warps) or by the member
-    distances, their selection and the re-measure apart ("apart"); cdist + topk beside."""
+    """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone, by
+    the products' precision, and of the whole dense call with the rows its certificate sent
+    back (normal, clustered clouds); then the chosen chunks' members measured and ordered in
+    one kernel a query (``triton_dense.nearest_members``, by its warps) or apart; cdist +
+    topk beside."""
     products_only = _products_only_kernel()
-    warps, most = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX
+    warps, most, default = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX, dense.TENSOR_CORE_PRECISION
     for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        clustered = _clustered(batch, rows, columns, dim, generator)
         norms = (r * r).sum(-1)
         block_n, chunk = triton_dense.FUSED_BLOCK_N, triton_dense.FUSED_CHUNK
         parts = triton_dense._shares(batch, rows, columns, block_n, q.device)
@@ -138,12 +147,21 @@ def floor(generator) -> None:
         k = 20 if columns <= 2**14 else 10
         count = k + dense.CHUNK_SLACK + 1
         cells = [f"k={k} cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
-        products = median_ms(graphed(lambda: products_only[grid](
-            q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, BLOCK_M=triton_dense.FUSED_BLOCK_M,
-            BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32, num_warps=triton_dense.FUSED_NUM_WARPS)))
-        lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, "tf32x3")))
-        cells.append(f"products only {products:.3f} / lists {lists:.3f}")
-        for name, setting in (("apart", (warps, 0)), *((f"{w} warps", (w, most)) for w in (1, 2, 4))):
+        for precision in ("tf32x3", "bf16x3"):
+            dense.TENSOR_CORE_PRECISION = precision
+            products = median_ms(graphed(lambda: products_only[grid](
+                q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, PRECISION=precision,
+                BLOCK_M=triton_dense.FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32,
+                num_warps=triton_dense.FUSED_NUM_WARPS)))
+            lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, precision)))
+            FAILED.clear()
+            for query, ref in ((q, r), clustered):
+                fullgraph.knn(query, ref, k, backend="dense")
+            whole = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            cells.append(f"{precision}: products only {products:.3f} / lists {lists:.3f} / dense {whole:.3f} "
+                         f"(failed rows {[f for f, _ in FAILED]})")
+        dense.TENSOR_CORE_PRECISION = default
+        for name, setting in (("apart", (warps, 0)), *((f"{w} warps", (w, most)) for w in (1, 2))):
             triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = setting
             cells.append(f"{name} {median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend='dense'))):.3f}")
         triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = warps, most
@@ -225,10 +243,7 @@ def main() -> None:
                 continue
             row[backend] = median_ms(lambda: fullgraph.knn(q, r, k, backend=backend), runs)
         FAILED.clear()
-        clusters = torch.randn(batch, 50, dim, device="cuda", generator=generator)
-        clustered = clusters[:, torch.randint(0, 50, (columns,), device="cuda", generator=generator)]
-        clustered = clustered + 0.1 * torch.randn(batch, columns, dim, device="cuda", generator=generator)
-        for query, ref in ((q, r), (q + 1000, r + 1000), (clustered[:, :rows], clustered)):
+        for query, ref in ((q, r), (q + 1000, r + 1000), _clustered(batch, rows, columns, dim, generator)):
             fullgraph.knn(query, ref, k, backend="dense")
         row["failed rows (normal, +1000, clustered)"] = list(FAILED)
         replays = {}

@@ -357,6 +357,33 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("precision", ["tf32x3", "bf16x3"])
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_chunk_minima_within_the_products_error(precision, dim, generator):
+    """The tensor cores' chunk minima of ``|r|^2 - 2 q.r`` against float64, within
+    ``triton_dense.product_error`` (each product's input rounding, summed: eps |q| |r|) plus
+    the float32 sums of three products a coordinate: on coordinates of mixed magnitudes,
+    near-duplicates and a far point. (bfloat16 products need a GPU: Triton's interpreter
+    has none.)"""
+    from fullgraph.ops.neighbors import triton_dense
+
+    if precision == "bf16x3" and not torch.cuda.is_available():
+        pytest.skip("bfloat16 products: Triton's interpreter has none")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
+    r = torch.cat([torch.randn(2, 500, dim, generator=generator), q[:, :20] * (1 + 2**-20), q[:, 20:21] * 1e3], 1)
+    norms = (r * r).sum(-1)
+    got = triton_dense.chunk_minima(q.to(device), r.to(device), norms.to(device), 4, precision).cpu().double()
+    values = norms.double()[:, None, :] - 2 * q.double() @ r.double().transpose(1, 2)
+    want = torch.nn.functional.pad(values, (0, -r.shape[1] % 4), value=math.inf).unflatten(-1, (-1, 4)).amin(-1)
+    q_abs, reach = q.double().norm(dim=-1)[..., None], r.double().norm(dim=-1).amax(-1)[:, None, None]
+    u = 2.0**-24
+    bound = 2 * (triton_dense.product_error(precision) + 3 * dim * u) * q_abs * reach + 4 * u * (
+        norms.double().amax(-1)[:, None, None] + 2 * q_abs * reach)
+    assert ((got - want).abs() <= bound).all()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim", [3, 4, 5, 64, 300])
 @pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
                                                           (16, 5, 12, 7)])

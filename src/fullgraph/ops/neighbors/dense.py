@@ -257,7 +257,7 @@ def _chosen_chunks(frames: _Frames, rows: slice, k):
     the reference measures them, of every reference in no chosen chunk (+inf: none is left)."""
     qc = frames.qc[:, rows].contiguous()
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    precision = TENSOR_CORE_PRECISION
+    precision = TENSOR_CORE_PRECISION if qc.is_cuda else "tf32x3"  # (the interpreter has no bfloat16 products)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + CHUNK_SLACK, chunks)
