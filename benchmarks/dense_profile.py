@@ -11,8 +11,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          minima, by FUSED_MAX_KEYS, k up to 50)
     python benchmarks/dense_profile.py --brute          (every pair measured in one kernel against
                                                          the products' path, by size)
-    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone,
-                                                         by precision; the members in one kernel or apart)
+    python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone;
+                                                         the members in one kernel or apart)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -126,13 +126,12 @@ def _clustered(batch, rows, columns, dim, generator):
 
 
 def floor(generator) -> None:
-    """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone, by
-    the products' precision, and of the whole dense call with the rows its certificate sent
-    back (normal, clustered clouds); then the chosen chunks' members measured and ordered in
-    one kernel a query (``triton_dense.nearest_members``, by its warps) or apart; cdist +
-    topk beside."""
+    """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone (the
+    rows the certificate sent back, normal and clustered clouds), and of the whole dense call
+    with the chosen chunks' members measured and ordered in one kernel a query
+    (``triton_dense.nearest_members``, by its warps) or apart; cdist + topk beside."""
     products_only = _products_only_kernel()
-    warps, most, default = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX, dense.TENSOR_CORE_PRECISION
+    warps, most = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX
     for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -147,20 +146,17 @@ def floor(generator) -> None:
         k = 20 if columns <= 2**14 else 10
         count = k + dense.CHUNK_SLACK + 1
         cells = [f"k={k} cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
-        for precision in ("tf32x3", "bf16x3"):
-            dense.TENSOR_CORE_PRECISION = precision
-            products = median_ms(graphed(lambda: products_only[grid](
-                q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, PRECISION=precision,
-                BLOCK_M=triton_dense.FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32,
-                num_warps=triton_dense.FUSED_NUM_WARPS)))
-            lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk, precision)))
-            FAILED.clear()
-            for query, ref in ((q, r), clustered):
-                fullgraph.knn(query, ref, k, backend="dense")
-            whole = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
-            cells.append(f"{precision}: products only {products:.3f} / lists {lists:.3f} / dense {whole:.3f} "
-                         f"(failed rows {[f for f, _ in FAILED]})")
-        dense.TENSOR_CORE_PRECISION = default
+        products = median_ms(graphed(lambda: products_only[grid](
+            q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, PRECISION=dense.TENSOR_CORE_PRECISION,
+            BLOCK_M=triton_dense.FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32,
+            num_warps=triton_dense.FUSED_NUM_WARPS)))
+        lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk,
+                                                                    dense.TENSOR_CORE_PRECISION)))
+        FAILED.clear()
+        for query, ref in ((q, r), clustered):
+            fullgraph.knn(query, ref, k, backend="dense")
+        cells.append(f"products only {products:.3f} / lists {lists:.3f} (failed rows, normal / clustered: "
+                     f"{' / '.join(str(f) for f, _ in FAILED)})")
         for name, setting in (("apart", (warps, 0)), *((f"{w} warps", (w, most)) for w in (1, 2))):
             triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = setting
             cells.append(f"{name} {median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend='dense'))):.3f}")

@@ -74,6 +74,11 @@ SLACK = 8
 CHUNK_SLACK = 4
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
 # (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
+# Three bfloat16 products (each operand in two bfloat16 parts, eps 2^-14) were faster but
+# sent back ~20 times the rows of clustered clouds (H200, session 25 run NE,
+# session25/dense-floor-run-NE.log: 8 x 4096^2 D=64 k=20 products 0.326 -> 0.242 ms, graphed
+# call 1.230 -> 1.149, DGCNN train step 4.77 -> 4.66 ms; clustered rows failed 83 -> 1,871 of
+# 32,768, 4 x 4096 x 16,384 D=32 2,793 -> 6,800): kept out.
 TENSOR_CORE_PRECISION = "tf32x3"
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
@@ -257,7 +262,7 @@ def _chosen_chunks(frames: _Frames, rows: slice, k):
     the reference measures them, of every reference in no chosen chunk (+inf: none is left)."""
     qc = frames.qc[:, rows].contiguous()
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    precision = TENSOR_CORE_PRECISION if qc.is_cuda else "tf32x3"  # (the interpreter has no bfloat16 products)
+    precision = TENSOR_CORE_PRECISION
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + CHUNK_SLACK, chunks)
