@@ -125,17 +125,13 @@ def _clustered(batch, rows, columns, dim, generator):
     return cloud[:, :rows], cloud
 
 
-MEMBERS_SWEEP = ((1, 1), (2, 1), (2, 2), (4, 2), (4, 4), (8, 4))  # (queries, warps) a program
-
-
 def floor(generator) -> None:
     """Graphed ms of the fused chunk lists (``least_chunks``) beside their products alone (the
     rows the certificate sent back, normal and clustered clouds), and of the whole dense call
     with the chosen chunks' members measured and ordered in one kernel a query
-    (``triton_dense.nearest_members``, by its queries and warps a program) or apart; cdist +
-    topk beside."""
+    (``triton_dense.nearest_members``, by its warps) or apart; cdist + topk beside."""
     products_only = _products_only_kernel()
-    queries, warps, most = triton_dense.MEMBERS_QUERIES, triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX
+    warps, most = triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX
     for batch, rows, columns, dim in ((16, 256, 256, 64),) + KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -161,12 +157,10 @@ def floor(generator) -> None:
             fullgraph.knn(query, ref, k, backend="dense")
         cells.append(f"products only {products:.3f} / lists {lists:.3f} (failed rows, normal / clustered: "
                      f"{' / '.join(str(f) for f, _ in FAILED)})")
-        settings = (("apart", (queries, warps, 0)),
-                    *((f"{n} queries / {w} warps", (n, w, most)) for n, w in MEMBERS_SWEEP))
-        for name, setting in settings:
-            triton_dense.MEMBERS_QUERIES, triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = setting
+        for name, setting in (("apart", (warps, 0)), *((f"{w} warps", (w, most)) for w in (1, 2))):
+            triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = setting
             cells.append(f"{name} {median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend='dense'))):.3f}")
-        triton_dense.MEMBERS_QUERIES, triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = queries, warps, most
+        triton_dense.MEMBERS_WARPS, triton_dense.MEMBERS_MAX = warps, most
         print(f"B={batch} M={rows} N={columns} D={dim}:", ", ".join(cells), flush=True)
 
 

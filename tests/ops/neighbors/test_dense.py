@@ -385,18 +385,14 @@ def test_chunk_minima_within_the_products_error(precision, dim, generator):
 @pytest.mark.parametrize("dim", [3, 4, 5, 64, 300])
 @pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
                                                           (16, 5, 12, 7)])
-@pytest.mark.parametrize("queries", [1, 4])
-def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chosen, take, count, queries, monkeypatch,
-                                                              generator):
-    """``triton_dense.nearest_members`` (one kernel: the chosen chunks' members measured by
-    summed differences, the ``take`` least re-measured in the reference's arithmetic and
-    ordered; ``queries`` a program) against torch doing each step: the same members, bits
-    and order, with duplicates (ties to the smaller index), invalid references, a missing
-    chunk (-1), lists longer than the members (padding), and rows not ``needed`` left as
-    they were."""
+def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chosen, take, count, generator):
+    """``triton_dense.nearest_members`` (one kernel a query: the chosen chunks' members
+    measured by summed differences, the ``take`` least re-measured in the reference's
+    arithmetic and ordered) against torch doing each step: the same members, bits and order,
+    with duplicates (ties to the smaller index), invalid references, a missing chunk (-1),
+    lists longer than the members (padding), and rows not ``needed`` left as they were."""
     from fullgraph.ops.neighbors import pairs, triton_dense
 
-    monkeypatch.setattr(triton_dense, "MEMBERS_QUERIES", queries)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, rows, columns = 2, 5, 200
     q = torch.randn(batch, rows, dim, generator=generator)

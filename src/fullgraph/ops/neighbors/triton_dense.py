@@ -255,16 +255,17 @@ if triton is not None:
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
-        tl.store(out_ptr + i * take + c, _reference_squares(q[None, :] - r, DP, LOG_DP), mask=c < take)  # (D > 4)
+        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
 
     @triton.jit
-    def _reference_squares(diff, DIM: tl.constexpr, LOG_DP: tl.constexpr):
-        """[C]: the sums of squares of the rows of diff [C, DP] (differences, zero past DIM),
+    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+        """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
         summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
         one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
         are launched without contraction into fused multiply-adds."""
-        C: tl.constexpr = diff.shape[0]
-        DP: tl.constexpr = diff.shape[1]
+        C: tl.constexpr = r.shape[0]
+        DP: tl.constexpr = r.shape[1]
+        diff = q[None, :] - r
         x = diff * diff
         if DIM <= _PER_COORDINATE:
             d = tl.arange(0, DP)[None, :]
@@ -278,83 +279,73 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _columns_of(x, at, WIDTH: tl.constexpr):
-        """Columns [at * WIDTH, (at + 1) * WIDTH) of x [Q, W] (integers): [Q, WIDTH]."""
-        Q: tl.constexpr = x.shape[0]
-        GROUPS: tl.constexpr = x.shape[1] // WIDTH
-        return tl.sum(tl.where((tl.arange(0, GROUPS) == at)[None, :, None], tl.reshape(x, (Q, GROUPS, WIDTH)), 0), 1)
+    def _row_of(x, at, WIDTH: tl.constexpr):
+        """Row ``at`` of x [R * WIDTH] seen as [R, WIDTH] (integers): [WIDTH]."""
+        ROWS: tl.constexpr = x.shape[0] // WIDTH
+        return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
 
     @triton.jit
-    def _member_refs(chosen_ptr, ok_base, query, n_chosen, columns, slot, CHUNK: tl.constexpr):
-        """The references of member slots [Q, S] of the queries [Q] (chunk ``chosen[slot //
-        CHUNK]``, its ``slot % CHUNK``-th) and which are valid ones."""
-        members = n_chosen * CHUNK
-        chunk = tl.load(chosen_ptr + query[:, None] * n_chosen + slot // CHUNK, mask=slot < members, other=-1)
-        ref = chunk * CHUNK + slot % CHUNK
-        valid = (chunk >= 0) & (ref < columns)
-        valid &= tl.load(ok_base[:, None] + ref, mask=valid, other=0) != 0
-        return ref, valid
-
-    @triton.jit
-    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, total_rows,
-                                rows, columns, n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr,
-                                CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, Q: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, NEEDED: tl.constexpr):
-        """Q queries: their members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
+    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
+                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
+                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                NEEDED: tl.constexpr):
+        """One query: its members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
         none) measured by summed differences, the ``take`` least (by (value, member)) measured
         again in the reference's arithmetic and the ``count`` nearest stored by (distance,
         index); out_last: the take-th least first measure (+inf where every member was)."""
-        query = tl.program_id(0).to(tl.int64) * Q + tl.arange(0, Q)
-        live = query < total_rows
+        row = tl.program_id(0).to(tl.int64)
         if NEEDED:
-            live &= tl.load(needed_ptr + query, mask=live, other=0) != 0
-            if tl.max(live.to(tl.int32)) == 0:
+            if tl.load(needed_ptr + row) == 0:
                 return
-        query = tl.where(live, query, 0)
-        item = query // rows
+        item = row // rows
         r_base = r_ptr + item * columns * DIM
         ok_base = ok_ptr + item * columns
-        j = tl.zeros((Q, WP), tl.int32) + tl.arange(0, WP)[None, :]
+        members = n_chosen * CHUNK
+        j = tl.arange(0, WP)
         if SEL < WP:
-            ref, valid = _member_refs(chosen_ptr, ok_base, query, n_chosen, columns, j, CHUNK)
-            total = tl.zeros((Q, WP), tl.float32)
+            chunk = tl.load(chosen_ptr + row * n_chosen + j // CHUNK, mask=j < members, other=-1)
+            ref = chunk * CHUNK + j % CHUNK
+            valid = (chunk >= 0) & (ref < columns)
+            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
                 d = start + tl.arange(0, BLOCK_K)
-                qd = tl.load(q_ptr + query[:, None] * DIM + d[None, :], mask=d[None, :] < DIM, other=0.0)
-                rd = tl.load(r_base[:, None, None] + ref[:, :, None] * DIM + d[None, None, :],
-                             mask=valid[:, :, None] & (d[None, None, :] < DIM), other=0.0)
-                diff = qd[:, None, :] - rd
-                total += tl.sum(diff * diff, 2)
+                qd = tl.load(q_ptr + row * DIM + d, mask=d < DIM, other=0.0)
+                rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=valid[:, None] & (d[None, :] < DIM),
+                             other=0.0)
+                diff = qd[None, :] - rd
+                total += tl.sum(diff * diff, 1)
             total = tl.where(valid & (total == total), total, float("inf"))
-            first = _columns_of(tl.sort(_ordered_keys(total, j), 1), 0, SEL)
-            last = tl.sum(tl.where(tl.arange(0, SEL)[None, :] == take - 1, first, 0), 1)
+            first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
+            last = tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0))
             top = (last >> 32).to(tl.int32)
-            tl.store(out_last + query, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True), mask=live)
-            slot = tl.where(tl.arange(0, SEL)[None, :] < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
+            tl.store(out_last + row, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+            slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
         else:
-            tl.store(out_last + query, tl.full((Q,), float("inf"), tl.float32), mask=live)
+            tl.store(out_last + row, float("inf"))
             slot = j
         dp = tl.arange(0, 1 << LOG_DP)
-        q = tl.load(q_ptr + query[:, None] * DIM + dp[None, :], mask=dp[None, :] < DIM, other=0.0)
-        BLOCKS: tl.constexpr = slot.shape[1] // BLOCK_C
-        keys = tl.full((Q, BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
+        q = tl.load(q_ptr + row * DIM + dp, mask=dp < DIM, other=0.0)
+        BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
+        keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
         for b in tl.static_range(BLOCKS):
-            ref, valid = _member_refs(chosen_ptr, ok_base, query, n_chosen, columns, _columns_of(slot, b, BLOCK_C),
-                                      CHUNK)
-            r = tl.load(r_base[:, None, None] + ref[:, :, None] * DIM + dp[None, None, :],
-                        mask=valid[:, :, None] & (dp[None, None, :] < DIM), other=0.0)
-            diff = tl.reshape(q[:, None, :] - r, (Q * BLOCK_C, 1 << LOG_DP))
-            d2 = tl.reshape(_reference_squares(diff, DIM, LOG_DP), (Q, BLOCK_C))
+            s = _row_of(slot, b, BLOCK_C)
+            chunk = tl.load(chosen_ptr + row * n_chosen + s // CHUNK, mask=s < members, other=-1)
+            ref = chunk * CHUNK + s % CHUNK
+            valid = (chunk >= 0) & (ref < columns)
+            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
+                        other=0.0)
+            d2 = _reference_squares(q, r, DIM, LOG_DP)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
-            keys = tl.where((tl.arange(0, BLOCKS) == b)[None, :, None], found[:, None, :], keys)
-        keys = tl.sort(tl.reshape(keys, (Q, BLOCKS * BLOCK_C)), 1)
-        at = tl.arange(0, BLOCKS * BLOCK_C)[None, :]
+            keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
+        keys = tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0)
+        at = tl.arange(0, BLOCKS * BLOCK_C)
         hit = keys != _KEY_NONE
-        keep = live[:, None] & (at < count)
-        tl.store(out_d + query[:, None] * count + at,
-                 tl.where(hit, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("inf")), mask=keep)
-        tl.store(out_i + query[:, None] * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=keep)
+        tl.store(out_d + row * count + at, tl.where(hit, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True),
+                                                     float("inf")), mask=at < count)
+        tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
     def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
@@ -623,9 +614,10 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # 4 against the member distances, their selection and the re-measure apart: 8 x 4096^2 1.23 /
 # 1.39 / 1.63 against 1.50; 32 x 1024^2 0.82 / 0.98 / 1.22 against 1.09; 16 x 256^2 0.30 / 0.32 /
 # 0.35 against 0.43. At 864 members (4 x 4096 x 16,384 D=32 k=50, the stored minima) one
-# warp took 4.75 ms against 3.84 with four: wider member lists go apart.
+# warp took 4.75 ms against 3.84 with four: wider member lists go apart. Several queries a
+# program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
+# warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
-MEMBERS_QUERIES = 1  # queries a program
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -657,13 +649,14 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     last = torch.empty((batch, rows), dtype=torch.float32, device=q.device)
     if dists.numel():
         padded = triton.next_power_of_2(dim)
-        tile = 1024 * MEMBERS_WARPS // MEMBERS_QUERIES  # values a query holds at once: 32 a thread
-        _nearest_members_kernel[(triton.cdiv(batch * rows, MEMBERS_QUERIES),)](
+        tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
+        block_c = max(1, min(selected, tile // padded))
+        _nearest_members_kernel[(batch * rows,)](
             q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
-            needed if needed is not None else ref_ok, dists, idx, last, batch * rows, rows, r.shape[1], n_chosen,
-            take, count, DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
-            Q=MEMBERS_QUERIES, BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=max(1, min(selected, tile // padded)),
-            NEEDED=needed is not None, num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
+            needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
+            DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
+            BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, NEEDED=needed is not None,
+            num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
     return dists, idx, last
 
 
