@@ -45,10 +45,11 @@ def test_manual_capture_replays_on_new_data(generator):
 
 def test_reduce_overhead_train_step(generator):
     query, ref, features = _data(generator)
+    torch.manual_seed(0)  # the weights: Adam's first steps (each weight by ~lr) may raise a loss
     model = fullgraph.models.RadiusProjector(radius=0.3, hidden_dim=16).cuda()
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     target = torch.randn(query.shape[0], 1, device="cuda")
-    assert_compiled_model_trains(model, compiled, query, ref, target, steps=6, tol=1e-4)
+    assert_compiled_model_trains(model, compiled, query, ref, target, steps=20, tol=1e-4)
 
 
 def test_dynamic_compile_once_on_cuda(generator):
