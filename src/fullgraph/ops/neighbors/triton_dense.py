@@ -634,10 +634,10 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     chunks: distances [B, M, count] in the reference's arithmetic (+inf where none), positions
     (-1 there), ascending, ties to the smaller position; and last [B, M]: the take-th least
     squared distance by the first measure (summed differences, within (D + 2) u of the
-    truth, relatively), below which every member not re-measured lies not (+inf where every
-    member was). Only the ``take`` least by the first measure are re-measured, in one
-    kernel a query (``ranks_members``). Rows ``needed`` marks not (when given) are left
-    unwritten."""
+    truth, relatively), at or below the first measure of every member not re-measured (+inf
+    where every member was). Only the ``take`` least by the first measure are re-measured,
+    in one kernel a query (``ranks_members``). Rows ``needed`` marks not (when given) are
+    left unwritten."""
     batch, rows, dim = q.shape
     n_chosen = chosen.shape[-1]
     members = n_chosen * chunk
