@@ -81,7 +81,8 @@ KEY_SHAPES = ((8, 4096, 4096, 64), (32, 1024, 1024, 64), (4, 4096, 16384, 32), (
 
 def fused_keys(generator) -> None:
     """Graphed dense kNN with the fused chunk lists up to FUSED_MAX_KEYS 64, 32, 16 chunks a
-    query (beyond: the stored minima), beside cdist + topk graphed, ms."""
+    query (beyond: the stored minima), and lists of 64 keys allowed on clouds of up to 2^12,
+    2^14, 2^16 references, beside cdist + topk graphed, ms."""
     for batch, rows, columns, dim in KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -91,6 +92,11 @@ def fused_keys(generator) -> None:
                 triton_dense.FUSED_MAX_KEYS = keys
                 times[f"fused up to {keys}"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
             triton_dense.FUSED_MAX_KEYS = 64
+            columns_by_keys = dict(triton_dense.FUSED_MAX_COLUMNS)
+            for most in (2**12, 2**14, 2**16):  # lists of 64 keys on wider clouds
+                triton_dense.FUSED_MAX_COLUMNS = {**columns_by_keys, 64: most}
+                times[f"64 keys up to {most}"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            triton_dense.FUSED_MAX_COLUMNS = columns_by_keys
             print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
                   ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
 
