@@ -69,6 +69,20 @@ def test_matches_the_oracle(distribution, dim, device, path, generator):
     assert torch.equal(idx, fullgraph.knn(query, ref, 9, backend="torch")[1])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter: the lists' own test)")
+@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates"])
+@pytest.mark.parametrize("k", [32, 50])
+def test_long_lists_on_wide_clouds_match_the_reference(distribution, k, generator):
+    """k = 28-59 keeps 64 chunks a query in one kernel up to 2^14 references: the lists on
+    4,096 references, graphed and not, are the reference's, bit for bit."""
+    query, ref = (t.float().cuda() for t in _clouds(distribution, 32, generator, rows=512, columns=4096))
+    want_dists, want_idx, _ = fullgraph.knn(query, ref, k, backend="torch")
+    dists, idx = fullgraph.knn(query, ref, k, backend="dense")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+    dists, idx = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, k, backend="dense"))(query, ref)
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
 @pytest.mark.parametrize("offset", [1e3, 1e5])
 @pytest.mark.parametrize("precision", ["highest", "high"])  # "high": TF32 products on GPUs that have them
 def test_far_from_the_origin(offset, precision, path, generator):
@@ -327,7 +341,7 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3)])
+@pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3), (40, 5000, 40)])
 def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
     """The fused chunk selection (a running list per query, merged a tile at a time, shares of
     the references merged at the end) against every chunk minimum stored and sorted: integer
