@@ -44,11 +44,14 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # session24/dense-keys-run-MF.log: 32 keys (k = 20) 4 x 4096 x 16,384 D=32 1.99 / 2.29, 1 x
 # 8,192 x 65,536 D=16 3.17 / 1.88; session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5,
 # dense-profile-run-EB.log). Lists of 64 keys (k = 28-59) lost beyond 2^10 references while
-# the stored minima's members were measured apart, and won up to 2^14 once one kernel measured
-# them (session25/dense-keys-run-NL.log, 2^10 / 2^14: 8 x 4096^2 D=64 k=32 3.67 / 2.24, k=50
-# 3.93 / 2.48, cdist + topk 3.45 / 3.57; 4 x 4096 x 16,384 D=32 k=32 3.04 / 2.36; at 65,536
-# references, D=16 k=32, 2.23 / 2.28 allowing 2^16).
-FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
+# the stored minima's members were measured apart, and won once one kernel measured them
+# (session25/dense-keys-run-NL.log, normal clouds, up to 2^10 / 2^12 / 2^14: 8 x 4096^2 D=64
+# k=32 3.67 / 2.26 / 2.24, k=50 3.93 / 2.49 / 2.48, cdist + topk 3.45 / 3.57; 4 x 4096 x 16,384
+# D=32 k=32 3.04 / 3.03 / 2.36). But the keys keep fewer bits of the minima the more chunks
+# there are: on 16,384 references a clustered cloud's rows failed the certificate 5,566 of
+# 16,384 times at k=50 (4 with the stored minima; session25/dense-profile-quick-run-NM.log),
+# each redone by the Triton search: 64 keys up to 2^12 only.
+FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**12}
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
