@@ -291,6 +291,16 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
 
     @triton.jit
+    def _member_refs(chosen, ok, members, columns, slot, CHUNK: tl.constexpr):
+        """The references of a query's member slots (member s: the (s % CHUNK)-th of chunk
+        chosen[s // CHUNK]; none past ``members`` or where the chunk is -1) and which of them
+        are valid (inside the cloud, ``ok``)."""
+        chunk = tl.load(chosen + slot // CHUNK, mask=slot < members, other=-1)
+        ref = chunk * CHUNK + slot % CHUNK
+        valid = (chunk >= 0) & (ref < columns)
+        return ref, valid & (tl.load(ok + ref, mask=valid, other=0) != 0)
+
+    @triton.jit
     def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                                 n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
                                 WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -309,10 +319,7 @@ if triton is not None:
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
         if SEL < WP:
-            chunk = tl.load(chosen_ptr + row * n_chosen + j // CHUNK, mask=j < members, other=-1)
-            ref = chunk * CHUNK + j % CHUNK
-            valid = (chunk >= 0) & (ref < columns)
-            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns, j, CHUNK)
             total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
                 d = start + tl.arange(0, BLOCK_K)
@@ -335,11 +342,8 @@ if triton is not None:
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
         for b in tl.static_range(BLOCKS):
-            s = _row_of(slot, b, BLOCK_C)
-            chunk = tl.load(chosen_ptr + row * n_chosen + s // CHUNK, mask=s < members, other=-1)
-            ref = chunk * CHUNK + s % CHUNK
-            valid = (chunk >= 0) & (ref < columns)
-            valid &= tl.load(ok_base + ref, mask=valid, other=0) != 0
+            ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns,
+                                      _row_of(slot, b, BLOCK_C), CHUNK)
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
                         other=0.0)
             d2 = _reference_squares(q, r, DIM, LOG_DP)
