@@ -13,6 +13,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          the products' path, by size)
     python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone;
                                                          the members in one kernel or apart)
+    python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -82,23 +83,53 @@ KEY_SHAPES = ((8, 4096, 4096, 64), (32, 1024, 1024, 64), (4, 4096, 16384, 32), (
 def fused_keys(generator) -> None:
     """Graphed dense kNN with the fused chunk lists up to FUSED_MAX_KEYS 64, 32, 16 chunks a
     query (beyond: the stored minima), and lists of 64 keys allowed on clouds of up to 2^12,
-    2^14, 2^16 references, beside cdist + topk graphed, ms."""
+    2^14, 2^16 references, beside cdist + topk graphed, ms; then the rows of a clustered
+    cloud the certificate sent back under each setting."""
     for batch, rows, columns, dim in KEY_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        clustered = _clustered(batch, rows, columns, dim, generator)
         for k in (20, 32, 50):
+            failed = {}
             times = {"cdist+topk": median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)))}
+            def measure(name):
+                times[name] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+                FAILED.clear()
+                fullgraph.knn(*clustered, k, backend="dense")
+                failed[name] = sum(f for f, _ in FAILED)
+
             for keys in (64, 32, 16):
                 triton_dense.FUSED_MAX_KEYS = keys
-                times[f"fused up to {keys}"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+                measure(f"fused up to {keys}")
             triton_dense.FUSED_MAX_KEYS = 64
             columns_by_keys = dict(triton_dense.FUSED_MAX_COLUMNS)
             for most in (2**12, 2**14, 2**16):  # lists of 64 keys on wider clouds
                 triton_dense.FUSED_MAX_COLUMNS = {**columns_by_keys, 64: most}
-                times[f"64 keys up to {most}"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+                measure(f"64 keys up to {most}")
             triton_dense.FUSED_MAX_COLUMNS = columns_by_keys
             print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
-                  ", ".join(f"{name} {t:.3f}" for name, t in times.items()), flush=True)
+                  ", ".join(f"{name} {t:.3f}" for name, t in times.items()),
+                  "| clustered rows failed:", ", ".join(f"{name} {n}" for name, n in failed.items()), flush=True)
+
+
+# (B, M, N, k) of 3-D clouds: DGCNN's first layer (its xyz), smaller and larger items.
+POINT_SHAPES = ((8, 4096, 4096, 20), (32, 1024, 1024, 20), (2, 16384, 16384, 16), (1, 100000, 100000, 16))
+
+
+def points(generator) -> None:
+    """Graphed 3-D kNN (uniform clouds in the unit cube, the query cloud the reference one):
+    the dense backend against the grid ("triton") and cdist + topk, ms; where the products
+    could serve D = 3 (CUDA_AUTO_MIN_DIM)."""
+    for batch, rows, columns, k in POINT_SHAPES:
+        r = torch.rand(batch, columns, 3, device="cuda", generator=generator)
+        q = r[:, :rows].contiguous()
+        row = {}
+        for backend in ("triton", "dense"):
+            row[backend] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend=backend)))
+        if batch * rows * columns <= 2**31:
+            row["cdist+topk"] = median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)))
+        print(f"B={batch} M={rows} N={columns} D=3 k={k}:", ", ".join(f"{n} {t:.3f}" for n, t in row.items()),
+              flush=True)
 
 
 def _products_only_kernel():
@@ -156,7 +187,8 @@ def floor(generator) -> None:
             q, r, norms, out, rows, columns, dim, share, CHUNK=chunk, PRECISION=dense.TENSOR_CORE_PRECISION,
             BLOCK_M=triton_dense.FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=16 if dim <= 16 else 32,
             num_warps=triton_dense.FUSED_NUM_WARPS)))
-        lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, r, norms, count, chunk,
+        q_norms = (q * q).sum(-1)
+        lists = median_ms(graphed(lambda: triton_dense.least_chunks(q, q_norms, r, norms, count, chunk,
                                                                     dense.TENSOR_CORE_PRECISION)))
         FAILED.clear()
         for query, ref in ((q, r), clustered):
@@ -220,6 +252,7 @@ def main() -> None:
     parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
     parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
     parser.add_argument("--floor", action="store_true", help="the fused lists beside their products alone")
+    parser.add_argument("--points", action="store_true", help="3-D clouds: dense against the grid")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -234,6 +267,8 @@ def main() -> None:
         return brute(generator)
     if args.floor:
         return floor(generator)
+    if args.points:
+        return points(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)

@@ -78,7 +78,7 @@ def main() -> None:
             for _ in range(5):
                 train()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
 
 
 if __name__ == "__main__":

@@ -344,7 +344,8 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3), (40, 5000, 40)])
 def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
     """The fused chunk selection (a running list per query, merged a tile at a time, shares of
-    the references merged at the end) against every chunk minimum stored and sorted: integer
+    the references merged at the end) against every chunk minimum stored and sorted, plus
+    |q|^2: integer
     points make the products exact, so ties between chunks are many and must go to the
     smaller chunk (small integers keep their order through the lists' rounding); invalid
     references (+inf norms) end the cloud."""
@@ -356,11 +357,12 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2).to(device)
     norms = (r * r).sum(-1)
     norms[:, -3:] = math.inf
+    q_norms = (q * q).sum(-1)
     chunk = triton_dense.chunk_size(columns, count)
-    values, chosen = triton_dense.least_chunks(q, r, norms, count, chunk, "ieee")
+    values, chosen = triton_dense.least_chunks(q, q_norms, r, norms, count, chunk, "ieee")
     stored = triton_dense.chunk_minima(q, r, norms, chunk, "ieee")
     want, want_chosen = torch.sort(stored, dim=-1, stable=True)
-    want = want[..., :count]
+    want = want[..., :count] + q_norms[..., None]  # (integers: the sums exact, no new ties)
     assert torch.equal(chosen, want_chosen[..., :count])
     # The fused lists round the minima down to the bits the chunk numbers leave.
     kept = 23 - max(1, (-(-columns // chunk) - 1).bit_length())

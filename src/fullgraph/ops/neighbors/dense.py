@@ -266,17 +266,22 @@ def _chosen_chunks(frames: _Frames, rows: slice, k):
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + CHUNK_SLACK, chunks)
-    values, chosen = triton_dense.least_chunks(qc, frames.rc, frames.r_norms, min(n_chosen + 1, chunks), chunk,
-                                               precision)
+    q_norms = (qc * qc).sum(-1)
+    values, chosen = triton_dense.least_chunks(qc, q_norms, frames.rc, frames.r_norms, min(n_chosen + 1, chunks),
+                                               chunk, precision)
     # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
     # then the float32 sums and norms as in step 3.
-    q_abs = (qc * qc).sum(-1).sqrt()
+    q_abs = q_norms.sqrt()
     if values.shape[-1] == n_chosen:
         return chosen, chunk, torch.full_like(q_abs, math.inf)
-    # Every reference of an unchosen chunk has a product value >= the least unchosen minimum
-    # (as least_chunks returns it: rounded down on its fused path, a lower bound still).
-    beyond = beyond_expansion(values[..., -1] + q_abs * q_abs - 2 * triton_dense.product_error(precision) * q_abs
-                              * frames.reach, q_abs, frames.reach, dim, 2.0**-24)
+    # Every reference of an unchosen chunk has a product value v with fl(v + |q|^2) >= the
+    # least unchosen sum as least_chunks returns it (rounded down on its fused path), so
+    # v + |q|^2 >= that sum less 2^-23 of its magnitude (one rounding of the sum, 2^-24; the
+    # product below rounds by 2^-24 at most, hence 2^-22 there).
+    last = values[..., -1]
+    least = torch.where(last >= 0, last * (1 - 2.0**-22), last * (1 + 2.0**-22))
+    beyond = beyond_expansion(least - 2 * triton_dense.product_error(precision) * q_abs * frames.reach, q_abs,
+                              frames.reach, dim, 2.0**-24)
     return chosen[..., :n_chosen], chunk, beyond
 
 

@@ -6,7 +6,8 @@ On CUDA one Triton pass reads each neighbour's row once and keeps the three redu
 the slots of the extremes in registers; the backward sends each query's gradients to the
 slots (the sum's to every slot, the maximum's and minimum's to the slot that held them, the
 first such slot on ties, as ``torch.max`` does) and sums them per row of ``values`` in slot
-order after a stable sort of the slots by row: deterministic, no atomics (float32 sums;
+order after a stable sort of the slots by row, each slot's share formed as it is added (no
+[B*M*k, C] shares stored): deterministic, no atomics (float32 sums;
 float64 gradients go through torch's index_add). On CPUs a C++
 kernel does both in one pass each (``csrc/knn_reduce.cpp``, float32 and float64; 2 x 1024
 queries x 20 slots x 64 channels on the 2-core development CPU: forward 4.9 ms, backward
@@ -66,25 +67,6 @@ if triton is not None:
         tl.store(out_sum + where, total.to(out_sum.dtype.element_ty), mask=keep)
         tl.store(slots + where, top_slot.to(tl.int16), mask=keep)
         tl.store(slots + total_rows * channels + where, bottom_slot.to(tl.int16), mask=keep)
-
-
-    @triton.jit
-    def _per_slot_kernel(grad_max, grad_min, grad_sum, slots, out, total_rows, channels, K: tl.constexpr,
-                         CP: tl.constexpr, BLOCK_M: tl.constexpr):
-        """out[i * K + r] = grad_sum[i] + grad_max[i] where r held the maximum + grad_min[i]
-        where it held the minimum, per channel, float32 [B*M*K, C]."""
-        offs = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, CP)
-        keep = (offs < total_rows)[:, None] & (cols[None, :] < channels)
-        where = offs[:, None] * channels + cols[None, :]
-        g_sum = tl.load(grad_sum + where, mask=keep, other=0.0).to(tl.float32)
-        g_max = tl.load(grad_max + where, mask=keep, other=0.0).to(tl.float32)
-        g_min = tl.load(grad_min + where, mask=keep, other=0.0).to(tl.float32)
-        top = tl.load(slots + where, mask=keep, other=-1).to(tl.int32)
-        bottom = tl.load(slots + total_rows * channels + where, mask=keep, other=-1).to(tl.int32)
-        for r in range(K):
-            share = g_sum + tl.where(top == r, g_max, 0.0) + tl.where(bottom == r, g_min, 0.0)
-            tl.store(out + (offs[:, None] * K + r) * channels + cols[None, :], share, mask=keep)
 
 
 def _flat(columns: int, idx: Tensor) -> Tensor:
@@ -194,13 +176,10 @@ def _backward_torch(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tensor
 def _backward_triton(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tensor:
     batch, rows, k = idx.shape
     channels = grad_sum.shape[-1]
-    per_slot = torch.empty((idx.numel(), channels), dtype=torch.float32, device=idx.device)
-    if per_slot.numel():
-        _per_slot_kernel[(triton.cdiv(batch * rows, _BLOCK_M),)](
-            grad_max.contiguous(), grad_min.contiguous(), grad_sum.contiguous(), slots.contiguous(), per_slot,
-            batch * rows, channels, K=k, CP=max(16, triton.next_power_of_2(channels)), BLOCK_M=_BLOCK_M)
     ones = torch.ones(idx.numel(), dtype=torch.float32, device=idx.device)
-    sums, _ = sum_pairs_by_ref(idx, ones, per_slot, columns, per_slot=True)
+    extremes = (grad_max.reshape(-1, channels).contiguous(), grad_min.reshape(-1, channels).contiguous(),
+                slots.reshape(2, -1, channels).contiguous())
+    sums, _ = sum_pairs_by_ref(idx, ones, grad_sum.reshape(-1, channels).contiguous(), columns, extremes=extremes)
     return sums.reshape(batch, columns, channels).to(grad_sum.dtype)
 
 

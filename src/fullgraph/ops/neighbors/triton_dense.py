@@ -7,7 +7,8 @@ TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS 
 query on up to FUSED_MAX_COLUMNS references, one kernel does it all: each program walks its
 share of the references a tile at a time and merges the tile's chunk minima into a sorted
 list per query (a bitonic merge of packed (value, chunk) int32 keys in registers, the value
-rounded down to the bits the chunk number leaves: 20 or more); the shares' lists are merged
+plus |q_i|^2, about the squared distance, rounded down to the bits the chunk number leaves:
+20 or more); the shares' lists are merged
 the same way. Longer lists and wider clouds store every chunk minimum
 (``chunk_minima``) and select from them (``smallest``).
 ``member_distances``: the squared distances from each query to every reference of the chunks
@@ -181,16 +182,21 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share, parts,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share,
+                                 parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per query of the tile, the KEYS least (chunk minimum, chunk) ``_short_keys`` over the
-        references [part * share, (part + 1) * share), ascending -> out [B, M, parts, KEYS]."""
+        """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
+        over the references [part * share, (part + 1) * share), ascending -> out [B, M,
+        parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
+        # Keyed on about the squared distance, not |r|^2 - 2 q.r ~ -|q|^2 near the query: the
+        # keys' bits then resolve the distances themselves.
+        q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
@@ -198,7 +204,8 @@ if triton is not None:
             minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-            keys = tl.where((c < chunks)[None, :], _short_keys(minima, c[None, :], POSITION_BITS), _SHORT_KEY_NONE)
+            keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
+                            _SHORT_KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
         slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
@@ -528,19 +535,21 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 
-def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int, chunk: int,
-                 precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
-    per query the ``count`` chunks of ``chunk`` references (``chunk_size``) with the least
-    ``r_norms - 2 q.r`` over their members, ascending, ties to the smaller chunk: minima
-    [B, M, count] and chunks [B, M, count] (int64). ``count`` is at most the number of chunks.
-    On the fused path the minima (and the order) are rounded down to 32 - log2(chunks) bits,
-    at least 20 (relative 2^-11): lower bounds of the chunks' minima, which is all the
+def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
+                 chunk: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32), r_norms [B, N] (|r|^2,
+    +inf where invalid) -> per query the ``count`` chunks of ``chunk`` references
+    (``chunk_size``) with the least ``r_norms - 2 q.r`` over their members, ascending, ties
+    to the smaller chunk (among equal sums below): the minima plus q_norms, each sum rounded
+    to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
+    number of chunks. On the fused path the sums (and the order) are rounded down to 32 -
+    log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which is all the
     certificate in ``dense.py`` needs of them."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        return smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
+        return values + q_norms[..., None], chosen
+    q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
     keys = _list_width(count)
     block_n = max(FUSED_BLOCK_N, keys * chunk)
@@ -554,7 +563,7 @@ def least_chunks(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count:
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, r, r_norms, lists, rows, columns, dim, chunks, share,
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,

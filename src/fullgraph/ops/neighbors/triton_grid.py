@@ -273,11 +273,13 @@ def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     return out, dists, idx
 
 
-def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
+def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False, extremes=None):
     """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
     row (sum of weights * source row of the slot's query [B*M, W] (of the slot [B*M*k, W]
     when ``per_slot``), sum of weights), both float32 and deterministic: slots are sorted by
-    reference (stably), then summed in order."""
+    reference (stably), then summed in order. ``extremes`` (high [B*M, W], low [B*M, W],
+    slots [2, B*M, W] int16): a slot's row also gains high's where slots[0] names the slot's
+    position in its list, low's where slots[1] does (knn_reduce's backward)."""
     batch, rows, k = idx.shape
     refs = batch * columns
     # 32-bit keys where they fit: a radix sort of half the passes (the H100's seed kNN step
@@ -293,9 +295,11 @@ def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
     if refs and width:  # (no columns: nothing to sum; Triton 3.6 also fails to compile a width of 0)
+        high, low, slots = extremes if extremes is not None else (source, source, source)
         kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
-            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
-            PER_SLOT=per_slot, UNROLL=_PAIR_UNROLL)
+            order, starts, weights, source, high, low, slots, sums, totals, refs, width, source.shape[0], K=k,
+            WP=_width(width), BLOCK_R=_PAIR_BLOCK_R, PER_SLOT=per_slot, EXTREMES=extremes is not None,
+            UNROLL=_PAIR_UNROLL)
     elif refs:
         sums.zero_()
         totals.zero_()
