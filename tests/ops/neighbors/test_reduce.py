@@ -45,10 +45,12 @@ def test_reductions_equal_the_gathered_rows(device, dtype):
 
 
 @pytest.mark.parametrize("device", [device for device in DEVICES if device in _triton.devices()])
-def test_triton_kernels_equal_torch(device):
-    """The Triton pass and the deterministic backward against torch, NaN and ties included."""
+@pytest.mark.parametrize("channels", [20, 70])
+def test_triton_kernels_equal_torch(device, channels):
+    """The Triton pass and the deterministic backward against torch, NaN and ties included;
+    channels beyond one 64-bit word of the backward's slot masks."""
     generator = torch.Generator().manual_seed(1)
-    values = torch.randn(2, 40, 20, generator=generator).to(device)
+    values = torch.randn(2, 40, channels, generator=generator).to(device)
     values[1, 3, 4] = float("nan")
     values[0, 5] = values[0, 6]  # equal rows: the first slot holding an extreme takes its gradient
     idx = _lists(2, 33, 40, 5, generator, device)
@@ -58,7 +60,7 @@ def test_triton_kernels_equal_torch(device):
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, equal_nan=True)
     assert torch.equal(got[3], want[3])
-    grads = [torch.randn(2, 33, 20, generator=generator).to(device) for _ in range(3)]
+    grads = [torch.randn(2, 33, channels, generator=generator).to(device) for _ in range(3)]
     torch.testing.assert_close(reduce._backward_triton(*grads, idx, want[3], 40),
                                reduce._backward_torch(*grads, idx, want[3], 40))
 

@@ -48,11 +48,13 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 
 # the stored minima's members were measured apart, and won once one kernel measured them
 # (session25/dense-keys-run-NL.log, normal clouds, up to 2^10 / 2^12 / 2^14: 8 x 4096^2 D=64
 # k=32 3.67 / 2.26 / 2.24, k=50 3.93 / 2.49 / 2.48, cdist + topk 3.45 / 3.57; 4 x 4096 x 16,384
-# D=32 k=32 3.04 / 3.03 / 2.36). But the keys keep fewer bits of the minima the more chunks
-# there are: on 16,384 references a clustered cloud's rows failed the certificate 5,566 of
-# 16,384 times at k=50 (4 with the stored minima; session25/dense-profile-quick-run-NM.log),
-# each redone by the Triton search: 64 keys up to 2^12 only.
-FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**12}
+# D=32 k=32 3.04 / 3.03 / 2.36). The keys keep fewer bits the more chunks there are: keyed on
+# the minima themselves (~ -|q|^2 near the query), on 16,384 references a clustered cloud's
+# rows failed the certificate 5,566 of 16,384 times at k=50 (4 with the stored minima;
+# session25/dense-profile-quick-run-NM.log). Keyed on minimum + |q|^2 (~ the squared
+# distance) 23 (session26/dense-keys-run-OB.log: 4 x 4096 x 16,384 D=32 k=32 / 50 3.06 / 3.14
+# -> 2.38 / 2.45 ms; at 2^16, 1 x 8,192 x 65,536 D=16 k=50 slower, 2.28 -> 4.73).
+FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
