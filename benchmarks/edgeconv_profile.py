@@ -4,7 +4,7 @@ the train step's CUDA kernels, for DGCNN's plain code compiled, fullgraph compil
 graphs, and fullgraph's kNN with the edges through the 1x1 convolution (EdgeConv's previous
 formulation, to A/B the per-point products).
 
-    python benchmarks/edgeconv_profile.py [--batch 8 --points 4096 --k 20] > edgeconv-profile.log
+    python benchmarks/edgeconv_profile.py [--batch 8 --points 4096 --k 20] [--timeline] > edgeconv-profile.log
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--points", type=int, default=4096)
     parser.add_argument("--k", type=int, default=20)
+    parser.add_argument("--timeline", action="store_true", help="also every kernel of one fullgraph train step")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = DGCNN(out_channels=16, k=args.k)
@@ -79,6 +80,21 @@ def main() -> None:
                 train()
             torch.cuda.synchronize()
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70))
+        if args.timeline and implementation == "fullgraph":
+            timeline(train)
+
+
+def timeline(train) -> None:
+    """Every CUDA kernel and copy of one train step in the order it ran: start (us from the
+    first), duration (us), name."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        train()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    first = events[0].time_range.start if events else 0
+    for e in events:
+        print(f"{e.time_range.start - first:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,7 @@ On CUDA one Triton pass reads each neighbour's row once and keeps the three redu
 the slots of the extremes in registers; the backward sends each query's gradients to the
 slots (the sum's to every slot, the maximum's and minimum's to the slot that held them, the
 first such slot on ties, as ``torch.max`` does) and sums them per row of ``values`` in slot
-order after a stable sort of the slots by row, each slot's share formed as it is added from
-bit masks of the channels whose extremes it holds (no [B*M*k, C] shares stored): deterministic, no atomics (float32 sums;
+order after a stable sort of the slots by row: deterministic, no atomics (float32 sums;
 float64 gradients go through torch's index_add). On CPUs a C++
 kernel does both in one pass each (``csrc/knn_reduce.cpp``, float32 and float64; 2 x 1024
 queries x 20 slots x 64 channels on the 2-core development CPU: forward 4.9 ms, backward
@@ -70,23 +69,22 @@ if triton is not None:
 
 
     @triton.jit
-    def _slot_masks_kernel(slots, masks, total_rows, channels, K: tl.constexpr, WORDS: tl.constexpr,
-                           BLOCK_M: tl.constexpr):
-        """masks[s, i * K + r, w] (int64): bit b set where slots[s, i, 64 w + b] is r, for
-        flat query rows i (s = 0: the maximum's slots, 1: the minimum's)."""
+    def _per_slot_kernel(grad_max, grad_min, grad_sum, slots, out, total_rows, channels, K: tl.constexpr,
+                         CP: tl.constexpr, BLOCK_M: tl.constexpr):
+        """out[i * K + r] = grad_sum[i] + grad_max[i] where r held the maximum + grad_min[i]
+        where it held the minimum, per channel, float32 [B*M*K, C]."""
         offs = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, WORDS * 64)
-        words = tl.arange(0, WORDS)
-        keep = (offs < total_rows)[:, None] & (cols < channels)[None, :]
-        bits = tl.full((WORDS * 64,), 1, tl.int64) << (cols % 64).to(tl.int64)
-        for side in tl.static_range(2):
-            held = tl.load(slots + side * total_rows * channels + offs[:, None] * channels + cols[None, :], mask=keep,
-                           other=-1).to(tl.int32)
-            for r in range(K):
-                set_bits = tl.where(held == r, bits[None, :], 0)  # distinct bits: their sum is their union
-                word = tl.sum(tl.reshape(set_bits, (BLOCK_M, WORDS, 64)), 2)
-                tl.store(masks + ((side * total_rows + offs[:, None]) * K + r) * WORDS + words[None, :], word,
-                         mask=(offs < total_rows)[:, None])
+        cols = tl.arange(0, CP)
+        keep = (offs < total_rows)[:, None] & (cols[None, :] < channels)
+        where = offs[:, None] * channels + cols[None, :]
+        g_sum = tl.load(grad_sum + where, mask=keep, other=0.0).to(tl.float32)
+        g_max = tl.load(grad_max + where, mask=keep, other=0.0).to(tl.float32)
+        g_min = tl.load(grad_min + where, mask=keep, other=0.0).to(tl.float32)
+        top = tl.load(slots + where, mask=keep, other=-1).to(tl.int32)
+        bottom = tl.load(slots + total_rows * channels + where, mask=keep, other=-1).to(tl.int32)
+        for r in range(K):
+            share = g_sum + tl.where(top == r, g_max, 0.0) + tl.where(bottom == r, g_min, 0.0)
+            tl.store(out + (offs[:, None] * K + r) * channels + cols[None, :], share, mask=keep)
 
 
 def _flat(columns: int, idx: Tensor) -> Tensor:
@@ -196,14 +194,13 @@ def _backward_torch(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tensor
 def _backward_triton(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tensor:
     batch, rows, k = idx.shape
     channels = grad_sum.shape[-1]
-    words = triton.next_power_of_2(triton.cdiv(max(channels, 1), 64))
-    masks = torch.empty((2, idx.numel(), words), dtype=torch.int64, device=idx.device)
-    if masks.numel():
-        _slot_masks_kernel[(triton.cdiv(batch * rows, _BLOCK_M),)](
-            slots.contiguous(), masks, batch * rows, channels, K=k, WORDS=words, BLOCK_M=_BLOCK_M)
+    per_slot = torch.empty((idx.numel(), channels), dtype=torch.float32, device=idx.device)
+    if per_slot.numel():
+        _per_slot_kernel[(triton.cdiv(batch * rows, _BLOCK_M),)](
+            grad_max.contiguous(), grad_min.contiguous(), grad_sum.contiguous(), slots.contiguous(), per_slot,
+            batch * rows, channels, K=k, CP=max(16, triton.next_power_of_2(channels)), BLOCK_M=_BLOCK_M)
     ones = torch.ones(idx.numel(), dtype=torch.float32, device=idx.device)
-    extremes = (grad_max.reshape(-1, channels).contiguous(), grad_min.reshape(-1, channels).contiguous(), masks)
-    sums, _ = sum_pairs_by_ref(idx, ones, grad_sum.reshape(-1, channels).contiguous(), columns, extremes=extremes)
+    sums, _ = sum_pairs_by_ref(idx, ones, per_slot, columns, per_slot=True)
     return sums.reshape(batch, columns, channels).to(grad_sum.dtype)
 
 

@@ -246,14 +246,11 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 
-_KNN_BLOCK_M = 32
-# pair_sum_kernel's (reference rows a program, pairs a row read at once, warps). A row's
-# pairs are a chain of dependent loads (slot, then weight and source row), latency-bound one
-# at a time (69 us of the seed kNN step, H100 session 17, where a block's busiest reference
-# has tens of slots): 4 at once.
-_PAIR_BLOCKS = (64, 4, 4)
-# ... with knn_reduce's extremes (two more masked rows a pair).
-EXTREMES_PAIR_BLOCKS = (64, 4, 4)
+_KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
+# Pairs a reference row reads at once in pair_sum_kernel: its rows are a chain of dependent
+# loads (slot, then weight and source row) a pair, latency-bound one at a time (69 us of the
+# seed kNN step, H100 session 17, where a block's busiest reference has tens of slots).
+_PAIR_UNROLL = 4
 _PAIR_KEYS_BLOCK = 1024
 
 
@@ -276,13 +273,11 @@ def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     return out, dists, idx
 
 
-def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False, extremes=None):
+def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     """For neighbour lists idx [B, M, k] and per-slot weights [B*M*k]: per flat reference
     row (sum of weights * source row of the slot's query [B*M, W] (of the slot [B*M*k, W]
     when ``per_slot``), sum of weights), both float32 and deterministic: slots are sorted by
-    reference (stably), then summed in order. ``extremes`` (high [B*M, W], low [B*M, W],
-    masks [2, B*M*k, ceil(W / 64)] int64): a slot's row also gains high's in the channels
-    whose bits masks[0] sets for the slot, low's in those of masks[1] (knn_reduce's backward)."""
+    reference (stably), then summed in order."""
     batch, rows, k = idx.shape
     refs = batch * columns
     # 32-bit keys where they fit: a radix sort of half the passes (the H100's seed kNN step
@@ -298,12 +293,9 @@ def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False, extremes=Non
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
     if refs and width:  # (no columns: nothing to sum; Triton 3.6 also fails to compile a width of 0)
-        high, low, masks = extremes if extremes is not None else (source, source, source)
-        block_r, unroll, warps = _PAIR_BLOCKS if extremes is None else EXTREMES_PAIR_BLOCKS
-        kernels.pair_sum_kernel[(triton.cdiv(refs, block_r),)](
-            order, starts, weights, source, high, low, masks, sums, totals, refs, width, idx.numel(), K=k,
-            WP=_width(width), BLOCK_R=block_r, PER_SLOT=per_slot, EXTREMES=extremes is not None,
-            WORDS=masks.shape[-1] if extremes is not None else 1, UNROLL=unroll, num_warps=warps)
+        kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
+            order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
+            PER_SLOT=per_slot, UNROLL=_PAIR_UNROLL)
     elif refs:
         sums.zero_()
         totals.zero_()

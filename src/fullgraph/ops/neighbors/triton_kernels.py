@@ -539,16 +539,13 @@ if triton is not None:
         tl.store(keys + offs, key.to(keys.dtype.element_ty), mask=live)
 
     @triton.jit
-    def pair_sum_kernel(order, starts, weights, source, extreme_high, extreme_low, masks, out_sum, out_weight, total,
-                         width, slot_count, K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr,
-                         PER_SLOT: tl.constexpr, EXTREMES: tl.constexpr, WORDS: tl.constexpr, UNROLL: tl.constexpr):
+    def pair_sum_kernel(order, starts, weights, source, out_sum, out_weight, total, width,
+                         K: tl.constexpr, WP: tl.constexpr, BLOCK_R: tl.constexpr, PER_SLOT: tl.constexpr,
+                         UNROLL: tl.constexpr):
         """For each reference row r: sum over its pairs t (sorted slots order[starts[r]:
         starts[r + 1]]) of weights[t] * source[t // K] (source[t] when PER_SLOT), and of
         weights[t]; in slot order, so the sums are the same run to run (no atomics). UNROLL
-        pairs a row are read at once (their loads overlap), then added in order. EXTREMES:
-        a slot's row also gains extreme_high[t // K] in the channels whose bits are set in
-        masks[0, t] (int64 words [2, slot_count, WORDS], channel c: bit c % 64 of word c // 64),
-        extreme_low[t // K] in those of masks[1, t] (knn_reduce's backward)."""
+        pairs a row are read at once (their loads overlap), then added in order."""
         offs = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         first = tl.load(starts + offs, mask=offs < total, other=0).to(tl.int64)
         count = tl.load(starts + offs + 1, mask=offs < total, other=0).to(tl.int64) - first
@@ -565,16 +562,8 @@ if triton is not None:
                 pick = lanes[None, :] == u
                 w_u = tl.sum(tl.where(pick, w, 0.0), 1)
                 row = tl.sum(tl.where(pick, rows, 0), 1)
-                where = row[:, None] * width + cols[None, :]
-                keep = (t + u < count)[:, None] & (cols < width)[None, :]
-                v = tl.load(source + where, mask=keep, other=0.0).to(tl.float32)
-                if EXTREMES:
-                    word = tl.sum(tl.where(pick, pairs, 0), 1)[:, None] * WORDS + (cols // 64)[None, :]
-                    bit = (cols % 64).to(tl.int64)[None, :]
-                    high = keep & (((tl.load(masks + word, mask=keep, other=0) >> bit) & 1) != 0)
-                    low = keep & (((tl.load(masks + slot_count * WORDS + word, mask=keep, other=0) >> bit) & 1) != 0)
-                    v = (v + tl.load(extreme_high + where, mask=high, other=0.0).to(tl.float32)
-                         + tl.load(extreme_low + where, mask=low, other=0.0).to(tl.float32))
+                v = tl.load(source + row[:, None] * width + cols[None, :],
+                            mask=(t + u < count)[:, None] & (cols < width)[None, :], other=0.0).to(tl.float32)
                 acc += w_u[:, None] * v
                 acc_weight += w_u
         tl.store(out_sum + offs[:, None] * width + cols[None, :], acc,
