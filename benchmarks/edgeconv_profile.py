@@ -66,12 +66,15 @@ def main() -> None:
     parser.add_argument("--points", type=int, default=4096)
     parser.add_argument("--k", type=int, default=20)
     parser.add_argument("--timeline", action="store_true", help="also every kernel of one fullgraph train step")
+    parser.add_argument("--only", choices=[name for name, _, _ in VARIANTS], help="this variant alone")
     args = parser.parse_args()
     torch.manual_seed(0)
     model = DGCNN(out_channels=16, k=args.k)
     xyz = torch.rand(args.batch, args.points, 3, generator=torch.Generator().manual_seed(0)).cuda()
     device = torch.device("cuda")
     for name, implementation, options in VARIANTS:
+        if args.only not in (None, name):
+            continue
         forward, train = steps(model, implementation, options, xyz)
         ms = [time_call(fn, device, warmup=3, runs=20).median_ms for fn in (forward, train)]
         print(f"{name}: forward {ms[0]:.3f} ms, train {ms[1]:.3f} ms", flush=True)
@@ -86,15 +89,20 @@ def main() -> None:
 
 def timeline(train) -> None:
     """Every CUDA kernel and copy of one train step in the order it ran: start (us from the
-    first), duration (us), name."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    first), duration (us), name; then the host's operations of 20 us or more on the same clock
+    (what the host did while the device waited)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         train()
         torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    first = events[0].time_range.start if events else 0
-    for e in events:
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    first = device[0].time_range.start if device else 0
+    for e in device:
         print(f"{e.time_range.start - first:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
+    print("host:")
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.time_range.elapsed_us() >= 20:
+            print(f"{e.time_range.start - first:9.1f} {e.time_range.elapsed_us():8.1f}  {e.name[:110]}")
 
 
 if __name__ == "__main__":
