@@ -3,6 +3,7 @@ sizes and how to build the cases), the registry the CLI reads, and helpers share
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,3 +76,35 @@ def replayed(fn, device: torch.device):
         return replay()
 
     return call
+
+
+def whole_step_case(name: str, model: torch.nn.Module, inputs: tuple, loss_of: Callable, leaves: bool = False) -> Case:
+    """The whole train step (forward, loss, backward, Adam) replayed from one CUDA graph: the
+    model compiled (default mode), Adam fused (one kernel for every parameter;
+    ``capturable=True``: its step counts on the device), gradients set to None after the step
+    (the next backward writes them afresh from the graph's memory pool instead of adding into
+    zeroed ones: no accumulation kernels), all captured by fullgraph.graphs; the forward
+    (eval mode, no gradients) graphed alike. ``loss_of(output)`` -> the scalar loss.
+    ``leaves``: the step also takes the gradients of the inputs (leaves of the step, not graph
+    inputs: fullgraph.graphs copies its inputs, detached)."""
+    compiled = torch.compile(model, fullgraph=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, fused=True)
+    points = [x.clone().requires_grad_() for x in inputs] if leaves else []
+
+    def step(*args):
+        model.train()
+        loss = loss_of(compiled(*(points or args)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for point in points:
+            point.grad = None
+        return loss
+
+    @torch.no_grad()
+    def evaluate(*args):
+        model.eval()
+        return compiled(*args)
+
+    return Case(name, functools.partial(graphs.graphed(evaluate), *inputs),
+                functools.partial(graphs.graphed(step), *inputs))

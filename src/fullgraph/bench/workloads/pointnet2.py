@@ -5,11 +5,12 @@ operators, eager, compiled and with CUDA graphs; forward and an Adam train step.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from ...models import PointNet2
-from .base import Case, Workload, register
+from .base import Case, Workload, register, whole_step_case
 
 PLAIN_EAGER = "plain eager"
 
@@ -28,11 +29,12 @@ def _variants(device: torch.device):
 
 
 def model_cases(model: torch.nn.Module, params: dict, device: torch.device, task: str,
-                plain_compiled=lambda model: model) -> list[Case]:
+                plain_compiled=lambda model: model, whole_step: tuple[str, ...] = ()) -> list[Case]:
     """The variants of a point-cloud model with an ``implementation`` switch ("plain" /
     "fullgraph") on random clouds [batch, points, 3]: forward, and an Adam step on a
     classification (40 classes) or per-point regression loss. ``plain_compiled(model)``
-    prepares the plain implementation for torch.compile."""
+    prepares the plain implementation for torch.compile. ``whole_step``: the implementations
+    whose whole train step is also replayed from one CUDA graph (on GPUs)."""
     generator = torch.Generator().manual_seed(0)
     xyz = torch.rand(params["batch"], params["points"], 3, generator=generator).to(device)
     labels = torch.randint(0, 40, (params["batch"],), generator=generator).to(device)
@@ -54,13 +56,22 @@ def model_cases(model: torch.nn.Module, params: dict, device: torch.device, task
             variant.train()
             optimizer.zero_grad()
             out = run(xyz)
-            loss = torch.nn.functional.cross_entropy(out, labels) if task == "classification" else out.square().mean()
+            loss = _loss(task, labels, out)
             loss.backward()
             optimizer.step()
             return loss
 
         cases.append(Case(name, forward, train_step, explain=(variant, (xyz,)) if options is None else None))
+    for implementation in whole_step if device.type == "cuda" else ():
+        whole = copy.deepcopy(model).to(device)
+        whole.implementation = implementation
+        cases.append(whole_step_case(f"{implementation} compiled, whole step graphed", whole, (xyz,),
+                                     functools.partial(_loss, task, labels)))
     return cases
+
+
+def _loss(task: str, labels: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out, labels) if task == "classification" else out.square().mean()
 
 
 def _cases(params: dict, device: torch.device) -> list[Case]:

@@ -10,10 +10,9 @@ import importlib.util
 
 import torch
 
-from ... import graphs
 from ...models import KNNProjector, RadiusProjector
 from ...ops.neighbors.registration import BACKENDS
-from .base import Case, Workload, outside_torch_pool, register, seed_point_clouds
+from .base import Case, Workload, outside_torch_pool, register, seed_point_clouds, whole_step_case
 
 
 def _variants(device: torch.device, external: str | None):
@@ -63,40 +62,15 @@ def _projector_cases(model: torch.nn.Module, params: dict, device: torch.device,
         explain = (variant_model, (grid, cloud)) if options is None else None
         cases.append(Case(name, forward, train_step, check, explain))
     if device.type == "cuda":
+        # The tutorial's points are data: no gradient, and those kernels do not run; the second
+        # case also takes dL/dgrid and dL/dcloud.
         for point_gradients in (False, True):
-            cases.append(_whole_step_case(copy.deepcopy(model).to(device), grid, cloud, targets, point_gradients))
+            whole = copy.deepcopy(model).to(device)
+            whole.aggregation = "fullgraph"
+            name = "fullgraph compiled, whole step graphed" + (", point gradients" if point_gradients else "")
+            cases.append(whole_step_case(name, whole, (grid, cloud), lambda out: torch.mean((out - targets) ** 2),
+                                         leaves=point_gradients))
     return cases
-
-
-def _whole_step_case(model: torch.nn.Module, grid, cloud, targets, point_gradients: bool) -> Case:
-    """The whole train step (forward, backward, Adam) replayed from one CUDA graph: the model
-    compiled (default mode), Adam fused (one kernel for every parameter; ``capturable=True``:
-    its step counts on the device), gradients set to None after the step (the next backward writes
-    them afresh from the graph's memory pool instead of adding into zeroed ones: no accumulation
-    kernels), all captured by fullgraph.graphs.
-    The tutorial's points are data: no gradient, and those kernels do not run. With
-    ``point_gradients`` the step also takes dL/dgrid and dL/dcloud (leaves of the step, not
-    graph inputs: fullgraph.graphs copies its inputs, detached)."""
-    model.aggregation = "fullgraph"
-    compiled = torch.compile(model, fullgraph=True)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=True, fused=True)
-    points = [grid.clone().requires_grad_(), cloud.clone().requires_grad_()] if point_gradients else []
-
-    def step(grid, cloud, targets):
-        if points:
-            grid, cloud = points
-        loss = torch.mean((compiled(grid, cloud) - targets) ** 2)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for point in points:
-            point.grad = None
-        return loss
-
-    train_step = functools.partial(graphs.graphed(step), grid, cloud, targets)
-    forward = functools.partial(graphs.graphed(torch.no_grad()(compiled)), grid, cloud)
-    name = "fullgraph compiled, whole step graphed" + (", point gradients" if point_gradients else "")
-    return Case(name, forward, train_step)
 
 
 def _knn_projector(params, device):
