@@ -1,41 +1,52 @@
-"""The seed projectors' whole train step (graphed, as `fullgraph bench` times "fullgraph
-compiled, whole step graphed") under other settings of the Triton neighbour backend, all in
-one process: each setting a fresh model, compiled and captured again.
+"""The seed projectors' forward and whole train step (graphed, as `fullgraph bench` times
+"fullgraph compiled, whole step graphed") under other settings of the Triton neighbour
+backend and the narrow MLPs, all in one process: each setting a fresh model, compiled and
+captured again.
 
-    python benchmarks/projector_settings.py > settings.log     (needs a CUDA device)
+    python benchmarks/projector_settings.py [ATTRIBUTE ...] > settings.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from fullgraph.bench import WORKLOADS
 from fullgraph.bench.timing import time_call
-from fullgraph.ops.neighbors import triton_grid
+from fullgraph.ops import mlp
+from fullgraph.ops.neighbors import grid, triton_grid
 
-# (module attribute, values); the first value of each is the default, restored after.
-SETTINGS = (("GRAD_REF_BLOCKS", ((32, 16, 4), (16, 16, 4), (32, 32, 4), (64, 16, 4), (16, 32, 2), (32, 16, 2))),
-            ("AGGREGATE_BLOCKS", ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4))))
-WORKLOADS_OF = {"GRAD_REF_BLOCKS": ("radius",), "AGGREGATE_BLOCKS": ("radius",)}
+# (module, attribute, values, projectors); the first value of each is the default, restored after.
+SETTINGS = ((grid, "LOWER_BOUNDS_BY", ("counts", "search"), ("knn", "radius")),
+            (mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
+            (triton_grid, "GRAD_REF_BLOCKS", ((32, 16, 4), (16, 16, 4), (32, 32, 4), (64, 16, 4), (16, 32, 2),
+                                              (32, 16, 2)), ("radius",)),
+            (triton_grid, "AGGREGATE_BLOCKS", ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4)), ("radius",)))
 
 
-def step_ms(which: str) -> float:
+def step_ms(which: str) -> tuple[float, float]:
+    """(forward, train step) medians of 50, ms."""
     workload = WORKLOADS[f"{which}-projector"]
     cases = workload.build(workload.sizes["seed"], torch.device("cuda"))
-    step = next(c for c in cases if c.variant == "fullgraph compiled, whole step graphed").train_step
-    return time_call(step, torch.device("cuda"), warmup=5, runs=50).median_ms
+    case = next(c for c in cases if c.variant == "fullgraph compiled, whole step graphed")
+    return tuple(time_call(fn, torch.device("cuda"), warmup=5, runs=50).median_ms
+                 for fn in (case.forward, case.train_step))
 
 
 def main() -> None:
+    names = sys.argv[1:]  # attributes to vary (all when none is named)
     # every setting compiles the projectors' one forward code again
     torch._dynamo.config.recompile_limit = 64
-    print(torch.cuda.get_device_name(), torch.__version__, "whole train step graphed, median ms of 50")
-    for name, values in SETTINGS:
+    print(torch.cuda.get_device_name(), torch.__version__, "whole step graphed, forward / train, median ms of 50")
+    for module, name, values, projectors in SETTINGS:
+        if names and name not in names:
+            continue
         for value in values:
-            setattr(triton_grid, name, value)
-            times = ", ".join(f"{w} {step_ms(w):.3f}" for w in WORKLOADS_OF.get(name, ("knn", "radius")))
+            setattr(module, name, value)
+            times = ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w))}" for w in projectors)
             print(f"{name} = {value!r}: {times}", flush=True)
-        setattr(triton_grid, name, values[0])
+        setattr(module, name, values[0])
 
 
 if __name__ == "__main__":
