@@ -489,10 +489,12 @@ def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> 
     split = total if split is None else split
     dtype = torch.int32 if total < 2**31 else torch.int64
     if LOWER_BOUNDS_BY == "counts":
-        held = torch.zeros((parts, count), dtype=dtype, device=values.device)
+        held = torch.zeros((parts * count,), dtype=dtype, device=values.device)
         if total and count:
             _histogram_kernel[(triton.cdiv(total, _BLOCK),)](values, held, split, total, count, BLOCK=_BLOCK)
-        return torch.cumsum(held, 1, dtype=dtype) - held
+        # One flat scan (a scan along dim 1 of [2, count] is one block a row: ~0.25 ms for 4 x 10^5)
+        bounds = (torch.cumsum(held, 0, dtype=dtype) - held).view(parts, count)
+        return bounds - bounds[:, :1] if parts > 1 else bounds
     bounds = torch.empty((parts, count), dtype=dtype, device=values.device)
     if count:
         block, warps = LOWER_BOUNDS_BLOCK
