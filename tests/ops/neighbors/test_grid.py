@@ -72,17 +72,14 @@ def _check_sorted(grid, frame, queries, refs, query, ref, query_lengths, ref_len
 
 @pytest.mark.parametrize("split", [None, 0, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("method", ["counts", "search"])
-def test_lower_bounds_equal_searchsorted(split, dtype, method, monkeypatch):
-    """grid.lower_bounds (either method): per part, torch.searchsorted of arange(count), with
-    duplicate values, gaps, values past count and empty parts."""
+def test_lower_bounds_equal_searchsorted(split, dtype):
+    """grid.lower_bounds: per part, torch.searchsorted of arange(count), with duplicate
+    values, gaps, values past count and empty parts."""
     from fullgraph.ops.neighbors import grid
 
-    monkeypatch.setattr(grid, "LOWER_BOUNDS_BY", method)
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(0, 30, (40,), generator=generator, dtype=dtype)
     values[5:9] = 29  # a run of equal values
-    values[-3:] = 36  # past count
     parts = [values.sort().values] if split is None else [values[:split].sort().values, values[split:].sort().values]
     count = 34  # past the largest value: every bound there is the part's length
     bounds = grid.lower_bounds(torch.cat(parts).to(DEVICE), count, split).cpu()

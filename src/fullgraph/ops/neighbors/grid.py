@@ -45,9 +45,6 @@ FINER, FINER_LEAST = 64, 8
 # the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
 # searchsorted per part 28.5 / 15.8; one launch fewer per part).
 LOWER_BOUNDS_BLOCK = (256, 8)
-# ... or each part's values counted (integer atomics) and the counts summed (torch.cumsum):
-# no chain of loads ("search": the binary searches).
-LOWER_BOUNDS_BY = "counts"
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
 VALUE_COLUMNS = 12  # of Frame.values
@@ -341,16 +338,6 @@ if triton is not None:
         tl.store(bounds + part.to(tl.int64) * count + c, lo.to(bounds.dtype.element_ty), mask=c < count)
 
     @triton.jit
-    def _histogram_kernel(values, held, split, total, count, BLOCK: tl.constexpr):
-        """held[part, v] += 1 for each value v < count of ``values`` (part 0: positions below
-        ``split``, 1: the rest); integer atomics, so exact."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        value = tl.load(values + offs, mask=offs < total, other=-1).to(tl.int64)
-        part = (offs >= split).to(tl.int64)
-        tl.atomic_add(held + part * count + value, tl.full(offs.shape, 1, held.dtype.element_ty),
-                      mask=(offs < total) & (value >= 0) & (value < count))
-
-    @triton.jit
     def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
                       D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
         """per_cell[b * (cells + 1) + cell] += valid points in the cell (integer atomics: exact),
@@ -487,15 +474,7 @@ def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> 
     total = values.shape[0]
     parts = 1 if split is None else 2
     split = total if split is None else split
-    dtype = torch.int32 if total < 2**31 else torch.int64
-    if LOWER_BOUNDS_BY == "counts":
-        held = torch.zeros((parts * count,), dtype=dtype, device=values.device)
-        if total and count:
-            _histogram_kernel[(triton.cdiv(total, _BLOCK),)](values, held, split, total, count, BLOCK=_BLOCK)
-        # One flat scan (a scan along dim 1 of [2, count] is one block a row: ~0.25 ms for 4 x 10^5)
-        bounds = (torch.cumsum(held, 0, dtype=dtype) - held).view(parts, count)
-        return bounds - bounds[:, :1] if parts > 1 else bounds
-    bounds = torch.empty((parts, count), dtype=dtype, device=values.device)
+    bounds = torch.empty((parts, count), dtype=torch.int32 if total < 2**31 else torch.int64, device=values.device)
     if count:
         block, warps = LOWER_BOUNDS_BLOCK
         _lower_bounds_kernel[(triton.cdiv(count, block), parts)](
