@@ -14,6 +14,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --floor          (the fused lists beside their products alone;
                                                          the members in one kernel or apart)
     python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
+    python benchmarks/dense_profile.py --host           (a tiny eager call's host time: cProfile, profiler)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -130,6 +131,32 @@ def points(generator) -> None:
             row["cdist+topk"] = median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)))
         print(f"B={batch} M={rows} N={columns} D=3 k={k}:", ", ".join(f"{n} {t:.3f}" for n, t in row.items()),
               flush=True)
+
+
+def host(generator) -> None:
+    """Where an eager dense call's time goes on the host, for a tiny batch (16 x 256^2 D=64
+    k=20: launch-bound): the call's wall time beside cdist + topk's, then cProfile's functions
+    by cumulative time and torch.profiler's operators by host time."""
+    import cProfile
+    import pstats
+
+    q = torch.randn(16, 256, 64, device="cuda", generator=generator)
+    r = torch.randn(16, 256, 64, device="cuda", generator=generator)
+    call = lambda: fullgraph.knn(q, r, 20, backend="dense")  # noqa: E731
+    print(f"eager dense {median_ms(call):.3f} ms, cdist+topk "
+          f"{median_ms(lambda: torch.topk(torch.cdist(q, r), 20, largest=False)):.3f} ms", flush=True)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(35)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            call()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40, max_name_column_width=60), flush=True)
 
 
 def _products_only_kernel():
@@ -253,6 +280,7 @@ def main() -> None:
     parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
     parser.add_argument("--floor", action="store_true", help="the fused lists beside their products alone")
     parser.add_argument("--points", action="store_true", help="3-D clouds: dense against the grid")
+    parser.add_argument("--host", action="store_true", help="a tiny eager call's host time")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -269,6 +297,8 @@ def main() -> None:
         return floor(generator)
     if args.points:
         return points(generator)
+    if args.host:
+        return host(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
