@@ -273,6 +273,19 @@ if triton is not None:
         tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
 
     @triton.jit
+    def _bit_reversed(LOG_DP: tl.constexpr):
+        """[2^LOG_DP]: position p -> the coordinate reverse(p) (its LOG_DP bits reversed).
+        Coordinates loaded in this order put each halving sum's pairs (d, d + half) side by
+        side: a halving is a sum over the fastest axis (in the brute force's [M, N, D] tiles
+        half the shared-memory barriers of summing the halves, PTX for sm_90). Same pairs,
+        same bits."""
+        p = tl.arange(0, 1 << LOG_DP)
+        reversed_bits = tl.zeros_like(p)
+        for bit in tl.static_range(LOG_DP):
+            reversed_bits = reversed_bits | (((p >> bit) & 1) << (LOG_DP - 1 - bit))
+        return reversed_bits
+
+    @triton.jit
     def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
         """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
         summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
@@ -375,7 +388,7 @@ if triton is not None:
         (distance, index) keys like the grid search's; launched without contraction."""
         b = tl.program_id(1).to(tl.int64)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        d = tl.arange(0, DP)
+        d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
         q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
                     other=0.0)
         slots = tl.arange(0, KP)
@@ -389,8 +402,8 @@ if triton is not None:
                         mask=inside[:, None] & (d[None, :] < DIM), other=0.0)
             diff = q[:, None, :] - r[None, :, :]
             x = diff * diff
-            for level in tl.static_range(LOG_DP):
-                x = tl.sum(tl.reshape(x, (BLOCK_M, BLOCK_N, 2, DP >> (level + 1))), 2)
+            for level in tl.static_range(LOG_DP):  # (d, d + half) side by side: see _bit_reversed
+                x = tl.sum(tl.reshape(x, (BLOCK_M, BLOCK_N, DP >> (level + 1), 2)), 3)
             d2 = tl.reshape(x, (BLOCK_M, BLOCK_N))
             ok = inside & (tl.load(r_ok_ptr + b * columns + n, mask=inside, other=0) != 0)
             keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | n.to(tl.int64)
