@@ -236,9 +236,10 @@ BRUTE_SHAPES = ((16, 256, 256, 64, 20), (16, 256, 256, 16, 20), (16, 256, 256, 1
 
 def brute(generator) -> None:
     """Eager and graphed ms of the dense backend with every pair measured in one kernel
-    (``dense.BRUTE_FORCE_MAX_PAIRS`` unbounded) against its products' path (0), cdist + topk
-    beside."""
-    limit = dense.BRUTE_FORCE_MAX_PAIRS
+    (``dense.BRUTE_FORCE_MAX_PAIRS`` unbounded, ``dense.BRUTE_FORCE_MAX_DIM`` the kernel's
+    own limit) against its products' path (0), cdist + topk beside."""
+    limit, widest = dense.BRUTE_FORCE_MAX_PAIRS, dense.BRUTE_FORCE_MAX_DIM
+    dense.BRUTE_FORCE_MAX_DIM = triton_dense.BRUTE_FORCE_MAX_DIM
     for batch, rows, columns, dim, k in BRUTE_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -251,6 +252,7 @@ def brute(generator) -> None:
         dense.BRUTE_FORCE_MAX_PAIRS = limit
         print(f"B={batch} M={rows} N={columns} D={dim} k={k} (pairs/item {rows * columns:,}), eager / graphed:",
               ", ".join(f"{name} {e:.3f} / {g:.3f}" for name, (e, g) in times.items()), flush=True)
+    dense.BRUTE_FORCE_MAX_DIM = widest
 
 
 def operators(generator) -> None:
