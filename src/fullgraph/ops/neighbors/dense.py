@@ -371,8 +371,11 @@ def _on_tensor_cores(query) -> bool:
 # cdist + topk: 16 x 256^2 D=16 k=20 0.369 / 0.157 / 0.099; 64 x 128^2 D=32 k=16 0.422 /
 # 0.160 / 0.103; but 16 x 256^2 D=64 0.379 / 0.784, D=128 0.417 / 2.04; 2,048 x 8,192 D=16
 # k=10 0.388 / 0.445; 32 x 1024^2 D=64 0.948 / 20.8 (its tiles of squares, [4, N, D], are
-# bound by the arithmetic). Eager calls cost ~1-2 ms of host time either way.
-BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 32
+# bound by the arithmetic). Eager calls cost ~1-2 ms of host time either way. Session 26 run
+# OL, with the kernel's coordinates loaded bit-reversed (``triton_dense._bit_reversed``):
+# 16 x 256^2 D=64 0.316 / 0.273 (eager 2.12 / 0.99), 4 x 512^2 D=64 0.299 / 0.267, but 2 x
+# 1024^2 D=64 0.326 / 0.412 and 16 x 256^2 D=128 0.360 / 0.512: up to D = 64 now.
+BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 64
 
 
 def _brute_forced(query, ref, k) -> bool:
