@@ -15,6 +15,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          the members in one kernel or apart)
     python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
     python benchmarks/dense_profile.py --host           (a tiny eager call's host time: cProfile, profiler)
+    python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -255,6 +256,28 @@ def brute(generator) -> None:
     dense.BRUTE_FORCE_MAX_DIM = widest
 
 
+# The brute force's settings, one at a time from the defaults (triton_dense.BRUTE_FORCE_*).
+BRUTE_SWEEP = {"BRUTE_FORCE_BLOCK_M": (2, 8, 16), "BRUTE_FORCE_TILE": (4096, 16384), "BRUTE_FORCE_WARPS": (2, 8)}
+
+
+def brute_sweep(generator) -> None:
+    """Graphed ms of the brute force (as "auto" runs it) on small items under each setting of
+    BRUTE_SWEEP, the defaults first."""
+    clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
+               torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in
+              ((16, 256, 256, 64, 20), (16, 256, 256, 16, 20), (64, 128, 128, 32, 16))]
+    defaults = {name: getattr(triton_dense, name) for name in BRUTE_SWEEP}
+    settings = [{}] + [{name: value} for name, values in BRUTE_SWEEP.items() for value in values]
+    for setting in settings:
+        for name, value in {**defaults, **setting}.items():
+            setattr(triton_dense, name, value)
+        times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
+        print(setting or defaults, "16 x 256^2 D=64 / D=16, 64 x 128^2 D=32:", " / ".join(f"{t:.3f}" for t in times),
+              "ms", flush=True)
+    for name, value in defaults.items():
+        setattr(triton_dense, name, value)
+
+
 def operators(generator) -> None:
     """The capture path's operators with their shapes (run eagerly, as a capture runs it), by
     CUDA time, for the first three shapes."""
@@ -283,6 +306,7 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true", help="the fused lists beside their products alone")
     parser.add_argument("--points", action="store_true", help="3-D clouds: dense against the grid")
     parser.add_argument("--host", action="store_true", help="a tiny eager call's host time")
+    parser.add_argument("--brute-sweep", action="store_true", help="the brute force's settings")
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -301,6 +325,8 @@ def main() -> None:
         return points(generator)
     if args.host:
         return host(generator)
+    if args.brute_sweep:
+        return brute_sweep(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
