@@ -421,10 +421,10 @@ def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, flag: in
     return keys
 
 
-def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
+def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: float = CELL_POINTS) -> None:
     """Resize ``grid``'s cells (in place; from ``frame``'s, at most one a bucket) so that a
-    query's cell holds about CELL_POINTS references: a cloud denser than its box's average (a
-    normal cloud's core, clusters) gets finer cells, up to ``grid.space``."""
+    query's cell holds about ``cell_points`` references: a cloud denser than its box's average
+    (a normal cloud's core, clusters) gets finer cells, up to ``grid.space``."""
     (batch, rows, dim), columns = query.shape, ref.shape[1]
     per_cell = torch.zeros((batch * (grid.buckets + 1),), dtype=torch.int32, device=ref.device)
     load = torch.zeros((batch, 2), dtype=torch.int64, device=ref.device)
@@ -433,7 +433,7 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths) -> None:
         ref, ref_lengths, grid.values, grid.shape, per_cell, columns, grid.buckets, **sizes)
     _load_kernel[(triton.cdiv(rows, _BLOCK), batch)](
         query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.buckets, **sizes)
-    _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.buckets, grid.space, float(CELL_POINTS),
+    _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.buckets, grid.space, float(cell_points),
                              G=grid.grid_dims)
 
 
@@ -495,15 +495,15 @@ def _moved(points: torch.Tensor, order: torch.Tensor, grid: Frame) -> torch.Tens
     return moved
 
 
-def build(query, ref, query_lengths, ref_lengths):
+def build(query, ref, query_lengths, ref_lengths, cell_points: float = CELL_POINTS):
     """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D]
     (lengths [B] int64 within [0, M] / [0, N]: ``pairs.full_lengths``), in units of each
-    item's scale (``Frame``)."""
+    item's scale (``Frame``); a typical query's cell holds about ``cell_points`` references."""
     batch, rows = query.shape[:2]
     columns = ref.shape[1]
     grid = frame(ref, ref_lengths, query, query_lengths)
     if grid.grid_dims and batch * rows * columns:
-        refine(grid, query, query_lengths, ref, ref_lengths)
+        refine(grid, query, query_lengths, ref, ref_lengths, cell_points)
     queries, refs = sort_both(query, query_lengths, ref, ref_lengths, grid)
     if batch:
         _to_scaled_units_kernel[(batch,)](grid.values)

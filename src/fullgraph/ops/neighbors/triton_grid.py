@@ -64,7 +64,10 @@ SEARCH_SORT_FROM = 3
 INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
-AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
+AGGREGATE_BLOCKS = (32, 16, 4)
+# References a query's cell holds in the radius aggregation's grid (its forward and backward
+# walk the whole cells around a block of queries' box).
+RADIUS_CELL_POINTS = grid.CELL_POINTS  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
 # (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
 # references and walks the queries around them BLOCK_M at a time. (Session 17, run FI, seed
 # radius step: (16, 16, 4), (64, 16, 4) within the +-5 % between builds of the default's
@@ -161,7 +164,8 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
     if saved_grid is not None and saved_grid.numel():
         frame, queries, refs = grid.restore(saved_grid, query, ref)
     else:
-        frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths))
+        frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths),
+                                          cell_points=RADIUS_CELL_POINTS)
     channels = features.shape[-1]
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
     common = dict(buckets=frame.buckets, channels=channels, radius2=_squared(radius), reach=_reach(radius),
