@@ -296,37 +296,29 @@ def operators(generator) -> None:
             sort_by="cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70), flush=True)
 
 
+# (flag, function, help): the modes besides the default table.
+MODES = (("sweep", sweep, "the fused kernel's tile settings"),
+         ("operators", operators, "the capture path's operators and shapes"),
+         ("keys", fused_keys, "fused chunk lists against stored minima by k"),
+         ("brute", brute, "every pair measured against the products' path"),
+         ("floor", floor, "the fused lists beside their products alone"),
+         ("points", points, "3-D clouds: dense against the grid"),
+         ("host", host, "a tiny eager call's host time"),
+         ("brute-sweep", brute_sweep, "the brute force's settings"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
-    parser.add_argument("--sweep", action="store_true", help="the fused kernel's tile settings")
-    parser.add_argument("--operators", action="store_true", help="the capture path's operators and shapes")
-    parser.add_argument("--keys", action="store_true", help="fused chunk lists against stored minima by k")
-    parser.add_argument("--brute", action="store_true", help="every pair measured against the products' path")
-    parser.add_argument("--floor", action="store_true", help="the fused lists beside their products alone")
-    parser.add_argument("--points", action="store_true", help="3-D clouds: dense against the grid")
-    parser.add_argument("--host", action="store_true", help="a tiny eager call's host time")
-    parser.add_argument("--brute-sweep", action="store_true", help="the brute force's settings")
+    for name, _, text in MODES:
+        parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
     _count_failed_rows()
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), "torch", torch.__version__)
-    if args.sweep:
-        return sweep(generator)
-    if args.operators:
-        return operators(generator)
-    if args.keys:
-        return fused_keys(generator)
-    if args.brute:
-        return brute(generator)
-    if args.floor:
-        return floor(generator)
-    if args.points:
-        return points(generator)
-    if args.host:
-        return host(generator)
-    if args.brute_sweep:
-        return brute_sweep(generator)
+    for name, mode, _ in MODES:
+        if getattr(args, name.replace("-", "_")):
+            return mode(generator)
     for batch, rows, columns, dim, k in SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
