@@ -1,0 +1,66 @@
+"""The radius aggregation's cell size (``triton_grid.RADIUS_CELL_POINTS``, references a
+query's cell holds) beyond the seed: graphed forward + backward (gradients of the points and
+features) of ``fullgraph.radius_aggregate`` on uniform and normal clouds at radii holding
+~8 to ~250 references, by setting, ms (CUDA-event medians of graph replays, one process).
+
+    python benchmarks/radius_cells.py > radius-cells.log     (needs a CUDA device)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import fullgraph
+from fullgraph.bench.timing import time_call
+from fullgraph.ops.neighbors import triton_grid
+
+SETTINGS = (8, 4, 2, 1)
+POINTS, CHANNELS = 100_000, 16
+NEIGHBOURS = (8, 32, 250)  # references within the radius, on average (uniform cloud)
+
+
+def graphed_ms(fn) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=30).median_ms
+
+
+def main() -> None:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    clouds = {"uniform": torch.rand(POINTS, 3, device="cuda", generator=generator),
+              "normal": torch.randn(POINTS, 3, device="cuda", generator=generator)}
+    features = torch.randn(POINTS, CHANNELS, device="cuda", generator=generator).requires_grad_()
+    print(torch.cuda.get_device_name(), torch.__version__, f"{POINTS:,} points, {CHANNELS} channels, "
+          "forward + backward graphed, ms by RADIUS_CELL_POINTS", SETTINGS, flush=True)
+    for name, cloud in clouds.items():
+        points = cloud.clone().requires_grad_()
+        for neighbours in NEIGHBOURS:
+            radius = (3 * neighbours / (4 * math.pi * POINTS)) ** (1 / 3)  # in the unit cube
+            if name == "normal":
+                radius *= 2.5  # about as many near the normal cloud's core (density (2 pi)^-1.5 N)
+
+            def step():
+                out = fullgraph.radius_aggregate(points, points, features, radius)
+                out.square().sum().backward()
+                points.grad = features.grad = None
+
+            times, default = [], triton_grid.RADIUS_CELL_POINTS
+            for setting in SETTINGS:
+                triton_grid.RADIUS_CELL_POINTS = setting
+                times.append(graphed_ms(step))
+            triton_grid.RADIUS_CELL_POINTS = default
+            print(f"{name}, radius {radius:.4f} (~{neighbours} neighbours):", " / ".join(f"{t:.3f}" for t in times),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
