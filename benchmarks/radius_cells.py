@@ -11,27 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
+from replay_profile import graphed_ms
 
 import fullgraph
-from fullgraph.bench.timing import time_call
 from fullgraph.ops.neighbors import triton_grid
 
 SETTINGS = (8, 4, 2, 1)
 POINTS, CHANNELS = 100_000, 16
 NEIGHBOURS = (8, 32, 250)  # references within the radius, on average (uniform cloud)
-
-
-def graphed_ms(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_call(graph.replay, torch.device("cuda"), warmup=3, runs=30).median_ms
 
 
 def main() -> None:
@@ -56,7 +43,7 @@ def main() -> None:
             times, default = [], triton_grid.RADIUS_CELL_POINTS
             for setting in SETTINGS:
                 triton_grid.RADIUS_CELL_POINTS = setting
-                times.append(graphed_ms(step))
+                times.append(graphed_ms(step, runs=30))
             triton_grid.RADIUS_CELL_POINTS = default
             print(f"{name}, radius {radius:.4f} (~{neighbours} neighbours):", " / ".join(f"{t:.3f}" for t in times),
                   flush=True)
