@@ -57,10 +57,10 @@ void reduce_rows(const T* values, const int64_t* idx, T* top, T* bottom, T* tota
         const int32_t slot = static_cast<int32_t>(r);
         T x[W];
         for (int64_t c = 0; c < W; ++c) x[c] = c < width ? row[c] : T(0);
-        for (int64_t c = 0; c < W; ++c) {  // selects, not branches: vectorized
+        for (int64_t c = 0; c < W; ++c) {  // selects and bitwise logic, not branches: vectorized
           const bool nan = x[c] != x[c];
-          const bool higher = (x[c] > hi[c] || nan) && hi[c] == hi[c];
-          const bool lower = (x[c] < lo[c] || nan) && lo[c] == lo[c];
+          const bool higher = ((x[c] > hi[c]) | nan) & (hi[c] == hi[c]);
+          const bool lower = ((x[c] < lo[c]) | nan) & (lo[c] == lo[c]);
           hi[c] = higher ? x[c] : hi[c];
           hi_slot[c] = higher ? slot : hi_slot[c];
           lo[c] = lower ? x[c] : lo[c];
@@ -136,16 +136,24 @@ at::Tensor knn_reduce_backward(const at::Tensor& grad_max, const at::Tensor& gra
       for (int64_t task = begin; task < end; ++task) {
         const int64_t item = task / blocks, first = (task % blocks) * kChannelBlock;
         const int64_t last = std::min(channels, first + kChannelBlock);
+        const int64_t width = last - first;
         for (int64_t i = 0; i < rows; ++i) {
-          const int64_t q = item * rows + i;
+          const int64_t q = item * rows + i, at = q * channels + first;
+          // The query's gradients and slots in local arrays, the slots widened to int32 (as
+          // many lanes as float32): the channel loop below then vectorizes.
+          scalar_t s[kChannelBlock], h[kChannelBlock], b[kChannelBlock];
+          int32_t hs[kChannelBlock], bs[kChannelBlock];
+          for (int64_t c = 0; c < width; ++c) {
+            s[c] = gsum[at + c], h[c] = gmax[at + c], b[c] = gmin[at + c];
+            hs[c] = top_slot[at + c], bs[c] = bottom_slot[at + c];
+          }
           for (int64_t r = 0; r < k; ++r) {
             const int64_t j = l[q * k + r];
             if (j < 0) continue;
-            scalar_t* row = o + (item * columns + j) * channels;
-            for (int64_t c = first; c < last; ++c) {
-              const int64_t at = q * channels + c;
-              row[c] += gsum[at] + (top_slot[at] == r ? gmax[at] : scalar_t(0)) +
-                        (bottom_slot[at] == r ? gmin[at] : scalar_t(0));
+            scalar_t* row = o + (item * columns + j) * channels + first;
+            const int32_t slot = static_cast<int32_t>(r);
+            for (int64_t c = 0; c < width; ++c) {
+              row[c] += s[c] + (hs[c] == slot ? h[c] : scalar_t(0)) + (bs[c] == slot ? b[c] : scalar_t(0));
             }
           }
         }
