@@ -64,13 +64,13 @@ SEARCH_SORT_FROM = 3
 INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
-AGGREGATE_BLOCKS = (32, 16, 4)
+AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
 # References a query's cell holds in the radius aggregation's grid (its forward and backward
 # walk whole cells around a block of queries' box: smaller cells, less of the box's rounding
 # up to cells). H100, seed radius projector whole step graphed, forward / train ms (session 26
 # run OO, `benchmarks/projector_settings.py RADIUS_CELL_POINTS`): 16 0.367 / 0.904, 8 (the
 # kNN grid's) 0.339 / 0.835, 4 0.326 / 0.770, 2 0.333 / 0.747.
-RADIUS_CELL_POINTS = 2  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
+RADIUS_CELL_POINTS = 2
 # (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
 # references and walks the queries around them BLOCK_M at a time. (Session 17, run FI, seed
 # radius step: (16, 16, 4), (64, 16, 4) within the +-5 % between builds of the default's
