@@ -3,7 +3,7 @@
 backend and the narrow MLPs, all in one process: each setting a fresh model, compiled and
 captured again.
 
-    python benchmarks/projector_settings.py [ATTRIBUTE ...] > settings.log     (needs a CUDA device)
+    python benchmarks/projector_settings.py [ATTRIBUTE ... | defaults] > settings.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -23,9 +23,12 @@ from fullgraph.ops.neighbors import triton_grid
 # 0.354 / 0.845, run OI; not kept. The MLPs' "ieee" products: kNN train 1.08 -> 2.70 ms, run OH.)
 SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
             (triton_grid, "RADIUS_CELL_POINTS", (2, 3, 1, 4), ("radius",)),
-            (triton_grid, "GRAD_REF_BLOCKS", ((32, 16, 4), (16, 16, 4), (32, 32, 4), (64, 16, 4), (16, 32, 2),
-                                              (32, 16, 2)), ("radius",)),
-            (triton_grid, "AGGREGATE_BLOCKS", ((32, 16, 4), (16, 16, 4), (64, 16, 4), (32, 32, 4)), ("radius",)))
+            (triton_grid, "GRAD_REF_BLOCKS", ((32, 16, 4), (64, 16, 4), (128, 16, 4), (64, 32, 4), (32, 32, 4),
+                                              (64, 8, 4), (64, 16, 8)), ("radius",)),
+            (triton_grid, "AGGREGATE_BLOCKS", ((32, 16, 4), (32, 32, 4), (32, 64, 4), (16, 32, 4), (64, 32, 4),
+                                               (16, 64, 4)), ("radius",)),
+            (triton_grid, "SEARCH_LANES", (32, 16, 64, 128), ("knn",)),
+            (triton_grid, "SEARCH_BLOCKS", ((2, 32, 1), (2, 64, 1), (4, 64, 2), (1, 32, 1)), ("knn",)))
 
 
 def step_ms(which: str) -> tuple[float, float]:
@@ -38,10 +41,13 @@ def step_ms(which: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    names = sys.argv[1:]  # attributes to vary (all when none is named)
+    names = sys.argv[1:]  # attributes to vary (all when none is named; "defaults": none)
     # every setting compiles the projectors' one forward code again
     torch._dynamo.config.recompile_limit = 64
     print(torch.cuda.get_device_name(), torch.__version__, "whole step graphed, forward / train, median ms of 50")
+    if names == ["defaults"]:
+        print("defaults:", ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w))}" for w in ("knn", "radius")))
+        return
     for module, name, values, projectors in SETTINGS:
         if names and name not in names:
             continue
