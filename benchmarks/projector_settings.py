@@ -27,8 +27,7 @@ SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
                                               (64, 8, 4), (64, 16, 8)), ("radius",)),
             (triton_grid, "AGGREGATE_BLOCKS", ((32, 16, 4), (32, 32, 4), (32, 64, 4), (16, 32, 4), (64, 32, 4),
                                                (16, 64, 4)), ("radius",)),
-            (triton_grid, "SEARCH_LANES", (32, 16, 64, 128), ("knn",)),
-            (triton_grid, "SEARCH_BLOCKS", ((2, 32, 1), (2, 64, 1), (4, 64, 2), (1, 32, 1)), ("knn",)))
+            (triton_grid, "SEGMENT_LANES", (128, 64, 256), ("radius",)))
 
 
 def step_ms(which: str) -> tuple[float, float]:

@@ -4,12 +4,11 @@ radius 1M x 1M (cap 32, ~19 within r = 0.0168) and the seed projector's kNN (27,
 queries x 100,000 normal points, k = 7), each replayed from a CUDA graph (the GPU's work
 alone), and the seed's aggregations (forward): medians of 20 replays in ms, CUDA events.
 ``--sweep`` times them over search kernel settings (BLOCK_M, BLOCK_N, warps:
-``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--lanes`` over the rows of cells
-laid end to end at once (``SEARCH_LANES``, ``SEGMENT_LANES``), ``--cells`` over the grid's
+``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
 sparse cells).
 
-    python benchmarks/search_times.py [--sweep | --lanes | --cells] > search.log     (needs a CUDA device)
+    python benchmarks/search_times.py [--sweep | --cells] > search.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -25,11 +24,10 @@ from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
-LANES = [(32, 128), (16, 128), (64, 128), (128, 128), (32, 64), (32, 256)]  # (SEARCH_LANES, SEGMENT_LANES)
 CELLS = [(8, 32, 1), (8, 32, 8), (8, 32, 64), (8, 16, 64), (8, 8, 64), (6, 32, 64), (12, 32, 64)]  # (CELL_POINTS, BUDGET, FINER)
 
 
-def main(sweep: bool = False, cells: bool = False, lanes: bool = False) -> None:
+def main(sweep: bool = False, cells: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -55,11 +53,6 @@ def main(sweep: bool = False, cells: bool = False, lanes: bool = False) -> None:
             print(f"CELL_POINTS {cell_grid.CELL_POINTS}, BUDGET {cell_grid.BUDGET}, FINER {cell_grid.FINER}: "
                   + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows), flush=True)
         return
-    if lanes:
-        for triton_grid.SEARCH_LANES, triton_grid.SEGMENT_LANES in LANES:
-            print(f"SEARCH_LANES {triton_grid.SEARCH_LANES}, SEGMENT_LANES {triton_grid.SEGMENT_LANES}: "
-                  + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows), flush=True)
-        return
     if not sweep:
         print("; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows))
     for blocks, sort_from in SWEEP if sweep else ():
@@ -70,4 +63,4 @@ def main(sweep: bool = False, cells: bool = False, lanes: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv, lanes="--lanes" in sys.argv)
+    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv)

@@ -7,8 +7,8 @@ back, so the ops stay capturable in CUDA graphs. Every launch goes to the curren
 Search. A program owns BLOCK_M consecutive sorted queries (neighbours in space) and the
 box of cells they occupy (or, when they straddle distant cells, takes them one at a time).
 It visits that box grown by rings of 1, 2, 3, 4, 6, 9, ... cells, reading the ranges of
-many rows of cells along x at once (each a contiguous range of sorted references), laid end
-to end so that a tile of candidates spans rows and empty ones cost nothing, and keeps each query's k best
+many rows of cells along x at once (each a contiguous range of sorted references) and
+skipping the empty ones, and keeps each query's k best
 candidates in registers as int64 keys ``(bits(d) << 32) | index``: non-negative float32
 bit patterns order like the floats, so one integer comparison orders by distance and then
 by index (ties go to the smaller index; keys are unique). A tile of candidates enters the
@@ -62,9 +62,8 @@ SEARCH_SORT_FROM = 3
 # points, k = 16: 36 s against 82). tests/ops/neighbors/test_search.py runs the sorting merge
 # there too, by setting this.
 INTERPRETER_SORT_FROM = 1 << 30
-# Ranges of cells read at once (two per row of cells along x), laid end to end into tiles:
-# the aggregation's walks (boxes of tens of rows), and the search's (its first box has 9).
-SEGMENT_LANES, SEARCH_LANES = 128, 32
+# Ranges of cells read at once (two per row of cells along x).
+SEGMENT_LANES = 128
 AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
 # References a query's cell holds in the radius aggregation's grid (its forward and backward
 # walk whole cells around a block of queries' box: smaller cells, less of the box's rounding
@@ -140,7 +139,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         rows, columns, frame.buckets, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
         D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
-        LANES=SEARCH_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
+        LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
         num_warps=warps,
     )
     if not use_radius and counted:

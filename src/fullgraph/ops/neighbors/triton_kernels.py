@@ -138,24 +138,22 @@ if triton is not None:
         return starts, ends, wanted & (ends > starts)
 
     @triton.jit
-    def _end_to_end(starts, ends, pending):
-        """The pending ranges [starts, ends) laid end to end, so that tiles of candidates
-        span ranges (a row of cells holds fewer than a tile, and each tile is a step of a
-        dependent chain): per lane, (position - number) of its candidates and the numbers
-        [first, last) they take; the candidates' total; and a bound above every position
-        (``_positions`` gives it to numbers past the total)."""
-        lengths = tl.where(pending, ends - starts, 0).to(tl.int32)
-        last = tl.cumsum(lengths, 0)
-        first = last - lengths
-        return starts.to(tl.int64) - first, first, last, tl.sum(lengths, 0), tl.max(tl.where(pending, ends, 0), 0)
+    def _next_segment(starts, ends, pending):
+        """The first pending range (start, end) and the ranges still pending after it."""
+        lanes = tl.arange(0, starts.shape[0])
+        lane = tl.min(tl.where(pending, lanes, starts.shape[0]), 0)
+        start = tl.sum(tl.where(lanes == lane, starts, 0), 0).to(tl.int64)
+        end = tl.sum(tl.where(lanes == lane, ends, 0), 0).to(tl.int64)
+        return start, end, pending & (lanes != lane)
 
     @triton.jit
-    def _positions(numbers, shift, first, last, total, bound):
-        """Sorted positions [BLOCK] (int64) of candidates ``numbers`` of ``_end_to_end``'s
-        ranges; ``bound`` for numbers >= total."""
-        inside = (numbers[:, None] >= first[None, :]) & (numbers[:, None] < last[None, :])
-        positions = tl.sum(tl.where(inside, shift[None, :], 0), 1) + numbers
-        return tl.where(numbers < total, positions, bound)
+    def _next_start(starts, ends, pending, position, bound):
+        """The first position at or after ``position`` in a pending range [starts, ends), or
+        ``bound``. A walk that takes tiles of consecutive positions from there crosses from
+        one range into the next (a row of cells holds fewer than a tile, and each tile is a
+        step of a dependent chain); the positions between ranges lie in cells outside the
+        box, too far to pass the distance test."""
+        return tl.min(tl.where(pending & (ends > position), tl.maximum(starts, position), bound), 0)
 
     @triton.jit
     def _in_item_units(values, b, radius2, reach):
@@ -206,26 +204,27 @@ if triton is not None:
     def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
                          r_order, item_r, radius2, slots, q_index, D: tl.constexpr, USE_RADIUS: tl.constexpr,
                          SKIP_SELF: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr):
-        """Search the sorted references [starts[i], ends[i]) of the lanes i ``pending``
+        """Search the sorted references [starts[i], ends[i]) of the lanes i still ``pending``
         (SKIP_SELF: not the reference of index q_index[i], the query itself)."""
-        shift, first, last, total, end = _end_to_end(starts, ends, pending)
-        for s in range(0, total, BLOCK_N):
-            offs_n = _positions(s + tl.arange(0, BLOCK_N), shift, first, last, total, end)
-            d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
-            ok = member[:, None] & (offs_n < end)[None, :]
-            if USE_RADIUS:
-                ok = ok & (d2 <= radius2)
-                count += tl.sum(ok.to(tl.int64), 1)
-            index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
-            if SKIP_SELF:
-                ok = ok & (index[None, :] != q_index[:, None])
-            # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not
-            # by d2: two d2 one ulp apart can share a distance, and ties in the reported
-            # distance go to the smaller index (keys on d2 listed 79864 before 66696 at equal
-            # distances on an H100, and a near-tie at the k-th slot kept the larger index).
-            keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
-            keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
-            best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
+        while tl.max(pending.to(tl.int32), 0) > 0:
+            start, end, pending = _next_segment(starts, ends, pending)
+            for s in range(start, end, BLOCK_N):
+                offs_n = s + tl.arange(0, BLOCK_N)
+                d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
+                ok = member[:, None] & (offs_n < end)[None, :]
+                if USE_RADIUS:
+                    ok = ok & (d2 <= radius2)
+                    count += tl.sum(ok.to(tl.int64), 1)
+                index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
+                if SKIP_SELF:
+                    ok = ok & (index[None, :] != q_index[:, None])
+                # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not
+                # by d2: two d2 one ulp apart can share a distance, and ties in the reported
+                # distance go to the smaller index (keys on d2 listed 79864 before 66696 at equal
+                # distances on an H100, and a near-tie at the k-th slot kept the larger index).
+                keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
+                keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
+                best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
         return best, threshold, count
 
     @triton.jit
@@ -348,9 +347,10 @@ if triton is not None:
                 # The previous box is empty: every row of this one is new.
                 starts, ends, pending = _row_segments(r_start + slot_base, r_within, shift, axes, dims, lo, hi, axes,
                                                       axes * 0 - 1, first, LANES)
-                offset, first_of, last_of, total, end = _end_to_end(starts, ends, pending)
-                for s in range(0, total, BLOCK_N):
-                    offs_n = _positions(s + tl.arange(0, BLOCK_N), offset, first_of, last_of, total, end)
+                end = tl.max(tl.where(pending, ends, 0), 0)
+                s = _next_start(starts, ends, pending, 0, end)
+                while s < end:
+                    offs_n = s + tl.arange(0, BLOCK_N)
                     d2 = _tile_d2(q_base, r_points, offs_m, offs_n, q_live, end, D)
                     ok = member[:, None] & (offs_n < end)[None, :] & (d2 <= radius2)
                     if tl.max(ok.to(tl.int32)) > 0:
@@ -370,6 +370,7 @@ if triton is not None:
                                 poison += tl.dot((w > 0).to(tl.float16), bad.to(tl.float16))
                             acc = acc * alpha[:, None] + tl.dot(w, f, input_precision=PRECISION)
                         row_min = new_min
+                    s = _next_start(starts, ends, pending, s + BLOCK_N, end)
         if STATS_ONLY:
             tl.store(out_min + item_q + offs_m, row_min, mask=offs_m < rows)
             tl.store(out_sum + item_q + offs_m, row_sum, mask=offs_m < rows)
@@ -461,17 +462,16 @@ if triton is not None:
                 # The previous box is empty: every row of this one is new.
                 starts, ends, pending = _row_segments(other_start + slot_base, other_within, shift, axes, dims, lo, hi,
                                                       axes, axes * 0 - 1, first, LANES)
-                offset, first_of, last_of, total, end = _end_to_end(starts, ends, pending)
-                for s in range(0, total, BLOCK_M if REF_SIDE else BLOCK_N):
+                end = tl.max(tl.where(pending, ends, 0), 0)
+                s = _next_start(starts, ends, pending, 0, end)
+                while s < end:
                     if REF_SIDE:
-                        offs_m = _positions(s + tl.arange(0, BLOCK_M), offset, first_of, last_of, total, end)
-                        q_base, q_count = q_points, end
+                        offs_m, q_base, q_count = s + tl.arange(0, BLOCK_M), q_points, end
                         offs_n, r_base, r_count = own_offs, own_base, own_live
                         ok = (offs_m < end)[:, None] & member[None, :]
                     else:
                         offs_m, q_base, q_count = own_offs, own_base, own_live
-                        offs_n = _positions(s + tl.arange(0, BLOCK_N), offset, first_of, last_of, total, end)
-                        r_base, r_count = r_points, end
+                        offs_n, r_base, r_count = s + tl.arange(0, BLOCK_N), r_points, end
                         ok = member[:, None] & (offs_n < end)[None, :]
                     d2 = _tile_d2(q_base, r_base, offs_m, offs_n, q_count, r_count, D)
                     ok = ok & (d2 <= radius2)
@@ -486,6 +486,7 @@ if triton is not None:
                                 acc_points -= _pulls(c, q, r, 0, D, DP)
                         else:
                             acc_points += _pulls(c, q, r, 1, D, DP)
+                    s = _next_start(starts, ends, pending, s + (BLOCK_M if REF_SIDE else BLOCK_N), end)
         _store_rows(grad_points, own_order, own_offs, own_count, item, acc_points, D, DP)
         if REF_SIDE:
             _store_rows(grad_features, own_order, own_offs, own_count, item, acc_features, channels, CP)
