@@ -22,28 +22,31 @@ from fullgraph.ops.neighbors import triton_grid
 # kNN forward / train 0.327 / 0.566 against 0.339 / 0.565 ms, radius 0.351 / 0.855 against
 # 0.354 / 0.845, run OI; not kept. The MLPs' "ieee" products: kNN train 1.08 -> 2.70 ms, run OH.)
 SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
-            (triton_grid, "RADIUS_CELL_POINTS", (2, 3, 1, 4), ("radius",)),
-            (triton_grid, "GRAD_REF_BLOCKS", ((32, 16, 4), (64, 16, 4), (128, 16, 4), (64, 32, 4), (32, 32, 4),
-                                              (64, 8, 4), (64, 16, 8)), ("radius",)),
-            (triton_grid, "AGGREGATE_BLOCKS", ((32, 16, 4), (32, 32, 4), (32, 64, 4), (16, 32, 4), (64, 32, 4),
-                                               (16, 64, 4)), ("radius",)),
+            (triton_grid, "RADIUS_CELL_POINTS", (2, 3, 1, 4, 8), ("radius",)),
+            (triton_grid, "GRAD_REF_BLOCKS", ((64, 32, 4), (128, 32, 4), (64, 64, 4), (128, 16, 4), (64, 16, 4)),
+             ("radius",)),
+            (triton_grid, "AGGREGATE_BLOCKS", ((16, 32, 4), (32, 32, 4), (16, 16, 4), (8, 32, 4), (16, 32, 2)),
+             ("radius",)),
             (triton_grid, "SEGMENT_LANES", (128, 64, 256), ("radius",)))
 
 
-def step_ms(which: str) -> tuple[float, float]:
-    """(forward, train step) medians of 50, ms."""
+def step_ms(which: str) -> tuple[float, ...]:
+    """(forward, train step, train step with the points' gradients) medians of 50, ms."""
     workload = WORKLOADS[f"{which}-projector"]
     cases = workload.build(workload.sizes["seed"], torch.device("cuda"))
-    case = next(c for c in cases if c.variant == "fullgraph compiled, whole step graphed")
+    variant = "fullgraph compiled, whole step graphed"
+    case = next(c for c in cases if c.variant == variant)
+    points = next(c for c in cases if c.variant == variant + ", point gradients")
     return tuple(time_call(fn, torch.device("cuda"), warmup=5, runs=50).median_ms
-                 for fn in (case.forward, case.train_step))
+                 for fn in (case.forward, case.train_step, points.train_step))
 
 
 def main() -> None:
     names = sys.argv[1:]  # attributes to vary (all when none is named; "defaults": none)
     # every setting compiles the projectors' one forward code again
     torch._dynamo.config.recompile_limit = 64
-    print(torch.cuda.get_device_name(), torch.__version__, "whole step graphed, forward / train, median ms of 50")
+    print(torch.cuda.get_device_name(), torch.__version__,
+          "whole step graphed, forward / train / train with point gradients, median ms of 50")
     if names == ["defaults"]:
         print("defaults:", ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w))}" for w in ("knn", "radius")))
         return

@@ -64,7 +64,13 @@ SEARCH_SORT_FROM = 3
 INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
-AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms vs 1.43 ms for (32, 32, 4)
+# (BLOCK_M, BLOCK_N, num_warps) of the radius aggregation and its query-side gradient: a
+# program owns BLOCK_M queries and walks the references BLOCK_N at a time, its tiles crossing
+# from one row's range of cells into the next. H100, seed radius projector whole step graphed,
+# forward / train ms (session 27 run PC, `benchmarks/projector_settings.py AGGREGATE_BLOCKS`):
+# (32, 16, 4) 0.330 / 0.622, (32, 32, 4) 0.309 / 0.605, (16, 32, 4) 0.303 / 0.600, (32, 64, 4)
+# 0.349 / 0.644, (64, 32, 4) 0.359 / 0.653, (16, 64, 4) 0.340 / 0.638.
+AGGREGATE_BLOCKS = (16, 32, 4)
 # References a query's cell holds in the radius aggregation's grid (its forward and backward
 # walk whole cells around a block of queries' box: smaller cells, less of the box's rounding
 # up to cells). H100, seed radius projector whole step graphed, forward / train ms (session 26
@@ -72,10 +78,10 @@ AGGREGATE_BLOCKS = (32, 16, 4)  # swept: seed radius forward + backward 1.33 ms 
 # kNN grid's) 0.339 / 0.835, 4 0.326 / 0.770, 2 0.333 / 0.747.
 RADIUS_CELL_POINTS = 2
 # (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
-# references and walks the queries around them BLOCK_M at a time. (Session 17, run FI, seed
-# radius step: (16, 16, 4), (64, 16, 4) within the +-5 % between builds of the default's
-# 1.14-1.25 ms; (32, 32, 4) 1.31, (32, 16, 2) 1.36, (16, 32, 2) 1.63.)
-GRAD_REF_BLOCKS = AGGREGATE_BLOCKS
+# references and walks the queries around them BLOCK_M at a time. (Session 27 run PC, train
+# ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4) 0.615, (64, 32, 4) 0.606,
+# (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664.)
+GRAD_REF_BLOCKS = (64, 32, 4)
 # tl.dot's input_precision in the radius aggregation's weight x feature products ("tf32x3"
 # measured no faster: the seed radius step 1.18 against 1.13 ms, H100, session 17 run FH).
 AGGREGATE_PRECISION = "ieee"
