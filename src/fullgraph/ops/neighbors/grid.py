@@ -190,10 +190,11 @@ if triton is not None:
         tl.store(out + offs[:, None] * D + cols[None, :], block / scale[:, None], mask=mask)
 
     @triton.jit
-    def _refine_kernel(values, shape, loads, buckets, space, cell_points, G: tl.constexpr):
-        """Rescale each item's cells so that a query's cell holds about cell_points references,
-        given the mean load (references in a live query's cell) under the current cells; at
-        most ``space`` cells."""
+    def _refine_kernel(values, shape, loads, buckets, space, cell_points, side, G: tl.constexpr):
+        """Rescale each item's cells so that a query's cell holds about cell_points references
+        (or, for side > 0, cells of about that side holding between 1 and cell_points), given
+        the mean load (references in a live query's cell) under the current cells; at most
+        ``space`` cells."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         row = values + b * VALUES
@@ -201,8 +202,10 @@ if triton is not None:
         extent = tl.load(row + 3 + dims, mask=dims < 3, other=0.0)
         split = tl.sum(((dims < G) & (tl.load(shape + b * 4 + dims) > 1)).to(tl.float32), 0)
         load = tl.load(loads + 2 * b).to(tl.float32) / tl.maximum(tl.load(loads + 2 * b + 1).to(tl.float32), 1.0)
-        ratio = tl.where((split > 0) & (load > 0), tl.exp(tl.log(cell_points / tl.maximum(load, 1e-30))
-                                                         / tl.maximum(split, 1.0)), 1.0)
+        most = tl.exp(tl.log(cell_points / tl.maximum(load, 1e-30)) / tl.maximum(split, 1.0))
+        fewest = tl.exp(tl.log(1.0 / tl.maximum(load, 1e-30)) / tl.maximum(split, 1.0))
+        wanted = tl.minimum(tl.maximum(side / tl.load(row + SIDE), fewest), most)
+        ratio = tl.where((split > 0) & (load > 0), tl.where(side > 0, wanted, most), 1.0)
         ratio = tl.minimum(tl.maximum(ratio, 1.0 / 16), 16.0)
         _store_frame(values, shape, b, dims, low, extent, tl.load(row + SIDE) * ratio, space, buckets, G)
 
@@ -421,10 +424,13 @@ def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, flag: in
     return keys
 
 
-def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: float = CELL_POINTS) -> None:
+def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: float = CELL_POINTS,
+           side: float = 0.0) -> None:
     """Resize ``grid``'s cells (in place; from ``frame``'s, at most one a bucket) so that a
     query's cell holds about ``cell_points`` references: a cloud denser than its box's average
-    (a normal cloud's core, clusters) gets finer cells, up to ``grid.space``."""
+    (a normal cloud's core, clusters) gets finer cells, up to ``grid.space``. With ``side`` > 0
+    (the caller's units), cells of about that side, as long as a query's cell holds between 1
+    and ``cell_points`` references."""
     (batch, rows, dim), columns = query.shape, ref.shape[1]
     per_cell = torch.zeros((batch * (grid.buckets + 1),), dtype=torch.int32, device=ref.device)
     load = torch.zeros((batch, 2), dtype=torch.int64, device=ref.device)
@@ -434,7 +440,7 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: flo
     _load_kernel[(triton.cdiv(rows, _BLOCK), batch)](
         query, query_lengths, grid.values, grid.shape, per_cell, load, rows, grid.buckets, **sizes)
     _refine_kernel[(batch,)](grid.values, grid.shape, load, grid.buckets, grid.space, float(cell_points),
-                             G=grid.grid_dims)
+                             float(side), G=grid.grid_dims)
 
 
 def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[SortedPoints, SortedPoints]:
@@ -495,15 +501,16 @@ def _moved(points: torch.Tensor, order: torch.Tensor, grid: Frame) -> torch.Tens
     return moved
 
 
-def build(query, ref, query_lengths, ref_lengths, cell_points: float = CELL_POINTS):
+def build(query, ref, query_lengths, ref_lengths, cell_points: float = CELL_POINTS, side: float = 0.0):
     """(frame, sorted queries, sorted references) of contiguous query [B, M, D], ref [B, N, D]
     (lengths [B] int64 within [0, M] / [0, N]: ``pairs.full_lengths``), in units of each
-    item's scale (``Frame``); a typical query's cell holds about ``cell_points`` references."""
+    item's scale (``Frame``); a typical query's cell holds about ``cell_points`` references
+    (or see ``refine`` for ``side``)."""
     batch, rows = query.shape[:2]
     columns = ref.shape[1]
     grid = frame(ref, ref_lengths, query, query_lengths)
     if grid.grid_dims and batch * rows * columns:
-        refine(grid, query, query_lengths, ref, ref_lengths, cell_points)
+        refine(grid, query, query_lengths, ref, ref_lengths, cell_points, side)
     queries, refs = sort_both(query, query_lengths, ref, ref_lengths, grid)
     if batch:
         _to_scaled_units_kernel[(batch,)](grid.values)

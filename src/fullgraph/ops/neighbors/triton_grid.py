@@ -71,12 +71,15 @@ SEGMENT_LANES = 128
 # (32, 16, 4) 0.330 / 0.622, (32, 32, 4) 0.309 / 0.605, (16, 32, 4) 0.303 / 0.600, (32, 64, 4)
 # 0.349 / 0.644, (64, 32, 4) 0.359 / 0.653, (16, 64, 4) 0.340 / 0.638.
 AGGREGATE_BLOCKS = (16, 32, 4)
-# References a query's cell holds in the radius aggregation's grid (its forward and backward
-# walk whole cells around a block of queries' box: smaller cells, less of the box's rounding
-# up to cells). H100, seed radius projector whole step graphed, forward / train ms (session 26
-# run OO, `benchmarks/projector_settings.py RADIUS_CELL_POINTS`): 16 0.367 / 0.904, 8 (the
-# kNN grid's) 0.339 / 0.835, 4 0.326 / 0.770, 2 0.333 / 0.747.
-RADIUS_CELL_POINTS = 2
+# The radius aggregation's cells: RADIUS_CELL_SIDE radii a side, as long as a query's cell
+# holds between 1 and RADIUS_CELL_POINTS references (its forward and backward walk whole
+# cells around a block's box: smaller cells round the box up less, larger ones take fewer
+# rows). Fixed references a cell, the best of 8 / 4 / 2 / 1 (H100, session 27 run PD,
+# `benchmarks/radius_cells.py`, 10^5 points, graphed forward + backward) took cells of 0.8-1.3
+# radii up to ~30 neighbours within the radius (uniform ~8: 4 a cell; normal ~3 at a query,
+# on average: 1; the seed projector, ~4: 1), and 8 (0.5 radii) at 250 (uniform: 8.1 ms against
+# 11.6 with 2).
+RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.2, 8
 # (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
 # references and walks the queries around them BLOCK_M at a time. (Session 27 run PC, train
 # ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4) 0.615, (64, 32, 4) 0.606,
@@ -174,7 +177,7 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
         frame, queries, refs = grid.restore(saved_grid, query, ref)
     else:
         frame, queries, refs = grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths),
-                                          cell_points=RADIUS_CELL_POINTS)
+                                          cell_points=RADIUS_CELL_POINTS, side=RADIUS_CELL_SIDE * radius)
     channels = features.shape[-1]
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
     common = dict(buckets=frame.buckets, channels=channels, radius2=_squared(radius), reach=_reach(radius),
