@@ -24,6 +24,7 @@ from fullgraph.ops.neighbors import triton_grid
 SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
             (triton_grid, "RADIUS_CELL_SIDE", (1.2, 0.9, 1.0, 1.5), ("radius",)),
             (triton_grid, "AGGREGATE_PRECISION", ("ieee", "tf32x3"), ("radius",)),
+            (triton_grid, "GRAD_PRECISION", ("tf32x3", "ieee"), ("radius",)),
             (triton_grid, "GRAD_REF_BLOCKS", ((64, 32, 4), (128, 32, 4), (64, 64, 4), (128, 16, 4), (64, 16, 4)),
              ("radius",)),
             (triton_grid, "AGGREGATE_BLOCKS", ((16, 32, 4), (32, 32, 4), (16, 16, 4), (8, 32, 4), (16, 32, 2)),

@@ -85,9 +85,11 @@ RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.2, 8
 # ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4) 0.615, (64, 32, 4) 0.606,
 # (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664.)
 GRAD_REF_BLOCKS = (64, 32, 4)
-# tl.dot's input_precision in the radius aggregation's weight x feature products ("tf32x3"
-# measured no faster: the seed radius step 1.18 against 1.13 ms, H100, session 17 run FH).
-AGGREGATE_PRECISION = "ieee"
+# tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
+# gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
+# "tf32x3": train 0.567 -> 0.602 ms, with the points' gradients 1.050 -> 0.916; session 17,
+# one range a tile: no faster).
+AGGREGATE_PRECISION, GRAD_PRECISION = "ieee", "tf32x3"
 
 
 def _lengths(query, ref, query_lengths, ref_lengths):
@@ -258,7 +260,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
             kernels.radius_grad_kernel[programs](
                 *clouds, *terms, grad_points, grad_features, rows, columns, **common, REF_SIDE=ref_side,
                 PULLS=ref_grad or not ref_side, **sizes, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES,
-                PRECISION=AGGREGATE_PRECISION, num_warps=warps)
+                PRECISION=GRAD_PRECISION, num_warps=warps)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 
