@@ -124,6 +124,22 @@ def test_cells_follow_the_density_the_queries_see():
     assert grid.CELL_POINTS / 3 <= load <= grid.CELL_POINTS * 3, load
 
 
+@pytest.mark.parametrize("side, expected", [(0.04, 0.04), (0.1, (8 / 20_000) ** (1 / 3)),
+                                            (0.005, (1 / 20_000) ** (1 / 3))])
+def test_cells_of_a_side_hold_between_one_and_cell_points_references(side, expected):
+    """``side``: cells of that side (the radius aggregation's, from its radius) where a query's
+    cell then holds 1 to ``cell_points`` references; else the side that holds the nearer bound."""
+    from fullgraph.ops.neighbors import grid
+
+    generator = torch.Generator().manual_seed(2)
+    ref = torch.rand(1, 20_000, 3, generator=generator).to(DEVICE)
+    query = torch.rand(1, 3_000, 3, generator=generator).to(DEVICE)
+    lengths = (torch.tensor([3_000], device=DEVICE), torch.tensor([20_000], device=DEVICE))
+    frame, _, _ = grid.build(query, ref, *lengths, cell_points=8.0, side=side)
+    got = frame.values[0, 6].item() * frame.values[0, grid.SCALE_COLUMN].item()  # column 6: the cell side
+    assert expected / 1.25 <= got <= expected * 1.25, (got, expected)
+
+
 @pytest.mark.parametrize("k", [1, 7])
 def test_search_is_exact_where_query_blocks_straddle_empty_space(k):
     """Queries scattered far around a dense core: blocks of sorted queries span distant
