@@ -21,7 +21,10 @@ the rest only cost more rings. Radius search visits the box grown by the radius,
 
 Radius aggregation. Like flash attention: a running minimum distance per query rescales
 the running sums, so all references within the radius are aggregated in one pass without
-a cap and without storing pairs. The backward recomputes distances from the saved per-query
+a cap and without storing pairs. Its walks visit one box (no rings), so a tile of
+consecutive sorted positions may cross from one row's range of cells into the next: what
+lies between two ranges is outside the box, beyond the reach, and fails the distance test.
+Its cells are sized from the radius (RADIUS_CELL_SIDE). The backward recomputes distances from the saved per-query
 (minimum, weight sum) statistics, in one query-major kernel (query gradient) and one
 reference-major kernel walking the queries' grid (reference and feature gradients):
 deterministic, no atomics.
