@@ -49,6 +49,7 @@ def main() -> None:
     torch._dynamo.config.recompile_limit = 64
     print(torch.cuda.get_device_name(), torch.__version__,
           "whole step graphed, forward / train / train with point gradients, median ms of 50")
+    step_ms("radius")  # discarded: a process's first case read a few % slower than the same later (run PE)
     if names == ["defaults"]:
         print("defaults:", ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w))}" for w in ("knn", "radius")))
         return
