@@ -164,6 +164,24 @@ def test_compiles_once_for_all_row_counts(generator):
     assert counter.frame_count == 1
 
 
+def test_compiled_auto_on_a_cpu_traces_the_layers_not_the_operator(generator):
+    """Without the kernels (no CUDA), "auto" compiles to the layers themselves, which the
+    compiler fuses and differentiates (the operator's backward recomputes the forward: a
+    compiled projector train step 5-7 % slower than eager on the development CPU)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    weights, biases = _layers((3, 8, 2), generator)
+    x = torch.randn(20, 3, generator=generator)
+    compiled = torch.compile(lambda x: fullgraph.narrow_mlp(x, weights, biases), backend=backend, fullgraph=True)
+    torch.testing.assert_close(compiled(x), fullgraph.narrow_mlp(x, weights, biases, backend="torch"))
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes}
+    assert not any("fullgraph" in target for target in targets), targets
+
+
 @pytest.mark.parametrize("change, error, message", [
     (lambda a: {**a, "x": a["x"].long()}, TypeError, "x: expected a floating-point tensor"),
     (lambda a: {**a, "weights": a["weights"][0]}, TypeError, "weights: expected a non-empty list"),

@@ -421,9 +421,10 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
             than the layers' few cuBLAS launches and the GPU waits on the host at these sizes
             (H100, 10^5 x (3, 25, 25, 25) forward + backward: eager 1.68 against 1.10 ms;
             graphed 0.12 against 0.25 ms; ``benchmarks/mlp_shapes.py``, session 17 runs FG, FJ),
-            so eager calls run PyTorch's layers directly. Under torch.compile without CUDA
-            graphs the operator runs PyTorch's layers inside it (one dispatch more than
-            the layers compiled alone: compile with CUDA graphs for the kernels).
+            so eager calls run PyTorch's layers directly, and so do calls compiled for other
+            devices. Under torch.compile on CUDA without CUDA graphs the operator runs
+            PyTorch's layers inside it (one dispatch more than the layers compiled alone:
+            compile with CUDA graphs for the kernels).
 
     Returns:
         [..., C_L] in x's dtype; differentiable in x, weights and biases (deterministic).
@@ -437,8 +438,10 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
     """
     _check(x, weights, biases)
     _resolve(backend, x, weights, running=False)  # an explicit backend's refusal, before anything runs
-    if backend == "auto" and not torch.compiler.is_compiling() and not _capturing(x):
-        return reference(x, weights, biases)  # as called: PyTorch's own layers, without an operator's dispatch
+    if backend == "auto" and not (x.is_cuda and (torch.compiler.is_compiling() or _capturing(x))):
+        # As called, or compiled for a device without the kernels: PyTorch's own layers (which
+        # the compiler fuses and differentiates), without an operator's dispatch.
+        return reference(x, weights, biases)
     return torch.ops.fullgraph.narrow_mlp(x, list(weights), list(biases), backend)
 
 
