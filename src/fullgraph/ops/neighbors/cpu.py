@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import math
 import threading
 from collections.abc import Iterator
@@ -129,7 +130,8 @@ def _kdtree_ball_counts(ref, points, radius):
 def _kdtree_ball(ref, points, radius, total):
     """[total] int64: the rows of ``ref`` within ``radius`` of each point, point after point."""
     balls = _tree(ref, len(points)).query_ball_point(points, radius, workers=_workers(points))
-    return np.concatenate([np.asarray(ball, dtype=np.int64) for ball in balls] or [np.zeros(0, np.int64)])
+    # One pass over the lists' items (an array a list cost ~2 us: 1,728 short lists 3.6-9 ms -> 1.6)
+    return np.fromiter(itertools.chain.from_iterable(balls), dtype=np.int64, count=total)
 
 
 def _slack(dim: int) -> float:
