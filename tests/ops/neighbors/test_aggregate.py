@@ -179,6 +179,26 @@ def test_triton_gradients_match_the_reference(backend, device, generator):
                 torch.testing.assert_close(a.double(), e, rtol=1e-3, atol=1e-3, msg=name)
 
 
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
+@pytest.mark.parametrize("distribution", ["uniform", "clustered"])
+def test_triton_radius_tiles_crossing_rows_of_cells_match_the_reference(backend, device, distribution, generator):
+    """Radius walks take tiles of consecutive sorted positions across the ranges of a box's
+    rows of cells (what lies between two ranges is outside the box): a cloud of many cells
+    with ~30 references within the radius, values and all three gradients against float64."""
+    cloud = points(distribution, 1_400, 3, generator)
+    query, ref = cloud[:200].to(device), cloud[200:].to(device)
+    features = torch.randn(1_200, 6, generator=generator, dtype=torch.float64).to(device)
+    radius = (3 * 30 / (4 * math.pi * 1_200)) ** (1 / 3)
+    inputs64 = [t.clone().requires_grad_() for t in (query, ref, features)]
+    inputs32 = [t.float().requires_grad_() for t in (query, ref, features)]
+    want = fullgraph.radius_aggregate(*inputs64, radius, sigma=0.05, backend="torch")
+    got = fullgraph.radius_aggregate(*inputs32, radius, sigma=0.05, backend=backend)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    grad = torch.randn(want.shape, generator=generator, dtype=torch.float64).to(device)
+    for e, a in zip(torch.autograd.grad(want, inputs64, grad), torch.autograd.grad(got, inputs32, grad.float())):
+        torch.testing.assert_close(a.double(), e, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("wanted", ["features", "features and query", "features and ref"])
 def test_points_as_data_get_no_gradient_and_the_rest_is_unchanged(backend, device, wanted, generator):
