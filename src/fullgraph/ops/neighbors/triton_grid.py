@@ -24,10 +24,10 @@ the running sums, so all references within the radius are aggregated in one pass
 a cap and without storing pairs. Its walks visit one box (no rings), so a tile of
 consecutive sorted positions may cross from one row's range of cells into the next: what
 lies between two ranges is outside the box, beyond the reach, and fails the distance test.
-Its cells are sized from the radius (RADIUS_CELL_SIDE). The backward recomputes distances from the saved per-query
-(minimum, weight sum) statistics, in one query-major kernel (query gradient) and one
-reference-major kernel walking the queries' grid (reference and feature gradients):
-deterministic, no atomics.
+Its cells are sized from the radius (RADIUS_CELL_SIDE). The backward recomputes distances
+from the saved per-query (minimum, weight sum) statistics, in one query-major kernel (query
+gradient) and one reference-major kernel walking the queries' grid (reference and feature
+gradients): deterministic, no atomics.
 
 kNN aggregation. The search's lists feed a kernel that gathers one neighbour's feature row
 at a time (no [M, k, C] buffer). Its backward computes the distance gradients per query,
