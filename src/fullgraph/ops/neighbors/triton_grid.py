@@ -25,9 +25,9 @@ a cap and without storing pairs. Its walks visit one box (no rings), so a tile o
 consecutive sorted positions may cross from one row's range of cells into the next: what
 lies between two ranges is outside the box, beyond the reach, and fails the distance test.
 Its cells are sized from the radius (RADIUS_CELL_SIDE). The backward recomputes distances
-from the saved per-query (minimum, weight sum) statistics, in one query-major kernel (query
-gradient) and one reference-major kernel walking the queries' grid (reference and feature
-gradients): deterministic, no atomics.
+from the saved per-query (minimum, weight sum) statistics, in one launch: query-major programs
+(query gradient) beside reference-major ones walking the queries' grid (reference and
+feature gradients), each side alone too small to fill the GPU; deterministic, no atomics.
 
 kNN aggregation. The search's lists feed a kernel that gathers one neighbour's feature row
 at a time (no [M, k, C] buffer). Its backward computes the distance gradients per query,
@@ -83,8 +83,9 @@ AGGREGATE_BLOCKS = (16, 32, 4)
 # on average: 1; the seed projector, ~4: 1), and 8 (0.5 radii) at 250 (uniform: 8.1 ms against
 # 11.6 with 2).
 RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.2, 8
-# (BLOCK_M, BLOCK_N, num_warps) of the reference-side gradient kernel: it owns BLOCK_N
-# references and walks the queries around them BLOCK_M at a time. (Session 27 run PC, train
+# (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel's reference side: it owns BLOCK_N
+# references and walks the queries around them BLOCK_M at a time (its query side takes
+# AGGREGATE_BLOCKS' BLOCK_M and BLOCK_N; the launch, both sides at once, these warps). (Session 27 run PC, train
 # ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4) 0.615, (64, 32, 4) 0.606,
 # (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664.)
 GRAD_REF_BLOCKS = (64, 32, 4)
@@ -256,14 +257,12 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
         clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,
                   refs.bucket_start, refs.within)
-        sides = [(AGGREGATE_BLOCKS, grad_query, False)] if query_grad else []
-        sides.append((GRAD_REF_BLOCKS, grad_ref, True))
-        for (block_m, block_n, warps), grad_points, ref_side in sides:
-            programs = (triton.cdiv(columns, block_n) if ref_side else triton.cdiv(rows, block_m), batch)
-            kernels.radius_grad_kernel[programs](
-                *clouds, *terms, grad_points, grad_features, rows, columns, **common, REF_SIDE=ref_side,
-                PULLS=ref_grad or not ref_side, **sizes, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES,
-                PRECISION=GRAD_PRECISION, num_warps=warps)
+        (query_m, query_n), (ref_m, ref_n, warps) = AGGREGATE_BLOCKS[:2], GRAD_REF_BLOCKS
+        programs = triton.cdiv(columns, ref_n) + (triton.cdiv(rows, query_m) if query_grad else 0)
+        kernels.radius_grad_kernel[(programs, batch)](
+            *clouds, *terms, grad_query, grad_ref, grad_features, rows, columns, **common, PULLS=ref_grad, **sizes,
+            QUERY_BLOCK_M=query_m, QUERY_BLOCK_N=query_n, REF_BLOCK_M=ref_m, REF_BLOCK_N=ref_n, LANES=SEGMENT_LANES,
+            PRECISION=GRAD_PRECISION, num_warps=warps)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 

@@ -420,21 +420,18 @@ if triton is not None:
         return out
 
     @triton.jit
-    def radius_grad_kernel(
-        q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out, row_min,
-        row_sum, delta, values, shape, grad_points, grad_features, rows, columns, buckets, channels, radius2, reach,
-        inv_sigma,
+    def _radius_grad_side(
+        pid, b, q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out,
+        row_min, row_sum, delta, values, shape, grad_points, grad_features, rows, columns, buckets, channels, radius2,
+        reach, inv_sigma,
         REF_SIDE: tl.constexpr, PULLS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LANES: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """The gradients of radius_aggregate, gathered (no atomics). REF_SIDE False: a program
-        owns BLOCK_M sorted queries and walks the reference cells around them, writing
-        grad_points = dL/dquery; True: it owns BLOCK_N sorted references and walks the query
-        cells, writing grad_points = dL/dref and grad_features. The owned side's per-row
-        arrays are indexed within the item, the walked side's by sorted position. PULLS False
-        (REF_SIDE only): the feature gradients alone (dL/dref is not wanted; it stays 0)."""
-        pid = tl.program_id(0)
-        b = tl.program_id(1).to(tl.int64)
+        """One program of radius_grad_kernel. REF_SIDE False: it owns BLOCK_M sorted queries
+        and walks the reference cells around them, writing grad_points = dL/dquery; True: it
+        owns BLOCK_N sorted references and walks the query cells, writing grad_points =
+        dL/dref and grad_features. The owned side's per-row arrays are indexed within the
+        item, the walked side's by sorted position."""
         slot_base = b * (buckets + 1)
         shift = tl.load(values + b * VALUES + SHIFT).to(tl.int64)
         if REF_SIDE:
@@ -490,6 +487,36 @@ if triton is not None:
         _store_rows(grad_points, own_order, own_offs, own_count, item, acc_points, D, DP)
         if REF_SIDE:
             _store_rows(grad_features, own_order, own_offs, own_count, item, acc_features, channels, CP)
+
+
+    @triton.jit
+    def radius_grad_kernel(
+        q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out, row_min,
+        row_sum, delta, values, shape, grad_query, grad_ref, grad_features, rows, columns, buckets, channels, radius2,
+        reach, inv_sigma,
+        PULLS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, QUERY_BLOCK_M: tl.constexpr,
+        QUERY_BLOCK_N: tl.constexpr, REF_BLOCK_M: tl.constexpr, REF_BLOCK_N: tl.constexpr, LANES: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """The gradients of radius_aggregate, gathered (no atomics), both sides in one launch
+        (each alone fills a fraction of the GPU): the first cdiv(columns, REF_BLOCK_N)
+        programs of an item own references (dL/dref, dL/dfeatures), any after them own
+        queries (dL/dquery; the grid leaves them out where it is not wanted). PULLS False:
+        the feature gradients alone (dL/dref is not wanted; it stays 0)."""
+        pid = tl.program_id(0)
+        b = tl.program_id(1).to(tl.int64)
+        ref_programs = tl.cdiv(columns, REF_BLOCK_N)
+        if pid < ref_programs:
+            _radius_grad_side(
+                pid, b, q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out,
+                row_min, row_sum, delta, values, shape, grad_ref, grad_features, rows, columns, buckets, channels,
+                radius2, reach, inv_sigma, True, PULLS, D, DP, CP, REF_BLOCK_M, REF_BLOCK_N, LANES, PRECISION)
+        else:
+            _radius_grad_side(
+                pid - ref_programs, b, q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within,
+                features, grad_out, row_min, row_sum, delta, values, shape, grad_query, grad_features, rows, columns,
+                buckets, channels, radius2, reach, inv_sigma, False, True, D, DP, CP, QUERY_BLOCK_M, QUERY_BLOCK_N,
+                LANES, PRECISION)
 
 
 if triton is not None:
