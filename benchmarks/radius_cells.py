@@ -17,7 +17,7 @@ from replay_profile import graphed_ms
 import fullgraph
 from fullgraph.ops.neighbors import triton_grid
 
-SETTINGS = ((1.2, 8), (1.2, 16), (0.9, 8), (1.5, 8), (0.0, 8), (0.0, 2))  # (RADIUS_CELL_SIDE, RADIUS_CELL_POINTS)
+SETTINGS = ((1.2, 8), (1.0, 8), (0.9, 8), (1.5, 8), (0.0, 8), (0.0, 2))  # (RADIUS_CELL_SIDE, RADIUS_CELL_POINTS)
 POINTS, CHANNELS = 100_000, 16
 NEIGHBOURS = (8, 32, 250)  # references within the radius, on average (uniform cloud)
 

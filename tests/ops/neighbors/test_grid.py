@@ -89,6 +89,24 @@ def test_lower_bounds_equal_searchsorted(split, dtype):
     assert grid.lower_bounds(values[:0].to(DEVICE), 5).cpu().eq(0).all()
 
 
+@pytest.mark.parametrize("split", [None, 1500])
+def test_lower_bounds_across_programs(split):
+    """grid.lower_bounds over many programs' blocks of values (each searching between its
+    first value's bound and the next block's): long runs of one value, long gaps, a
+    clustered part and an empty stretch at the end."""
+    from fullgraph.ops.neighbors import grid
+
+    generator = torch.Generator().manual_seed(4)
+    count = 5 * grid.LOWER_BOUNDS_BLOCK[0] + 3
+    values = torch.cat([torch.randint(0, count // 2, (1000,), generator=generator),
+                        torch.full((700,), 300), torch.randint(count // 2, count + 50, (300,), generator=generator)])
+    values = values[torch.randperm(len(values), generator=generator)]
+    parts = [values.sort().values] if split is None else [values[:split].sort().values, values[split:].sort().values]
+    bounds = grid.lower_bounds(torch.cat(parts).to(DEVICE), count, split).cpu()
+    for part, bound in zip(parts, bounds):
+        assert torch.equal(bound.long(), torch.searchsorted(part, torch.arange(count)))
+
+
 @pytest.mark.parametrize("dim", [3, 5])
 def test_a_saved_grid_restores_to_the_built_one(dim):
     """grid.save's int32 record gives back the frame and both sorted clouds, bit for bit."""

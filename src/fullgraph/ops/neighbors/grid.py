@@ -104,13 +104,22 @@ if triton is not None:
         return tl.where(extreme & (power > 0), power, 1.0)
 
     @triton.jit
-    def _bounds_kernel(points, lengths, bounds, rows, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        """Per block of BLOCK rows of item b: min and max of each grid axis over the valid
-        points, their largest |coordinate| and their number, into bounds[b, block] =
-        (lo xyz, largest, hi xyz, count)."""
+    def _bounds_kernel(ref, ref_lengths, columns, ref_blocks, query, query_lengths, rows, bounds,
+                       D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        """Per block of BLOCK rows of item b, references' blocks first, then the queries':
+        min and max of each grid axis over the valid points, their largest |coordinate| and
+        their number, into bounds[b, block] = (lo xyz, largest, hi xyz, count)."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        out = bounds + (b * tl.num_programs(0) + pid) * 8
+        if pid < ref_blocks:
+            _block_bounds(ref, ref_lengths, out, b, pid, columns, D, G, BLOCK)
+        else:
+            _block_bounds(query, query_lengths, out, b, pid - ref_blocks, rows, D, G, BLOCK)
+
+    @triton.jit
+    def _block_bounds(points, lengths, out, b, block, rows, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        offs = block * BLOCK + tl.arange(0, BLOCK)
         largest = _largest(points, b, offs, rows, D)
         valid = (offs < tl.load(lengths + b)) & (largest != float("inf"))
         largest = tl.where(valid, largest, 0.0)
@@ -120,15 +129,14 @@ if triton is not None:
         low = tl.min(tl.where(valid[:, None], block, float("inf")), 0)
         low = tl.where(dims == 3, tl.max(largest, 0), low)
         high = tl.max(tl.where(valid[:, None], block, -float("inf")), 0)
-        out = bounds + (b * tl.num_programs(0) + pid) * 8
         tl.store(out + dims, low)
         tl.store(out + 4 + dims, tl.where(dims == 3, tl.sum(valid.to(tl.float32), 0), high))
 
     @triton.jit
-    def _frame_kernel(bounds, blocks, query_bounds, query_blocks, values, shape, buckets, cell_points,
-                      G: tl.constexpr):
+    def _frame_kernel(bounds, blocks, query_blocks, values, shape, buckets, cell_points, G: tl.constexpr):
         """Cells over the box of each item's valid references, cell_points per cell (at most
-        one a bucket), and the item's scale (from the largest coordinate of both clouds)."""
+        one a bucket), and the item's scale (from the largest coordinate of both clouds), from
+        ``_bounds_kernel``'s bounds."""
         b = tl.program_id(0).to(tl.int64)
         dims = tl.arange(0, 4)
         chunk = tl.arange(0, _FRAME_CHUNK)
@@ -138,7 +146,7 @@ if triton is not None:
         largest = tl.zeros((), tl.float32)
         for start in range(0, blocks, _FRAME_CHUNK):  # _FRAME_CHUNK blocks' bounds at a time
             inside = start + chunk < blocks
-            rows = bounds + (b * blocks + start + chunk) * 8
+            rows = bounds + (b * (blocks + query_blocks) + start + chunk) * 8
             low = tl.minimum(low, tl.min(tl.load(rows[:, None] + dims[None, :], mask=inside[:, None],
                                                  other=float("inf")), 0))
             top = tl.load(rows[:, None] + 4 + dims[None, :], mask=inside[:, None], other=-float("inf"))
@@ -147,8 +155,8 @@ if triton is not None:
             largest = tl.maximum(largest, tl.max(tl.load(rows + 3, mask=inside, other=0.0), 0))
         for start in range(0, query_blocks, _FRAME_CHUNK):
             inside = start + chunk < query_blocks
-            largest = tl.maximum(largest, tl.max(tl.load(query_bounds + (b * query_blocks + start + chunk) * 8 + 3,
-                                                         mask=inside, other=0.0), 0))
+            rows = bounds + (b * (blocks + query_blocks) + blocks + start + chunk) * 8
+            largest = tl.maximum(largest, tl.max(tl.load(rows + 3, mask=inside, other=0.0), 0))
         tl.store(values + b * VALUES + SCALE, _safe_scale(largest))
         on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
         low = tl.where(on, low, 0.0)
@@ -177,10 +185,21 @@ if triton is not None:
         tl.store(row + cols, v, mask=cols < SCALE)
 
     @triton.jit
-    def _sorted_points_kernel(points, order, values, out, total, rows, D: tl.constexpr, DP: tl.constexpr,
-                              BLOCK: tl.constexpr):
-        """out[i] = points[order[i]] / scale of its item, float32."""
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    def _sorted_points_kernel(query, query_order, query_total, rows, ref, ref_order, ref_total, columns, values,
+                              query_out, ref_out, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr):
+        """Both clouds in their sorted orders, one launch: query_out[i] = query[query_order[i]]
+        / scale of its item, float32 (the queries' programs first), the same for ref_out."""
+        pid = tl.program_id(0)
+        query_programs = tl.cdiv(query_total, BLOCK)
+        if pid < query_programs:
+            _move_rows(query, query_order, values, query_out, pid, query_total, rows, D, DP, BLOCK)
+        else:
+            _move_rows(ref, ref_order, values, ref_out, pid - query_programs, ref_total, columns, D, DP, BLOCK)
+
+    @triton.jit
+    def _move_rows(points, order, values, out, program, total, rows, D: tl.constexpr, DP: tl.constexpr,
+                   BLOCK: tl.constexpr):
+        offs = program.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = offs < total
         source = tl.load(order + offs, mask=live, other=0)
         scale = tl.load(values + (source // rows) * VALUES + SCALE, mask=live, other=1.0)
@@ -283,61 +302,75 @@ if triton is not None:
         return cell, valid
 
     @triton.jit
-    def _cell_keys_kernel(points, lengths, values, shape, keys, rows, space,
-                          D: tl.constexpr, G: tl.constexpr, FLAG: tl.constexpr, BLOCK: tl.constexpr):
-        """keys[b * rows + i] = the slot b * (space + 1) + cell of point i of item b (invalid
-        points: cell ``space``), or with FLAG (0 or 1; -1: none) 2 * slot + FLAG."""
+    def _cell_keys_kernel(query, query_lengths, rows, query_programs, ref, ref_lengths, columns, values, shape, keys,
+                          space, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        """``sort_both``'s keys, one launch: keys[b * rows + i] = the slot b * (space + 1) +
+        cell of query i of item b (invalid points: cell ``space``), then at B * rows + b *
+        columns + j reference j's slot + B * (space + 1), so that every query sorts first."""
+        pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        batch = tl.num_programs(1).to(tl.int64)
+        if pid < query_programs:
+            _store_cell_keys(query, query_lengths, values, shape, keys, b, pid, rows, space, 0, D, G, BLOCK)
+        else:
+            _store_cell_keys(ref, ref_lengths, values, shape, keys + batch * rows, b, pid - query_programs, columns,
+                             space, batch * (space + 1), D, G, BLOCK)
+
+    @triton.jit
+    def _store_cell_keys(points, lengths, values, shape, keys, b, block, rows, space, first,
+                         D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
+        offs = block * BLOCK + tl.arange(0, BLOCK)
         cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
-        key = b * (space + 1) + tl.where(valid, cell, space)
-        if FLAG >= 0:
-            key = 2 * key + FLAG
+        key = first + b * (space + 1) + tl.where(valid, cell, space)
         tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=offs < rows)
 
     @triton.jit
-    def _split_kernel(sorted_keys, order, queries_so_far, values, query_order, query_slots, query_within, ref_order,
-                      ref_slots, ref_within, total, query_total, space, buckets, BLOCK: tl.constexpr):
-        """One sorted array of both clouds' flagged keys (``_cell_keys_kernel``'s, + 1 for
-        references) into each cloud's sorted order, bucket slots b * (buckets + 1) + (cell >>
-        shift) and offsets within the bucket; queries_so_far: the inclusive running count of
-        queries."""
+    def _split_kernel(sorted_keys, order, values, orders, slots, within_of, total, query_total, ref_first, space,
+                      buckets, BLOCK: tl.constexpr):
+        """``sort_both``'s sorted keys (``_cell_keys_kernel``'s: the queries', then the
+        references') to each sorted point's row within its cloud, its bucket slot b *
+        (buckets + 1) + (cell >> shift) and its cell's offset within the bucket."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         live = offs < total
-        key = tl.load(sorted_keys + offs, mask=live, other=0)
-        source = tl.load(order + offs, mask=live, other=0)
-        before = tl.load(queries_so_far + offs, mask=live, other=0).to(tl.int64)
-        is_ref = (key & 1) == 1
-        slot = (key >> 1).to(tl.int64)
+        is_ref = offs >= query_total
+        slot = tl.load(sorted_keys + offs, mask=live, other=0).to(tl.int64) - tl.where(is_ref, ref_first, 0)
         b = slot // (space + 1)
         cell = slot - b * (space + 1)
         shift = tl.load(values + b * VALUES + SHIFT, mask=live, other=0.0).to(tl.int64)
         invalid = cell == space
-        bucket = (b * (buckets + 1) + tl.where(invalid, buckets, cell >> shift)).to(query_slots.dtype.element_ty)
-        within = tl.where(invalid, 0, cell & ((1 << shift) - 1)).to(tl.int8)
-        tl.store(query_order + before - 1, source, mask=live & ~is_ref)
-        tl.store(query_slots + before - 1, bucket, mask=live & ~is_ref)
-        tl.store(query_within + before - 1, within, mask=live & ~is_ref)
-        tl.store(ref_order + offs - before, source - query_total, mask=live & is_ref)
-        tl.store(ref_slots + offs - before, bucket, mask=live & is_ref)
-        tl.store(ref_within + offs - before, within, mask=live & is_ref)
+        bucket = b * (buckets + 1) + tl.where(invalid, buckets, cell >> shift)
+        tl.store(orders + offs, tl.load(order + offs, mask=live, other=0) - tl.where(is_ref, query_total, 0),
+                 mask=live)
+        tl.store(slots + offs, bucket.to(slots.dtype.element_ty), mask=live)
+        tl.store(within_of + offs, tl.where(invalid, 0, cell & ((1 << shift) - 1)).to(tl.int8), mask=live)
 
     @triton.jit
-    def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
-        """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
-        of the sorted ``values`` holding a value >= c, for c < count: one binary search of
-        ``steps`` halvings a value."""
-        part = tl.program_id(1)
-        c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        base = tl.where(part == 0, 0, split).to(tl.int64)
-        size = tl.zeros((BLOCK,), tl.int64) + tl.where(part == 0, split, total - split)
-        lo = tl.zeros((BLOCK,), tl.int64)
-        for _ in range(steps):
+    def _lower_bound(values, targets, lo, size):
+        """For each target, the first position in [lo, lo + size) of the sorted ``values``
+        holding a value >= it (lo + size where none does): binary searches, side by side."""
+        while tl.max(size, 0) > 0:
             half = size // 2
             searching = size > 0
-            below = searching & (tl.load(values + base + lo + half, mask=searching, other=0) < c)
+            below = searching & (tl.load(values + lo + half, mask=searching, other=0) < targets)
             lo = tl.where(below, lo + half + 1, lo)
             size = tl.where(below, size - half - 1, half)
+        return lo
+
+    @triton.jit
+    def _lower_bounds_kernel(values, bounds, split, total, count, BLOCK: tl.constexpr):
+        """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
+        of the sorted ``values`` holding a value >= c, for c < count. A program's BLOCK
+        values of c search the range between the bounds of its first and of the next
+        program's first (two searches of the whole part), a few halvings each."""
+        part = tl.program_id(1)
+        first = tl.program_id(0).to(tl.int64) * BLOCK
+        base = values + tl.where(part == 0, 0, split).to(tl.int64)
+        ends = _lower_bound(base, first + tl.arange(0, 2) * BLOCK, tl.zeros((2,), tl.int64),
+                            tl.zeros((2,), tl.int64) + tl.where(part == 0, split, total - split))
+        start = tl.sum(tl.where(tl.arange(0, 2) == 0, ends, 0), 0)
+        size = tl.sum(tl.where(tl.arange(0, 2) == 1, ends, 0), 0) - start
+        c = first + tl.arange(0, BLOCK)
+        lo = _lower_bound(base, c, tl.zeros((BLOCK,), tl.int64) + start, tl.zeros((BLOCK,), tl.int64) + size)
         tl.store(bounds + part.to(tl.int64) * count + c, lo.to(bounds.dtype.element_ty), mask=c < count)
 
     @triton.jit
@@ -383,15 +416,6 @@ def cell_space(batch: int, buckets: int) -> int:
     return buckets * finer
 
 
-def _bounds(points: torch.Tensor, lengths: torch.Tensor, grid_dims: int) -> tuple[torch.Tensor, int]:
-    """Per block of points [B, L, D]: bounds [B, blocks, 8] (see ``_bounds_kernel``), blocks."""
-    batch, rows, dim = points.shape
-    blocks = max(1, triton.cdiv(rows, _BLOCK))
-    bounds = torch.empty((batch, blocks, 8), dtype=torch.float32, device=points.device)
-    _bounds_kernel[(blocks, batch)](points, lengths, bounds, rows, D=dim, G=grid_dims, BLOCK=_BLOCK)
-    return bounds, blocks
-
-
 def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, query_lengths: torch.Tensor) -> Frame:
     """The grid of each item of ref [B, N, D] (lengths [B] int64) over the box of its valid
     points, with cells sized for a uniform cloud, and the scale of both clouds (unscaled)."""
@@ -401,27 +425,13 @@ def frame(ref: torch.Tensor, ref_lengths: torch.Tensor, query: torch.Tensor, que
     values = torch.zeros((batch, VALUE_COLUMNS), dtype=torch.float32, device=ref.device)
     shape = torch.empty((batch, 4), dtype=torch.int32, device=ref.device)  # the kernel writes all but column 11
     if batch:
-        bounds, blocks = _bounds(ref, ref_lengths, grid_dims)
-        query_bounds, query_blocks = _bounds(query, query_lengths, grid_dims)
-        _frame_kernel[(batch,)](bounds, blocks, query_bounds, query_blocks, values, shape, buckets,
-                                float(CELL_POINTS), G=grid_dims)
+        blocks, query_blocks = (max(1, triton.cdiv(points.shape[1], _BLOCK)) for points in (ref, query))
+        bounds = torch.empty((batch, blocks + query_blocks, 8), dtype=torch.float32, device=ref.device)
+        _bounds_kernel[(blocks + query_blocks, batch)](ref, ref_lengths, columns, blocks, query, query_lengths,
+                                                       query.shape[1], bounds, D=dim, G=grid_dims, BLOCK=_BLOCK)
+        _frame_kernel[(batch,)](bounds, blocks, query_blocks, values, shape, buckets, float(CELL_POINTS),
+                                G=grid_dims)
     return Frame(values, shape, buckets, cell_space(batch, buckets), grid_dims)
-
-
-def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame, flag: int = -1,
-              out: torch.Tensor | None = None) -> torch.Tensor:
-    """[B*L] int32 (int64 for huge grids) keys b * (space + 1) + cell of points [B, L, D]
-    (contiguous; lengths [B] int64); invalid points get their item's slot ``space``. With
-    ``flag`` (0 or 1), 2 * key + flag; written into ``out`` [B*L] where given."""
-    batch, rows, dim = points.shape
-    slots = batch * (grid.space + 1)
-    keys = out if out is not None else torch.empty(
-        (batch * rows,), dtype=torch.int32 if slots < 2**31 - 1 else torch.int64, device=points.device)
-    if keys.numel():
-        _cell_keys_kernel[(triton.cdiv(rows, _BLOCK), batch)](
-            points, lengths, grid.values, grid.shape, keys, rows, grid.space,
-            D=dim, G=grid.grid_dims, FLAG=flag, BLOCK=_BLOCK)
-    return keys
 
 
 def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: float = CELL_POINTS,
@@ -443,33 +453,48 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: flo
                              float(side), G=grid.grid_dims)
 
 
+def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> torch.Tensor:
+    """[B*L] keys b * (space + 1) + cell of points [B, L, D] (contiguous; lengths [B] int64;
+    int32, int64 for huge grids); invalid points get their item's slot ``space``."""
+    batch, rows, dim = points.shape
+    keys = torch.empty((batch * rows,), dtype=torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64,
+                       device=points.device)
+    if keys.numel():  # as sort_both's queries, with no references
+        programs = triton.cdiv(rows, _BLOCK)
+        _cell_keys_kernel[(programs, batch)](points, lengths, rows, programs, points, lengths, 0, grid.values,
+                                             grid.shape, keys, grid.space, D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    return keys
+
+
 def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[SortedPoints, SortedPoints]:
     """Sort query [B, M, D] and ref [B, N, D] (contiguous; lengths [B] int64) into ``grid``'s
-    (unscaled) cells with one sort: keys 2 * slot (+ 1 for references), stable, so that each
-    cloud keeps its own points' order within a cell; then each cloud's bucket starts. The
-    sorted points are float32 in units of their item's scale."""
-    (batch, rows, _), columns = query.shape, ref.shape[1]
+    (unscaled) cells with one sort: keys (item, cell) slots, the references' offset past
+    every query's, stable, so that each cloud keeps its own points' order within a cell and
+    the sorted queries come first; then each cloud's bucket starts. The sorted points are
+    float32 in units of their item's scale."""
+    (batch, rows, dim), columns = query.shape, ref.shape[1]
     count = batch * (grid.buckets + 1) + 1
     slot_dtype = torch.int32 if count < 2**31 else torch.int64
     queries_total, total = batch * rows, batch * (rows + columns)
     key_dtype = torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64
     keys = torch.empty((total,), dtype=key_dtype, device=query.device)
-    cell_keys(query, query_lengths, grid, 0, keys[:queries_total])
-    cell_keys(ref, ref_lengths, grid, 1, keys[queries_total:])
-    sorted_keys, order = torch.sort(keys, stable=True)
-    queries_so_far = torch.cumsum(1 - (sorted_keys & 1), 0, dtype=torch.int32 if total < 2**31 else torch.int64)
     orders = torch.empty((total,), dtype=torch.int64, device=query.device)
     slots_of = torch.empty((total,), dtype=slot_dtype, device=query.device)
     within = torch.empty((total,), dtype=torch.int8, device=query.device)
     if total:
+        query_programs = triton.cdiv(rows, _BLOCK)
+        _cell_keys_kernel[(query_programs + triton.cdiv(columns, _BLOCK), batch)](
+            query, query_lengths, rows, query_programs, ref, ref_lengths, columns, grid.values, grid.shape, keys,
+            grid.space, D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+        sorted_keys, order = torch.sort(keys, stable=True)
         _split_kernel[(triton.cdiv(total, _BLOCK),)](
-            sorted_keys, order, queries_so_far, grid.values, orders, slots_of, within, orders[queries_total:],
-            slots_of[queries_total:], within[queries_total:], total, queries_total, grid.space, grid.buckets,
-            BLOCK=_BLOCK)
+            sorted_keys, order, grid.values, orders, slots_of, within, total, queries_total,
+            batch * (grid.space + 1), grid.space, grid.buckets, BLOCK=_BLOCK)
     starts = lower_bounds(slots_of, count, queries_total).to(torch.int32)
-    return tuple(SortedPoints(_moved(points, orders[part], grid), orders[part], bucket_start, within[part])
-                 for points, part, bucket_start in ((query, slice(0, queries_total), starts[0]),
-                                                    (ref, slice(queries_total, total), starts[1])))
+    query_order, ref_order = orders[:queries_total], orders[queries_total:]
+    query_points, ref_points = _moved(query, query_order, ref, ref_order, grid)
+    return (SortedPoints(query_points, query_order, starts[0], within[:queries_total]),
+            SortedPoints(ref_points, ref_order, starts[1], within[queries_total:]))
 
 
 def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> torch.Tensor:
@@ -483,22 +508,25 @@ def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> 
     bounds = torch.empty((parts, count), dtype=torch.int32 if total < 2**31 else torch.int64, device=values.device)
     if count:
         block, warps = LOWER_BOUNDS_BLOCK
-        _lower_bounds_kernel[(triton.cdiv(count, block), parts)](
-            values, bounds, split, total, count, max(split, total - split).bit_length(), BLOCK=block,
-            num_warps=warps)
+        _lower_bounds_kernel[(triton.cdiv(count, block), parts)](values, bounds, split, total, count, BLOCK=block,
+                                                                 num_warps=warps)
     return bounds
 
 
-def _moved(points: torch.Tensor, order: torch.Tensor, grid: Frame) -> torch.Tensor:
-    """points [B, L, D] in ``order`` (sorted position -> flat row), float32, in units of their
-    item's scale (``grid``'s scale column, in either units)."""
-    batch, rows, dim = points.shape
-    moved = torch.empty((batch * rows, dim), dtype=torch.float32, device=points.device)
-    if moved.numel():
-        _sorted_points_kernel[(triton.cdiv(batch * rows, _BLOCK // 8),)](
-            points, order, grid.values, moved, batch * rows, rows, D=dim, DP=triton.next_power_of_2(dim),
-            BLOCK=_BLOCK // 8)
-    return moved
+def _moved(query: torch.Tensor, query_order: torch.Tensor, ref: torch.Tensor, ref_order: torch.Tensor,
+           grid: Frame) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [B, M, D] in ``query_order`` (sorted position -> flat row) and ref [B, N, D] in
+    ``ref_order``, float32, in units of their item's scale (``grid``'s scale column, in
+    either units): [B*M, D], [B*N, D]."""
+    (batch, rows, dim), columns = query.shape, ref.shape[1]
+    moved = [torch.empty((batch * size, dim), dtype=torch.float32, device=query.device) for size in (rows, columns)]
+    block = _BLOCK // 8
+    programs = triton.cdiv(batch * rows, block) + triton.cdiv(batch * columns, block)
+    if programs and dim:
+        _sorted_points_kernel[(programs,)](
+            query, query_order, batch * rows, rows, ref, ref_order, batch * columns, columns, grid.values, *moved,
+            D=dim, DP=triton.next_power_of_2(dim), BLOCK=block)
+    return tuple(moved)
 
 
 def build(query, ref, query_lengths, ref_lengths, cell_points: float = CELL_POINTS, side: float = 0.0):
@@ -562,11 +590,10 @@ def restore(record: torch.Tensor, query: torch.Tensor, ref: torch.Tensor) -> tup
     grid = Frame(values.view(torch.float32).reshape(batch, VALUE_COLUMNS), shape.reshape(batch, 4), buckets,
                  cell_space(batch, buckets), grid_dims)
     query_order, ref_order = query_order.to(torch.int64), ref_order.to(torch.int64)  # offsets beyond int32 downstream
+    query_points, ref_points = _moved(query, query_order, ref, ref_order, grid)
     return (grid,
-            SortedPoints(_moved(query, query_order, grid), query_order, query_start,
-                         query_within.view(torch.int8)[:batch * rows]),
-            SortedPoints(_moved(ref, ref_order, grid), ref_order, ref_start,
-                         ref_within.view(torch.int8)[:batch * columns]))
+            SortedPoints(query_points, query_order, query_start, query_within.view(torch.int8)[:batch * rows]),
+            SortedPoints(ref_points, ref_order, ref_start, ref_within.view(torch.int8)[:batch * columns]))
 
 
 def one_cell(query: torch.Tensor, ref: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor,
