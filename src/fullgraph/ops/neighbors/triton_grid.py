@@ -81,8 +81,12 @@ AGGREGATE_BLOCKS = (16, 32, 4)
 # `benchmarks/radius_cells.py`, 10^5 points, graphed forward + backward) took cells of 0.8-1.3
 # radii up to ~30 neighbours within the radius (uniform ~8: 4 a cell; normal ~3 at a query,
 # on average: 1; the seed projector, ~4: 1), and 8 (0.5 radii) at 250 (uniform: 8.1 ms against
-# 11.6 with 2).
-RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.2, 8
+# 11.6 with 2). Sides of 1.0 / 1.2 / 0.9 / 1.5 radii with 8 (session 28 run QB, same clouds:
+# uniform ~8 / ~32 / ~250 neighbours 2.53 / 3.21 / 7.38, 2.59 / 3.21 / 7.39, 3.08 / 3.85 / 7.38,
+# 2.66 / 3.22 / 7.38 ms; normal 2.11 / 2.47 / 5.83, 2.13 / 2.59 / 5.83, 2.11 / 3.10 / 5.83,
+# 2.19 / 2.84 / 5.84; the seed projector's step with the points' gradients, run QA: 0.806 /
+# 0.832 / 0.796 / 0.847 ms).
+RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
 # (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel's reference side: it owns BLOCK_N
 # references and walks the queries around them BLOCK_M at a time (its query side takes
 # AGGREGATE_BLOCKS' BLOCK_M and BLOCK_N; the launch, both sides at once, these warps). (Session 27 run PC, train
@@ -229,6 +233,9 @@ def radius_aggregate(query, ref, features, radius, sigma, query_lengths, ref_len
     return out, _row_stats(query, *setup, out=out), grid.save(*setup[:3]) if keep else None
 
 
+_ROWS_BLOCK = 64  # sorted queries a program of radius_grad_rows_kernel takes
+
+
 def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, query_lengths, ref_lengths,
                               query_grad=True, ref_grad=True, stats=None, saved_grid=None):
     """(grad_query, grad_ref, grad_features) of contiguous inputs, deterministic: no atomics.
@@ -247,12 +254,15 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
             query, ref, features, query_lengths, ref_lengths, radius, sigma, saved_grid)
         if stats is None:
             row_min, row_sum = _row_stats(query, frame, queries, refs, sorted_features, common, sizes)
-        else:  # to the sorted order and the items' scaled units (powers of two: exact)
-            sorted_stats = stats.reshape(-1, 2)[queries.order]
-            scale = frame.values[:, grid.SCALE_COLUMN].repeat_interleave(rows)
-            row_min, row_sum = sorted_stats[:, 0] / scale, sorted_stats[:, 1].contiguous()
-        sorted_grad = grad_out.reshape(-1, channels)[queries.order].to(torch.float32)
-        delta = (sorted_grad * out.reshape(-1, channels)[queries.order].to(torch.float32)).sum(-1)
+        else:
+            row_min, row_sum = (torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
+                                for _ in range(2))
+        sorted_grad = torch.empty((batch * rows, channels), dtype=torch.float32, device=query.device)
+        delta = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
+        kernels.radius_grad_rows_kernel[(triton.cdiv(batch * rows, _ROWS_BLOCK),)](
+            grad_out.contiguous(), out.contiguous(), stats.contiguous() if stats is not None else delta,
+            queries.order, frame.values, sorted_grad, delta, row_min, row_sum, batch * rows, rows, channels,
+            STATS=stats is not None, CP=sizes["CP"], BLOCK=_ROWS_BLOCK)
         terms = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
         sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
         clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,

@@ -420,6 +420,27 @@ if triton is not None:
         return out
 
     @triton.jit
+    def radius_grad_rows_kernel(grad_out, out, stats, order, values, sorted_grad, delta, row_min, row_sum, total,
+                                rows, channels, STATS: tl.constexpr, CP: tl.constexpr, BLOCK: tl.constexpr):
+        """The radius gradients' per-query terms, at sorted position i of flat row order[i]:
+        the row of grad_out [B*M, C] (float32), delta = grad_out . out of the row, and with
+        STATS the forward's (minimum distance, weight sum) from stats [B*M, 2], the minimum
+        brought to its item's scaled units (a power of two: exact)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        live = offs < total
+        source = tl.load(order + offs, mask=live, other=0)
+        cols = tl.arange(0, CP)
+        mask = live[:, None] & (cols < channels)[None, :]
+        g = tl.load(grad_out + source[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        o = tl.load(out + source[:, None] * channels + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(sorted_grad + offs[:, None] * channels + cols[None, :], g, mask=mask)
+        tl.store(delta + offs, tl.sum(g * o, 1), mask=live)
+        if STATS:
+            scale = tl.load(values + (source // rows) * VALUES + SCALE, mask=live, other=1.0)
+            tl.store(row_min + offs, tl.load(stats + 2 * source, mask=live, other=0.0) / scale, mask=live)
+            tl.store(row_sum + offs, tl.load(stats + 2 * source + 1, mask=live, other=0.0), mask=live)
+
+    @triton.jit
     def _radius_grad_side(
         pid, b, q_points, q_order, q_start, q_within, r_points, r_order, r_start, r_within, features, grad_out,
         row_min, row_sum, delta, values, shape, grad_points, grad_features, rows, columns, buckets, channels, radius2,
