@@ -43,7 +43,9 @@ FINER, FINER_LEAST = 64, 8
 # lower_bounds' values a program searches, and its warps: a search is a chain of dependent
 # loads, so one value a thread (H100 session 20, run HG, the seed grid's 2 x 400,001 slots /
 # the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
-# searchsorted per part 28.5 / 15.8; one launch fewer per part).
+# searchsorted per part 28.5 / 15.8; one launch fewer per part). A block's values searched
+# only between the bounds of its ends (two whole searches, then a few halvings each, looped
+# while any lane searches) took 31.3 us against 19.7 (session 28 run QB).
 LOWER_BOUNDS_BLOCK = (256, 8)
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
@@ -348,9 +350,7 @@ if triton is not None:
     def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
         """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
         of the sorted ``values`` holding a value >= c, for c < count: one binary search of
-        ``steps`` halvings a value. (Each program's values searched only between the bounds of
-        its first and the next program's first: a few halvings each, after two whole
-        searches; 19.7 -> 31.3 us on the seed kNN grid, H100 session 28 run QB.)"""
+        ``steps`` halvings a value."""
         part = tl.program_id(1)
         c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         base = tl.where(part == 0, 0, split).to(tl.int64)
