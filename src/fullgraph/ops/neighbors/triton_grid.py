@@ -89,9 +89,11 @@ AGGREGATE_BLOCKS = (16, 32, 4)
 RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
 # (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel's reference side: it owns BLOCK_N
 # references and walks the queries around them BLOCK_M at a time (its query side takes
-# AGGREGATE_BLOCKS' BLOCK_M and BLOCK_N; the launch, both sides at once, these warps). (Session 27 run PC, train
-# ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4) 0.615, (64, 32, 4) 0.606,
-# (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664.)
+# AGGREGATE_BLOCKS' BLOCK_M and BLOCK_N; the launch, both sides at once, these warps).
+# (Session 27 run PC, train ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4)
+# 0.615, (64, 32, 4) 0.606, (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664. One launch,
+# session 28 runs QA / QF, train / with the points' gradients: (64, 32, 4) 0.585 / 0.834 and
+# 0.568 / 0.816, (64, 16, 4) 0.568 / 0.816 and 0.543 / 0.790, 8 warps 0.58-0.77 / 0.98-1.28.)
 GRAD_REF_BLOCKS = (64, 32, 4)
 # tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
 # gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
