@@ -120,8 +120,9 @@ if triton is not None:
             _block_bounds(query, query_lengths, out, b, pid - ref_blocks, rows, D, G, BLOCK)
 
     @triton.jit
-    def _block_bounds(points, lengths, out, b, block, rows, D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        offs = block * BLOCK + tl.arange(0, BLOCK)
+    def _block_bounds(points, lengths, out, b, program, rows, D: tl.constexpr, G: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        offs = program * BLOCK + tl.arange(0, BLOCK)
         largest = _largest(points, b, offs, rows, D)
         valid = (offs < tl.load(lengths + b)) & (largest != float("inf"))
         largest = tl.where(valid, largest, 0.0)
@@ -319,9 +320,9 @@ if triton is not None:
                              space, batch * (space + 1), D, G, BLOCK)
 
     @triton.jit
-    def _store_cell_keys(points, lengths, values, shape, keys, b, block, rows, space, first,
+    def _store_cell_keys(points, lengths, values, shape, keys, b, program, rows, space, first,
                          D: tl.constexpr, G: tl.constexpr, BLOCK: tl.constexpr):
-        offs = block * BLOCK + tl.arange(0, BLOCK)
+        offs = program * BLOCK + tl.arange(0, BLOCK)
         cell, valid = _point_cells(points, lengths, values, shape, b, offs, rows, D, G)
         key = first + b * (space + 1) + tl.where(valid, cell, space)
         tl.store(keys + b * rows + offs, key.to(keys.dtype.element_ty), mask=offs < rows)
