@@ -445,17 +445,23 @@ def refine(grid: Frame, query, query_lengths, ref, ref_lengths, cell_points: flo
                              float(side), G=grid.grid_dims)
 
 
+def _both_keys(query, query_lengths, ref, ref_lengths, grid: Frame) -> torch.Tensor:
+    """``_cell_keys_kernel``'s keys of both clouds [B*M + B*N]: int32, int64 for huge grids."""
+    (batch, rows, dim), columns = query.shape, ref.shape[1]
+    keys = torch.empty((batch * (rows + columns),), device=query.device,
+                       dtype=torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64)
+    if keys.numel():
+        query_programs = triton.cdiv(rows, _BLOCK)
+        _cell_keys_kernel[(query_programs + triton.cdiv(columns, _BLOCK), batch)](
+            query, query_lengths, rows, query_programs, ref, ref_lengths, columns, grid.values, grid.shape, keys,
+            grid.space, D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
+    return keys
+
+
 def cell_keys(points: torch.Tensor, lengths: torch.Tensor, grid: Frame) -> torch.Tensor:
     """[B*L] keys b * (space + 1) + cell of points [B, L, D] (contiguous; lengths [B] int64;
     int32, int64 for huge grids); invalid points get their item's slot ``space``."""
-    batch, rows, dim = points.shape
-    keys = torch.empty((batch * rows,), dtype=torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64,
-                       device=points.device)
-    if keys.numel():  # as sort_both's queries, with no references
-        programs = triton.cdiv(rows, _BLOCK)
-        _cell_keys_kernel[(programs, batch)](points, lengths, rows, programs, points, lengths, 0, grid.values,
-                                             grid.shape, keys, grid.space, D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
-    return keys
+    return _both_keys(points, lengths, points[:, :0], lengths, grid)
 
 
 def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[SortedPoints, SortedPoints]:
@@ -464,21 +470,15 @@ def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[Sort
     every query's, stable, so that each cloud keeps its own points' order within a cell and
     the sorted queries come first; then each cloud's bucket starts. The sorted points are
     float32 in units of their item's scale."""
-    (batch, rows, dim), columns = query.shape, ref.shape[1]
+    (batch, rows, _), columns = query.shape, ref.shape[1]
     count = batch * (grid.buckets + 1) + 1
     slot_dtype = torch.int32 if count < 2**31 else torch.int64
     queries_total, total = batch * rows, batch * (rows + columns)
-    key_dtype = torch.int32 if _keys_fit_32_bits(batch, grid.space) else torch.int64
-    keys = torch.empty((total,), dtype=key_dtype, device=query.device)
     orders = torch.empty((total,), dtype=torch.int64, device=query.device)
     slots_of = torch.empty((total,), dtype=slot_dtype, device=query.device)
     within = torch.empty((total,), dtype=torch.int8, device=query.device)
     if total:
-        query_programs = triton.cdiv(rows, _BLOCK)
-        _cell_keys_kernel[(query_programs + triton.cdiv(columns, _BLOCK), batch)](
-            query, query_lengths, rows, query_programs, ref, ref_lengths, columns, grid.values, grid.shape, keys,
-            grid.space, D=dim, G=grid.grid_dims, BLOCK=_BLOCK)
-        sorted_keys, order = torch.sort(keys, stable=True)
+        sorted_keys, order = torch.sort(_both_keys(query, query_lengths, ref, ref_lengths, grid), stable=True)
         _split_kernel[(triton.cdiv(total, _BLOCK),)](
             sorted_keys, order, grid.values, orders, slots_of, within, total, queries_total,
             batch * (grid.space + 1), grid.space, grid.buckets, BLOCK=_BLOCK)
