@@ -266,7 +266,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
             queries.order, frame.values, sorted_grad, delta, row_min, row_sum, batch * rows, rows, channels,
             STATS=stats is not None, CP=sizes["CP"], BLOCK=_ROWS_BLOCK)
         terms = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
-        sizes = dict(sizes, DP=max(16, triton.next_power_of_2(dim)))
+        sizes = dict(sizes, DP=triton.next_power_of_2(dim))
         clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,
                   refs.bucket_start, refs.within)
         (query_m, query_n), (ref_m, ref_n, warps) = AGGREGATE_BLOCKS[:2], GRAD_REF_BLOCKS

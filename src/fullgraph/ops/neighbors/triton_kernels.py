@@ -380,14 +380,13 @@ if triton is not None:
             _store_rows(out_min, q_order, offs_m, rows, item_q, tl.join(row_min * scale, row_sum), 2, 2)
 
     @triton.jit
-    def _radius_pair_terms(d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features, grad_out,
-                           row_min_ptr, row_sum_ptr, delta_ptr, channels, inv_sigma, scale,
-                           D: tl.constexpr, DP: tl.constexpr, CP: tl.constexpr, PRECISION: tl.constexpr):
+    def _radius_pair_terms(d2, ok, offs_m, q_count, offs_n, r_count, features, grad_out, row_min_ptr, row_sum_ptr,
+                           delta_ptr, channels, inv_sigma, scale, CP: tl.constexpr, PRECISION: tl.constexpr):
         """For a [BM, BN] tile with pairs ``ok`` at squared distances d2 (in units of the
         item's ``scale``): weights p, the distance-gradient factor c = dL/dd / d, and the
-        loaded blocks (q [BM, DP], r [BN, DP], f [BN, CP], g [BM, CP]). Query-side arrays are
-        indexed by offs_m, reference-side ones by offs_n. With c in scaled units, c (q - r)
-        is the gradient in the user's units (the scale cancels)."""
+        loaded blocks f [BN, CP] and g [BM, CP]. Query-side arrays are indexed by offs_m,
+        reference-side ones by offs_n. With c in scaled units, c (q - r) is the gradient in
+        the user's units (the scale cancels)."""
         row_min = tl.load(row_min_ptr + offs_m, mask=offs_m < q_count, other=0.0)
         row_sum = tl.load(row_sum_ptr + offs_m, mask=offs_m < q_count, other=0.0)
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < q_count, other=0.0)
@@ -397,26 +396,29 @@ if triton is not None:
         projected = tl.dot(g, tl.trans(f), input_precision=PRECISION)
         grad_d = -(p * inv_sigma) * (projected - delta[:, None])
         c = tl.where(ok & (d > 0), grad_d / tl.where(d > 0, d, 1.0), 0.0)
-        q = _load_block(q_base, offs_m, q_count, D, DP)
-        r = _load_block(r_base, offs_n, r_count, D, DP)
-        return p, c, q, r, f, g
+        return p, c, f, g
 
     @triton.jit
-    def _pull(c, q, r, cols, dim: tl.constexpr, axis: tl.constexpr):
-        """Coordinate ``dim`` of sum over the other axis of c_ij (q_i - r_j)."""
-        q_dim = tl.sum(tl.where(cols[None, :] == dim, q, 0.0), 1)
-        r_dim = tl.sum(tl.where(cols[None, :] == dim, r, 0.0), 1)
-        return tl.sum(c * (q_dim[:, None] - r_dim[None, :]), axis)
+    def _pull(c, q_base, offs_m, q_count, r_base, offs_n, r_count, axis: tl.constexpr, D: tl.constexpr,
+              dim: tl.constexpr):
+        """Coordinate ``dim`` of sum over the other axis of c_ij (q_i - r_j); the columns are
+        loaded one at a time (cached: _tile_d2 read them), not as [*, D] blocks."""
+        diff = _load_points(q_base, offs_m, q_count, D, D, dim)[:, None] - _load_points(
+            r_base, offs_n, r_count, D, D, dim)[None, :]
+        return tl.sum(c * diff, axis)
 
     @triton.jit
-    def _pulls(c, q, r, axis: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    def _pulls(c, q_base, offs_m, q_count, r_base, offs_n, r_count, axis: tl.constexpr, D: tl.constexpr,
+               DP: tl.constexpr):
         """sum over the other axis of c_ij (q_i - r_j), per coordinate: [BM, DP] (axis 1) or
-        [BN, DP] (axis 0). Each pair's own offset: q_i sum_j c_ij - sum_j c_ij r_j would
-        cancel to a few digits for near-coincident points (c ~ 1 / d)."""
+        [BN, DP] (axis 0), DP >= D. Each pair's own offset: q_i sum_j c_ij - sum_j c_ij r_j
+        would cancel to a few digits for near-coincident points (c ~ 1 / d)."""
         cols = tl.arange(0, DP)
-        out = tl.where(cols[None, :] == 0, _pull(c, q, r, cols, 0, axis)[:, None], 0.0)
+        out = tl.where(cols[None, :] == 0, _pull(c, q_base, offs_m, q_count, r_base, offs_n, r_count, axis, D, 0)[
+            :, None], 0.0)
         for dim in tl.static_range(1, D):
-            out += tl.where(cols[None, :] == dim, _pull(c, q, r, cols, dim, axis)[:, None], 0.0)
+            out += tl.where(cols[None, :] == dim, _pull(c, q_base, offs_m, q_count, r_base, offs_n, r_count, axis,
+                                                        D, dim)[:, None], 0.0)
         return out
 
     @triton.jit
@@ -494,16 +496,16 @@ if triton is not None:
                     d2 = _tile_d2(q_base, r_base, offs_m, offs_n, q_count, r_count, D)
                     ok = ok & (d2 <= radius2)
                     if tl.max(ok.to(tl.int32)) > 0:
-                        p, c, q, r, f, g = _radius_pair_terms(
-                            d2, ok, q_base, offs_m, q_count, r_base, offs_n, r_count, features,
+                        p, c, f, g = _radius_pair_terms(
+                            d2, ok, offs_m, q_count, offs_n, r_count, features,
                             grad_out + grad_rows * channels, row_min + grad_rows, row_sum + grad_rows,
-                            delta + grad_rows, channels, inv_sigma, scale, D, DP, CP, PRECISION)
+                            delta + grad_rows, channels, inv_sigma, scale, CP, PRECISION)
                         if REF_SIDE:
                             acc_features += tl.dot(tl.trans(p), g, input_precision=PRECISION)
                             if PULLS:
-                                acc_points -= _pulls(c, q, r, 0, D, DP)
+                                acc_points -= _pulls(c, q_base, offs_m, q_count, r_base, offs_n, r_count, 0, D, DP)
                         else:
-                            acc_points += _pulls(c, q, r, 1, D, DP)
+                            acc_points += _pulls(c, q_base, offs_m, q_count, r_base, offs_n, r_count, 1, D, DP)
                     s = _next_start(starts, ends, pending, s + (BLOCK_M if REF_SIDE else BLOCK_N), end)
         _store_rows(grad_points, own_order, own_offs, own_count, item, acc_points, D, DP)
         if REF_SIDE:
