@@ -2,13 +2,16 @@
 Gaussian clusters of sigma 0.01 in the unit cube, as ``fullgraph bench knn-sharded``'s),
 radius 1M x 1M (cap 32, ~19 within r = 0.0168) and the seed projector's kNN (27,000 grid
 queries x 100,000 normal points, k = 7), each replayed from a CUDA graph (the GPU's work
-alone), and the seed's aggregations (forward): medians of 20 replays in ms, CUDA events.
+alone), the seed's aggregations (forward) and the radius aggregation's backward (all three
+gradients, from the forward's stats and grid as the train step runs it): medians of 20
+replays in ms, CUDA events.
 ``--sweep`` times them over search kernel settings (BLOCK_M, BLOCK_N, warps:
 ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
-sparse cells).
+sparse cells), ``--grad`` times the radius aggregation (forward, backward) over
+``triton_grid.GRAD_REF_BLOCKS`` and ``AGGREGATE_BLOCKS``.
 
-    python benchmarks/search_times.py [--sweep | --cells] > search.log     (needs a CUDA device)
+    python benchmarks/search_times.py [--sweep | --cells | --grad] > search.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -24,10 +27,23 @@ from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
+GRAD = [("GRAD_REF_BLOCKS", blocks) for blocks in ((64, 32, 4), (64, 16, 4), (32, 32, 4), (32, 16, 4), (128, 16, 4),
+                                                 (64, 16, 2))] + [
+    ("GRAD_MAX_REGISTERS", registers) for registers in (168, 128)] + [
+    ("AGGREGATE_BLOCKS", blocks) for blocks in ((16, 32, 4), (16, 16, 4), (16, 32, 2), (32, 32, 4), (16, 64, 4))]
 CELLS = [(8, 32, 1), (8, 32, 8), (8, 32, 64), (8, 16, 64), (8, 8, 64), (6, 32, 64), (12, 32, 64)]  # (CELL_POINTS, BUDGET, FINER)
 
 
-def main(sweep: bool = False, cells: bool = False) -> None:
+def radius_backward(query, ref, features, radius, sigma):
+    """A call of the radius aggregation's backward for the three gradients, as the train
+    step's (from the forward's stats and saved grid), on [1, M, 3] / [1, N, 3] / [1, N, C]."""
+    out, stats, saved = triton_grid.radius_aggregate(query, ref, features, radius, sigma, None, None)
+    grad_out = torch.randn_like(out)
+    return lambda: triton_grid.radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma, None, None,
+                                                         stats=stats, saved_grid=saved)
+
+
+def main(sweep: bool = False, cells: bool = False, grad: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -47,7 +63,17 @@ def main(sweep: bool = False, cells: bool = False) -> None:
             ("knn seed: 27,000 grid x 100,000 normal, k = 7", lambda: fullgraph.knn(grid, cloud, 7)),
             ("knn_aggregate seed", lambda: fullgraph.knn_aggregate(grid, cloud, features, 7, sigma=0.1)),
             ("radius_aggregate seed (25,000 points, r = 0.1)",
-             lambda: fullgraph.radius_aggregate(grid, small_cloud, small_features, 0.1, sigma=0.1))]
+             lambda: fullgraph.radius_aggregate(grid, small_cloud, small_features, 0.1, sigma=0.1)),
+            ("radius_aggregate seed backward", radius_backward(grid[None], small_cloud[None], small_features[None],
+                                                               0.1, 0.1))]
+    if grad:
+        defaults = {name: getattr(triton_grid, name) for name, _ in GRAD}
+        for name, value in GRAD:
+            setattr(triton_grid, name, value)
+            print(f"{name} {value}: " + "; ".join(f"{row} {graphed_ms(call, runs=50):.3f}" for row, call in rows[-2:]),
+                  flush=True)
+            setattr(triton_grid, name, defaults[name])
+        return
     if cells:
         for cell_grid.CELL_POINTS, cell_grid.BUDGET, cell_grid.FINER in CELLS:
             print(f"CELL_POINTS {cell_grid.CELL_POINTS}, BUDGET {cell_grid.BUDGET}, FINER {cell_grid.FINER}: "
@@ -63,4 +89,4 @@ def main(sweep: bool = False, cells: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv)
+    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv, grad="--grad" in sys.argv)

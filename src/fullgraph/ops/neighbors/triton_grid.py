@@ -95,6 +95,9 @@ RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
 # session 28 runs QA / QF, train / with the points' gradients: (64, 32, 4) 0.585 / 0.834 and
 # 0.568 / 0.816, (64, 16, 4) 0.568 / 0.816 and 0.543 / 0.790, 8 warps 0.58-0.77 / 0.98-1.28.)
 GRAD_REF_BLOCKS = (64, 32, 4)
+# The gradient kernel's registers a thread (ptxas' maxnreg; None: its own choice, 255 with
+# spills for the seed, two blocks an SM; `benchmarks/kernel_registers.py` counts them).
+GRAD_MAX_REGISTERS = None
 # tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
 # gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
 # "tf32x3": train 0.567 -> 0.602 ms, with the points' gradients 1.050 -> 0.916; session 17,
@@ -274,7 +277,7 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         kernels.radius_grad_kernel[(programs, batch)](
             *clouds, *terms, grad_query, grad_ref, grad_features, rows, columns, **common, PULLS=ref_grad, **sizes,
             QUERY_BLOCK_M=query_m, QUERY_BLOCK_N=query_n, REF_BLOCK_M=ref_m, REF_BLOCK_N=ref_n, LANES=SEGMENT_LANES,
-            PRECISION=GRAD_PRECISION, num_warps=warps)
+            PRECISION=GRAD_PRECISION, num_warps=warps, maxnreg=GRAD_MAX_REGISTERS)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 
