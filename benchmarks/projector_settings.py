@@ -27,8 +27,8 @@ SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
             (triton_grid, "GRAD_PRECISION", ("tf32x3", "ieee"), ("radius",)),
             # (ncu, session 28 run QE: the gradient kernel at 255 registers a thread with spills, 2
             # blocks of 4 warps an SM; the aggregation at 144, 3 blocks: more warps spread the tiles)
-            (triton_grid, "GRAD_REF_BLOCKS", ((64, 32, 4), (64, 32, 8), (64, 16, 8), (64, 16, 4), (32, 32, 8),
-                                              (128, 32, 8), (32, 16, 4)), ("radius",)),
+            (triton_grid, "GRAD_BLOCKS", (((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 32), (16, 16), 2),
+                                          ((16, 32), (64, 16), 2)), ("radius",)),
             (triton_grid, "AGGREGATE_BLOCKS", ((16, 32, 4), (16, 32, 8), (32, 32, 8), (16, 64, 8)), ("radius",)),
             (triton_grid, "SEGMENT_LANES", (128, 64, 256), ("radius",)))
 

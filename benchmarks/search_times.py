@@ -9,7 +9,7 @@ replays in ms, CUDA events.
 ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
 sparse cells), ``--grad`` times the radius aggregation (forward, backward) over
-``triton_grid.GRAD_REF_BLOCKS`` and ``AGGREGATE_BLOCKS``.
+``triton_grid.GRAD_BLOCKS``.
 
     python benchmarks/search_times.py [--sweep | --cells | --grad] > search.log     (needs a CUDA device)
 """
@@ -27,10 +27,10 @@ from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
-GRAD = [("GRAD_REF_BLOCKS", blocks) for blocks in ((64, 32, 4), (64, 16, 4), (32, 32, 4), (32, 16, 4), (128, 16, 4),
-                                                 (64, 16, 2))] + [
-    ("GRAD_MAX_REGISTERS", registers) for registers in (168, 128)] + [
-    ("AGGREGATE_BLOCKS", blocks) for blocks in ((16, 32, 4), (16, 16, 4), (16, 32, 2), (32, 32, 4), (16, 64, 4))]
+GRAD = [("GRAD_BLOCKS", blocks) for blocks in (
+    ((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 16), (32, 16), 2), ((32, 32), (32, 16), 2),
+    ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
+    ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2))]
 CELLS = [(8, 32, 1), (8, 32, 8), (8, 32, 64), (8, 16, 64), (8, 8, 64), (6, 32, 64), (12, 32, 64)]  # (CELL_POINTS, BUDGET, FINER)
 
 

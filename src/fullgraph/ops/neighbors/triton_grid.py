@@ -87,17 +87,17 @@ AGGREGATE_BLOCKS = (16, 32, 4)
 # 2.19 / 2.84 / 5.84; the seed projector's step with the points' gradients, run QA: 0.806 /
 # 0.832 / 0.796 / 0.847 ms).
 RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
-# (BLOCK_M, BLOCK_N, num_warps) of the gradient kernel's reference side: it owns BLOCK_N
-# references and walks the queries around them BLOCK_M at a time (its query side takes
-# AGGREGATE_BLOCKS' BLOCK_M and BLOCK_N; the launch, both sides at once, these warps).
-# (Session 27 run PC, train ms as above: (32, 16, 4) 0.632, (64, 16, 4) 0.637, (128, 16, 4)
-# 0.615, (64, 32, 4) 0.606, (32, 32, 4) 0.663, (64, 8, 4) 0.624, (64, 16, 8) 0.664. One launch,
-# session 28 runs QA / QF, train / with the points' gradients: (64, 32, 4) 0.585 / 0.834 and
-# 0.568 / 0.816, (64, 16, 4) 0.568 / 0.816 and 0.543 / 0.790, 8 warps 0.58-0.77 / 0.98-1.28.)
-GRAD_REF_BLOCKS = (64, 32, 4)
-# The gradient kernel's registers a thread (ptxas' maxnreg; None: its own choice, 255 with
-# spills for the seed, two blocks an SM; `benchmarks/kernel_registers.py` counts them).
-GRAD_MAX_REGISTERS = None
+# The gradient kernel's ((BLOCK_M, BLOCK_N) of its query side, (BLOCK_M, BLOCK_N) of its
+# reference side, num_warps): the query side owns BLOCK_M queries and walks the references
+# around them BLOCK_N at a time, the reference side owns BLOCK_N references and walks the
+# queries BLOCK_M at a time; one launch, these warps. (Session 29 runs RB, RC,
+# `search_times.py --grad`, the seed's backward alone, graphed, ms: query side (16, 32) with
+# reference side (64, 32, 4 warps) 0.340-0.342, (64, 16, 4) 0.312, (64, 16, 2) 0.282-0.285,
+# (32, 16, 2) 0.258, (64, 8, 2) 0.293, (32, 8, 1) 0.290, (32, 32, 2) 0.326, (128, 16, 2) 0.415,
+# (64, 16, 1) 0.455; (64, 32, 4) capped at 168 / 128 registers a thread (ptxas' maxnreg, from
+# 255 with spills) 0.340 / 0.410. Whole steps, session 27-28: 8 warps 0.58-0.77 / 0.98-1.28 train / with the
+# points' gradients against 0.54-0.59 / 0.79-0.83 with 4.)
+GRAD_BLOCKS = ((16, 32), (32, 16), 2)
 # tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
 # gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
 # "tf32x3": train 0.567 -> 0.602 ms, with the points' gradients 1.050 -> 0.916; session 17,
@@ -272,12 +272,12 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
         sizes = dict(sizes, DP=triton.next_power_of_2(dim))
         clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,
                   refs.bucket_start, refs.within)
-        (query_m, query_n), (ref_m, ref_n, warps) = AGGREGATE_BLOCKS[:2], GRAD_REF_BLOCKS
+        (query_m, query_n), (ref_m, ref_n), warps = GRAD_BLOCKS
         programs = triton.cdiv(columns, ref_n) + (triton.cdiv(rows, query_m) if query_grad else 0)
         kernels.radius_grad_kernel[(programs, batch)](
             *clouds, *terms, grad_query, grad_ref, grad_features, rows, columns, **common, PULLS=ref_grad, **sizes,
             QUERY_BLOCK_M=query_m, QUERY_BLOCK_N=query_n, REF_BLOCK_M=ref_m, REF_BLOCK_N=ref_n, LANES=SEGMENT_LANES,
-            PRECISION=GRAD_PRECISION, num_warps=warps, maxnreg=GRAD_MAX_REGISTERS)
+            PRECISION=GRAD_PRECISION, num_warps=warps)
     return grad_query.to(query.dtype), grad_ref.to(ref.dtype), grad_features.to(features.dtype)
 
 
