@@ -33,14 +33,15 @@ SETTINGS = ((mlp, "PRECISION", ("tf32x3", "ieee"), ("knn", "radius")),
             (triton_grid, "SEGMENT_LANES", (128, 64, 256), ("radius",)))
 
 
-def step_ms(which: str) -> tuple[float, ...]:
-    """(forward, train step, train step with the points' gradients) medians of 50, ms."""
+def step_ms(which: str, queued: bool = True) -> tuple[float, ...]:
+    """(forward, train step, train step with the points' gradients) medians of 50, ms; calls
+    queued back to back, or each on an idle GPU (``queued`` False: host latency included)."""
     workload = WORKLOADS[f"{which}-projector"]
     cases = workload.build(workload.sizes["seed"], torch.device("cuda"))
     variant = "fullgraph compiled, whole step graphed"
     case = next(c for c in cases if c.variant == variant)
     points = next(c for c in cases if c.variant == variant + ", point gradients")
-    return tuple(time_call(fn, torch.device("cuda"), warmup=5, runs=50).median_ms
+    return tuple(time_call(fn, torch.device("cuda"), warmup=5, runs=50, queued=queued).median_ms
                  for fn in (case.forward, case.train_step, points.train_step))
 
 
@@ -52,7 +53,9 @@ def main() -> None:
           "whole step graphed, forward / train / train with point gradients, median ms of 50")
     step_ms("radius")  # discarded: a process's first case read a few % slower than the same later (run PE)
     if names == ["defaults"]:
-        print("defaults:", ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w))}" for w in ("knn", "radius")))
+        for queued in (True, False):
+            print(f"defaults ({'queued' if queued else 'each call on an idle GPU'}):",
+                  ", ".join(f"{w} {'/'.join(f'{t:.3f}' for t in step_ms(w, queued))}" for w in ("knn", "radius")))
         return
     for module, name, values, projectors in SETTINGS:
         if names and name not in names:

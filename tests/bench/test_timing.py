@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 
 from fullgraph.bench.timing import Timing, time_call
@@ -59,3 +60,14 @@ def test_the_table_stays_whole_in_80_columns():
     assert "machine was busy" in text
     assert "failed (1)" in text and "failed (1): plain compiled / forward: InductorError" in text
     assert "x" * 40 in text.replace("\n", "").replace(" ", "")  # the whole message, wrapped, not cut
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_queued_calls_hide_the_host_latency_behind_the_gpu():
+    def call():  # ~3 ms on the host, then ~5+ ms on the GPU
+        time.sleep(0.003)
+        torch.cuda._sleep(10_000_000)
+
+    queued = time_call(call, torch.device("cuda"), warmup=2, runs=10)
+    waited = time_call(call, torch.device("cuda"), warmup=2, runs=10, queued=False)
+    assert waited.median_ms > queued.median_ms + 2.0

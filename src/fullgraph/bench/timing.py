@@ -35,16 +35,23 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _cuda_times(fn, runs: int) -> list[float]:
-    times = []
+def _cuda_times(fn, runs: int, queued: bool) -> list[float]:
+    """Per-call times (ms) between CUDA events around each call. ``queued``: the calls follow
+    one another without waiting, as a training loop's steps do, and the events are read at the
+    end, so the host's work for a call overlaps the GPU's for the one before (a call's GPU time
+    where the host keeps ahead); else each call starts on an idle GPU and its time includes the
+    host's latency up to its launch."""
+    events = []
     for _ in range(runs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
+        if not queued:
+            end.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def _cpu_times(fn, runs: int, threads: int) -> list[float]:
@@ -70,17 +77,20 @@ def _wall_times(fn, runs: int) -> list[float]:
     return times
 
 
-def time_call(fn, device: torch.device, warmup: int, runs: int, collective: bool = False) -> Timing:
+def time_call(fn, device: torch.device, warmup: int, runs: int, collective: bool = False,
+              queued: bool = True) -> Timing:
     """Per-call times of ``fn()`` after ``warmup`` calls: median and 10th/90th percentiles of
     ``runs`` samples (at least; on CPUs each sample is a block's mean per call).
     ``collective``: every rank of a process group calls ``fn`` in step, so exactly ``runs``
-    calls are timed (CPU blocks are sized per process, which would leave ranks waiting)."""
+    calls are timed (CPU blocks are sized per process, which would leave ranks waiting).
+    ``queued`` (CUDA): calls back to back, as a loop runs them; False: each call waits for the
+    one before to finish (its time then includes the host's launch latency)."""
     for _ in range(warmup):
         fn()
     synchronize(device)
     threads = torch.get_num_threads() if device.type == "cpu" else None
     if device.type == "cuda":
-        times = _cuda_times(fn, runs)
+        times = _cuda_times(fn, runs, queued)
     else:
         times = _wall_times(fn, runs) if collective else _cpu_times(fn, runs, threads)
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
