@@ -8,10 +8,11 @@ replays in ms, CUDA events.
 ``--sweep`` times them over search kernel settings (BLOCK_M, BLOCK_N, warps:
 ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
-sparse cells), ``--grad`` times the radius aggregation (forward, backward) over
+sparse cells), ``--radius`` the radius search over ``RADIUS_SEARCH_CELL_SIDE`` and
+``RADIUS_SEARCH_BLOCKS``, ``--grad`` times the radius aggregation (forward, backward) over
 ``triton_grid.GRAD_BLOCKS``.
 
-    python benchmarks/search_times.py [--sweep | --cells | --grad] > search.log     (needs a CUDA device)
+    python benchmarks/search_times.py [--sweep | --cells | --radius | --grad] > search.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ GRAD = [("GRAD_BLOCKS", blocks) for blocks in (
     ((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 16), (32, 16), 2), ((32, 32), (32, 16), 2),
     ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
     ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2))]
-CELLS = [(8, 32, 1), (8, 32, 8), (8, 32, 64), (8, 16, 64), (8, 8, 64), (6, 32, 64), (12, 32, 64)]  # (CELL_POINTS, BUDGET, FINER)
+RADIUS = [(side, blocks) for side in (0.0, 1.0, 0.75, 0.6, 0.5) for blocks in ((1, 32, 1), (1, 16, 1), (2, 32, 1))]
+CELLS = [(8, 32, 64), (4, 32, 64), (6, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 16, 64)]  # (CELL_POINTS, BUDGET, FINER)
 
 
 def radius_backward(query, ref, features, radius, sigma):
@@ -43,7 +45,7 @@ def radius_backward(query, ref, features, radius, sigma):
                                                          stats=stats, saved_grid=saved)
 
 
-def main(sweep: bool = False, cells: bool = False, grad: bool = False) -> None:
+def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -66,6 +68,11 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False) -> None:
              lambda: fullgraph.radius_aggregate(grid, small_cloud, small_features, 0.1, sigma=0.1)),
             ("radius_aggregate seed backward", radius_backward(grid[None], small_cloud[None], small_features[None],
                                                                0.1, 0.1))]
+    if radius:
+        for triton_grid.RADIUS_SEARCH_CELL_SIDE, triton_grid.RADIUS_SEARCH_BLOCKS in RADIUS:
+            print(f"RADIUS_SEARCH_CELL_SIDE {triton_grid.RADIUS_SEARCH_CELL_SIDE}, RADIUS_SEARCH_BLOCKS "
+                  f"{triton_grid.RADIUS_SEARCH_BLOCKS}: {rows[3][0]} {graphed_ms(rows[3][1]):.3f}", flush=True)
+        return
     if grad:
         defaults = {name: getattr(triton_grid, name) for name, _ in GRAD}
         for name, value in GRAD:
@@ -89,4 +96,4 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv, grad="--grad" in sys.argv)
+    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv, grad="--grad" in sys.argv, radius="--radius" in sys.argv)
