@@ -8,7 +8,7 @@ replays in ms, CUDA events.
 ``--sweep`` times them over search kernel settings (BLOCK_M, BLOCK_N, warps:
 ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
-sparse cells), ``--radius`` the radius search over ``RADIUS_SEARCH_CELL_SIDE`` and
+sparse cells), ``--radius`` the radius search over ``RADIUS_SEARCH_CELL_POINTS`` and
 ``RADIUS_SEARCH_BLOCKS``, ``--grad`` times the radius aggregation (forward, backward) over
 ``triton_grid.GRAD_BLOCKS``.
 
@@ -32,8 +32,8 @@ GRAD = [("GRAD_BLOCKS", blocks) for blocks in (
     ((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 16), (32, 16), 2), ((32, 32), (32, 16), 2),
     ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
     ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2))]
-RADIUS = [(side, blocks) for side in (0.0, 1.0, 0.75, 0.6, 0.5) for blocks in ((1, 32, 1), (1, 16, 1), (2, 32, 1))]
-CELLS = [(8, 32, 64), (4, 32, 64), (6, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 16, 64)]  # (CELL_POINTS, BUDGET, FINER)
+RADIUS = [(points, blocks) for points in (8, 10, 12, 16, 24) for blocks in ((1, 32, 1), (1, 64, 1), (1, 64, 2))]
+CELLS = [(8, 32, 64), (6, 32, 64), (10, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 32, 16)]  # (CELL_POINTS, BUDGET, FINER)
 
 
 def radius_backward(query, ref, features, radius, sigma):
@@ -69,8 +69,8 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
             ("radius_aggregate seed backward", radius_backward(grid[None], small_cloud[None], small_features[None],
                                                                0.1, 0.1))]
     if radius:
-        for triton_grid.RADIUS_SEARCH_CELL_SIDE, triton_grid.RADIUS_SEARCH_BLOCKS in RADIUS:
-            print(f"RADIUS_SEARCH_CELL_SIDE {triton_grid.RADIUS_SEARCH_CELL_SIDE}, RADIUS_SEARCH_BLOCKS "
+        for triton_grid.RADIUS_SEARCH_CELL_POINTS, triton_grid.RADIUS_SEARCH_BLOCKS in RADIUS:
+            print(f"RADIUS_SEARCH_CELL_POINTS {triton_grid.RADIUS_SEARCH_CELL_POINTS}, RADIUS_SEARCH_BLOCKS "
                   f"{triton_grid.RADIUS_SEARCH_BLOCKS}: {rows[3][0]} {graphed_ms(rows[3][1]):.3f}", flush=True)
         return
     if grad:
@@ -84,8 +84,8 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
     if cells:
         for cell_grid.CELL_POINTS, cell_grid.BUDGET, cell_grid.FINER in CELLS:
             print(f"CELL_POINTS {cell_grid.CELL_POINTS}, BUDGET {cell_grid.BUDGET}, FINER {cell_grid.FINER}: "
-                  + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows), flush=True)
-        return
+                  + "; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows[:-1]), flush=True)
+        return  # (not the backward: its saved grid's size is the default BUDGET's)
     if not sweep:
         print("; ".join(f"{name} {graphed_ms(call):.3f}" for name, call in rows))
     for blocks, sort_from in SWEEP if sweep else ():

@@ -55,9 +55,11 @@ SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms v
 # Radius searches (cap 32): one query a program (session 15 sweep, H100, radius 1M x 1M with
 # the sorting merge: 5.3 ms against 6.4 for (2, 32, 1); kNN 1M normal 9.0 against 8.3).
 RADIUS_SEARCH_BLOCKS = (1, 32, 1)
-# Radius searches' cells: about this many radii a side, as long as a query's cell holds 1 to
-# CELL_POINTS references (grid.refine); 0: cells of CELL_POINTS references, as the kNN's.
-RADIUS_SEARCH_CELL_SIDE = 0.0
+# Radius searches' cells: of grid.CELL_POINTS references, as the kNN's. Cells sized from the
+# radius (grid.refine's side, 1 to 8 references a cell) measured slower (H100, session 29 run RF,
+# radius 1M x 1M cap 32, r = 0.0168: 5.39 ms against 5.96 / 7.72 / 9.41 / 9.78 at sides of
+# 1.0 / 0.75 / 0.6 / 0.5 radii): fewer candidates, more rows of cells to walk.
+RADIUS_SEARCH_CELL_POINTS = grid.CELL_POINTS
 # A tile of which some row wants this many candidates or more is merged into the lists by
 # sorting (tile and list at once), rather than one candidate at a time: kNN 1M x 1M k = 16
 # 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0 (H100, graphed,
@@ -153,7 +155,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     # The grid first: its sort's temporaries are gone before the lists (12 B a slot) exist.
     if batch * rows:
         frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths),
-                                                   side=RADIUS_SEARCH_CELL_SIDE * radius if use_radius else 0.0)
+                                                   cell_points=RADIUS_SEARCH_CELL_POINTS if use_radius else grid.CELL_POINTS)
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
     idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
     counts = torch.empty((batch, rows), dtype=torch.int64, device=query.device)
