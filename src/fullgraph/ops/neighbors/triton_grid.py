@@ -55,11 +55,12 @@ SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms v
 # Radius searches (cap 32): one query a program (session 15 sweep, H100, radius 1M x 1M with
 # the sorting merge: 5.3 ms against 6.4 for (2, 32, 1); kNN 1M normal 9.0 against 8.3).
 RADIUS_SEARCH_BLOCKS = (1, 32, 1)
-# Radius searches' cells: of grid.CELL_POINTS references, as the kNN's. Cells sized from the
-# radius (grid.refine's side, 1 to 8 references a cell) measured slower (H100, session 29 run RF,
-# radius 1M x 1M cap 32, r = 0.0168: 5.39 ms against 5.96 / 7.72 / 9.41 / 9.78 at sides of
-# 1.0 / 0.75 / 0.6 / 0.5 radii): fewer candidates, more rows of cells to walk.
-RADIUS_SEARCH_CELL_POINTS = grid.CELL_POINTS
+# Radius searches' cells: about this many references in a query's cell (H100, session 29 run
+# RG, radius 1M x 1M cap 32, r = 0.0168, ~19 within: 8 / 10 / 12 / 16 / 24 references 5.39 /
+# 5.23 / 5.18 / 5.20 / 5.54 ms). Cells sized from the radius (grid.refine's side, 1 to 8
+# references a cell) measured slower (run RF: 5.96 / 7.72 / 9.41 / 9.78 ms at sides of 1.0 /
+# 0.75 / 0.6 / 0.5 radii): fewer candidates, more rows of cells to walk.
+RADIUS_SEARCH_CELL_POINTS = 12
 # A tile of which some row wants this many candidates or more is merged into the lists by
 # sorting (tile and list at once), rather than one candidate at a time: kNN 1M x 1M k = 16
 # 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0 (H100, graphed,
