@@ -89,17 +89,17 @@ def test_lower_bounds_equal_searchsorted(split, dtype):
     assert grid.lower_bounds(values[:0].to(DEVICE), 5).cpu().eq(0).all()
 
 
-@pytest.mark.parametrize("split", [None, 1500])
+@pytest.mark.parametrize("split", [None, 1500, 2100])
 def test_lower_bounds_across_programs(split):
-    """grid.lower_bounds over many programs' blocks of values (each searching between its
-    first value's bound and the next block's): long runs of one value, long gaps, a
-    clustered part and an empty stretch at the end."""
+    """grid.lower_bounds over many programs' blocks of values (runs of equal values summed
+    a block at a time): runs longer than a block, across blocks and the split, long gaps, a
+    clustered part, values past count."""
     from fullgraph.ops.neighbors import grid
 
     generator = torch.Generator().manual_seed(4)
-    count = 5 * grid.LOWER_BOUNDS_BLOCK[0] + 3
+    count = 5 * grid.HISTOGRAM_BLOCK + 3
     values = torch.cat([torch.randint(0, count // 2, (1000,), generator=generator),
-                        torch.full((700,), 300), torch.randint(count // 2, count + 50, (300,), generator=generator)])
+                        torch.full((2500,), 300), torch.randint(count // 2, count + 50, (300,), generator=generator)])
     values = values[torch.randperm(len(values), generator=generator)]
     parts = [values.sort().values] if split is None else [values[:split].sort().values, values[split:].sort().values]
     bounds = grid.lower_bounds(torch.cat(parts).to(DEVICE), count, split).cpu()

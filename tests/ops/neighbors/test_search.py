@@ -324,14 +324,19 @@ def test_large_knn_is_fast_and_lean():
     assert_neighbors(dists[sample], idx[sample], want_dists, want_idx, d, torch.float32)
 
 
-def test_knn_counts_are_summed_in_blocks_of_rows(monkeypatch, generator):
-    """The kNN lists' counts, summed a block of rows at a time (a whole bool [B, M, k] summed
-    at once is cast to int64 first: 25.6 GB for 2 x 10^8 lists of 16), equal the whole sum."""
+@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
+def test_knn_counts_are_the_listed_neighbours(backend, device, generator):
+    """The Triton search's kNN counts (written by the kernel) are the valid entries of each
+    list: k, fewer for items with fewer valid references."""
     from fullgraph.ops.neighbors import triton_grid
 
-    idx = torch.randint(-1, 5, (2, 11, 4), generator=generator)
-    monkeypatch.setattr(triton_grid, "COUNT_ROWS", 3)
-    assert torch.equal(triton_grid._valid_counts(idx), (idx >= 0).sum(-1))
+    query, ref = (torch.rand(3, size, 3, generator=generator).to(device) for size in (20, 12))
+    query_lengths, ref_lengths = torch.tensor([20, 7, 0], device=device), torch.tensor([12, 3, 5], device=device)
+    _, idx, counts = triton_grid.nearest(query, ref, 5, math.inf, query_lengths, ref_lengths)
+    idx, counts, query_lengths = idx.cpu(), counts.cpu(), query_lengths.cpu()
+    live = torch.arange(20)[None, :] < query_lengths[:, None]
+    assert torch.equal(counts[live], (idx >= 0).sum(-1)[live])
+    assert torch.equal(counts[0], torch.full((20,), 5)) and torch.equal(counts[1, :7], torch.full((7,), 3))
 
 
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)

@@ -40,13 +40,10 @@ CELL_POINTS = 8
 # a 2 x 10^8-point cloud kept at one cell a bucket by 32-bit keys searched in 3,770 ms.)
 BUDGET = 32
 FINER, FINER_LEAST = 64, 8
-# lower_bounds' values a program searches, and its warps: a search is a chain of dependent
-# loads, so one value a thread (H100 session 20, run HG, the seed grid's 2 x 400,001 slots /
-# the kNN pairs' 100,001: 25.8 / 16.9 us, 24-28 / 16-20 for other blocks, torch's arange +
-# searchsorted per part 28.5 / 15.8; one launch fewer per part). A block's values searched
-# only between the bounds of its ends (two whole searches, then a few halvings each, looped
-# while any lane searches) took 31.3 us against 19.7 (session 28 run QB).
-LOWER_BOUNDS_BLOCK = (256, 8)
+# lower_bounds: a histogram of the sorted values (one atomic add a run of equal values in a
+# program's block), then a running sum. Binary searches, one a bound, took 210 us for the
+# 2 x 4,000,001 slots of a 1M x 1M grid (H100, session 29 run RH; 19 us for the seed's).
+HISTOGRAM_BLOCK = 1024
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
 VALUE_COLUMNS = 12  # of Frame.values
@@ -348,22 +345,26 @@ if triton is not None:
         tl.store(within_of + offs, tl.where(invalid, 0, cell & ((1 << shift) - 1)).to(tl.int8), mask=live)
 
     @triton.jit
-    def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
-        """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
-        of the sorted ``values`` holding a value >= c, for c < count: one binary search of
-        ``steps`` halvings a value."""
-        part = tl.program_id(1)
-        c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        base = tl.where(part == 0, 0, split).to(tl.int64)
-        size = tl.zeros((BLOCK,), tl.int64) + tl.where(part == 0, split, total - split)
-        lo = tl.zeros((BLOCK,), tl.int64)
-        for _ in range(steps):
-            half = size // 2
-            searching = size > 0
-            below = searching & (tl.load(values + base + lo + half, mask=searching, other=0) < c)
-            lo = tl.where(below, lo + half + 1, lo)
-            size = tl.where(below, size - half - 1, half)
-        tl.store(bounds + part.to(tl.int64) * count + c, lo.to(bounds.dtype.element_ty), mask=c < count)
+    def _max(a, b):
+        return tl.maximum(a, b)
+
+    @triton.jit
+    def _histogram_kernel(values, counts, split, total, count, BLOCK: tl.constexpr):
+        """counts[part, c + 1] += the values equal to c < count - 1 in part (0: values[:split],
+        1: the rest; each ascending): one atomic add a run of equal values in the block."""
+        lane = tl.arange(0, BLOCK)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + lane
+        live = offs < total
+        value = tl.load(values + offs, mask=live, other=0).to(tl.int64)
+        part = (offs >= split).to(tl.int64)
+        before = tl.load(values + offs - 1, mask=live & (lane > 0), other=0).to(tl.int64)
+        after = tl.load(values + offs + 1, mask=offs + 1 < total, other=0).to(tl.int64)
+        starts = (lane == 0) | (offs == split) | (before != value)
+        ends = (lane == BLOCK - 1) | (offs + 1 == split) | (offs + 1 >= total) | (after != value)
+        run = lane - tl.associative_scan(tl.where(starts, lane, 0), 0, _max) + 1
+        slot = value + 1
+        tl.atomic_add(counts + part * count + slot, run.to(counts.dtype.element_ty),
+                      mask=live & ends & (slot < count))
 
     @triton.jit
     def _count_kernel(points, lengths, values, shape, per_cell, rows, cells,
@@ -491,19 +492,18 @@ def sort_both(query, query_lengths, ref, ref_lengths, grid: Frame) -> tuple[Sort
 
 def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> torch.Tensor:
     """[parts, count]: for each c < count, the first position holding a value >= c of the
-    ascending integer ``values`` [T] (``torch.searchsorted`` of arange(count)), or with
-    ``split``, of values[:split] and of values[split:] (positions within each part). int32
-    where positions fit, else int64; one kernel, no arange."""
+    ascending non-negative integer ``values`` [T] (``torch.searchsorted`` of arange(count)),
+    or with ``split``, of values[:split] and of values[split:] (positions within each part).
+    int32 where positions fit, else int64: the running sum of the values' histogram."""
     total = values.shape[0]
     parts = 1 if split is None else 2
     split = total if split is None else split
-    bounds = torch.empty((parts, count), dtype=torch.int32 if total < 2**31 else torch.int64, device=values.device)
-    if count:
-        block, warps = LOWER_BOUNDS_BLOCK
-        _lower_bounds_kernel[(triton.cdiv(count, block), parts)](
-            values, bounds, split, total, count, max(split, total - split).bit_length(), BLOCK=block,
-            num_warps=warps)
-    return bounds
+    dtype = torch.int32 if total < 2**31 else torch.int64
+    counts = torch.zeros((parts, count), dtype=dtype, device=values.device)
+    if total and count:
+        _histogram_kernel[(triton.cdiv(total, HISTOGRAM_BLOCK),)](values, counts, split, total, count,
+                                                                BLOCK=HISTOGRAM_BLOCK)
+    return torch.cumsum(counts, 1, dtype=dtype)
 
 
 def _moved(query: torch.Tensor, query_order: torch.Tensor, ref: torch.Tensor, ref_order: torch.Tensor,

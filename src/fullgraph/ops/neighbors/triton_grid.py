@@ -143,13 +143,11 @@ def _squared(radius: float) -> float:
     return float(t)
 
 
-def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False, built=None,
-            counted=True):
+def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip_self=False, built=None):
     """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
     bool: search only these queries (the other rows of the results are unspecified).
     ``skip_self``: query is ref, and no point is listed as its own neighbour. ``built``: the
-    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here.
-    ``counted`` False: a kNN caller that does not read the counts (they are left unset)."""
+    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     use_radius = math.isfinite(radius)
@@ -173,23 +171,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
         num_warps=warps,
     )
-    if not use_radius and counted:
-        counts = _valid_counts(idx)
     return dists, idx, counts
-
-
-# Rows of lists counted at a time: summing a bool [B, M, k] casts it to int64 whole first
-# (8 B a slot: 25.6 GB for 2 x 10^8 lists of 16).
-COUNT_ROWS = 1 << 22
-
-
-def _valid_counts(idx: torch.Tensor) -> torch.Tensor:
-    """[B, M] int64: the entries >= 0 of each list of idx [B, M, k], in blocks of rows."""
-    counts = torch.empty(idx.shape[:2], dtype=torch.int64, device=idx.device)
-    for start in range(0, idx.shape[1], COUNT_ROWS):
-        rows = slice(start, start + COUNT_ROWS)
-        counts[:, rows] = (idx[:, rows] >= 0).sum(-1)
-    return counts
 
 
 def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, sigma, saved_grid=None):
@@ -302,7 +284,7 @@ def _width(size: int) -> int:
 
 def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     """``pairs.Kernels.knn_aggregate`` (contiguous inputs): (out, dists, idx)."""
-    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths, counted=False)
+    dists, idx, _ = nearest(query, ref, k, math.inf, query_lengths, ref_lengths)
     batch, rows = query.shape[:2]
     columns, channels = ref.shape[1], features.shape[-1]
     out = torch.empty((batch, rows, channels), dtype=features.dtype, device=query.device)
