@@ -70,7 +70,7 @@ def _check_sorted(grid, frame, queries, refs, query, ref, query_lengths, ref_len
         assert (order[1:][same_cell] > order[:-1][same_cell]).all()
 
 
-@pytest.mark.parametrize("split", [None, 0, 7, 40])
+@pytest.mark.parametrize("split", [None, 0, 1, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_lower_bounds_equal_searchsorted(split, dtype):
     """grid.lower_bounds: per part, torch.searchsorted of arange(count), with duplicate
