@@ -324,21 +324,6 @@ def test_large_knn_is_fast_and_lean():
     assert_neighbors(dists[sample], idx[sample], want_dists, want_idx, d, torch.float32)
 
 
-@pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
-def test_knn_counts_are_the_listed_neighbours(backend, device, generator):
-    """The Triton search's kNN counts (written by the kernel) are the valid entries of each
-    list: k, fewer for items with fewer valid references."""
-    from fullgraph.ops.neighbors import triton_grid
-
-    query, ref = (torch.rand(3, size, 3, generator=generator).to(device) for size in (20, 12))
-    query_lengths, ref_lengths = torch.tensor([20, 7, 0], device=device), torch.tensor([12, 3, 5], device=device)
-    _, idx, counts = triton_grid.nearest(query, ref, 5, math.inf, query_lengths, ref_lengths)
-    idx, counts, query_lengths = idx.cpu(), counts.cpu(), query_lengths.cpu()
-    live = torch.arange(20)[None, :] < query_lengths[:, None]
-    assert torch.equal(counts[live], (idx >= 0).sum(-1)[live])
-    assert torch.equal(counts[0], torch.full((20,), 5)) and torch.equal(counts[1, :7], torch.full((7,), 3))
-
-
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator):
     """The CPU backend's k-d trees (forced: small items otherwise take its brute force) give

@@ -354,8 +354,9 @@ if triton is not None:
         (0: values[:split], 1: the rest; each ascending), one atomic add a run of equal values
         in the block; and counts[1, 0] -= split, so that the running sum of the flattened
         counts restarts at 0 in part 1."""
-        if tl.program_id(0) == 0:
-            tl.atomic_add(counts + count + 1, tl.zeros((), counts.dtype.element_ty) - split, mask=parts == 2)
+        if parts == 2:  # (parts may come as the constant 1)
+            if tl.program_id(0) == 0:
+                tl.atomic_add(counts + count + 1, tl.zeros((), counts.dtype.element_ty) - split)
         lane = tl.arange(0, BLOCK)
         offs = tl.program_id(0).to(tl.int64) * BLOCK + lane
         live = offs < total

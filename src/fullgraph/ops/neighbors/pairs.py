@@ -275,7 +275,8 @@ class Kernels:
         """The k nearest valid references with distance <= radius (inf for plain kNN).
 
         Returns dists [B, M, k] (input dtype, +inf padded), idx [B, M, k] int64 (-1 padded)
-        and counts [B, M] int64, the number of valid references within the radius.
+        and counts [B, M] int64, the number of valid references within a finite radius (for
+        plain kNN the callers read none, and a backend may leave them unset).
         """
         raise NotImplementedError
 

@@ -236,8 +236,8 @@ if triton is not None:
         SORT_FROM: tl.constexpr,
     ):
         """The k nearest references of each query (within the radius if USE_RADIUS; SKIP_SELF:
-        query and ref are one cloud, and a point is not its own neighbour) and its count (of
-        the references within the radius before the cap; for kNN, of the listed ones)."""
+        query and ref are one cloud, and a point is not its own neighbour); with USE_RADIUS,
+        the count of references within the radius before the cap."""
         pid = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
         item_q, item_r = b * rows, b * columns
@@ -302,9 +302,8 @@ if triton is not None:
         mask = (offs_m < rows)[:, None] & (slots[None, :] < K)
         tl.store(out_dist + out_offs, dist.to(out_dist.dtype.element_ty), mask=mask)
         tl.store(out_idx + out_offs, index, mask=mask)
-        if not USE_RADIUS:  # the listed neighbours
-            count = tl.sum((found & (slots[None, :] < K)).to(tl.int64), 1)
-        tl.store(out_count + flat_rows, count, mask=offs_m < rows)
+        if USE_RADIUS:
+            tl.store(out_count + flat_rows, count, mask=offs_m < rows)
 
     # ------------------------------------------------------------- aggregation
 
