@@ -70,9 +70,17 @@ def _check_sorted(grid, frame, queries, refs, query, ref, query_lengths, ref_len
         assert (order[1:][same_cell] > order[:-1][same_cell]).all()
 
 
+@pytest.fixture(params=["search", "histogram"])
+def bounds_method(request, monkeypatch):
+    """grid.lower_bounds' two ways, each forced."""
+    from fullgraph.ops.neighbors import grid
+
+    monkeypatch.setattr(grid, "HISTOGRAM_FROM", 1 << 62 if request.param == "search" else 0)
+
+
 @pytest.mark.parametrize("split", [None, 0, 1, 7, 40])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_lower_bounds_equal_searchsorted(split, dtype):
+def test_lower_bounds_equal_searchsorted(split, dtype, bounds_method):
     """grid.lower_bounds: per part, torch.searchsorted of arange(count), with duplicate
     values, gaps, values past count and empty parts."""
     from fullgraph.ops.neighbors import grid
@@ -90,14 +98,14 @@ def test_lower_bounds_equal_searchsorted(split, dtype):
 
 
 @pytest.mark.parametrize("split", [None, 1500, 2100])
-def test_lower_bounds_across_programs(split):
-    """grid.lower_bounds over many programs' blocks of values (runs of equal values summed
-    a block at a time): runs longer than a block, across blocks and the split, long gaps, a
-    clustered part, values past count."""
+def test_lower_bounds_across_programs(split, bounds_method):
+    """grid.lower_bounds over many programs' blocks (of bounds searched, or of values whose
+    runs are summed a block at a time): runs longer than a block, across blocks and the
+    split, long gaps, a clustered part, values past count."""
     from fullgraph.ops.neighbors import grid
 
     generator = torch.Generator().manual_seed(4)
-    count = 5 * grid.HISTOGRAM_BLOCK + 3
+    count = 5 * max(grid.HISTOGRAM_BLOCK, grid.LOWER_BOUNDS_BLOCK[0]) + 3
     values = torch.cat([torch.randint(0, count // 2, (1000,), generator=generator),
                         torch.full((2500,), 300), torch.randint(count // 2, count + 50, (300,), generator=generator)])
     values = values[torch.randperm(len(values), generator=generator)]

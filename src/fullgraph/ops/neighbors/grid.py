@@ -40,10 +40,15 @@ CELL_POINTS = 8
 # a 2 x 10^8-point cloud kept at one cell a bucket by 32-bit keys searched in 3,770 ms.)
 BUDGET = 32
 FINER, FINER_LEAST = 64, 8
-# lower_bounds: a histogram of the sorted values (one atomic add a run of equal values in a
-# program's block), then a running sum. Binary searches, one a bound, took 210 us for the
-# 2 x 4,000,001 slots of a 1M x 1M grid (H100, session 29 run RH; 19 us for the seed's).
-HISTOGRAM_BLOCK = 1024
+# lower_bounds, two ways. Small counts: a binary search a bound, one launch (values a program,
+# warps; a chain of dependent loads, so one value a thread: H100 session 20 run HG, the seed
+# grid's 2 x 400,001 slots 25.8 us, torch's searchsorted 28.5). From HISTOGRAM_FROM bounds:
+# the running sum of the values' histogram (one atomic add a run of equal values in a block),
+# four launches but no search: the 2 x 4,000,001 slots of a 1M x 1M grid 54 us against 210
+# (session 29 runs RH, RJ), while the seed radius aggregation's ~2 x 100,000 took ~7 us more
+# (run RK). The crossover between is interpolated from those two sizes, not measured.
+LOWER_BOUNDS_BLOCK = (256, 8)
+HISTOGRAM_BLOCK, HISTOGRAM_FROM = 1024, 1 << 19
 # Layout of one item's row of ``Frame.values``.
 _BLOCK = 1024
 VALUE_COLUMNS = 12  # of Frame.values
@@ -345,6 +350,24 @@ if triton is not None:
         tl.store(within_of + offs, tl.where(invalid, 0, cell & ((1 << shift) - 1)).to(tl.int8), mask=live)
 
     @triton.jit
+    def _lower_bounds_kernel(values, bounds, split, total, count, steps, BLOCK: tl.constexpr):
+        """bounds[part, c] = the first position within part (0: values[:split], 1: the rest)
+        of the sorted ``values`` holding a value >= c, for c < count: one binary search of
+        ``steps`` halvings a value."""
+        part = tl.program_id(1)
+        c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        base = tl.where(part == 0, 0, split).to(tl.int64)
+        size = tl.zeros((BLOCK,), tl.int64) + tl.where(part == 0, split, total - split)
+        lo = tl.zeros((BLOCK,), tl.int64)
+        for _ in range(steps):
+            half = size // 2
+            searching = size > 0
+            below = searching & (tl.load(values + base + lo + half, mask=searching, other=0) < c)
+            lo = tl.where(below, lo + half + 1, lo)
+            size = tl.where(below, size - half - 1, half)
+        tl.store(bounds + part.to(tl.int64) * count + c, lo.to(bounds.dtype.element_ty), mask=c < count)
+
+    @triton.jit
     def _max(a, b):
         return tl.maximum(a, b)
 
@@ -498,15 +521,22 @@ def lower_bounds(values: torch.Tensor, count: int, split: int | None = None) -> 
     """[parts, count]: for each c < count, the first position holding a value >= c of the
     ascending non-negative integer ``values`` [T] (``torch.searchsorted`` of arange(count)),
     or with ``split``, of values[:split] and of values[split:] (positions within each part).
-    int32 where positions fit, else int64: the running sum of the values' histogram, one
-    flat scan for both parts (torch's scan along rows of a [2, 4M] tensor took 6 ms on the
-    H100). Each part's row is contiguous."""
+    int32 where positions fit, else int64; each part's row contiguous."""
     total = values.shape[0]
     parts = 1 if split is None else 2
     split = total if split is None else split
     dtype = torch.int32 if total < 2**31 else torch.int64
+    if parts * count < HISTOGRAM_FROM:
+        bounds = torch.empty((parts, count), dtype=dtype, device=values.device)
+        if count:
+            block, warps = LOWER_BOUNDS_BLOCK
+            _lower_bounds_kernel[(triton.cdiv(count, block), parts)](
+                values, bounds, split, total, count, max(split, total - split).bit_length(), BLOCK=block,
+                num_warps=warps)
+        return bounds
+    # One flat running sum for both parts (torch's along the rows of a [2, 4M] tensor took 6 ms).
     counts = torch.zeros((parts * (count + 1),), dtype=dtype, device=values.device)
-    if total and count:
+    if total:
         _histogram_kernel[(triton.cdiv(total, HISTOGRAM_BLOCK),)](values, counts, split, total, count, parts,
                                                                 BLOCK=HISTOGRAM_BLOCK)
     return torch.cumsum(counts, 0, dtype=dtype).view(parts, count + 1)[:, :count]
