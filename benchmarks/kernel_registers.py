@@ -7,7 +7,7 @@ kernel launch's argument types and constants; this process compiles each recorde
 sm_90 and prints what ptxas allocated. The block constants are the host code's, as on the GPU.
 Counts come from this machine's Triton (the device's may differ by a few registers).
 
-    python benchmarks/kernel_registers.py [KERNEL_NAME ...]
+    python benchmarks/kernel_registers.py [KERNEL_NAME ...]     (~3 minutes on the 2-core development CPU)
 """
 
 from __future__ import annotations
@@ -23,9 +23,13 @@ CAPTURE = r"""
 import inspect, json, sys
 import torch
 import fullgraph
+from fullgraph import _triton
 from fullgraph.ops.neighbors import triton_kernels
 
+_triton.INTERPRETED = False  # the host code's GPU constants (it picks others for the interpreter)
+
 launches = {}
+SHOWN = ("K", "USE_RADIUS", "STATS_ONLY", "PULLS", "BLOCK_M", "BLOCK_N")  # launches told apart by these
 
 def recorder(name, kernel):
     class Launch:
@@ -49,7 +53,9 @@ def recorder(name, kernel):
                     else:
                         signature[arg] = "fp32"
                 warps = kwargs.get("num_warps", 4)
-                launches.setdefault(name, {"signature": signature, "constants": constants, "num_warps": warps})
+                key = name + " " + " ".join(f"{k}={v}" for k, v in constants.items() if k in SHOWN)
+                launches.setdefault(key, {"kernel": name, "signature": signature, "constants": constants,
+                                          "num_warps": warps})
                 return kernel[grid](*args, **kwargs)
             return launch
     return Launch()
@@ -62,13 +68,15 @@ for name in dir(triton_kernels):
         setattr(triton_kernels, name, recorder(name, kernel))
 
 g = torch.Generator().manual_seed(0)
-query = (torch.rand(1, 300, 3, generator=g) * 2 - 1).requires_grad_()
-ref = torch.randn(1, 600, 3, generator=g).requires_grad_()
-features = torch.randn(1, 600, 25, generator=g).requires_grad_()
+query = (torch.rand(1, 100, 3, generator=g) * 2 - 1).requires_grad_()
+ref = torch.randn(1, 200, 3, generator=g).requires_grad_()
+features = torch.randn(1, 200, 25, generator=g).requires_grad_()
 out = fullgraph.radius_aggregate(query, ref, features, 0.3, sigma=0.1, backend="triton")
 out.backward(torch.randn_like(out))
 out = fullgraph.knn_aggregate(query, ref, features, 7, sigma=0.1, backend="triton")
 out.backward(torch.randn_like(out))
+fullgraph.knn(ref, ref, 16, backend="triton")  # the 1M rows' searches
+fullgraph.radius(ref, ref, 0.5, 32, backend="triton")
 json.dump(launches, sys.stdout)
 """
 
@@ -87,13 +95,14 @@ def main() -> None:
 
     target = GPUTarget("cuda", 90, 32)
     print(f"Triton {triton.__version__}, sm_90: registers a thread, spilled bytes, shared memory a block")
-    for name, launch in sorted(recorded.items()):
+    for key, launch in sorted(recorded.items()):
+        name = launch["kernel"]
         if wanted and name not in wanted:
             continue
         source = ASTSource(getattr(triton_kernels, name), launch["signature"], launch["constants"])
         compiled = triton.compile(source, target=target, options={"num_warps": launch["num_warps"]})
         blocks = {k: v for k, v in launch["constants"].items() if "BLOCK" in k or k in ("DP", "CP", "LANES")}
-        print(f"{name:28s} {_ptxas_usage(compiled.asm['ptx'])}  {launch['num_warps']} warps  {blocks}")
+        print(f"{key:60s} {_ptxas_usage(compiled.asm['ptx'])}  {launch['num_warps']} warps  {blocks}", flush=True)
 
 
 def _ptxas_usage(ptx: str) -> str:
