@@ -1,11 +1,12 @@
-"""Registers, spills and shared memory of the neighbour kernels the seed projectors launch,
-compiled for the H100 (sm_90) by Triton's own ptxas: no GPU needed.
+"""Registers and spills of the neighbour kernels the seed projectors and the 1M rows launch,
+compiled for the H100 (sm_90) by Triton's own compiler and ptxas: no GPU needed.
 
-A first process runs a small radius_aggregate (forward, backward with all three gradients)
-and knn_aggregate (forward, backward) in Triton's interpreter on the CPU and records every
-kernel launch's argument types and constants; this process compiles each recorded launch for
-sm_90 and prints what ptxas allocated. The block constants are the host code's, as on the GPU.
-Counts come from this machine's Triton (the device's may differ by a few registers).
+A first process runs a small radius_aggregate (forward, backward with all three gradients),
+knn_aggregate (forward, backward), kNN (k = 16) and radius search (cap 32) in Triton's
+interpreter on the CPU and records each distinct launch's argument types and constants (the
+host code's GPU choices); this process compiles each for sm_90 and prints what ptxas
+allocated. Counts come from this machine's Triton (the device's 3.6 may differ: ncu read 122
+registers for the seed's search kernel where this reads 96).
 
     python benchmarks/kernel_registers.py [KERNEL_NAME ...]     (~3 minutes on the 2-core development CPU)
 """
