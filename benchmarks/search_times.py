@@ -33,7 +33,8 @@ GRAD = [("GRAD_BLOCKS", blocks) for blocks in (
     ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
     ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2))]
 RADIUS = [(points, blocks) for points in (8, 10, 12, 16, 24) for blocks in ((1, 32, 1), (1, 64, 1), (1, 64, 2))]
-CELLS = [(8, 32, 64), (6, 32, 64), (10, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 32, 16)]  # (CELL_POINTS, BUDGET, FINER)
+# (CELL_POINTS, BUDGET, FINER)
+CELLS = [(8, 32, 64), (6, 32, 64), (10, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 32, 16)]
 
 
 def radius_backward(query, ref, features, radius, sigma):
@@ -96,4 +97,4 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
 
 
 if __name__ == "__main__":
-    main(sweep="--sweep" in sys.argv, cells="--cells" in sys.argv, grad="--grad" in sys.argv, radius="--radius" in sys.argv)
+    main(**{flag: f"--{flag}" in sys.argv for flag in ("sweep", "cells", "grad", "radius")})

@@ -101,8 +101,8 @@ RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
 # reference side (64, 32, 4 warps) 0.340-0.342, (64, 16, 4) 0.312, (64, 16, 2) 0.282-0.285,
 # (32, 16, 2) 0.258, (64, 8, 2) 0.293, (32, 8, 1) 0.290, (32, 32, 2) 0.326, (128, 16, 2) 0.415,
 # (64, 16, 1) 0.455; (64, 32, 4) capped at 168 / 128 registers a thread (ptxas' maxnreg, from
-# 255 with spills) 0.340 / 0.410. Whole steps, session 27-28: 8 warps 0.58-0.77 / 0.98-1.28 train / with the
-# points' gradients against 0.54-0.59 / 0.79-0.83 with 4.)
+# 255 with spills) 0.340 / 0.410. Whole steps, sessions 27-28: 8 warps 0.58-0.77 / 0.98-1.28
+# train / with the points' gradients, against 0.54-0.59 / 0.79-0.83 with 4.)
 GRAD_BLOCKS = ((16, 32), (32, 16), 2)
 # tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
 # gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
@@ -147,14 +147,16 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
     """``pairs.Kernels.nearest``; k <= MAX_K; query and ref contiguous. ``needed`` [B, M]
     bool: search only these queries (the other rows of the results are unspecified).
     ``skip_self``: query is ref, and no point is listed as its own neighbour. ``built``: the
-    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here."""
+    grid and sorted clouds when the caller has them (``grid.one_cell``), else built here.
+    The counts are written for radius searches only (no kNN caller reads them)."""
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     use_radius = math.isfinite(radius)
     # The grid first: its sort's temporaries are gone before the lists (12 B a slot) exist.
     if batch * rows:
+        cell_points = RADIUS_SEARCH_CELL_POINTS if use_radius else grid.CELL_POINTS
         frame, queries, refs = built or grid.build(query, ref, *_lengths(query, ref, query_lengths, ref_lengths),
-                                                   cell_points=RADIUS_SEARCH_CELL_POINTS if use_radius else grid.CELL_POINTS)
+                                                   cell_points=cell_points)
     dists = torch.empty((batch, rows, k), dtype=query.dtype, device=query.device)
     idx = torch.empty((batch, rows, k), dtype=torch.int64, device=query.device)
     counts = torch.empty((batch, rows), dtype=torch.int64, device=query.device)
