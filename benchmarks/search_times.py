@@ -9,7 +9,7 @@ replays in ms, CUDA events.
 ``triton_grid.SEARCH_BLOCKS``; ``SEARCH_SORT_FROM``), ``--cells`` over the grid's
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
 sparse cells), ``--radius`` the radius search over ``RADIUS_SEARCH_CELL_POINTS`` and
-``RADIUS_SEARCH_BLOCKS``, ``--grad`` times the radius aggregation (forward, backward) over
+``RADIUS_SEARCH_BLOCKS``, ``--grad`` the radius aggregation's backward over
 ``triton_grid.GRAD_BLOCKS``.
 
     python benchmarks/search_times.py [--sweep | --cells | --radius | --grad] > search.log     (needs a CUDA device)
@@ -28,10 +28,9 @@ from fullgraph.ops.neighbors import triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too
-GRAD = [("GRAD_BLOCKS", blocks) for blocks in (
-    ((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 16), (32, 16), 2), ((32, 32), (32, 16), 2),
-    ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
-    ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2))]
+GRAD = [((16, 32), (32, 16), 2), ((16, 32), (64, 32), 4), ((16, 16), (32, 16), 2), ((32, 32), (32, 16), 2),
+        ((16, 64), (32, 16), 2), ((32, 16), (32, 16), 2), ((16, 32), (16, 16), 2), ((16, 32), (32, 8), 2),
+        ((16, 32), (32, 16), 1), ((16, 32), (16, 16), 1), ((8, 32), (32, 16), 2), ((16, 32), (16, 32), 2)]
 RADIUS = [(points, blocks) for points in (8, 10, 12, 16, 24) for blocks in ((1, 32, 1), (1, 64, 1), (1, 64, 2))]
 # (CELL_POINTS, BUDGET, FINER)
 CELLS = [(8, 32, 64), (6, 32, 64), (10, 32, 64), (12, 32, 64), (16, 32, 64), (8, 64, 64), (8, 32, 16)]
@@ -75,12 +74,9 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
                   f"{triton_grid.RADIUS_SEARCH_BLOCKS}: {rows[3][0]} {graphed_ms(rows[3][1]):.3f}", flush=True)
         return
     if grad:
-        defaults = {name: getattr(triton_grid, name) for name, _ in GRAD}
-        for name, value in GRAD:
-            setattr(triton_grid, name, value)
-            print(f"{name} {value}: " + "; ".join(f"{row} {graphed_ms(call, runs=50):.3f}" for row, call in rows[-2:]),
+        for triton_grid.GRAD_BLOCKS in GRAD:
+            print(f"GRAD_BLOCKS {triton_grid.GRAD_BLOCKS}: {rows[-1][0]} {graphed_ms(rows[-1][1], runs=50):.3f}",
                   flush=True)
-            setattr(triton_grid, name, defaults[name])
         return
     if cells:
         for cell_grid.CELL_POINTS, cell_grid.BUDGET, cell_grid.FINER in CELLS:
