@@ -201,16 +201,6 @@ if triton is not None:
         return best, threshold
 
     @triton.jit
-    def _entry_limit(threshold):
-        """A bound on the d2 of every candidate whose key can enter a list of row maximum
-        ``threshold`` [BM] (inf while a list has free slots): its distance, sqrt_rn(d2), is at
-        most the k-th's, so d2 <= kth^2 up to roundings far below the margin of 2^-16 (and
-        2^-80 keeps kth^2 away from subnormals, where roundings are not relative)."""
-        kth = (threshold >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        limit = tl.maximum(kth * kth * 1.0000152587890625, 8.271806125530277e-25)
-        return tl.where(threshold == _KEY_NONE, float("inf"), limit)
-
-    @triton.jit
     def _search_segments(best, threshold, count, starts, ends, pending, q_base, offs_m, q_live, member, r_points,
                          r_order, item_r, radius2, slots, q_index, D: tl.constexpr, USE_RADIUS: tl.constexpr,
                          SKIP_SELF: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr):
@@ -225,21 +215,16 @@ if triton is not None:
                 if USE_RADIUS:
                     ok = ok & (d2 <= radius2)
                     count += tl.sum(ok.to(tl.int64), 1)
-                # Most tiles bring nothing below the lists' k-th distances: those skip the keys
-                # (an index load, square roots, 64-bit words) after one test on d2.
-                ok = ok & (d2 <= _entry_limit(threshold)[:, None])
-                if tl.max(tl.max(ok.to(tl.int32), 1), 0) > 0:
-                    index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
-                    if SKIP_SELF:
-                        ok = ok & (index[None, :] != q_index[:, None])
-                    # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt),
-                    # not by d2: two d2 one ulp apart can share a distance, and ties in the
-                    # reported distance go to the smaller index (keys on d2 listed 79864 before
-                    # 66696 at equal distances on an H100, and a near-tie at the k-th slot kept
-                    # the larger index).
-                    keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
-                    keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
-                    best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
+                index = tl.load(r_order + offs_n, mask=offs_n < end, other=0) - item_r
+                if SKIP_SELF:
+                    ok = ok & (index[None, :] != q_index[:, None])
+                # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not
+                # by d2: two d2 one ulp apart can share a distance, and ties in the reported
+                # distance go to the smaller index (keys on d2 listed 79864 before 66696 at equal
+                # distances on an H100, and a near-tie at the k-th slot kept the larger index).
+                keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
+                keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
+                best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
         return best, threshold, count
 
     @triton.jit
