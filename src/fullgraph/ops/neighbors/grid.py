@@ -46,7 +46,9 @@ FINER, FINER_LEAST = 64, 8
 # the running sum of the values' histogram (one atomic add a run of equal values in a block),
 # four launches but no search: the 2 x 4,000,001 slots of a 1M x 1M grid 54 us against 210
 # (session 29 runs RH, RJ), while the seed radius aggregation's ~2 x 100,000 took ~7 us more
-# (run RK). The crossover between is interpolated from those two sizes, not measured.
+# (run RK). Both ways at 2 x 2^15 ... 2 x 2^22 bounds (session 30 run SA, us): search 3.5, 4.4,
+# 7.9, 14.3, 27.3, 54.5, 111, 231; histogram 12.7, 14.3, 14.8, 16.4, 18.7, 24.4, 37.5, 77.5: they
+# cross between 2^19 and 2^20 bounds (~1.2 x 2^19 interpolated).
 LOWER_BOUNDS_BLOCK = (256, 8)
 HISTOGRAM_BLOCK, HISTOGRAM_FROM = 1024, 1 << 19
 # Layout of one item's row of ``Frame.values``.
@@ -97,8 +99,9 @@ if triton is not None:
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     SHIFT = tl.constexpr(SHIFT_COLUMN)
     VALUES = tl.constexpr(VALUE_COLUMNS)
-    # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100).
-    _FRAME_CHUNK = tl.constexpr(64)
+    # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100;
+    # 512 against 64: radius 1M x 1M 5.006-5.038 -> 4.989-4.990 ms, session 30 run SB).
+    _FRAME_CHUNK = tl.constexpr(512)
 
     @triton.jit
     def _safe_scale(size):
