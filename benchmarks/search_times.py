@@ -10,9 +10,11 @@ replays in ms, CUDA events.
 ``CELL_POINTS``, ``BUDGET`` and ``FINER`` (FINER 1: one cell a bucket, the grid before
 sparse cells), ``--radius`` the radius search over ``RADIUS_SEARCH_CELL_POINTS`` and
 ``RADIUS_SEARCH_BLOCKS``, ``--grad`` the radius aggregation's backward over
-``triton_grid.GRAD_BLOCKS``.
+``triton_grid.GRAD_BLOCKS``, ``--shells`` the normal cloud's kNN by shells of the queries'
+|q| (in sigmas; each shell alone against all references, so each gets cells sized for its own
+density) and its farthest queries alone.
 
-    python benchmarks/search_times.py [--sweep | --cells | --radius | --grad] > search.log     (needs a CUDA device)
+    python benchmarks/search_times.py [--sweep | --cells | --radius | --grad | --shells] > search.log     (needs a CUDA device)
 """
 
 from __future__ import annotations
@@ -45,7 +47,25 @@ def radius_backward(query, ref, features, radius, sigma):
                                                          stats=stats, saved_grid=saved)
 
 
-def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: bool = False) -> None:
+SHELLS = ((0, 1), (1, 1.5), (1.5, 2), (2, 2.5), (2.5, 3), (3, 3.5), (3.5, 10))
+
+
+def shells(normal: torch.Tensor, k: int = 16) -> None:
+    """kNN of subsets of ``normal``'s points against all of it: by shell of |q|, then the farthest."""
+    size = normal.norm(dim=1)
+    for low, high in SHELLS:
+        query = normal[(size >= low) & (size < high)].contiguous()
+        ms = graphed_ms(lambda: fullgraph.knn(query, normal, k))
+        print(f"shell {low}-{high} sigma: {query.shape[0]} queries {ms:.3f} ms", flush=True)
+    order = size.argsort(descending=True)
+    for count in (100, 1000, 10000, 100000):
+        query = normal[order[:count]].contiguous()
+        print(f"farthest {count} (beyond {size[order[count - 1]].item():.2f} sigma): "
+              f"{graphed_ms(lambda: fullgraph.knn(query, normal, k)):.3f} ms", flush=True)
+
+
+def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: bool = False,
+         shells_: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -68,6 +88,10 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
              lambda: fullgraph.radius_aggregate(grid, small_cloud, small_features, 0.1, sigma=0.1)),
             ("radius_aggregate seed backward", radius_backward(grid[None], small_cloud[None], small_features[None],
                                                                0.1, 0.1))]
+    if shells_:
+        print(f"{rows[1][0]} {graphed_ms(rows[1][1]):.3f}")
+        shells(normal)
+        return
     if radius:
         for triton_grid.RADIUS_SEARCH_CELL_POINTS, triton_grid.RADIUS_SEARCH_BLOCKS in RADIUS:
             print(f"RADIUS_SEARCH_CELL_POINTS {triton_grid.RADIUS_SEARCH_CELL_POINTS}, RADIUS_SEARCH_BLOCKS "
@@ -93,4 +117,4 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
 
 
 if __name__ == "__main__":
-    main(**{flag: f"--{flag}" in sys.argv for flag in ("sweep", "cells", "grad", "radius")})
+    main(**{flag: f"--{flag}" in sys.argv for flag in ("sweep", "cells", "grad", "radius")}, shells_="--shells" in sys.argv)
