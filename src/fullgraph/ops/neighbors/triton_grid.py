@@ -7,8 +7,9 @@ back, so the ops stay capturable in CUDA graphs. Every launch goes to the curren
 Search. A program owns BLOCK_M consecutive sorted queries (neighbours in space) and the
 box of cells they occupy (or, when they straddle distant cells, takes them one at a time).
 It visits that box grown by rings of 1, 2, 3, 4, 6, 9, ... cells, reading the ranges of
-many rows of cells along x at once (each a contiguous range of sorted references) and
-skipping the empty ones, and keeps each query's k best
+many rows of cells along x at once (each a contiguous range of sorted references),
+skipping the empty ones and packing the others one after another into tiles (far from the
+data a ring's rows hold a reference or two each), and keeps each query's k best
 candidates in registers as int64 keys ``(bits(d) << 32) | index``: non-negative float32
 bit patterns order like the floats, so one integer comparison orders by distance and then
 by index (ties go to the smaller index; keys are unique). A tile of candidates enters the
