@@ -224,7 +224,7 @@ if triton is not None:
         (SKIP_SELF: not the reference of index q_index[i], the query itself). kNN packs the
         ranges one after another into tiles of BLOCK_N: far from the data, where the rings
         grow, a range holds a reference or two, and a tile each was mostly empty (1M x 1M
-        normal 7.84 -> 5.64 ms, uniform 4.63 -> 4.35; H100, session 30 run SL). Radius
+        normal 7.84 -> 5.60 ms, uniform 4.63 -> 4.32; H100, session 30 runs SL, SM). Radius
         searches, whose rows are long, take a range at a time (packed: 4.88 -> 5.77 ms)."""
         if USE_RADIUS:
             while tl.max(pending.to(tl.int32), 0) > 0:
@@ -316,8 +316,8 @@ if triton is not None:
             prev_lo, prev_hi = axes, axes * 0 - 1
             searching = tl.max(member.to(tl.int32), 0)
             if USE_RADIUS:
-                # (A loop that runs once: the box set before it, radius 1M x 1M 5.02 -> 4.88 ms,
-                # runs SD / SF; without the loop 5.40, run SE.)
+                # (A loop that runs once, the box set before it: radius 1M x 1M 5.02 -> 4.88 ms,
+                # session 30 run SG; without the loop 5.40, run SE.)
                 lo, hi = clo, chi
                 while searching > 0:
                     best, threshold, count = _search_box(
