@@ -50,7 +50,7 @@ def radius_backward(query, ref, features, radius, sigma):
 SHELLS = ((0, 1), (1, 1.5), (1.5, 2), (2, 2.5), (2.5, 3), (3, 3.5), (3.5, 10))
 
 
-def shells(normal: torch.Tensor, k: int = 16) -> None:
+def by_shells(normal: torch.Tensor, k: int = 16) -> None:
     """kNN of subsets of ``normal``'s points against all of it: by shell of |q|, then the farthest."""
     size = normal.norm(dim=1)
     for low, high in SHELLS:
@@ -65,7 +65,7 @@ def shells(normal: torch.Tensor, k: int = 16) -> None:
 
 
 def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: bool = False,
-         shells_: bool = False) -> None:
+         shells: bool = False) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     uniform = torch.rand(1_000_000, 3, device="cuda", generator=generator)
     normal = torch.randn(1_000_000, 3, device="cuda", generator=generator)
@@ -88,9 +88,9 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
              lambda: fullgraph.radius_aggregate(grid, small_cloud, small_features, 0.1, sigma=0.1)),
             ("radius_aggregate seed backward", radius_backward(grid[None], small_cloud[None], small_features[None],
                                                                0.1, 0.1))]
-    if shells_:
+    if shells:
         print(f"{rows[1][0]} {graphed_ms(rows[1][1]):.3f}")
-        shells(normal)
+        by_shells(normal)
         return
     if radius:
         for triton_grid.RADIUS_SEARCH_CELL_POINTS, triton_grid.RADIUS_SEARCH_BLOCKS in RADIUS:
@@ -117,4 +117,4 @@ def main(sweep: bool = False, cells: bool = False, grad: bool = False, radius: b
 
 
 if __name__ == "__main__":
-    main(**{flag: f"--{flag}" in sys.argv for flag in ("sweep", "cells", "grad", "radius")}, shells_="--shells" in sys.argv)
+    main(**{flag: f"--{flag}" in sys.argv for flag in ("sweep", "cells", "grad", "radius", "shells")})
