@@ -69,8 +69,9 @@ def product_error(precision: str) -> float:
     """The largest relative error of one product q_d r_d on the tensor cores in ``precision``,
     before the float32 accumulation: "tf32" rounds (or truncates) each operand to 10 bits,
     2 x 2^-10 + 2^-20; "tf32x3" splits each into two TF32 parts and drops low x low, every
-    term below 2^-20, 4 x 2^-20 in all."""
-    return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
+    term below 2^-20, 4 x 2^-20 in all; "bf16" rounds each to 8 bits (to nearest: 2^-8),
+    (1 + 2^-8)^2 - 1."""
+    return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20, "bf16": 2.0**-7 + 2.0**-16}[precision]
 
 
 def _list_width(count: int) -> int:
@@ -95,10 +96,11 @@ if triton is not None:
     _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
     @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
+    def _products(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+        """[len(m), len(n)]: ``r_norms - 2 q.r`` of the queries m against the references n
+        (+inf past ``columns`` and where r_norms is), the products on tensor cores in
+        PRECISION: a ``tl.dot`` input precision, or "bf16" (both operands rounded to bfloat16)."""
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
         for start in range(0, dim, BLOCK_K):
@@ -107,10 +109,81 @@ if triton is not None:
             q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
             r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
                         other=0.0)
-            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+            if PRECISION == "bf16":
+                acc += tl.dot(q.to(tl.bfloat16), tl.trans(r.to(tl.bfloat16)))
+            else:
+                acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - 2.0 * acc
+        return norms[None, :] - 2.0 * acc
+
+    @triton.jit
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
+        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
+        approx = _products(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION, BLOCK_K)
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
+
+    @triton.jit
+    def _needs_none(needed_ptr, at, inside, NEEDED: tl.constexpr):
+        """Whether no row ``at`` (where ``inside``) is marked in needed (NEEDED: a mask is given)."""
+        if NEEDED:
+            return tl.max(tl.load(needed_ptr + at, mask=inside, other=0).to(tl.int32)) == 0
+        return False
+
+    @triton.jit
+    def _bucket_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, share, parts,
+                              PRECISION: tl.constexpr, NEEDED: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per query of the tile and slot s < BLOCK_N, the least ``r_norms - 2 q.r`` over the
+        references j of [part * share, (part + 1) * share) with j = s mod BLOCK_N -> out
+        [B, M, parts * BLOCK_N]. An elementwise minimum a tile: no reduction, no sort."""
+        item = tl.program_id(2).to(tl.int64)
+        part = tl.program_id(1)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if _needs_none(needed_ptr + item * rows, m, m < rows, NEEDED):
+            return
+        q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
+        first = part * share
+        end = tl.minimum(first + share, columns)
+        best = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
+        for start in range(first, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            best = tl.minimum(best, _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K))
+        slots = part * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + (item * rows + m[:, None]) * (parts * BLOCK_N) + slots[None, :], best,
+                 mask=m[:, None] < rows)
+
+    @triton.jit
+    def _collect_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, needed_ptr, count_ptr, out_ptr, rows, columns, dim,
+                        share, CAPACITY: tl.constexpr, PRECISION: tl.constexpr, NEEDED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Every valid reference j of [part * share, (part + 1) * share) whose
+        ``r_norms - 2 q.r`` is at most the query's limit: appended to its row of out [B, M,
+        CAPACITY] (int32; the first CAPACITY of them, in no set order across parts), counted
+        in count [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed)."""
+        item = tl.program_id(2).to(tl.int64)
+        part = tl.program_id(1)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        inside = m < rows
+        if _needs_none(needed_ptr + item * rows, m, inside, NEEDED):
+            return
+        limit = tl.load(limit_ptr + item * rows + m, mask=inside, other=-float("inf"))
+        if NEEDED:
+            limit = tl.where(tl.load(needed_ptr + item * rows + m, mask=inside, other=0) != 0, limit, -float("inf"))
+        q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
+        first = part * share
+        end = tl.minimum(first + share, columns)
+        for start in range(first, end, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
+            hit = ((values <= limit[:, None]) & (values < float("inf"))).to(tl.int32)
+            hits = tl.sum(hit, 1)
+            if tl.max(hits) > 0:
+                base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
+                slot = base[:, None] + tl.cumsum(hit, 1) - 1
+                tl.store(out_ptr + (item * rows + m[:, None]) * CAPACITY + slot, n[None, :],
+                         mask=(hit != 0) & (slot < CAPACITY))
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
@@ -238,7 +311,7 @@ if triton is not None:
         query = item * rows + row
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
-        ok = (j < members) & (ref < columns)
+        ok = (j < members) & (chunk >= 0) & (ref < columns)
         norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
         kk = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -548,6 +621,71 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
     programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
     return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
 
+
+
+# The threshold lists (``bucket_minima``, ``collect``): tiles of queries and references, warps.
+THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS = 64, 128, 4
+
+
+def threshold_split(batch: int, rows: int, columns: int, least_parts: int, device: torch.device) -> tuple[int, int]:
+    """(parts, share): the references split into ``parts`` shares of ``share`` (a multiple of
+    THRESHOLD_BLOCK_N) for programs enough to fill the device, and at least ``least_parts``
+    (more buckets for ``bucket_minima``) where the references give a tile to each."""
+    block_m, block_n = THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N
+    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    programs = batch * triton.cdiv(rows, block_m)
+    parts = max(least_parts, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs),
+                                 triton.cdiv(columns, 8 * block_n)))
+    share = triton.cdiv(triton.cdiv(columns, max(1, min(parts, triton.cdiv(columns, block_n)))), block_n) * block_n
+    return triton.cdiv(columns, share), share
+
+
+def _block_k(dim: int) -> int:
+    return 16 if dim <= 16 else 32
+
+
+def _needed_or(needed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    return needed.contiguous() if needed is not None else fallback
+
+
+def bucket_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, precision: str, parts: int, share: int,
+                  needed: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
+    [B, M, parts * THRESHOLD_BLOCK_N]: per bucket (the references of one share at one
+    position modulo THRESHOLD_BLOCK_N) the least ``r_norms - 2 q.r``, products in
+    ``precision`` (``product_error``); +inf for empty buckets. Rows ``needed`` [B, M] (bool)
+    marks not are left unwritten where their whole tile is unmarked."""
+    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+    batch, rows, dim = q.shape
+    out = torch.full((batch, rows, parts * THRESHOLD_BLOCK_N), math.inf, dtype=torch.float32, device=q.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
+        _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, r.shape[1], dim, share, parts,
+                                    PRECISION=precision, NEEDED=needed is not None, BLOCK_M=THRESHOLD_BLOCK_M,
+                                    BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
+    return out
+
+
+def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torch.Tensor, capacity: int,
+            precision: str, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (+inf where invalid), limit [B, M]
+    -> every valid reference j with ``r_norms_j - 2 q.r_j`` at most the limit, as the
+    products in ``precision`` come out: candidates [B, M, capacity] (int32 positions, -1
+    past the found; unordered) and their count [B, M] (int32; above capacity: overflowed,
+    the candidates incomplete). Rows ``needed`` marks not find none."""
+    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+    batch, rows, dim = q.shape
+    columns = r.shape[1]
+    candidates = torch.full((batch, rows, capacity), -1, dtype=torch.int32, device=q.device)
+    count = torch.zeros((batch, rows), dtype=torch.int32, device=q.device)
+    if candidates.numel() and columns:
+        parts, share = threshold_split(batch, rows, columns, 1, q.device)
+        grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
+        _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
+                              columns, dim, share, CAPACITY=capacity, PRECISION=precision,
+                              NEEDED=needed is not None, BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
+                              BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
+    return candidates, count
 
 
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
