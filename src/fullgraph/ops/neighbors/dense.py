@@ -285,15 +285,12 @@ def _collected(frames: _Frames, qc, q_norms, k, precision, needed):
     (``triton_dense.collect``): candidates [B, m, capacity] (-1 past the found) and
     ``beyond`` [B, m], a floor under the squared distances, as the reference measures them,
     of every reference not collected (-1 where the candidates overflowed)."""
-    batch, rows, dim = qc.shape
-    columns = frames.rc.shape[1]
+    dim = qc.shape[-1]
     least_parts = -(-BUCKETS_PER_K * k // triton_dense.THRESHOLD_BLOCK_N)
-    parts, share = triton_dense.threshold_split(batch, rows, columns, least_parts, qc.device)
-    minima = triton_dense.bucket_minima(qc, frames.rc, frames.r_norms, precision, parts, share, needed)
-    # k references (one a bucket) have values at most the k-th least minimum: the k-th nearest
-    # lies within it plus the products' and the sums' errors; so does every reference that
-    # could tie with or beat it, within the same errors again.
-    kth = triton_dense.smallest(minima, k)[0][..., k - 1]
+    # k references (one a bucket) have values at most the k-th least bucket minimum: the k-th
+    # nearest lies within it plus the products' and the sums' errors; so does every reference
+    # that could tie with or beat it, within the same errors again.
+    kth = triton_dense.kth_bucket_minimum(qc, frames.rc, frames.r_norms, k, precision, least_parts, needed)
     q_abs = q_norms.sqrt()
     error = 2 * triton_dense.product_error(precision) * q_abs * frames.reach + \
         2 * (dim + 4) * 2.0**-24 * (q_abs + frames.reach) ** 2
@@ -301,11 +298,12 @@ def _collected(frames: _Frames, qc, q_norms, k, precision, needed):
     capacity = _capacity(k)
     candidates, count = triton_dense.collect(qc, frames.rc, frames.r_norms, limit, capacity, precision, needed)
     beyond = _outside(limit + q_norms, q_abs, frames.reach, dim, precision)
-    return candidates, beyond.masked_fill(count > capacity, -1.0)
+    return candidates, count, beyond.masked_fill(count > capacity, -1.0)
 
 
-def _nearest_candidates(frames: _Frames, q, ref_ok, candidates, k, radius, beyond, needed=None):
-    """Steps 2-3 on GPUs: the candidates [B, m, c] (reference positions, -1: none) measured
+def _nearest_candidates(frames: _Frames, q, ref_ok, k, radius, candidates, count, beyond, needed=None):
+    """Steps 2-3 on GPUs: the candidates [B, m, c] (reference positions, -1: none; the first
+    ``count`` [B, m] of them, or None: any) measured
     from differences (relative error below (D + 2) u, no cancellation), the k + SLACK nearest
     by that re-measured in the reference's arithmetic (in one kernel,
     ``triton_dense.nearest_members``, where it takes them). Returns ``_exact_lists``' lists
@@ -316,7 +314,7 @@ def _nearest_candidates(frames: _Frames, q, ref_ok, candidates, k, radius, beyon
     # Every candidate not re-measured has a first measure >= the last one re-measured.
     shrink = 1 - 4 * (dim + 2) * 2.0**-24
     if triton_dense.ranks_members(width, take, dim):
-        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, candidates, 1, take, k, needed)
+        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, candidates, 1, take, k, needed, count)
         d, i = _within(*_in_torch_sqrt(q, frames.r, d, i), frames.scale, radius)
         return d, i, torch.minimum(beyond, last * shrink)
     measured, position = triton_dense.smallest(
@@ -339,19 +337,19 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
     leave unproven (their candidates overflowed) from SECOND_PRECISION's (whose programs
     without such a row return at once)."""
     qc, q = frames.qc[:, rows].contiguous(), frames.q[:, rows].contiguous()
-    batch, count = qc.shape[:2]
+    batch, size = qc.shape[:2]
     columns = frames.rc.shape[1]
     if columns <= _capacity(k):  # every reference a candidate
-        every = torch.arange(columns, dtype=torch.int32, device=qc.device).expand(batch, count, columns)
-        d, i, limit = _nearest_candidates(frames, q, ref_ok, every, k, radius, torch.full_like(qc[..., 0], math.inf))
+        every = torch.arange(columns, dtype=torch.int32, device=qc.device).expand(batch, size, columns)
+        d, i, limit = _nearest_candidates(frames, q, ref_ok, k, radius, every, None,
+                                          torch.full_like(qc[..., 0], math.inf))
         return d[..., :k] * frames.scale[..., None], i[..., :k], ~_certified(d, limit, k)
     q_norms = (qc * qc).sum(-1)
     first = FIRST_PRECISION if qc.is_cuda else INTERPRETER_PRECISION
-    candidates, beyond = _collected(frames, qc, q_norms, k, first, None)
-    d, i, limit = _nearest_candidates(frames, q, ref_ok, candidates, k, radius, beyond)
+    d, i, limit = _nearest_candidates(frames, q, ref_ok, k, radius, *_collected(frames, qc, q_norms, k, first, None))
     again = ~_certified(d, limit, k)
-    candidates, beyond = _collected(frames, qc, q_norms, k, SECOND_PRECISION, again)
-    d2, i2, limit2 = _nearest_candidates(frames, q, ref_ok, candidates, k, radius, beyond, again)
+    d2, i2, limit2 = _nearest_candidates(frames, q, ref_ok, k, radius,
+                                         *_collected(frames, qc, q_norms, k, SECOND_PRECISION, again), again)
     redo = again[..., None]
     d, i = torch.where(redo, d2[..., :k], d[..., :k]), torch.where(redo, i2[..., :k], i[..., :k])
     failed = ~torch.where(again, _certified(d2, limit2, k), True)

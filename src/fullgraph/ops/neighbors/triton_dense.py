@@ -125,6 +125,29 @@ if triton is not None:
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
+    def _query_operand(q_base, m, rows, dim, DP: tl.constexpr, PRECISION: tl.constexpr):
+        """The queries m [len(m), DP] (zero past D) as ``_tile_values`` multiplies them."""
+        d = tl.arange(0, DP)
+        q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
+        if PRECISION == "bf16":
+            q = q.to(tl.bfloat16)
+        return q
+
+    @triton.jit
+    def _tile_values(q, r_base, r_norms_base, n, columns, dim, PRECISION: tl.constexpr):
+        """``_products`` of queries held whole (``_query_operand``): one ``tl.dot`` over all of
+        D, so that the loop over reference tiles is the one Triton pipelines."""
+        d = tl.arange(0, q.shape[1])
+        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+                    other=0.0)
+        if PRECISION == "bf16":
+            acc = tl.dot(q, tl.trans(r.to(tl.bfloat16)))
+        else:
+            acc = tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+        return norms[None, :] - 2.0 * acc
+
+    @triton.jit
     def _needs_none(needed_ptr, at, inside, NEEDED: tl.constexpr):
         """Whether no row ``at`` (where ``inside``) is marked in needed (NEEDED: a mask is given)."""
         if NEEDED:
@@ -132,12 +155,14 @@ if triton is not None:
         return False
 
     @triton.jit
-    def _bucket_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, share, parts,
-                              PRECISION: tl.constexpr, NEEDED: tl.constexpr, BLOCK_M: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _bucket_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, share, parts, k,
+                              PRECISION: tl.constexpr, NEEDED: tl.constexpr, SELECT: tl.constexpr,
+                              DP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
         """Per query of the tile and slot s < BLOCK_N, the least ``r_norms - 2 q.r`` over the
         references j of [part * share, (part + 1) * share) with j = s mod BLOCK_N -> out
-        [B, M, parts * BLOCK_N]. An elementwise minimum a tile: no reduction, no sort."""
+        [B, M, parts * BLOCK_N]; with SELECT (one part) only the k-th least of them -> out
+        [B, M]. An elementwise minimum a tile: no reduction, no sort in the loop."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -147,21 +172,33 @@ if triton is not None:
         first = part * share
         end = tl.minimum(first + share, columns)
         best = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
+        if WHOLE:
+            q = _query_operand(q_base, m, rows, dim, DP, PRECISION)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            best = tl.minimum(best, _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K))
-        slots = part * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + (item * rows + m[:, None]) * (parts * BLOCK_N) + slots[None, :], best,
-                 mask=m[:, None] < rows)
+            if WHOLE:
+                values = _tile_values(q, r_base, norms_base, n, end, dim, PRECISION)
+            else:
+                values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
+            best = tl.minimum(best, values)
+        if SELECT:
+            ordered = tl.sort(best, 1)
+            kth = tl.sum(tl.where((tl.arange(0, BLOCK_N) == k - 1)[None, :], ordered, 0.0), 1)
+            tl.store(out_ptr + item * rows + m, kth, mask=m < rows)
+        else:
+            slots = part * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + (item * rows + m[:, None]) * (parts * BLOCK_N) + slots[None, :], best,
+                     mask=m[:, None] < rows)
 
     @triton.jit
     def _collect_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, needed_ptr, count_ptr, out_ptr, rows, columns, dim,
                         share, CAPACITY: tl.constexpr, PRECISION: tl.constexpr, NEEDED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        DP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
         """Every valid reference j of [part * share, (part + 1) * share) whose
-        ``r_norms - 2 q.r`` is at most the query's limit: appended to its row of out [B, M,
-        CAPACITY] (int32; the first CAPACITY of them, in no set order across parts), counted
-        in count [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed)."""
+        ``r_norms - 2 q.r`` is at most the query's limit: put in its row of out [B, M,
+        CAPACITY] (int32; the first CAPACITY of them, in no set order), counted in count
+        [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed)."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -174,16 +211,19 @@ if triton is not None:
         q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
         first = part * share
         end = tl.minimum(first + share, columns)
+        if WHOLE:
+            q = _query_operand(q_base, m, rows, dim, DP, PRECISION)
+        row = (item * rows + m)[:, None] + tl.zeros((1, BLOCK_N), tl.int64)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
-            hit = ((values <= limit[:, None]) & (values < float("inf"))).to(tl.int32)
-            hits = tl.sum(hit, 1)
-            if tl.max(hits) > 0:
-                base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
-                slot = base[:, None] + tl.cumsum(hit, 1) - 1
-                tl.store(out_ptr + (item * rows + m[:, None]) * CAPACITY + slot, n[None, :],
-                         mask=(hit != 0) & (slot < CAPACITY))
+            if WHOLE:
+                values = _tile_values(q, r_base, norms_base, n, end, dim, PRECISION)
+            else:
+                values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
+            hit = (values <= limit[:, None]) & (values < float("inf"))
+            if tl.max(hit.to(tl.int32)) > 0:
+                slot = tl.atomic_add(count_ptr + row, hit.to(tl.int32), mask=hit)
+                tl.store(out_ptr + row * CAPACITY + slot, n[None, :] + tl.zeros_like(slot), mask=hit & (slot < CAPACITY))
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
@@ -396,14 +436,16 @@ if triton is not None:
         return ref, valid & (tl.load(ok + ref, mask=valid, other=0) != 0)
 
     @triton.jit
-    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
-                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
-                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                NEEDED: tl.constexpr):
+    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, members_ptr, out_d, out_i, out_last,
+                                rows, columns, n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr,
+                                CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr,
+                                BLOCK_C: tl.constexpr, NEEDED: tl.constexpr, COUNTED: tl.constexpr):
         """One query: its members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
         none) measured by summed differences, the ``take`` least (by (value, member)) measured
         again in the reference's arithmetic and the ``count`` nearest stored by (distance,
-        index); out_last: the take-th least first measure (+inf where every member was)."""
+        index); out_last: the take-th least first measure (+inf where every member was).
+        COUNTED: the row's members are its first members_ptr[row] (chunk 1), and where they
+        are at most ``take`` all are re-measured without a first measure."""
         row = tl.program_id(0).to(tl.int64)
         if NEEDED:
             if tl.load(needed_ptr + row) == 0:
@@ -413,7 +455,10 @@ if triton is not None:
         ok_base = ok_ptr + item * columns
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
-        if SEL < WP:
+        measure_first = SEL < WP
+        if COUNTED and SEL < WP:
+            measure_first = tl.load(members_ptr + row) > take
+        if measure_first:
             ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns, j, CHUNK)
             total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
@@ -431,7 +476,7 @@ if triton is not None:
             slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
         else:
             tl.store(out_last + row, float("inf"))
-            slot = j
+            slot = tl.arange(0, SEL)
         dp = tl.arange(0, 1 << LOG_DP)
         q = tl.load(q_ptr + row * DIM + dp, mask=dp < DIM, other=0.0)
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
@@ -623,8 +668,10 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 
-# The threshold lists (``bucket_minima``, ``collect``): tiles of queries and references, warps.
-THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS = 64, 128, 4
+# The threshold lists (``kth_bucket_minimum``, ``collect``): tiles of queries and references,
+# warps, programs to aim for per multiprocessor, and the widest queries held whole.
+THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS, THRESHOLD_PROGRAMS_PER_SM = 64, 128, 4, 2
+THRESHOLD_WHOLE_DIM = 128
 
 
 def threshold_split(batch: int, rows: int, columns: int, least_parts: int, device: torch.device) -> tuple[int, int]:
@@ -634,7 +681,7 @@ def threshold_split(batch: int, rows: int, columns: int, least_parts: int, devic
     block_m, block_n = THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     programs = batch * triton.cdiv(rows, block_m)
-    parts = max(least_parts, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs),
+    parts = max(least_parts, min(triton.cdiv(THRESHOLD_PROGRAMS_PER_SM * processors, programs),
                                  triton.cdiv(columns, 8 * block_n)))
     share = triton.cdiv(triton.cdiv(columns, max(1, min(parts, triton.cdiv(columns, block_n)))), block_n) * block_n
     return triton.cdiv(columns, share), share
@@ -648,22 +695,39 @@ def _needed_or(needed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Ten
     return needed.contiguous() if needed is not None else fallback
 
 
-def bucket_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, precision: str, parts: int, share: int,
-                  needed: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) ->
-    [B, M, parts * THRESHOLD_BLOCK_N]: per bucket (the references of one share at one
-    position modulo THRESHOLD_BLOCK_N) the least ``r_norms - 2 q.r``, products in
-    ``precision`` (``product_error``); +inf for empty buckets. Rows ``needed`` [B, M] (bool)
-    marks not are left unwritten where their whole tile is unmarked."""
+def _operands(dim: int) -> dict:
+    """The products' launch settings by D: queries held whole up to THRESHOLD_WHOLE_DIM
+    coordinates (padded to a power of two, at least ``tl.dot``'s 16), else a loop over D."""
+    padded = max(16, triton.next_power_of_2(dim))
+    return {"DP": padded, "WHOLE": padded <= THRESHOLD_WHOLE_DIM, "BLOCK_K": _block_k(dim)}
+
+
+def kth_bucket_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, k: int, precision: str,
+                       least_parts: int, needed: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) -> [B, M]:
+    the k-th least bucket minimum of ``r_norms - 2 q.r`` (products in ``precision``,
+    ``product_error``), a bucket being the references of one share (``threshold_split``, at
+    least ``least_parts``) at one position modulo THRESHOLD_BLOCK_N; +inf where fewer than k
+    buckets hold a valid reference. k distinct references have values at most it. Rows
+    ``needed`` [B, M] (bool) marks not are unspecified."""
     q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
-    out = torch.full((batch, rows, parts * THRESHOLD_BLOCK_N), math.inf, dtype=torch.float32, device=q.device)
-    if out.numel():
+    columns = r.shape[1]
+    parts, share = threshold_split(batch, rows, columns, least_parts, q.device)
+    select = parts == 1 and k <= THRESHOLD_BLOCK_N
+    out = torch.full((batch, rows) if select else (batch, rows, parts * THRESHOLD_BLOCK_N), math.inf,
+                     dtype=torch.float32, device=q.device)
+    if out.numel() and columns:
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
-        _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, r.shape[1], dim, share, parts,
-                                    PRECISION=precision, NEEDED=needed is not None, BLOCK_M=THRESHOLD_BLOCK_M,
-                                    BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
-    return out
+        _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, columns, dim, share, parts, k,
+                                    PRECISION=precision, NEEDED=needed is not None, SELECT=select,
+                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N, num_warps=THRESHOLD_WARPS,
+                                    **_operands(dim))
+    if select:
+        return out
+    if k > out.shape[-1]:
+        return torch.full_like(out[..., 0], math.inf)
+    return torch.topk(out, k, dim=-1, largest=False, sorted=False).values.amax(-1)
 
 
 def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torch.Tensor, capacity: int,
@@ -684,7 +748,7 @@ def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torc
         _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
                               columns, dim, share, CAPACITY=capacity, PRECISION=precision,
                               NEEDED=needed is not None, BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
-                              BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
+                              num_warps=THRESHOLD_WARPS, **_operands(dim))
     return candidates, count
 
 
@@ -799,7 +863,7 @@ def ranks_members(members: int, take: int, dim: int) -> bool:
 
 
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
-                    take: int, count: int, needed: torch.Tensor | None = None
+                    take: int, count: int, needed: torch.Tensor | None = None, members: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32), ref_ok [B, N] bool, chosen [B, M, C] chunk numbers
     (-1: none; ``chunk`` 1: references) -> the ``count`` nearest valid members of each query's
@@ -809,10 +873,11 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     truth, relatively), at or below the first measure of every member not re-measured (+inf
     where every member was). Only the ``take`` least by the first measure are re-measured,
     in one kernel a query (``ranks_members``). Rows ``needed`` marks not (when given) are
-    left unwritten."""
+    left unwritten. ``members`` [B, M] (chunk 1): the row's references are its first
+    ``members`` chosen (the rest -1); rows of at most ``take`` skip the first measure."""
     batch, rows, dim = q.shape
     n_chosen = chosen.shape[-1]
-    members = n_chosen * chunk
+    counts, members = members, n_chosen * chunk
     width = triton.next_power_of_2(max(members, 2))
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     # (padded: lists longer than the members measured keep their tails)
@@ -825,9 +890,11 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
         block_c = max(1, min(selected, tile // padded))
         _nearest_members_kernel[(batch * rows,)](
             q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
-            needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
+            needed if needed is not None else ref_ok, counts.contiguous() if counts is not None else ref_ok, dists, idx,
+            last, rows, r.shape[1], n_chosen, take, count,
             DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
             BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, NEEDED=needed is not None,
+            COUNTED=counts is not None,
             num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
     return dists, idx, last
 
