@@ -81,7 +81,7 @@ def sweep(generator) -> None:
 
 
 THRESHOLD_SWEEP = {"FIRST_PRECISION": ("bf16", "tf32"),
-                   "tiles": ((64, 128, 4), (128, 128, 8), (64, 128, 8), (128, 64, 4))}
+                   "tiles": ((64, 128, 4), (128, 128, 8), (128, 64, 4))}
 
 
 def threshold(generator) -> None:
