@@ -75,7 +75,7 @@ CHUNK_SLACK = 4
 # The tensor-core lists' products: first in bfloat16 (a tenth of the time of three TF32
 # products), then for the rows whose candidates overflowed in three TF32 products, which
 # carry float32's significand. Triton's interpreter (CPU tensors) has no bfloat16 dot.
-FIRST_PRECISION, SECOND_PRECISION, INTERPRETER_PRECISION = "bf16", "tf32x3", "tf32"
+FIRST_PRECISION, SECOND_PRECISION, INTERPRETER_PRECISION = "tf32", "tf32x3", "tf32"
 # Buckets of minima per neighbour wanted: the k-th least bucket minimum lies near the k-th
 # nearest when few of the k nearest share a bucket.
 BUCKETS_PER_K = 4

@@ -125,29 +125,6 @@ if triton is not None:
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
-    def _query_operand(q_base, m, rows, dim, DP: tl.constexpr, PRECISION: tl.constexpr):
-        """The queries m [len(m), DP] (zero past D) as ``_tile_values`` multiplies them."""
-        d = tl.arange(0, DP)
-        q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
-        if PRECISION == "bf16":
-            q = q.to(tl.bfloat16)
-        return q
-
-    @triton.jit
-    def _tile_values(q, r_base, r_norms_base, n, columns, dim, PRECISION: tl.constexpr):
-        """``_products`` of queries held whole (``_query_operand``): one ``tl.dot`` over all of
-        D, so that the loop over reference tiles is the one Triton pipelines."""
-        d = tl.arange(0, q.shape[1])
-        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
-                    other=0.0)
-        if PRECISION == "bf16":
-            acc = tl.dot(q, tl.trans(r.to(tl.bfloat16)))
-        else:
-            acc = tl.dot(q, tl.trans(r), input_precision=PRECISION)
-        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        return norms[None, :] - 2.0 * acc
-
-    @triton.jit
     def _needs_none(needed_ptr, at, inside, NEEDED: tl.constexpr):
         """Whether no row ``at`` (where ``inside``) is marked in needed (NEEDED: a mask is given)."""
         if NEEDED:
@@ -157,8 +134,7 @@ if triton is not None:
     @triton.jit
     def _bucket_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, share, parts, k,
                               PRECISION: tl.constexpr, NEEDED: tl.constexpr, SELECT: tl.constexpr,
-                              DP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr):
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile and slot s < BLOCK_N, the least ``r_norms - 2 q.r`` over the
         references j of [part * share, (part + 1) * share) with j = s mod BLOCK_N -> out
         [B, M, parts * BLOCK_N]; with SELECT (one part) only the k-th least of them -> out
@@ -172,15 +148,9 @@ if triton is not None:
         first = part * share
         end = tl.minimum(first + share, columns)
         best = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
-        if WHOLE:
-            q = _query_operand(q_base, m, rows, dim, DP, PRECISION)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            if WHOLE:
-                values = _tile_values(q, r_base, norms_base, n, end, dim, PRECISION)
-            else:
-                values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
-            best = tl.minimum(best, values)
+            best = tl.minimum(best, _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K))
         if SELECT:
             ordered = tl.sort(best, 1)
             kth = tl.sum(tl.where((tl.arange(0, BLOCK_N) == k - 1)[None, :], ordered, 0.0), 1)
@@ -193,12 +163,12 @@ if triton is not None:
     @triton.jit
     def _collect_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, needed_ptr, count_ptr, out_ptr, rows, columns, dim,
                         share, CAPACITY: tl.constexpr, PRECISION: tl.constexpr, NEEDED: tl.constexpr,
-                        DP: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Every valid reference j of [part * share, (part + 1) * share) whose
         ``r_norms - 2 q.r`` is at most the query's limit: put in its row of out [B, M,
-        CAPACITY] (int32; the first CAPACITY of them, in no set order), counted in count
-        [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed)."""
+        CAPACITY] (int32; the first CAPACITY of them; in ascending order within a part) and
+        counted in count [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed). SHARED:
+        several parts, each claiming its slots by an atomic add a tile."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -211,19 +181,23 @@ if triton is not None:
         q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
         first = part * share
         end = tl.minimum(first + share, columns)
-        if WHOLE:
-            q = _query_operand(q_base, m, rows, dim, DP, PRECISION)
-        row = (item * rows + m)[:, None] + tl.zeros((1, BLOCK_N), tl.int64)
+        found = tl.zeros((BLOCK_M,), tl.int32)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            if WHOLE:
-                values = _tile_values(q, r_base, norms_base, n, end, dim, PRECISION)
-            else:
-                values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
-            hit = (values <= limit[:, None]) & (values < float("inf"))
-            if tl.max(hit.to(tl.int32)) > 0:
-                slot = tl.atomic_add(count_ptr + row, hit.to(tl.int32), mask=hit)
-                tl.store(out_ptr + row * CAPACITY + slot, n[None, :] + tl.zeros_like(slot), mask=hit & (slot < CAPACITY))
+            values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
+            hit = ((values <= limit[:, None]) & (values < float("inf"))).to(tl.int32)
+            hits = tl.sum(hit, 1)
+            if tl.max(hits) > 0:
+                if SHARED:
+                    base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
+                else:
+                    base = found
+                    found += hits
+                slot = base[:, None] + tl.cumsum(hit, 1) - 1
+                tl.store(out_ptr + (item * rows + m[:, None]) * CAPACITY + slot, n[None, :] + tl.zeros_like(slot),
+                         mask=(hit != 0) & (slot < CAPACITY))
+        if not SHARED:
+            tl.store(count_ptr + item * rows + m, found, mask=inside)
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
@@ -669,9 +643,8 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 # The threshold lists (``kth_bucket_minimum``, ``collect``): tiles of queries and references,
-# warps, programs to aim for per multiprocessor, and the widest queries held whole.
+# warps, and programs to aim for per multiprocessor.
 THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS, THRESHOLD_PROGRAMS_PER_SM = 64, 128, 4, 2
-THRESHOLD_WHOLE_DIM = 128
 
 
 def threshold_split(batch: int, rows: int, columns: int, least_parts: int, device: torch.device) -> tuple[int, int]:
@@ -695,13 +668,6 @@ def _needed_or(needed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Ten
     return needed.contiguous() if needed is not None else fallback
 
 
-def _operands(dim: int) -> dict:
-    """The products' launch settings by D: queries held whole up to THRESHOLD_WHOLE_DIM
-    coordinates (padded to a power of two, at least ``tl.dot``'s 16), else a loop over D."""
-    padded = max(16, triton.next_power_of_2(dim))
-    return {"DP": padded, "WHOLE": padded <= THRESHOLD_WHOLE_DIM, "BLOCK_K": _block_k(dim)}
-
-
 def kth_bucket_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, k: int, precision: str,
                        least_parts: int, needed: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) -> [B, M]:
@@ -721,8 +687,8 @@ def kth_bucket_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, 
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
         _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, columns, dim, share, parts, k,
                                     PRECISION=precision, NEEDED=needed is not None, SELECT=select,
-                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N, num_warps=THRESHOLD_WARPS,
-                                    **_operands(dim))
+                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim),
+                                    num_warps=THRESHOLD_WARPS)
     if select:
         return out
     if k > out.shape[-1]:
@@ -747,8 +713,8 @@ def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torc
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
         _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
                               columns, dim, share, CAPACITY=capacity, PRECISION=precision,
-                              NEEDED=needed is not None, BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
-                              num_warps=THRESHOLD_WARPS, **_operands(dim))
+                              NEEDED=needed is not None, SHARED=parts > 1, BLOCK_M=THRESHOLD_BLOCK_M,
+                              BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
     return candidates, count
 
 
