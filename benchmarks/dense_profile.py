@@ -121,7 +121,9 @@ def parts(generator) -> None:
     """Graphed ms of each step of the threshold lists alone (frames, the k-th bucket minimum
     by precision, the collected candidates, their re-measure with every row or none needed),
     beside the whole call and cdist + topk; the candidates' count, mean and largest."""
-    for batch, rows, columns, dim, k in SHAPES[1:3]:
+    for (batch, rows, columns, dim, k), scan, block_k in itertools.product(SHAPES[1:3], (True, False), (None, 64)):
+        triton_dense.SCAN_BY_DOT, triton_dense.THRESHOLD_BLOCK_K = scan, block_k
+        print(f"scan by dot {scan}, BLOCK_K {block_k}:", end=" ")
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         lengths = (torch.full((batch,), rows, device="cuda"), torch.full((batch,), columns, device="cuda"))

@@ -163,7 +163,8 @@ if triton is not None:
     @triton.jit
     def _collect_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, needed_ptr, count_ptr, out_ptr, rows, columns, dim,
                         share, CAPACITY: tl.constexpr, PRECISION: tl.constexpr, NEEDED: tl.constexpr,
-                        SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SHARED: tl.constexpr, SCAN_BY_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Every valid reference j of [part * share, (part + 1) * share) whose
         ``r_norms - 2 q.r`` is at most the query's limit: put in its row of out [B, M,
         CAPACITY] (int32; the first CAPACITY of them; in ascending order within a part) and
@@ -182,6 +183,8 @@ if triton is not None:
         first = part * share
         end = tl.minimum(first + share, columns)
         found = tl.zeros((BLOCK_M,), tl.int32)
+        # running counts along a row as a product with a triangle of ones (exact: <= BLOCK_N)
+        triangle = (tl.arange(0, BLOCK_N)[:, None] <= tl.arange(0, BLOCK_N)[None, :]).to(tl.float16)
         for start in range(first, end, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
@@ -193,7 +196,11 @@ if triton is not None:
                 else:
                     base = found
                     found += hits
-                slot = base[:, None] + tl.cumsum(hit, 1) - 1
+                if SCAN_BY_DOT:
+                    running = tl.dot(hit.to(tl.float16), triangle, out_dtype=tl.float32).to(tl.int32)
+                else:
+                    running = tl.cumsum(hit, 1)
+                slot = base[:, None] + running - 1
                 tl.store(out_ptr + (item * rows + m[:, None]) * CAPACITY + slot, n[None, :] + tl.zeros_like(slot),
                          mask=(hit != 0) & (slot < CAPACITY))
         if not SHARED:
@@ -645,6 +652,8 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 # The threshold lists (``kth_bucket_minimum``, ``collect``): tiles of queries and references,
 # warps, and programs to aim for per multiprocessor.
 THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS, THRESHOLD_PROGRAMS_PER_SM = 64, 128, 4, 2
+THRESHOLD_BLOCK_K = None  # None: by D (``_block_k``)
+SCAN_BY_DOT = True
 
 
 def threshold_split(batch: int, rows: int, columns: int, least_parts: int, device: torch.device) -> tuple[int, int]:
@@ -687,7 +696,8 @@ def kth_bucket_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, 
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
         _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, columns, dim, share, parts, k,
                                     PRECISION=precision, NEEDED=needed is not None, SELECT=select,
-                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim),
+                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
+                                    BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim),
                                     num_warps=THRESHOLD_WARPS)
     if select:
         return out
@@ -713,8 +723,9 @@ def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torc
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
         _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
                               columns, dim, share, CAPACITY=capacity, PRECISION=precision,
-                              NEEDED=needed is not None, SHARED=parts > 1, BLOCK_M=THRESHOLD_BLOCK_M,
-                              BLOCK_N=THRESHOLD_BLOCK_N, BLOCK_K=_block_k(dim), num_warps=THRESHOLD_WARPS)
+                              NEEDED=needed is not None, SHARED=parts > 1, SCAN_BY_DOT=SCAN_BY_DOT and q.is_cuda,
+                              BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
+                              BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim), num_warps=THRESHOLD_WARPS)
     return candidates, count
 
 
