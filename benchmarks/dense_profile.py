@@ -121,9 +121,10 @@ def parts(generator) -> None:
     """Graphed ms of each step of the threshold lists alone (frames, the k-th bucket minimum
     by precision, the collected candidates, their re-measure with every row or none needed),
     beside the whole call and cdist + topk; the candidates' count, mean and largest."""
-    for (batch, rows, columns, dim, k), scan, block_k in itertools.product(SHAPES[1:3], (True, False), (None, 64)):
-        triton_dense.SCAN_BY_DOT, triton_dense.THRESHOLD_BLOCK_K = scan, block_k
-        print(f"scan by dot {scan}, BLOCK_K {block_k}:", end=" ")
+    settings = ((64, 4, True), (32, 4, True), (64, 8, True), (128, 4, True), (64, 4, False), (32, 4, False))
+    for (batch, rows, columns, dim, k), (block_n, warps, scan) in itertools.product(SHAPES[1:3], settings):
+        triton_dense.COLLECT_BLOCK_N, triton_dense.COLLECT_WARPS, triton_dense.SCAN_BY_DOT = block_n, warps, scan
+        print(f"collect BLOCK_N {block_n}, warps {warps}, scan by dot {scan}:", end=" ")
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         lengths = (torch.full((batch,), rows, device="cuda"), torch.full((batch,), columns, device="cuda"))
@@ -133,7 +134,7 @@ def parts(generator) -> None:
         q_norms = (qc * qc).sum(-1)
         none = torch.zeros_like(q_norms, dtype=torch.bool)
         cells = {"frames": median_ms(graphed(lambda: triton_dense.frames(q, r, *lengths)))}
-        for precision in ("tf32", "bf16", "tf32x3"):
+        for precision in ("tf32", "tf32x3"):
             cells[f"kth {precision}"] = median_ms(graphed(
                 lambda: triton_dense.kth_bucket_minimum(qc, f.rc, f.r_norms, k, precision, 1)))
         cells["kth + collect tf32"] = median_ms(graphed(lambda: dense._collected(f, qc, q_norms, k, "tf32", None)))

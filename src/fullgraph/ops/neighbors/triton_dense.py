@@ -183,6 +183,8 @@ if triton is not None:
         first = part * share
         end = tl.minimum(first + share, columns)
         found = tl.zeros((BLOCK_M,), tl.int32)
+        m_local = tl.arange(0, BLOCK_M)
+        out_base = out_ptr + (item * rows + tl.program_id(0) * BLOCK_M) * CAPACITY
         # running counts along a row as a product with a triangle of ones (exact: <= BLOCK_N)
         triangle = (tl.arange(0, BLOCK_N)[:, None] <= tl.arange(0, BLOCK_N)[None, :]).to(tl.float16)
         for start in range(first, end, BLOCK_N):
@@ -190,19 +192,18 @@ if triton is not None:
             values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
             hit = ((values <= limit[:, None]) & (values < float("inf"))).to(tl.int32)
             hits = tl.sum(hit, 1)
-            if tl.max(hits) > 0:
-                if SHARED:
-                    base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
-                else:
-                    base = found
-                    found += hits
-                if SCAN_BY_DOT:
-                    running = tl.dot(hit.to(tl.float16), triangle, out_dtype=tl.float32).to(tl.int32)
-                else:
-                    running = tl.cumsum(hit, 1)
-                slot = base[:, None] + running - 1
-                tl.store(out_ptr + (item * rows + m[:, None]) * CAPACITY + slot, n[None, :] + tl.zeros_like(slot),
-                         mask=(hit != 0) & (slot < CAPACITY))
+            if SHARED:
+                base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
+            else:
+                base = found
+                found += hits
+            if SCAN_BY_DOT:
+                running = tl.dot(hit.to(tl.float16), triangle, out_dtype=tl.float32).to(tl.int32)
+            else:
+                running = tl.cumsum(hit, 1)
+            slot = base[:, None] + running - 1
+            tl.store(out_base + (m_local[:, None] * CAPACITY + slot), n[None, :] + tl.zeros_like(slot),
+                     mask=(hit != 0) & (slot < CAPACITY))
         if not SHARED:
             tl.store(count_ptr + item * rows + m, found, mask=inside)
 
@@ -653,6 +654,7 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 # warps, and programs to aim for per multiprocessor.
 THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS, THRESHOLD_PROGRAMS_PER_SM = 64, 128, 4, 2
 THRESHOLD_BLOCK_K = None  # None: by D (``_block_k``)
+COLLECT_BLOCK_N, COLLECT_WARPS = 64, 4
 SCAN_BY_DOT = True
 
 
@@ -720,12 +722,13 @@ def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torc
     count = torch.zeros((batch, rows), dtype=torch.int32, device=q.device)
     if candidates.numel() and columns:
         parts, share = threshold_split(batch, rows, columns, 1, q.device)
+        share = triton.cdiv(share, COLLECT_BLOCK_N) * COLLECT_BLOCK_N
         grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
         _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
                               columns, dim, share, CAPACITY=capacity, PRECISION=precision,
                               NEEDED=needed is not None, SHARED=parts > 1, SCAN_BY_DOT=SCAN_BY_DOT and q.is_cuda,
-                              BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
-                              BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim), num_warps=THRESHOLD_WARPS)
+                              BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=COLLECT_BLOCK_N,
+                              BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim), num_warps=COLLECT_WARPS)
     return candidates, count
 
 
