@@ -5,9 +5,6 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
     python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
-    python benchmarks/dense_profile.py --threshold      (the threshold lists' first precision and tiles,
-                                                         graphed; rows sent to the second precision)
-    python benchmarks/dense_profile.py --parts          (each step of the threshold lists alone, graphed)
     python benchmarks/dense_profile.py --operators      (the capture path run eagerly: torch's operators
                                                          with their input shapes, by CUDA time)
     python benchmarks/dense_profile.py --keys           (the fused chunk lists against the stored
@@ -79,77 +76,6 @@ def sweep(generator) -> None:
             setattr(triton_dense, name, value)
         times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
         print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
-
-
-THRESHOLD_SWEEP = {"FIRST_PRECISION": ("tf32", "bf16"),
-                   "tiles": ((64, 128, 4), (128, 128, 8), (64, 128, 8))}
-
-
-def threshold(generator) -> None:
-    """Graphed dense kNN of SHAPES under each first precision and (BLOCK_M, BLOCK_N, warps)
-    of the threshold lists, with the rows a normal and a clustered cloud sent to the second
-    precision and the rows that failed both."""
-    second = []
-    collected = dense._collected
-
-    def counting(frames, qc, q_norms, k, precision, needed):
-        if needed is not None and not torch.cuda.is_current_stream_capturing():
-            second.append(int(needed.sum()))
-        return collected(frames, qc, q_norms, k, precision, needed)
-
-    dense._collected = counting
-    for batch, rows, columns, dim, k in SHAPES:
-        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
-        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
-        clustered = _clustered(batch, rows, columns, dim, generator)
-        cells = []
-        for precision, (block_m, block_n, warps) in itertools.product(*THRESHOLD_SWEEP.values()):
-            dense.FIRST_PRECISION = precision
-            triton_dense.THRESHOLD_BLOCK_M, triton_dense.THRESHOLD_BLOCK_N = block_m, block_n
-            triton_dense.THRESHOLD_WARPS = warps
-            time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")), 10 if dim > 64 else 30)
-            counts = []
-            for query, ref in ((q, r), clustered):
-                second.clear(), FAILED.clear()
-                fullgraph.knn(query, ref, k, backend="dense")
-                counts.append(f"{sum(second)}/{sum(f for f, _ in FAILED)}")
-            cells.append(f"{precision} {block_m}x{block_n}/{warps}w {time:.3f} ({' '.join(counts)})")
-        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
-
-
-def parts(generator) -> None:
-    """Graphed ms of each step of the threshold lists alone (frames, the k-th bucket minimum
-    by precision, the collected candidates, their re-measure with every row or none needed),
-    beside the whole call and cdist + topk; the candidates' count, mean and largest."""
-    settings = ((64, 4, True), (32, 4, True), (64, 8, True), (128, 4, True), (64, 4, False), (32, 4, False))
-    for (batch, rows, columns, dim, k), (block_n, warps, scan) in itertools.product(SHAPES[1:3], settings):
-        triton_dense.COLLECT_BLOCK_N, triton_dense.COLLECT_WARPS, triton_dense.SCAN_BY_DOT = block_n, warps, scan
-        print(f"collect BLOCK_N {block_n}, warps {warps}, scan by dot {scan}:", end=" ")
-        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
-        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
-        lengths = (torch.full((batch,), rows, device="cuda"), torch.full((batch,), columns, device="cuda"))
-        built = triton_dense.frames(q, r, *lengths)
-        f, ok = dense._Frames.of(built), built["ref_ok"]
-        qc = f.qc.contiguous()
-        q_norms = (qc * qc).sum(-1)
-        none = torch.zeros_like(q_norms, dtype=torch.bool)
-        cells = {"frames": median_ms(graphed(lambda: triton_dense.frames(q, r, *lengths)))}
-        for precision in ("tf32", "tf32x3"):
-            cells[f"kth {precision}"] = median_ms(graphed(
-                lambda: triton_dense.kth_bucket_minimum(qc, f.rc, f.r_norms, k, precision, 1)))
-        cells["kth + collect tf32"] = median_ms(graphed(lambda: dense._collected(f, qc, q_norms, k, "tf32", None)))
-        cells["kth + collect tf32x3, no row needed"] = median_ms(graphed(
-            lambda: dense._collected(f, qc, q_norms, k, "tf32x3", none)))
-        candidates, count, _ = dense._collected(f, qc, q_norms, k, "tf32", None)
-        cells["members"] = median_ms(graphed(
-            lambda: triton_dense.nearest_members(f.q, f.r, ok, candidates, 1, k + dense.SLACK, k, None, count)))
-        cells["members, no row needed"] = median_ms(graphed(
-            lambda: triton_dense.nearest_members(f.q, f.r, ok, candidates, 1, k + dense.SLACK, k, none, count)))
-        cells["dense"] = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
-        cells["cdist+topk"] = median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)))
-        counts = count.float()
-        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(f"{n} {t:.3f}" for n, t in cells.items()),
-              f"| candidates mean {counts.mean():.1f}, largest {int(counts.max())}", flush=True)
 
 
 # (B, M, N, D) where the fused path may run (N <= FUSED_MAX_COLUMNS), each with k = 20, 32, 50.
@@ -372,8 +298,6 @@ def operators(generator) -> None:
 
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
-         ("threshold", threshold, "the threshold lists' precision and tiles"),
-         ("parts", parts, "each step of the threshold lists alone"),
          ("operators", operators, "the capture path's operators and shapes"),
          ("keys", fused_keys, "fused chunk lists against stored minima by k"),
          ("brute", brute, "every pair measured against the products' path"),

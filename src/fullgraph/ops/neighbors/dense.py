@@ -72,13 +72,6 @@ from . import grid, pairs, reference, select, triton_dense, triton_grid
 SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate.
 CHUNK_SLACK = 4
-# The tensor-core lists' products: first in bfloat16 (a tenth of the time of three TF32
-# products), then for the rows whose candidates overflowed in three TF32 products, which
-# carry float32's significand. Triton's interpreter (CPU tensors) has no bfloat16 dot.
-FIRST_PRECISION, SECOND_PRECISION, INTERPRETER_PRECISION = "tf32", "tf32x3", "tf32"
-# Buckets of minima per neighbour wanted: the k-th least bucket minimum lies near the k-th
-# nearest when few of the k nearest share a bucket.
-BUCKETS_PER_K = 4
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
 # (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
 # Three bfloat16 products (each operand in two bfloat16 parts, eps 2^-14) were faster but
@@ -262,98 +255,69 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _outside(least_sum, q_abs, reach, dim: int, precision: str):
-    """A floor under the squared distances, as the reference measures them, of the references
-    whose tensor-core value ``|r|^2 - 2 q.r`` (products in ``precision``) plus |q|^2 came out
-    at least ``least_sum`` [B, m] in float32 (``beyond_expansion`` after the products' error)."""
-    # v + |q|^2 >= that sum less 2^-23 of its magnitude (one rounding of the sum, 2^-24; the
-    # product below rounds by 2^-24 at most, hence 2^-22 there). Each product q_d r_d errs by
-    # at most eps |q_d r_d| (eps |q| |r| summed, Cauchy-Schwarz), twice in 2 q.r.
-    least = torch.where(least_sum >= 0, least_sum * (1 - 2.0**-22), least_sum * (1 + 2.0**-22))
-    return beyond_expansion(least - 2 * triton_dense.product_error(precision) * q_abs * reach, q_abs, reach, dim,
-                            2.0**-24)
-
-
-def _capacity(k: int) -> int:
-    """Candidates a query keeps on the tensor-core path: twice k + SLACK, a power of two >= 64."""
-    return max(64, 1 << (2 * (k + SLACK) - 1).bit_length())
-
-
-def _collected(frames: _Frames, qc, q_norms, k, precision, needed):
-    """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N values:
-    the limit from the k-th least bucket minimum, then every reference within it
-    (``triton_dense.collect``): candidates [B, m, capacity] (-1 past the found) and
-    ``beyond`` [B, m], a floor under the squared distances, as the reference measures them,
-    of every reference not collected (-1 where the candidates overflowed)."""
-    dim = qc.shape[-1]
-    least_parts = -(-BUCKETS_PER_K * k // triton_dense.THRESHOLD_BLOCK_N)
-    # k references (one a bucket) have values at most the k-th least bucket minimum: the k-th
-    # nearest lies within it plus the products' and the sums' errors; so does every reference
-    # that could tie with or beat it, within the same errors again.
-    kth = triton_dense.kth_bucket_minimum(qc, frames.rc, frames.r_norms, k, precision, least_parts, needed)
+def _chosen_chunks(frames: _Frames, rows: slice, k):
+    """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
+    per query the k + CHUNK_SLACK chunks with the least minima on tensor cores (chunk numbers
+    [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor under the squared distances, as
+    the reference measures them, of every reference in no chosen chunk (+inf: none is left)."""
+    qc = frames.qc[:, rows].contiguous()
+    dim, columns = qc.shape[-1], frames.rc.shape[1]
+    precision = TENSOR_CORE_PRECISION
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunks = -(-columns // chunk)
+    n_chosen = min(k + CHUNK_SLACK, chunks)
+    q_norms = (qc * qc).sum(-1)
+    values, chosen = triton_dense.least_chunks(qc, q_norms, frames.rc, frames.r_norms, min(n_chosen + 1, chunks),
+                                               chunk, precision)
+    # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
+    # then the float32 sums and norms as in step 3.
     q_abs = q_norms.sqrt()
-    error = 2 * triton_dense.product_error(precision) * q_abs * frames.reach + \
-        2 * (dim + 4) * 2.0**-24 * (q_abs + frames.reach) ** 2
-    limit = (kth + q_norms + error) * (1 + 8 * (dim + 2) * 2.0**-24 + 2.0**-20) + 2 * error - q_norms
-    capacity = _capacity(k)
-    candidates, count = triton_dense.collect(qc, frames.rc, frames.r_norms, limit, capacity, precision, needed)
-    beyond = _outside(limit + q_norms, q_abs, frames.reach, dim, precision)
-    return candidates, count, beyond.masked_fill(count > capacity, -1.0)
+    if values.shape[-1] == n_chosen:
+        return chosen, chunk, torch.full_like(q_abs, math.inf)
+    # Every reference of an unchosen chunk has a product value v with fl(v + |q|^2) >= the
+    # least unchosen sum as least_chunks returns it (rounded down on its fused path), so
+    # v + |q|^2 >= that sum less 2^-23 of its magnitude (one rounding of the sum, 2^-24; the
+    # product below rounds by 2^-24 at most, hence 2^-22 there).
+    last = values[..., -1]
+    least = torch.where(last >= 0, last * (1 - 2.0**-22), last * (1 + 2.0**-22))
+    beyond = beyond_expansion(least - 2 * triton_dense.product_error(precision) * q_abs * frames.reach, q_abs,
+                              frames.reach, dim, 2.0**-24)
+    return chosen[..., :n_chosen], chunk, beyond
 
 
-def _nearest_candidates(frames: _Frames, q, ref_ok, k, radius, candidates, count, beyond, needed=None):
-    """Steps 2-3 on GPUs: the candidates [B, m, c] (reference positions, -1: none; the first
-    ``count`` [B, m] of them, or None: any) measured
-    from differences (relative error below (D + 2) u, no cancellation), the k + SLACK nearest
-    by that re-measured in the reference's arithmetic (in one kernel,
-    ``triton_dense.nearest_members``, where it takes them). Returns ``_exact_lists``' lists
-    [B, m, >= k] and ``limit`` [B, m]: a row whose k-th squared distance lies below it is
-    exactly the reference's (+inf: every candidate re-measured and nothing outside)."""
-    dim, width = q.shape[-1], candidates.shape[-1]
-    take = min(k + SLACK, width)
-    # Every candidate not re-measured has a first measure >= the last one re-measured.
+def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius):
+    """Steps 1-3 on GPUs: the chosen chunks' members measured from differences (relative
+    error below (D + 2) u, no cancellation), the k + SLACK nearest by that re-measured in the
+    reference's arithmetic (in one kernel, ``triton_dense.nearest_members``, where it takes
+    them). Returns ``_exact_lists``' lists [B, m, >= k] and ``limit`` [B, m]: a row whose k-th
+    squared distance lies below it is exactly the reference's (+inf: every member of every
+    chunk was re-measured)."""
+    chosen, chunk, beyond = _chosen_chunks(frames, rows, k)
+    q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
+    members = chosen.shape[-1] * chunk
+    take = min(k + SLACK, members)
+    # Every unmeasured member of a chosen chunk has a first measure >= the last one re-measured.
     shrink = 1 - 4 * (dim + 2) * 2.0**-24
-    if triton_dense.ranks_members(width, take, dim):
-        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, candidates, 1, take, k, needed, count)
+    if triton_dense.ranks_members(members, take, dim):
+        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, chunk, take, k)
         d, i = _within(*_in_torch_sqrt(q, frames.r, d, i), frames.scale, radius)
         return d, i, torch.minimum(beyond, last * shrink)
     measured, position = triton_dense.smallest(
-        triton_dense.member_distances(q, frames.r, frames.r_norms, candidates, 1), take)
-    chosen = candidates.gather(2, position).long()
-    d, i = _exact_lists(q, frames, chosen.clamp(min=0), ref_ok, radius, chosen >= 0)
-    if take < width:
+        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk), take)
+    candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
+    columns = frames.r.shape[1]
+    d, i = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, candidates < columns)
+    if take < members:
         beyond = torch.minimum(beyond, measured[..., -1] * shrink)
     return d, i, beyond
 
 
-def _certified(d, limit, k):
-    """Rows whose k-th distance lies below the floor ``limit`` of everything unmeasured."""
-    kth = d[..., min(k, d.shape[-1]) - 1]
-    return (kth ** 2 < limit) | (limit == math.inf)
-
-
 def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
-    """``_block`` on GPUs: candidates from FIRST_PRECISION's products, and for the rows they
-    leave unproven (their candidates overflowed) from SECOND_PRECISION's (whose programs
-    without such a row return at once)."""
-    qc, q = frames.qc[:, rows].contiguous(), frames.q[:, rows].contiguous()
-    batch, size = qc.shape[:2]
-    columns = frames.rc.shape[1]
-    if columns <= _capacity(k):  # every reference a candidate
-        every = torch.arange(columns, dtype=torch.int32, device=qc.device).expand(batch, size, columns)
-        d, i, limit = _nearest_candidates(frames, q, ref_ok, k, radius, every, None,
-                                          torch.full_like(qc[..., 0], math.inf))
-        return d[..., :k] * frames.scale[..., None], i[..., :k], ~_certified(d, limit, k)
-    q_norms = (qc * qc).sum(-1)
-    first = FIRST_PRECISION if qc.is_cuda else INTERPRETER_PRECISION
-    d, i, limit = _nearest_candidates(frames, q, ref_ok, k, radius, *_collected(frames, qc, q_norms, k, first, None))
-    again = ~_certified(d, limit, k)
-    d2, i2, limit2 = _nearest_candidates(frames, q, ref_ok, k, radius,
-                                         *_collected(frames, qc, q_norms, k, SECOND_PRECISION, again), again)
-    redo = again[..., None]
-    d, i = torch.where(redo, d2[..., :k], d[..., :k]), torch.where(redo, i2[..., :k], i[..., :k])
-    failed = ~torch.where(again, _certified(d2, limit2, k), True)
-    return d * frames.scale[..., None], i, failed
+    """``_block`` on GPUs (``_tensor_core_lists``)."""
+    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius)
+    kth = d[..., min(k, d.shape[-1]) - 1]
+    certified = (kth ** 2 < limit) | torch.isinf(limit)
+    return d[..., :k] * frames.scale[..., None], i[..., :k], ~certified
 
 
 def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
@@ -386,11 +350,10 @@ def _grid(frames: _Frames, query_ok, ref_ok):
 
 
 def _width(columns, k) -> int:
-    """Values a query holds on the tensor-core path, growing with the block's rows: its bucket
-    minima (beyond these, the shares that fill the device add a bounded few MiB a block) and
-    candidates."""
-    return min(columns, triton_dense.THRESHOLD_BLOCK_N * -(-BUCKETS_PER_K * k // triton_dense.THRESHOLD_BLOCK_N)) \
-        + _capacity(k)
+    """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
+    path) or the chosen chunks' members."""
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    return max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk)
 
 
 def _capturing(query) -> bool:

@@ -69,9 +69,8 @@ def product_error(precision: str) -> float:
     """The largest relative error of one product q_d r_d on the tensor cores in ``precision``,
     before the float32 accumulation: "tf32" rounds (or truncates) each operand to 10 bits,
     2 x 2^-10 + 2^-20; "tf32x3" splits each into two TF32 parts and drops low x low, every
-    term below 2^-20, 4 x 2^-20 in all; "bf16" rounds each to 8 bits (to nearest: 2^-8),
-    (1 + 2^-8)^2 - 1."""
-    return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20, "bf16": 2.0**-7 + 2.0**-16}[precision]
+    term below 2^-20, 4 x 2^-20 in all."""
+    return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
 def _list_width(count: int) -> int:
@@ -96,11 +95,10 @@ if triton is not None:
     _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
     @triton.jit
-    def _products(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-        """[len(m), len(n)]: ``r_norms - 2 q.r`` of the queries m against the references n
-        (+inf past ``columns`` and where r_norms is), the products on tensor cores in
-        PRECISION: a ``tl.dot`` input precision, or "bf16" (both operands rounded to bfloat16)."""
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
+        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
         for start in range(0, dim, BLOCK_K):
@@ -109,103 +107,10 @@ if triton is not None:
             q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
             r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
                         other=0.0)
-            if PRECISION == "bf16":
-                acc += tl.dot(q.to(tl.bfloat16), tl.trans(r.to(tl.bfloat16)))
-            else:
-                acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        return norms[None, :] - 2.0 * acc
-
-    @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
-        approx = _products(q_base, r_base, r_norms_base, m, n, rows, columns, dim, PRECISION, BLOCK_K)
+        approx = norms[None, :] - 2.0 * acc
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
-
-    @triton.jit
-    def _needs_none(needed_ptr, at, inside, NEEDED: tl.constexpr):
-        """Whether no row ``at`` (where ``inside``) is marked in needed (NEEDED: a mask is given)."""
-        if NEEDED:
-            return tl.max(tl.load(needed_ptr + at, mask=inside, other=0).to(tl.int32)) == 0
-        return False
-
-    @triton.jit
-    def _bucket_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, share, parts, k,
-                              PRECISION: tl.constexpr, NEEDED: tl.constexpr, SELECT: tl.constexpr,
-                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per query of the tile and slot s < BLOCK_N, the least ``r_norms - 2 q.r`` over the
-        references j of [part * share, (part + 1) * share) with j = s mod BLOCK_N -> out
-        [B, M, parts * BLOCK_N]; with SELECT (one part) only the k-th least of them -> out
-        [B, M]. An elementwise minimum a tile: no reduction, no sort in the loop."""
-        item = tl.program_id(2).to(tl.int64)
-        part = tl.program_id(1)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if _needs_none(needed_ptr + item * rows, m, m < rows, NEEDED):
-            return
-        q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
-        first = part * share
-        end = tl.minimum(first + share, columns)
-        best = tl.full((BLOCK_M, BLOCK_N), float("inf"), tl.float32)
-        for start in range(first, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            best = tl.minimum(best, _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K))
-        if SELECT:
-            ordered = tl.sort(best, 1)
-            kth = tl.sum(tl.where((tl.arange(0, BLOCK_N) == k - 1)[None, :], ordered, 0.0), 1)
-            tl.store(out_ptr + item * rows + m, kth, mask=m < rows)
-        else:
-            slots = part * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + (item * rows + m[:, None]) * (parts * BLOCK_N) + slots[None, :], best,
-                     mask=m[:, None] < rows)
-
-    @triton.jit
-    def _collect_kernel(q_ptr, r_ptr, r_norms_ptr, limit_ptr, needed_ptr, count_ptr, out_ptr, rows, columns, dim,
-                        share, CAPACITY: tl.constexpr, PRECISION: tl.constexpr, NEEDED: tl.constexpr,
-                        SHARED: tl.constexpr, SCAN_BY_DOT: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Every valid reference j of [part * share, (part + 1) * share) whose
-        ``r_norms - 2 q.r`` is at most the query's limit: put in its row of out [B, M,
-        CAPACITY] (int32; the first CAPACITY of them; in ascending order within a part) and
-        counted in count [B, M] (int32, zeroed; beyond CAPACITY: the row overflowed). SHARED:
-        several parts, each claiming its slots by an atomic add a tile."""
-        item = tl.program_id(2).to(tl.int64)
-        part = tl.program_id(1)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        inside = m < rows
-        if _needs_none(needed_ptr + item * rows, m, inside, NEEDED):
-            return
-        limit = tl.load(limit_ptr + item * rows + m, mask=inside, other=-float("inf"))
-        if NEEDED:
-            limit = tl.where(tl.load(needed_ptr + item * rows + m, mask=inside, other=0) != 0, limit, -float("inf"))
-        q_base, r_base, norms_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns
-        first = part * share
-        end = tl.minimum(first + share, columns)
-        found = tl.zeros((BLOCK_M,), tl.int32)
-        m_local = tl.arange(0, BLOCK_M)
-        out_base = out_ptr + (item * rows + tl.program_id(0) * BLOCK_M) * CAPACITY
-        # running counts along a row as a product with a triangle of ones (exact: <= BLOCK_N)
-        triangle = (tl.arange(0, BLOCK_N)[:, None] <= tl.arange(0, BLOCK_N)[None, :]).to(tl.float16)
-        for start in range(first, end, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            values = _products(q_base, r_base, norms_base, m, n, rows, end, dim, PRECISION, BLOCK_K)
-            hit = ((values <= limit[:, None]) & (values < float("inf"))).to(tl.int32)
-            hits = tl.sum(hit, 1)
-            if SHARED:
-                base = tl.atomic_add(count_ptr + item * rows + m, hits, mask=hits > 0)
-            else:
-                base = found
-                found += hits
-            if SCAN_BY_DOT:
-                running = tl.dot(hit.to(tl.float16), triangle, out_dtype=tl.float32).to(tl.int32)
-            else:
-                running = tl.cumsum(hit, 1)
-            slot = base[:, None] + running - 1
-            tl.store(out_base + (m_local[:, None] * CAPACITY + slot), n[None, :] + tl.zeros_like(slot),
-                     mask=(hit != 0) & (slot < CAPACITY))
-        if not SHARED:
-            tl.store(count_ptr + item * rows + m, found, mask=inside)
 
     @triton.jit
     def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
@@ -333,7 +238,7 @@ if triton is not None:
         query = item * rows + row
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
-        ok = (j < members) & (chunk >= 0) & (ref < columns)
+        ok = (j < members) & (ref < columns)
         norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
         kk = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -418,16 +323,14 @@ if triton is not None:
         return ref, valid & (tl.load(ok + ref, mask=valid, other=0) != 0)
 
     @triton.jit
-    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, members_ptr, out_d, out_i, out_last,
-                                rows, columns, n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr,
-                                CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_C: tl.constexpr, NEEDED: tl.constexpr, COUNTED: tl.constexpr):
+    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
+                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
+                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                NEEDED: tl.constexpr):
         """One query: its members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
         none) measured by summed differences, the ``take`` least (by (value, member)) measured
         again in the reference's arithmetic and the ``count`` nearest stored by (distance,
-        index); out_last: the take-th least first measure (+inf where every member was).
-        COUNTED: the row's members are its first members_ptr[row] (chunk 1), and where they
-        are at most ``take`` all are re-measured without a first measure."""
+        index); out_last: the take-th least first measure (+inf where every member was)."""
         row = tl.program_id(0).to(tl.int64)
         if NEEDED:
             if tl.load(needed_ptr + row) == 0:
@@ -437,10 +340,7 @@ if triton is not None:
         ok_base = ok_ptr + item * columns
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
-        measure_first = SEL < WP
-        if COUNTED and SEL < WP:
-            measure_first = tl.load(members_ptr + row) > take
-        if measure_first:
+        if SEL < WP:
             ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns, j, CHUNK)
             total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
@@ -458,7 +358,7 @@ if triton is not None:
             slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
         else:
             tl.store(out_last + row, float("inf"))
-            slot = tl.arange(0, SEL)
+            slot = j
         dp = tl.arange(0, 1 << LOG_DP)
         q = tl.load(q_ptr + row * DIM + dp, mask=dp < DIM, other=0.0)
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
@@ -650,88 +550,6 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 
-# The threshold lists (``kth_bucket_minimum``, ``collect``): tiles of queries and references,
-# warps, and programs to aim for per multiprocessor.
-THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N, THRESHOLD_WARPS, THRESHOLD_PROGRAMS_PER_SM = 64, 128, 4, 2
-THRESHOLD_BLOCK_K = None  # None: by D (``_block_k``)
-COLLECT_BLOCK_N, COLLECT_WARPS = 64, 4
-SCAN_BY_DOT = True
-
-
-def threshold_split(batch: int, rows: int, columns: int, least_parts: int, device: torch.device) -> tuple[int, int]:
-    """(parts, share): the references split into ``parts`` shares of ``share`` (a multiple of
-    THRESHOLD_BLOCK_N) for programs enough to fill the device, and at least ``least_parts``
-    (more buckets for ``bucket_minima``) where the references give a tile to each."""
-    block_m, block_n = THRESHOLD_BLOCK_M, THRESHOLD_BLOCK_N
-    processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    programs = batch * triton.cdiv(rows, block_m)
-    parts = max(least_parts, min(triton.cdiv(THRESHOLD_PROGRAMS_PER_SM * processors, programs),
-                                 triton.cdiv(columns, 8 * block_n)))
-    share = triton.cdiv(triton.cdiv(columns, max(1, min(parts, triton.cdiv(columns, block_n)))), block_n) * block_n
-    return triton.cdiv(columns, share), share
-
-
-def _block_k(dim: int) -> int:
-    return 16 if dim <= 16 else 32
-
-
-def _needed_or(needed: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    return needed.contiguous() if needed is not None else fallback
-
-
-def kth_bucket_minimum(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, k: int, precision: str,
-                       least_parts: int, needed: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (|r|^2, +inf where invalid) -> [B, M]:
-    the k-th least bucket minimum of ``r_norms - 2 q.r`` (products in ``precision``,
-    ``product_error``), a bucket being the references of one share (``threshold_split``, at
-    least ``least_parts``) at one position modulo THRESHOLD_BLOCK_N; +inf where fewer than k
-    buckets hold a valid reference. k distinct references have values at most it. Rows
-    ``needed`` [B, M] (bool) marks not are unspecified."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
-    batch, rows, dim = q.shape
-    columns = r.shape[1]
-    parts, share = threshold_split(batch, rows, columns, least_parts, q.device)
-    select = parts == 1 and k <= THRESHOLD_BLOCK_N
-    out = torch.full((batch, rows) if select else (batch, rows, parts * THRESHOLD_BLOCK_N), math.inf,
-                     dtype=torch.float32, device=q.device)
-    if out.numel() and columns:
-        grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
-        _bucket_minima_kernel[grid](q, r, r_norms, _needed_or(needed, out), out, rows, columns, dim, share, parts, k,
-                                    PRECISION=precision, NEEDED=needed is not None, SELECT=select,
-                                    BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=THRESHOLD_BLOCK_N,
-                                    BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim),
-                                    num_warps=THRESHOLD_WARPS)
-    if select:
-        return out
-    if k > out.shape[-1]:
-        return torch.full_like(out[..., 0], math.inf)
-    return torch.topk(out, k, dim=-1, largest=False, sorted=False).values.amax(-1)
-
-
-def collect(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, limit: torch.Tensor, capacity: int,
-            precision: str, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, M, D], r [B, N, D] (float32), r_norms [B, N] (+inf where invalid), limit [B, M]
-    -> every valid reference j with ``r_norms_j - 2 q.r_j`` at most the limit, as the
-    products in ``precision`` come out: candidates [B, M, capacity] (int32 positions, -1
-    past the found; unordered) and their count [B, M] (int32; above capacity: overflowed,
-    the candidates incomplete). Rows ``needed`` marks not find none."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
-    batch, rows, dim = q.shape
-    columns = r.shape[1]
-    candidates = torch.full((batch, rows, capacity), -1, dtype=torch.int32, device=q.device)
-    count = torch.zeros((batch, rows), dtype=torch.int32, device=q.device)
-    if candidates.numel() and columns:
-        parts, share = threshold_split(batch, rows, columns, 1, q.device)
-        share = triton.cdiv(share, COLLECT_BLOCK_N) * COLLECT_BLOCK_N
-        grid = (triton.cdiv(rows, THRESHOLD_BLOCK_M), parts, batch)
-        _collect_kernel[grid](q, r, r_norms, limit.contiguous(), _needed_or(needed, count), count, candidates, rows,
-                              columns, dim, share, CAPACITY=capacity, PRECISION=precision,
-                              NEEDED=needed is not None, SHARED=parts > 1, SCAN_BY_DOT=SCAN_BY_DOT and q.is_cuda,
-                              BLOCK_M=THRESHOLD_BLOCK_M, BLOCK_N=COLLECT_BLOCK_N,
-                              BLOCK_K=THRESHOLD_BLOCK_K or _block_k(dim), num_warps=COLLECT_WARPS)
-    return candidates, count
-
-
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
                  chunk: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32), r_norms [B, N] (|r|^2,
@@ -843,7 +661,7 @@ def ranks_members(members: int, take: int, dim: int) -> bool:
 
 
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
-                    take: int, count: int, needed: torch.Tensor | None = None, members: torch.Tensor | None = None
+                    take: int, count: int, needed: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32), ref_ok [B, N] bool, chosen [B, M, C] chunk numbers
     (-1: none; ``chunk`` 1: references) -> the ``count`` nearest valid members of each query's
@@ -853,11 +671,10 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     truth, relatively), at or below the first measure of every member not re-measured (+inf
     where every member was). Only the ``take`` least by the first measure are re-measured,
     in one kernel a query (``ranks_members``). Rows ``needed`` marks not (when given) are
-    left unwritten. ``members`` [B, M] (chunk 1): the row's references are its first
-    ``members`` chosen (the rest -1); rows of at most ``take`` skip the first measure."""
+    left unwritten."""
     batch, rows, dim = q.shape
     n_chosen = chosen.shape[-1]
-    counts, members = members, n_chosen * chunk
+    members = n_chosen * chunk
     width = triton.next_power_of_2(max(members, 2))
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     # (padded: lists longer than the members measured keep their tails)
@@ -870,11 +687,9 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
         block_c = max(1, min(selected, tile // padded))
         _nearest_members_kernel[(batch * rows,)](
             q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
-            needed if needed is not None else ref_ok, counts.contiguous() if counts is not None else ref_ok, dists, idx,
-            last, rows, r.shape[1], n_chosen, take, count,
+            needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
             DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
             BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, NEEDED=needed is not None,
-            COUNTED=counts is not None,
             num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
     return dists, idx, last
 
