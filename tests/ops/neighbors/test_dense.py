@@ -160,23 +160,34 @@ def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
 
 
 def _count_searched_rows(monkeypatch) -> list[int]:
-    """The number of rows each call of the restricted Triton search is asked for."""
+    """The number of rows each call of the restricted Triton search or brute force is asked for."""
     searched = []
-    original = dense.triton_grid.nearest
+    search, brute_force = dense.triton_grid.nearest, dense.triton_dense.brute_force
     monkeypatch.setattr(dense.triton_grid, "nearest",
-                        lambda *a, needed, **kw: searched.append(int(needed.sum())) or original(*a, needed=needed, **kw))
+                        lambda *a, needed, **kw: searched.append(int(needed.sum())) or search(*a, needed=needed, **kw))
+
+    def counted_brute_force(*args, needed=None):
+        if needed is not None:
+            searched.append(int(needed.sum()))
+        return brute_force(*args, needed=needed)
+
+    monkeypatch.setattr(dense.triton_dense, "brute_force", counted_brute_force)
     return searched
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("redo", ["brute force", "search"])
 @pytest.mark.parametrize("k", [6, pytest.param(60, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="interpreted Triton: k = 6 covers the path"))])
-def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, generator):
+def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo, generator):
     """Inside a capture (forced here; on a CPU through Triton's interpreter): rows proven from
     the measured members, the rest (ties wider than the slack, and normal queries beside
-    them) taken from the Triton search, one re-measure: the reference's lists."""
+    them) taken from the brute force (small items) or the Triton search, one re-measure:
+    the reference's lists."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(dense, "_capturing", lambda query: True)
+    if redo == "search":
+        monkeypatch.setattr(dense, "BRUTE_FORCE_REDO_MAX_COLUMNS", 0)
     searched = _count_searched_rows(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = _tied(generator, device)

@@ -51,9 +51,10 @@ whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
-D <= REDO_MAX_DIM) the rows not proven take the Triton search restricted to them (its
-programs without such a row return at once), for k + SLACK neighbours re-measured in the
-reference's arithmetic (``_in_capture``), and no host read. Otherwise one host read: on
+D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
+items (``_brute_force_redoes``), else the Triton search restricted to them, for k + SLACK
+neighbours re-measured in the reference's arithmetic (the programs of either without such a
+row return at once; ``_in_capture``), and no host read. Otherwise one host read: on
 GPUs the stored products of steps 1-3 redo them first, then the Triton search (CUDA) or
 the reference (CPUs, float64) what still fails.
 """
@@ -333,8 +334,9 @@ def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
 
 def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
     """The tensor-core path inside a CUDA graph capture, with no host read: the rows the
-    certificate leaves unproven take the Triton search's lists (its programs without such a
-    row return at once), re-measured in the reference's arithmetic."""
+    certificate leaves unproven take the brute force's lists (``_brute_force_redoes``) or
+    the Triton search's re-measured in the reference's arithmetic (the programs of either
+    without such a row return at once)."""
     batch, rows, _ = query.shape
     take = max(k, min(k + SLACK, REDO_MAX_K))
     unproven = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
@@ -344,6 +346,8 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
         d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, ref_ok, k, radius)
         dists[:, block, :d.shape[-1]], idx[:, block, :d.shape[-1]] = d, i
     unproven &= query_ok
+    if _brute_force_redoes(frames, k):
+        return _brute_force(frames, ref_ok, k, radius, dists, idx, needed=unproven)
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=unproven,
                                       built=_grid(frames, query_ok, ref_ok))
     d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=unproven)
@@ -395,16 +399,33 @@ def _brute_forced(query, ref, k) -> bool:
             and k <= triton_dense.BRUTE_FORCE_MAX_K and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
 
 
-def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx) -> None:
-    """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx."""
+def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
+    """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx (only
+    the rows ``needed`` [B, M] marks, when given)."""
     found, position = triton_dense.brute_force(
         frames.q, frames.r, ref_ok, k,
-        triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM)
+        triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM, needed=needed)
     found, position = _in_torch_sqrt(frames.q, frames.r, found, position)
     found = found * frames.scale[..., None]
     keep = found <= radius
-    dists.copy_(found.masked_fill_(~keep, math.inf))
-    idx.copy_(position.masked_fill_(~keep, -1))
+    found, position = found.masked_fill_(~keep, math.inf), position.masked_fill_(~keep, -1)
+    if needed is not None:
+        found, position = torch.where(needed[..., None], found, dists), torch.where(needed[..., None], position, idx)
+    dists.copy_(found)
+    idx.copy_(position)
+
+
+# Rows unproven inside a capture are redone by the brute force on items of up to this many
+# references (programs without such a row return at once: ~0.01 ms where none is, against
+# ~0.1 ms for the search's one-cell grid, its launch and re-measure), by the Triton search on
+# larger ones (per row the brute force's scalar sums cost more there).
+BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
+
+
+def _brute_force_redoes(frames: _Frames, k) -> bool:
+    columns, dim = frames.r.shape[1], frames.q.shape[-1]
+    return (frames.q.dtype == torch.float32 and pairs.PER_COORDINATE_MAX_DIM < dim <= triton_dense.BRUTE_FORCE_MAX_DIM
+            and k <= triton_dense.BRUTE_FORCE_MAX_K and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS)
 
 
 def _redone_in_triton(query, k) -> bool:

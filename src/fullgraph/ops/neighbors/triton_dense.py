@@ -380,14 +380,19 @@ if triton is not None:
         tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
-    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
+    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
                             DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr,
+                            NEEDED: tl.constexpr):
         """The k nearest valid references of BLOCK_M queries of item b, measured as
         ``_squared_distances_kernel`` measures (the reference's arithmetic) and kept as
-        (distance, index) keys like the grid search's; launched without contraction."""
+        (distance, index) keys like the grid search's; launched without contraction. NEEDED:
+        a program none of whose queries needed marks returns at once."""
         b = tl.program_id(1).to(tl.int64)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if NEEDED:
+            if tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+                return
         d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
         q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
                     other=0.0)
@@ -604,24 +609,26 @@ BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
 
 
 def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
-                sort_from: int) -> tuple[torch.Tensor, torch.Tensor]:
+                sort_from: int, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32, D in (4, BRUTE_FORCE_MAX_DIM]), ref_ok [B, N] bool,
     k <= BRUTE_FORCE_MAX_K -> each query's k nearest valid references: distances [B, M, k]
     (float32, the reference's bits; +inf past the valid ones) and positions (-1 there),
     ascending, ties to the smaller position. One kernel, no host read; a tile enters the
     lists by sorting where some query wants ``sort_from`` of its candidates (the grid
-    search's ``SEARCH_SORT_FROM``)."""
+    search's ``SEARCH_SORT_FROM``). ``needed`` [B, M] (bool): only its rows are sure to be
+    searched; the others' lists are +inf / -1 or found too."""
     batch, rows, dim = q.shape
     columns = r.shape[1]
-    dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
-    idx = torch.empty((batch, rows, k), dtype=torch.int64, device=q.device)
+    dists = torch.full((batch, rows, k), math.inf, dtype=torch.float32, device=q.device)
+    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=q.device)
     if dists.numel():
         padded = triton.next_power_of_2(dim)
         block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
         _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M), batch)](
-            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), dists, idx, rows, columns, DIM=dim, DP=padded,
-            LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
-            BLOCK_N=block_n, SORT_FROM=sort_from, num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
+            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), needed if needed is not None else ref_ok, dists,
+            idx, rows, columns, DIM=dim, DP=padded, LOG_DP=padded.bit_length() - 1, K=k,
+            KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M, BLOCK_N=block_n, SORT_FROM=sort_from,
+            NEEDED=needed is not None, num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
     return dists, idx
 
 
