@@ -5,6 +5,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
     python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
+    python benchmarks/dense_profile.py --chunks         (the fused lists' chunk size and slack, graphed,
+                                                         with the rows failed)
     python benchmarks/dense_profile.py --operators      (the capture path run eagerly: torch's operators
                                                          with their input shapes, by CUDA time)
     python benchmarks/dense_profile.py --keys           (the fused chunk lists against the stored
@@ -34,7 +36,7 @@ from fullgraph.ops.neighbors import dense, triton_dense
 
 SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (1, 10000, 1000000, 128, 10),
           (1, 20000, 200000, 16, 10), (4, 4096, 16384, 32, 50))
-SWEEP = {"FUSED_BLOCK_M": (32, 64, 128), "FUSED_NUM_WARPS": (2, 4, 8), "FUSED_CHUNK": (4, 8)}
+SWEEP = {"FUSED_BLOCK_M": (32, 64, 128), "FUSED_NUM_WARPS": (2, 4, 8), "FUSED_CHUNK": (2, 4)}
 FAILED: list[tuple[int, int]] = []
 
 
@@ -76,6 +78,27 @@ def sweep(generator) -> None:
             setattr(triton_dense, name, value)
         times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
         print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
+
+
+CHUNK_SHAPES = ((8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (4, 4096, 16384, 32, 50), (8, 4096, 4096, 64, 32))
+
+
+def chunks(generator) -> None:
+    """Graphed dense kNN by the fused lists' chunk size and chunk slack (FUSED_CHUNK,
+    CHUNK_SLACK), with the rows a normal and a clustered cloud failed."""
+    clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
+               torch.randn(b, n, d, device="cuda", generator=generator), _clustered(b, m, n, d, generator), k)
+              for b, m, n, d, k in CHUNK_SHAPES]
+    for chunk, slack in ((4, 4), (2, 4), (2, 6), (4, 2)):
+        triton_dense.FUSED_CHUNK, dense.CHUNK_SLACK = chunk, slack
+        cells = []
+        for (q, r, clustered, k), shape in zip(clouds, CHUNK_SHAPES):
+            time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            FAILED.clear()
+            fullgraph.knn(q, r, k, backend="dense")
+            fullgraph.knn(*clustered, k, backend="dense")
+            cells.append(f"{shape} {time:.3f} (failed {[f for f, _ in FAILED]})")
+        print(f"chunk {chunk} slack {slack}:", "; ".join(cells), flush=True)
 
 
 # (B, M, N, D) where the fused path may run (N <= FUSED_MAX_COLUMNS), each with k = 20, 32, 50.
@@ -298,6 +321,7 @@ def operators(generator) -> None:
 
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
+         ("chunks", chunks, "the fused lists' chunk size and slack"),
          ("operators", operators, "the capture path's operators and shapes"),
          ("keys", fused_keys, "fused chunk lists against stored minima by k"),
          ("brute", brute, "every pair measured against the products' path"),

@@ -38,8 +38,13 @@ BLOCK_MEMBERS = 128
 SORT_MAX, SORT_KEYS = 2048, 4096
 # The fused path (``least_chunks`` up to FUSED_MAX_KEYS chunks a query): chunks of
 # FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
-# queries; a tile of references holds at least as many chunks as the list.
-FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 4, 64, 128, 4, 64
+# queries; a tile of references holds at least as many chunks as the list. Chunks of 2 with
+# dense.CHUNK_SLACK 6 against 4 with 4 (H100, session 31 run TH, graphed ms, rows failed
+# normal / clustered): 8 x 4096^2 D=64 k=20 1.065 (0 / 0) against 1.071 (0 / 3), 32 x 1024^2
+# 0.609 against 0.661, 4 x 4096 x 16,384 D=32 k=50 1.663 (0 / 1) against 2.441 (0 / 23),
+# 8 x 4096^2 k=32 1.333 against 2.047: half the members to measure. Chunks of 2 with slack 4
+# failed more rows (k=50: 2 / 40), of 8 ran out of shared memory.
+FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 2, 64, 128, 4, 64
 # ... and up to this many references, by the lists' width (keys, a power of two >= 16):
 # beyond, the stored minima were faster on the H100 (graphed ms fused / stored,
 # session24/dense-keys-run-MF.log: 32 keys (k = 20) 4 x 4096 x 16,384 D=32 1.99 / 2.29, 1 x
