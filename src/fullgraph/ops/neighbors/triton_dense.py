@@ -624,8 +624,10 @@ def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
     searched; the others' lists are +inf / -1 or found too."""
     batch, rows, dim = q.shape
     columns = r.shape[1]
-    dists = torch.full((batch, rows, k), math.inf, dtype=torch.float32, device=q.device)
-    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=q.device)
+    dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
+    idx = torch.empty((batch, rows, k), dtype=torch.int64, device=q.device)
+    if needed is not None:  # (rows not searched: empty lists)
+        dists.fill_(math.inf), idx.fill_(-1)
     if dists.numel():
         padded = triton.next_power_of_2(dim)
         block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
