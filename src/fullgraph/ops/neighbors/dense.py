@@ -396,8 +396,8 @@ BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 64
 
 def _brute_forced(query, ref, k) -> bool:
     rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
-    return (_on_tensor_cores(query) and pairs.PER_COORDINATE_MAX_DIM < dim <= BRUTE_FORCE_MAX_DIM
-            and k <= triton_dense.BRUTE_FORCE_MAX_K and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
+    return (_on_tensor_cores(query) and dim <= BRUTE_FORCE_MAX_DIM and triton_dense.brute_force_takes(dim, k)
+            and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
 
 
 def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
@@ -425,8 +425,8 @@ BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
 
 def _brute_force_redoes(frames: _Frames, k) -> bool:
     columns, dim = frames.r.shape[1], frames.q.shape[-1]
-    return (frames.q.dtype == torch.float32 and pairs.PER_COORDINATE_MAX_DIM < dim <= triton_dense.BRUTE_FORCE_MAX_DIM
-            and k <= triton_dense.BRUTE_FORCE_MAX_K and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS)
+    return (frames.q.dtype == torch.float32 and triton_dense.brute_force_takes(dim, k)
+            and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS)
 
 
 def _redone_in_triton(query, k) -> bool:

@@ -613,6 +613,11 @@ BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
 BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
 
 
+def brute_force_takes(dim: int, k: int) -> bool:
+    """Whether ``brute_force`` takes points of D = dim and lists of k."""
+    return PER_COORDINATE_MAX_DIM < dim <= BRUTE_FORCE_MAX_DIM and k <= BRUTE_FORCE_MAX_K
+
+
 def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
                 sort_from: int, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32, D in (4, BRUTE_FORCE_MAX_DIM]), ref_ok [B, N] bool,
