@@ -18,6 +18,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
     python benchmarks/dense_profile.py --host           (a tiny eager call's host time: cProfile, profiler)
     python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
+    python benchmarks/dense_profile.py --precision      (the first products in one TF32 product or three,
+                                                         the stored minima's program order, graphed)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -319,6 +321,42 @@ def operators(generator) -> None:
             sort_by="cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70), flush=True)
 
 
+def precision(generator) -> None:
+    """Graphed dense kNN of every shape with the first products in tf32x3 alone or in one
+    TF32 product of rounded operands (the rows it leaves unproven again in tf32x3), and the
+    stored minima's programs by tiles of references first or of queries first; with the
+    rows the first products left unproven on a normal and a clustered cloud."""
+    proven, unproven = dense._proven_lists, []
+
+    def counting(frames, rows, ref_ok, k, radius, precision, needed=None):
+        d, i, left = proven(frames, rows, ref_ok, k, radius, precision, needed)
+        if needed is None and not torch.cuda.is_current_stream_capturing():
+            unproven.append(int(left.sum()))
+        return d, i, left
+
+    dense._proven_lists = counting
+    for batch, rows, columns, dim, k in SHAPES:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        clustered = _clustered(batch, rows, columns, dim, generator)
+        runs = 10 if rows * columns > 1e8 else 30
+        try:
+            cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)), runs):.3f}"]
+        except torch.OutOfMemoryError:
+            cells = ["cdist+topk out of memory"]
+        stored = triton_dense.chunk_size(columns, k + dense.CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
+        for first, queries_first in itertools.product(("tf32x3", "tf32"), (False, True) if stored else (True,)):
+            dense.FIRST_PRECISION, triton_dense.MINIMA_QUERIES_FIRST = first, queries_first
+            time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")), runs)
+            unproven.clear()
+            for query, ref in ((q, r), clustered):
+                fullgraph.knn(query, ref, k, backend="dense")
+            order = " queries first" if stored and queries_first else ""
+            cells.append(f"{first}{order} {time:.3f} (unproven first: {unproven})")
+            torch.cuda.empty_cache()
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
+
+
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -328,7 +366,8 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("floor", floor, "the fused lists beside their products alone"),
          ("points", points, "3-D clouds: dense against the grid"),
          ("host", host, "a tiny eager call's host time"),
-         ("brute-sweep", brute_sweep, "the brute force's settings"))
+         ("brute-sweep", brute_sweep, "the brute force's settings"),
+         ("precision", precision, "the first products' precision, the stored minima's order"))
 
 
 def main() -> None:

@@ -409,6 +409,104 @@ def test_chunk_minima_within_the_products_error(precision, dim, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim", [16, 64, 128])
+def test_rounded_operands_multiply_within_their_bound(dim, generator):
+    """The first products (``dense._products``, "tf32"): operands rounded to TF32 (the low 13
+    bits zero, each coordinate within 2^-11, the GPU frames' as torch rounds theirs), and their
+    chunk minima against float64 of the unrounded clouds within the stated bound plus the
+    float32 sums: coordinates of mixed magnitudes, near-duplicates, a far point."""
+    from fullgraph.ops.neighbors import pairs, triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
+    ref = torch.cat([torch.randn(2, 500, dim, generator=generator), query[:, :20] * (1 + 2**-20),
+                     query[:, 20:21] * 1e3], 1)
+    query, ref = query.to(device), ref.to(device)
+    lengths = (torch.tensor([70, 70], device=device), torch.tensor([521, 521], device=device))
+    got = triton_dense.frames(query, ref, *lengths)
+    frames = dense._Frames(query, ref, pairs.valid_points(query, None), pairs.valid_points(ref, None), torch.float32)
+    qt, rt, q_lo, r_lo = frames.rounded()
+    for rounded, exact in ((qt, frames.qc), (rt, frames.rc)):
+        assert ((rounded.view(torch.int32) & 0x1FFF) == 0).all()
+        assert ((exact - rounded).abs() <= exact.abs() * 2.0**-11).all()
+    assert torch.equal(got["qt"], triton_dense.tf32_rounded(got["qc"]))
+    assert torch.equal(got["rt"], triton_dense.tf32_rounded(got["rc"]))
+    torch.testing.assert_close(got["q_lo"], (got["qc"] - got["qt"]).norm(dim=-1))
+    torch.testing.assert_close(got["r_lo"], (got["rc"] - got["rt"]).norm(dim=-1).amax(-1, keepdim=True))
+    q_abs = frames.qc.norm(dim=-1)
+    q, r, error = dense._products(frames, slice(None), "tf32", q_abs)
+    minima = triton_dense.chunk_minima(q, r, frames.r_norms, 4, "tf32").cpu().double()
+    qc, rc, norms = frames.qc.cpu().double(), frames.rc.cpu().double(), frames.r_norms.cpu().double()
+    values = norms[:, None, :] - 2 * qc @ rc.transpose(1, 2)
+    want = torch.nn.functional.pad(values, (0, -rc.shape[1] % 4), value=math.inf).unflatten(-1, (-1, 4)).amin(-1)
+    u, q_abs, reach = 2.0**-24, q_abs.cpu().double()[..., None], frames.reach.cpu().double()[..., None]
+    sums = 2 * 3 * dim * u * q_abs * reach + 4 * u * (norms.amax(-1)[:, None, None] + 2 * q_abs * reach)
+    assert ((minima - want).abs() <= 2 * error.cpu().double()[..., None] + sums).all()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_only_the_needed_queries_tiles_are_multiplied(generator):
+    """``needed``: the stored chunk minima and the fused lists of the tiles holding a needed
+    query equal those of the whole call; the other tiles' minima are +inf."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 300, 16, generator=generator).to(device)
+    r = torch.randn(2, 600, 16, generator=generator).to(device)
+    norms, q_norms = (r * r).sum(-1), (q * q).sum(-1)
+    needed = torch.zeros(2, 300, dtype=torch.bool, device=device)
+    needed[0, 5] = needed[1, 299] = True
+    whole = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3")
+    some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
+    tile = triton_dense.BLOCK_M
+    for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
+        assert torch.equal(some[b, rows], whole[b, rows])
+        some[b, rows] = math.inf
+    assert torch.isinf(some).all()
+    count, chunk = 9, triton_dense.FUSED_CHUNK
+    whole = triton_dense.least_chunks(q, q_norms, r, norms, count, chunk, "tf32x3")
+    some = triton_dense.least_chunks(q, q_norms, r, norms, count, chunk, "tf32x3", needed)
+    tile = triton_dense.FUSED_BLOCK_M
+    for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
+        assert torch.equal(some[0][b, rows], whole[0][b, rows]) and torch.equal(some[1][b, rows], whole[1][b, rows])
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("columns", [700, 3000])  # the fused lists; the stored minima (chunks of 16)
+def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, columns, generator):
+    """Rows whose first bound is made useless (every third query) are proven by the second
+    products, theirs only: the reference's lists, and no row left for the redo."""
+    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    if columns > 1000:
+        monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
+    products, tiers = dense._products, []
+
+    def loose_first(frames, rows, precision, q_abs):
+        q, r, error = products(frames, rows, precision, q_abs)
+        if precision == dense.FIRST_PRECISION:
+            error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
+        return q, r, error
+
+    def counted(frames, rows, ref_ok, k, radius, precision, needed=None):
+        tiers.append((precision, None if needed is None else needed.tolist()))
+        return proven(frames, rows, ref_ok, k, radius, precision, needed)
+
+    proven = dense._proven_lists
+    monkeypatch.setattr(dense, "_products", loose_first)
+    monkeypatch.setattr(dense, "_proven_lists", counted)
+    redone, redo = [], dense._redo
+    monkeypatch.setattr(dense, "_redo", lambda *args: redone.append(int(args[9].sum())) or redo(*args))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=columns))
+    dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
+    assert [precision for precision, _ in tiers] == [dense.FIRST_PRECISION, dense.TENSOR_CORE_PRECISION]
+    assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
+    assert redone == [0]
+    want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim", [3, 4, 5, 64, 300])
 @pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
                                                           (16, 5, 12, 7)])

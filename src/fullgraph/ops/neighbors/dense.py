@@ -82,6 +82,10 @@ CHUNK_SLACK = 6
 # call 1.230 -> 1.149, DGCNN train step 4.77 -> 4.66 ms; clustered rows failed 83 -> 1,871 of
 # 32,768, 4 x 4096 x 16,384 D=32 2,793 -> 6,800): kept out.
 TENSOR_CORE_PRECISION = "tf32x3"
+# The first products: one TF32 product of operands rounded to TF32 beforehand (each product
+# exact, the rounding's residuals bounded per query: ``_products``); the valid rows they leave
+# unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
+FIRST_PRECISION = "tf32"
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
@@ -192,8 +196,18 @@ class _Frames:
     def of(cls, parts: dict) -> _Frames:
         """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
         frames = object.__new__(cls)
-        frames.__dict__.update({name: parts[name] for name in ("scale", "q", "r", "qc", "rc", "reach", "r_norms")})
+        names = ("scale", "q", "r", "qc", "rc", "reach", "r_norms", "qt", "rt", "q_lo", "r_lo")
+        frames.__dict__.update({name: parts[name] for name in names})
         return frames
+
+    def rounded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The products' operands in TF32: ``qc`` and ``rc`` rounded (``triton_dense.tf32_rounded``),
+        the norms of what that left out per query [B, M] and the largest per item [B, 1]."""
+        if "qt" not in vars(self):  # (the GPU frames hold them)
+            self.qt, self.rt = triton_dense.tf32_rounded(self.qc), triton_dense.tf32_rounded(self.rc)
+            self.q_lo = (self.qc - self.qt).norm(dim=-1)
+            self.r_lo = (self.rc - self.rt).norm(dim=-1).amax(-1, keepdim=True)
+        return self.qt, self.rt, self.q_lo, self.r_lo
 
     def items(self, chosen: slice) -> _Frames:
         """The frames of the batch items ``chosen`` (views)."""
@@ -268,23 +282,40 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _chosen_chunks(frames: _Frames, rows: slice, k):
+def _products(frames: _Frames, rows: slice, precision: str, q_abs):
+    """The operands of the products in ``precision`` (the queries ``rows``, the references)
+    and a bound [B, m] on each query's |q.r - the product| over the references, before the
+    float32 sums (step 3 bounds those), for queries of norm ``q_abs`` [B, m]. "tf32": the
+    operands rounded to TF32 beforehand (``_Frames.rounded``), so that every product is
+    exact and q.r - q'.r' = q_lo.r + q'.r_lo (Cauchy-Schwarz on the norms left out; a
+    margin of 2^-10 for their float32 sums). Otherwise each product's input rounding,
+    ε |q_d r_d| (``triton_dense.product_error``), summed: ε |q| |r|."""
+    if precision == "tf32":
+        qt, rt, q_lo, r_lo = frames.rounded()
+        q_lo = q_lo[:, rows]
+        error = (q_lo * frames.reach + (q_abs + q_lo) * r_lo) * (1 + 2.0**-10)
+        return qt[:, rows].contiguous(), rt, error
+    error = triton_dense.product_error(precision) * q_abs * frames.reach
+    return frames.qc[:, rows].contiguous(), frames.rc, error
+
+
+def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None):
     """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
-    per query the k + CHUNK_SLACK chunks with the least minima on tensor cores (chunk numbers
-    [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor under the squared distances, as
-    the reference measures them, of every reference in no chosen chunk (+inf: none is left)."""
-    qc = frames.qc[:, rows].contiguous()
+    per query the k + CHUNK_SLACK chunks with the least minima on tensor cores in
+    ``precision`` (chunk numbers [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor
+    under the squared distances, as the reference measures them, of every reference in no
+    chosen chunk (+inf: none is left). ``needed`` [B, m]: only tiles of queries holding a
+    needed one are multiplied (the others' chunks are unspecified)."""
+    qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    precision = TENSOR_CORE_PRECISION
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + CHUNK_SLACK, chunks)
     q_norms = (qc * qc).sum(-1)
-    values, chosen = triton_dense.least_chunks(qc, q_norms, frames.rc, frames.r_norms, min(n_chosen + 1, chunks),
-                                               chunk, precision)
-    # The products' error: each product's (ε |q_d r_d|, summed: ε |q| |r| by Cauchy-Schwarz),
-    # then the float32 sums and norms as in step 3.
     q_abs = q_norms.sqrt()
+    q, r, error = _products(frames, rows, precision, q_abs)
+    values, chosen = triton_dense.least_chunks(q, q_norms, r, frames.r_norms, min(n_chosen + 1, chunks), chunk,
+                                               precision, needed)
     if values.shape[-1] == n_chosen:
         return chosen, chunk, torch.full_like(q_abs, math.inf)
     # Every reference of an unchosen chunk has a product value v with fl(v + |q|^2) >= the
@@ -293,44 +324,56 @@ def _chosen_chunks(frames: _Frames, rows: slice, k):
     # product below rounds by 2^-24 at most, hence 2^-22 there).
     last = values[..., -1]
     least = torch.where(last >= 0, last * (1 - 2.0**-22), last * (1 + 2.0**-22))
-    beyond = beyond_expansion(least - 2 * triton_dense.product_error(precision) * q_abs * frames.reach, q_abs,
-                              frames.reach, dim, 2.0**-24)
+    beyond = beyond_expansion(least - 2 * error, q_abs, frames.reach, dim, 2.0**-24)
     return chosen[..., :n_chosen], chunk, beyond
 
 
-def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius):
-    """Steps 1-3 on GPUs: the chosen chunks' members measured from differences (relative
-    error below (D + 2) u, no cancellation), the k + SLACK nearest by that re-measured in the
-    reference's arithmetic (in one kernel, ``triton_dense.nearest_members``, where it takes
-    them). Returns ``_exact_lists``' lists [B, m, >= k] and ``limit`` [B, m]: a row whose k-th
-    squared distance lies below it is exactly the reference's (+inf: every member of every
-    chunk was re-measured)."""
-    chosen, chunk, beyond = _chosen_chunks(frames, rows, k)
+def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None):
+    """Steps 1-3 on GPUs, the products in ``precision``: the chosen chunks' members measured
+    from differences (relative error below (D + 2) u, no cancellation), the k + SLACK nearest
+    by that re-measured in the reference's arithmetic (in one kernel,
+    ``triton_dense.nearest_members``, where it takes them). Returns ``_exact_lists``' lists
+    [B, m, >= k] and ``limit`` [B, m]: a row whose k-th squared distance lies below it is
+    exactly the reference's (+inf: every member of every chunk was re-measured). Rows that
+    ``needed`` [B, m] (when given) leaves out come back unspecified."""
+    chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed)
     q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
     members = chosen.shape[-1] * chunk
     take = min(k + SLACK, members)
     # Every unmeasured member of a chosen chunk has a first measure >= the last one re-measured.
     shrink = 1 - 4 * (dim + 2) * 2.0**-24
     if triton_dense.ranks_members(members, take, dim):
-        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, chunk, take, k)
+        d, i, last = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, chunk, take, k, needed)
         d, i = _within(*_in_torch_sqrt(q, frames.r, d, i), frames.scale, radius)
         return d, i, torch.minimum(beyond, last * shrink)
     measured, position = triton_dense.smallest(
-        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk), take)
+        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk, needed), take)
     candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
     columns = frames.r.shape[1]
-    d, i = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, candidates < columns)
+    d, i = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, candidates < columns,
+                        needed)
     if take < members:
         beyond = torch.minimum(beyond, measured[..., -1] * shrink)
     return d, i, beyond
 
 
-def _block_on_tensor_cores(frames: _Frames, rows: slice, ref_ok, k, radius):
-    """``_block`` on GPUs (``_tensor_core_lists``)."""
-    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius)
+def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None):
+    """``_tensor_core_lists`` [B, m, <= k] and the rows the certificate leaves unproven."""
+    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, needed)
     kth = d[..., min(k, d.shape[-1]) - 1]
-    certified = (kth ** 2 < limit) | torch.isinf(limit)
-    return d[..., :k] * frames.scale[..., None], i[..., :k], ~certified
+    return d[..., :k], i[..., :k], ~((kth ** 2 < limit) | torch.isinf(limit))
+
+
+def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
+    """``_block`` on GPUs: products in FIRST_PRECISION, and the valid rows they leave
+    unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied)."""
+    d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, FIRST_PRECISION)
+    if FIRST_PRECISION != TENSOR_CORE_PRECISION:
+        unproven &= query_ok[:, rows]
+        again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven)
+        redo = unproven[..., None]
+        d, i, unproven = torch.where(redo, again, d), torch.where(redo, found, i), unproven & still
+    return d * frames.scale[..., None], i, unproven
 
 
 def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
@@ -344,7 +387,7 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
     step = max(1, BLOCK_BYTES["cuda"] // (batch * _width(ref.shape[1], k) * frames.q.element_size()))
     for start in range(0, rows, step):
         block = slice(start, min(start + step, rows))
-        d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, ref_ok, k, radius)
+        d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, query_ok, ref_ok, k, radius)
         dists[:, block, :d.shape[-1]], idx[:, block, :d.shape[-1]] = d, i
     unproven &= query_ok
     if _brute_force_redoes(frames, k):
@@ -498,7 +541,8 @@ def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, r
         for start in range(0, rows, step):
             block = slice(start, min(start + step, rows))
             if fused:
-                d, i, failed[items, block] = _block_on_tensor_cores(part, block, ref_ok[items], k, radius)
+                d, i, failed[items, block] = _block_on_tensor_cores(part, block, query_ok[items], ref_ok[items], k,
+                                                                    radius)
             else:
                 d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i

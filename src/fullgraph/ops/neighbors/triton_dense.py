@@ -33,6 +33,9 @@ from .pairs import PER_COORDINATE_MAX_DIM
 # 10^4 x 10^6 D=128, 2 x 10^4 x 2 x 10^5 D=16: benchmarks/results/h100-torch2.11/dense-tile-sweep.log);
 # BLOCK_K 16 for D <= 16 (5.0 against 6.3 ms), else 32.
 BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
+# ... launched a tile of references at a time against successive tiles of queries (each tile
+# of references read once from memory while the queries stay in L2), not the other way.
+MINIMA_QUERIES_FIRST = True
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -78,6 +81,13 @@ def product_error(precision: str) -> float:
     return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
+def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """float32 x rounded to TF32's 10 fraction bits (to nearest, ties away from zero), as
+    float32: operands the tensor cores multiply exactly (each product has at most 22 bits).
+    x - that is exact, at most 2^-11 of |x| a coordinate."""
+    return ((x.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
 def _list_width(count: int) -> int:
     """Keys a fused list of ``count`` chunks holds: a power of two, at least 16."""
     return 1 << max(4, (count - 1).bit_length())
@@ -118,17 +128,31 @@ if triton is not None:
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
-    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks,
-                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        item = tl.program_id(2).to(tl.int64)
-        m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks, row_blocks,
+                             column_blocks, CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr,
+                             QUERIES_FIRST: tl.constexpr):
+        """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
+        references a program (QUERIES_FIRST: consecutive programs take one tile of references
+        against successive tiles of queries). NEEDED: a tile none of whose queries needed
+        marks stores +inf."""
+        item = tl.program_id(1).to(tl.int64)
+        if QUERIES_FIRST:
+            row_block, column_block = tl.program_id(0) % row_blocks, tl.program_id(0) // row_blocks
+        else:
+            row_block, column_block = tl.program_id(0) // column_blocks, tl.program_id(0) % column_blocks
+        m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        c = column_block * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
+        where = out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :]
+        inside = (m[:, None] < rows) & (c[None, :] < chunks)
+        if NEEDED:
+            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+                tl.store(where, tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32), mask=inside)
+                return
         minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
                               m, n, rows, columns, dim, CHUNK, PRECISION, BLOCK_K)
-        c = tl.program_id(0) * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
-        tl.store(out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :], minima,
-                 mask=(m[:, None] < rows) & (c[None, :] < chunks))
+        tl.store(where, minima, mask=inside)
 
     @triton.jit
     def _ordered_bits(values):
@@ -189,14 +213,15 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share,
-                                 parts,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim,
+                                 chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 NEEDED: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]."""
+        parts, KEYS]. NEEDED: a tile none of whose queries needed marks stores empty lists."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -206,7 +231,11 @@ if triton is not None:
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
-        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
+        stop = tl.minimum(first + share, columns)
+        if NEEDED:
+            stop = tl.where(tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) > 0,
+                            stop, first)
+        for start in range(first, stop, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
                                   PRECISION, BLOCK_K)
@@ -234,8 +263,9 @@ if triton is not None:
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
     @triton.jit
-    def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, out_ptr, rows, columns, dim, n_chosen,
-                                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, needed_ptr, out_ptr, rows, columns, dim,
+                                 n_chosen, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 NEEDED: tl.constexpr):
         item = tl.program_id(2).to(tl.int64)
         row = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -244,6 +274,8 @@ if triton is not None:
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
         ok = (j < members) & (ref < columns)
+        if NEEDED:  # (rows not needed: +inf, nothing read)
+            ok = ok & (tl.load(needed_ptr + query) != 0)
         norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
         kk = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -449,10 +481,17 @@ if triton is not None:
             tl.store(sums_ptr + (b * blocks + block) * dim + d, tl.sum(tl.where(ok[:, None], x, 0.0), 0), mask=d < dim)
 
     @triton.jit
-    def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, scaled_ptr, centred_ptr, norms_ptr, reach_ptr,
-                        rows, dim, blocks, NORMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
-        """points [B, L, D] -> scaled = points / scale[b] (exact: a power of two) and centred =
-        scaled - centre[b] (0 on invalid rows); with NORMS, |centred|^2 [B, L] (+inf on invalid
+    def _tf32_rounded(x):
+        """float32 x -> float32 with TF32's 10 fraction bits: ``tf32_rounded``."""
+        return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, scaled_ptr, centred_ptr, rounded_ptr,
+                        residuals_ptr, norms_ptr, reach_ptr, rows, dim, blocks, NORMS: tl.constexpr,
+                        BLOCK_R: tl.constexpr, DP: tl.constexpr):
+        """points [B, L, D] -> scaled = points / scale[b] (exact: a power of two), centred =
+        scaled - centre[b] (0 on invalid rows), that rounded to TF32 (``_tf32_rounded``) and
+        the norm of what it left out [B, L]; with NORMS, |centred|^2 [B, L] (+inf on invalid
         rows) and per block the largest of the valid ones -> reach [B, blocks]."""
         b = tl.program_id(1).to(tl.int64)
         block = tl.program_id(0)
@@ -468,6 +507,10 @@ if triton is not None:
         centred = tl.where(ok[:, None], scaled - centre[None, :], 0.0)
         tl.store(scaled_ptr + where, scaled, mask=mask)
         tl.store(centred_ptr + where, centred, mask=mask)
+        rounded = _tf32_rounded(centred)
+        tl.store(rounded_ptr + where, rounded, mask=mask)
+        left = centred - rounded  # (exact)
+        tl.store(residuals_ptr + b * rows + r, tl.sqrt(tl.sum(left * left, 1)), mask=inside)
         if NORMS:
             norms = tl.sum(centred * centred, 1)
             tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
@@ -513,36 +556,43 @@ def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None)
     return out_values, out_index
 
 
-def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str) -> torch.Tensor:
+def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str,
+                 needed: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, M, D], r [B, N, D] (float32, contiguous), r_norms [B, N] (|r|^2, +inf where
-    invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least ``r_norms - 2 q.r``."""
+    invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least ``r_norms - 2 q.r``. With
+    ``needed`` [B, M] (bool) only tiles of queries holding a needed one are multiplied: the
+    others' minima are +inf."""
     q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
     columns = r.shape[1]
     chunks = triton.cdiv(columns, chunk)
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     if out.numel():
-        grid = (triton.cdiv(columns, BLOCK_N), triton.cdiv(rows, BLOCK_M), batch)
+        row_blocks, column_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(columns, BLOCK_N)
         block_k = 16 if dim <= 16 else 32
-        _chunk_minima_kernel[grid](q, r, r_norms, out, rows, columns, dim, chunks, CHUNK=chunk, PRECISION=precision,
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=NUM_WARPS,
-                                   num_stages=4 if block_k == 16 else 3)
+        _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
+            q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, row_blocks,
+            column_blocks, CHUNK=chunk, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
+            NEEDED=needed is not None, QUERIES_FIRST=MINIMA_QUERIES_FIRST, num_warps=NUM_WARPS,
+            num_stages=4 if block_k == 16 else 3)
     return out
 
 
 def member_distances(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chosen: torch.Tensor,
-                     chunk: int) -> torch.Tensor:
+                     chunk: int, needed: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, M, D], r [B, N, D] (float32, contiguous), chosen [B, M, C] chunk numbers ->
     [B, M, C * chunk]: squared distances to every reference of the chosen chunks (member
-    ``c * chunk + s`` is reference ``chosen[c] * chunk + s``; +inf past N or where r_norms is)."""
+    ``c * chunk + s`` is reference ``chosen[c] * chunk + s``; +inf past N or where r_norms is,
+    and on the rows ``needed`` [B, M] (bool, when given) leaves out)."""
     q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
     n_chosen = chosen.shape[-1]
     out = torch.empty((batch, rows, n_chosen * chunk), dtype=torch.float32, device=q.device)
     if out.numel():
         grid = (rows, triton.cdiv(n_chosen * chunk, BLOCK_MEMBERS), batch)
-        _member_distances_kernel[grid](q, r, r_norms, chosen.contiguous(), out, rows, r.shape[1], dim, n_chosen,
-                                       CHUNK=chunk, BLOCK=BLOCK_MEMBERS, BLOCK_K=32, num_warps=4)
+        _member_distances_kernel[grid](q, r, r_norms, chosen.contiguous(), needed if needed is not None else r_norms,
+                                       out, rows, r.shape[1], dim, n_chosen, CHUNK=chunk, BLOCK=BLOCK_MEMBERS,
+                                       BLOCK_K=32, NEEDED=needed is not None, num_warps=4)
     return out
 
 
@@ -561,7 +611,7 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
-                 chunk: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 chunk: int, precision: str, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32), r_norms [B, N] (|r|^2,
     +inf where invalid) -> per query the ``count`` chunks of ``chunk`` references
     (``chunk_size``) with the least ``r_norms - 2 q.r`` over their members, ascending, ties
@@ -569,10 +619,11 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
     number of chunks. On the fused path the sums (and the order) are rounded down to 32 -
     log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which is all the
-    certificate in ``dense.py`` needs of them."""
+    certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): only tiles of queries
+    holding a needed one are multiplied, the others' lists are +inf (chunks unspecified)."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision), count)
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed), count)
         return values + q_norms[..., None], chosen
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
@@ -588,12 +639,12 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
-                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, needed if needed is not None else r_norms, lists,
+                                       rows, columns, dim, chunks, share, parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=FUSED_NUM_WARPS)
+                                       NEEDED=needed is not None, num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
@@ -718,9 +769,11 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     of torch's two dozen: query [B, M, D], ref [B, N, D] (float32, float16 or bfloat16,
     D <= FRAMES_MAX_DIM), lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the
     item's power-of-two ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32),
-    centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
-    references' squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach``
-    [B, 1] (the largest valid norm)."""
+    centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), those
+    rounded to TF32 (``qt``, ``rt``; ``tf32_rounded``) with the norms of what that left out,
+    per query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1], the references'
+    squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach`` [B, 1] (the
+    largest valid norm)."""
     batch, dim = query.shape[0], query.shape[-1]
     padded = triton.next_power_of_2(dim)
     block = max(1, FRAMES_BLOCK // padded)
@@ -741,15 +794,18 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     centre = sums.sum(1) / scale[:, None] / out["ref_ok"].sum(1).clamp(min=1)[:, None]  # sums: the ref's
     out["scale"] = scale[:, None]
     for name, (points, rows, blocks, ok) in clouds.items():
-        scaled = torch.empty(points.shape, dtype=torch.float32, device=points.device)
-        centred = torch.empty(points.shape, dtype=torch.float32, device=points.device)
-        norms = torch.empty((batch, rows), dtype=torch.float32, device=points.device)
+        scaled, centred, rounded = (torch.empty(points.shape, dtype=torch.float32, device=points.device)
+                                    for _ in range(3))
+        residuals, norms = (torch.empty((batch, rows), dtype=torch.float32, device=points.device) for _ in range(2))
         reach = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
         if rows:
-            _centred_kernel[(blocks, batch)](points, ok, scale, centre, scaled, centred, norms, reach,
-                                             rows, dim, blocks, NORMS=name == "ref", BLOCK_R=block, DP=padded,
+            _centred_kernel[(blocks, batch)](points, ok, scale, centre, scaled, centred, rounded, residuals, norms,
+                                             reach, rows, dim, blocks, NORMS=name == "ref", BLOCK_R=block, DP=padded,
                                              num_warps=4)
-        out[name[0]], out[name[0] + "c"] = scaled, centred
+        out[name[0]], out[name[0] + "c"], out[name[0] + "t"] = scaled, centred, rounded
         if name == "ref":
             out["r_norms"], out["reach"] = norms, reach.amax(1, keepdim=True).sqrt()
+            out["r_lo"] = residuals.amax(1, keepdim=True) if rows else torch.zeros_like(out["reach"])
+        else:
+            out["q_lo"] = residuals
     return out
