@@ -18,8 +18,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
     python benchmarks/dense_profile.py --host           (a tiny eager call's host time: cProfile, profiler)
     python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
-    python benchmarks/dense_profile.py --precision      (the first products in one TF32 product or three,
-                                                         the stored minima's program order, graphed)
+    python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
+                                                         or three, the minima's queries held or not)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -321,11 +321,18 @@ def operators(generator) -> None:
             sort_by="cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70), flush=True)
 
 
+# The stored minima's settings ``--precision`` compares: (TF32_FIRST_MIN_DIM, MINIMA_HELD_MAX_DIM).
+PRECISION_SETTINGS = {"tf32x3, tiles": (10**9, 0), "tf32x3, held": (10**9, 128), "tf32 first, tiles": (0, 0),
+                      "tf32 first, held": (0, 128)}
+PRECISION_SHAPES = SHAPES[3:5] + ((1, 10000, 200000, 64, 10), (1, 10000, 100000, 128, 10))
+
+
 def precision(generator) -> None:
-    """Graphed dense kNN of every shape with the first products in tf32x3 alone or in one
-    TF32 product of rounded operands (the rows it leaves unproven again in tf32x3), and the
-    stored minima's programs by tiles of references first or of queries first; with the
-    rows the first products left unproven on a normal and a clustered cloud."""
+    """Graphed dense kNN on wide clouds (the stored minima) with the first products in tf32x3
+    alone or in one TF32 product of rounded operands (the rows it leaves unproven again in
+    tf32x3), the minima by tiles of both clouds or with a tile of queries held; the rows the
+    first products left unproven (normal / clustered cloud) and the clustered cloud graphed.
+    Then a profile of one graphed call of the first shape with the defaults."""
     proven, unproven = dense._proven_lists, []
 
     def counting(frames, rows, ref_ok, k, radius, precision, needed=None):
@@ -335,26 +342,37 @@ def precision(generator) -> None:
         return d, i, left
 
     dense._proven_lists = counting
-    for batch, rows, columns, dim, k in SHAPES:
+    defaults = dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM
+    for batch, rows, columns, dim, k in PRECISION_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         clustered = _clustered(batch, rows, columns, dim, generator)
         runs = 10 if rows * columns > 1e8 else 30
-        try:
-            cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False)), runs):.3f}"]
-        except torch.OutOfMemoryError:
-            cells = ["cdist+topk out of memory"]
-        stored = triton_dense.chunk_size(columns, k + dense.CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
-        for first, queries_first in itertools.product(("tf32x3", "tf32"), (False, True) if stored else (True,)):
-            dense.FIRST_PRECISION, triton_dense.MINIMA_QUERIES_FIRST = first, queries_first
-            time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")), runs)
+        cells = []
+        for name, (dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM) in PRECISION_SETTINGS.items():
+            try:
+                time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")), runs)
+                on_clusters = median_ms(graphed(lambda: fullgraph.knn(*clustered, k, backend="dense")), runs)
+            except Exception as error:  # (a setting out of shared memory, say)
+                cells.append(f"{name} failed: {type(error).__name__}: {str(error)[:200]}")
+                continue
             unproven.clear()
             for query, ref in ((q, r), clustered):
                 fullgraph.knn(query, ref, k, backend="dense")
-            order = " queries first" if stored and queries_first else ""
-            cells.append(f"{first}{order} {time:.3f} (unproven first: {unproven})")
+            cells.append(f"{name} {time:.3f} (clustered {on_clusters:.3f}; unproven first: {unproven})")
             torch.cuda.empty_cache()
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
+    dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM = defaults
+    batch, rows, columns, dim, k = PRECISION_SHAPES[0]
+    q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+    r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+    replay = graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
 # (flag, function, help): the modes besides the default table.
@@ -367,7 +385,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("points", points, "3-D clouds: dense against the grid"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
-         ("precision", precision, "the first products' precision, the stored minima's order"))
+         ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"))
 
 
 def main() -> None:

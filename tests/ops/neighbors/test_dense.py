@@ -445,45 +445,41 @@ def test_rounded_operands_multiply_within_their_bound(dim, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-def test_only_the_needed_queries_tiles_are_multiplied(generator):
-    """``needed``: the stored chunk minima and the fused lists of the tiles holding a needed
-    query equal those of the whole call; the other tiles' minima are +inf."""
+def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
+    """``needed``: the stored chunk minima of the tiles holding a needed query equal those of
+    the whole call (held queries and not); the other tiles' minima are +inf."""
     from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 300, 16, generator=generator).to(device)
     r = torch.randn(2, 600, 16, generator=generator).to(device)
-    norms, q_norms = (r * r).sum(-1), (q * q).sum(-1)
+    norms = (r * r).sum(-1)
     needed = torch.zeros(2, 300, dtype=torch.bool, device=device)
     needed[0, 5] = needed[1, 299] = True
-    whole = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3")
-    some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
-    tile = triton_dense.BLOCK_M
-    for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
-        assert torch.equal(some[b, rows], whole[b, rows])
-        some[b, rows] = math.inf
-    assert torch.isinf(some).all()
-    count, chunk = 9, triton_dense.FUSED_CHUNK
-    whole = triton_dense.least_chunks(q, q_norms, r, norms, count, chunk, "tf32x3")
-    some = triton_dense.least_chunks(q, q_norms, r, norms, count, chunk, "tf32x3", needed)
-    tile = triton_dense.FUSED_BLOCK_M
-    for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
-        assert torch.equal(some[0][b, rows], whole[0][b, rows]) and torch.equal(some[1][b, rows], whole[1][b, rows])
+    for held in (0, 128):
+        monkeypatch.setattr(triton_dense, "MINIMA_HELD_MAX_DIM", held)
+        whole = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3")
+        some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
+        tile = triton_dense.BLOCK_M
+        for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
+            assert torch.equal(some[b, rows], whole[b, rows])
+            some[b, rows] = math.inf
+        assert torch.isinf(some).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("columns", [700, 3000])  # the fused lists; the stored minima (chunks of 16)
-def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, columns, generator):
-    """Rows whose first bound is made useless (every third query) are proven by the second
-    products, theirs only: the reference's lists, and no row left for the redo."""
+def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator):
+    """The stored minima's first products in TF32: rows whose first bound is made useless
+    (every third query) are proven by the second products, theirs only: the reference's
+    lists, and no row left for the redo."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    if columns > 1000:
-        monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
+    monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
+    monkeypatch.setattr(dense, "TF32_FIRST_MIN_DIM", 16)
     products, tiers = dense._products, []
 
     def loose_first(frames, rows, precision, q_abs):
         q, r, error = products(frames, rows, precision, q_abs)
-        if precision == dense.FIRST_PRECISION:
+        if precision == "tf32":
             error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
         return q, r, error
 
@@ -497,9 +493,9 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, columns, g
     redone, redo = [], dense._redo
     monkeypatch.setattr(dense, "_redo", lambda *args: redone.append(int(args[9].sum())) or redo(*args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=columns))
+    query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
-    assert [precision for precision, _ in tiers] == [dense.FIRST_PRECISION, dense.TENSOR_CORE_PRECISION]
+    assert [precision for precision, _ in tiers] == ["tf32", dense.TENSOR_CORE_PRECISION]
     assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
     assert redone == [0]
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")

@@ -82,10 +82,18 @@ CHUNK_SLACK = 6
 # call 1.230 -> 1.149, DGCNN train step 4.77 -> 4.66 ms; clustered rows failed 83 -> 1,871 of
 # 32,768, 4 x 4096 x 16,384 D=32 2,793 -> 6,800): kept out.
 TENSOR_CORE_PRECISION = "tf32x3"
-# The first products: one TF32 product of operands rounded to TF32 beforehand (each product
-# exact, the rounding's residuals bounded per query: ``_products``); the valid rows they leave
-# unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
-FIRST_PRECISION = "tf32"
+# The first products of the stored minima (wide clouds) for points of at least
+# TF32_FIRST_MIN_DIM coordinates: one TF32 product of operands rounded to TF32 beforehand
+# (each product exact, the rounding's residuals bounded per query: ``_products``); the valid
+# rows they leave unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
+# H100, session 32 run UA (``dense_profile.py --precision``), graphed ms tf32x3 alone / TF32
+# first (rows the first products left unproven, normal / clustered): 10^4 x 10^6 D=128 k=10
+# 45.2 / 24.1 (0 / 10,000 of 10,000); 2 x 10^4 x 2 x 10^5 D=16 7.97 / 8.89 (0 / 19,707); on
+# the fused lists 8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2 0.625 / 0.711, 4 x 4096 x 16,384
+# D=32 k=50 1.681 / 1.943: the second pass's ~25 launches and selection cost more than the
+# products save where they are cheap. Clustered clouds fail the first bound nearly everywhere
+# (the second products then run in full).
+TF32_FIRST_MIN_DIM = 64
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
@@ -364,11 +372,18 @@ def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, ne
     return d[..., :k], i[..., :k], ~((kth ** 2 < limit) | torch.isinf(limit))
 
 
+def _first_precision(dim: int, columns: int, k: int) -> str:
+    """The first products' precision (see TF32_FIRST_MIN_DIM)."""
+    stored = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
+    return "tf32" if stored and dim >= TF32_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
+
+
 def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
-    """``_block`` on GPUs: products in FIRST_PRECISION, and the valid rows they leave
+    """``_block`` on GPUs: products in ``_first_precision``, and the valid rows they leave
     unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied)."""
-    d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, FIRST_PRECISION)
-    if FIRST_PRECISION != TENSOR_CORE_PRECISION:
+    first = _first_precision(frames.q.shape[-1], frames.r.shape[1], k)
+    d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, first)
+    if first != TENSOR_CORE_PRECISION:
         unproven &= query_ok[:, rows]
         again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven)
         redo = unproven[..., None]

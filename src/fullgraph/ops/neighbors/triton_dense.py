@@ -36,6 +36,9 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
 # ... launched a tile of references at a time against successive tiles of queries (each tile
 # of references read once from memory while the queries stay in L2), not the other way.
 MINIMA_QUERIES_FIRST = True
+# Up to this many coordinates (padded to a power of two) a program holds its tile of queries
+# and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM.
+MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 128, 4
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -155,6 +158,39 @@ if triton is not None:
         tl.store(where, minima, mask=inside)
 
     @triton.jit
+    def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks, share,
+                            CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, DP: tl.constexpr, NEEDED: tl.constexpr):
+        """``_chunk_minima_kernel`` with a tile of queries held (all its DP >= D coordinates)
+        against the tiles of references [part * share, (part + 1) * share): each tile of
+        references one product, the queries read once."""
+        item = tl.program_id(2).to(tl.int64)
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = tl.program_id(1) * share
+        stop = tl.minimum(first + share, columns)
+        if NEEDED:
+            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+                for start in range(first, stop, BLOCK_N):
+                    c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
+                    tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :],
+                             tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32),
+                             mask=(m[:, None] < rows) & (c[None, :] < chunks))
+                return
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + (item * rows + m[:, None]) * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim),
+                    other=0.0)
+        for start in range(first, stop, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
+            r = tl.load(r_ptr + (item * columns + n[:, None]) * dim + d[None, :],
+                        mask=(n[:, None] < columns) & (d[None, :] < dim), other=0.0)
+            norms = tl.load(r_norms_ptr + item * columns + n, mask=n < columns, other=float("inf"))
+            approx = norms[None, :] - 2.0 * tl.dot(q, tl.trans(r), input_precision=PRECISION)
+            minima = tl.min(tl.reshape(approx, (BLOCK_M, BLOCK_N // CHUNK, CHUNK)), axis=2)
+            tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :], minima,
+                     mask=(m[:, None] < rows) & (c[None, :] < chunks))
+
+    @triton.jit
     def _ordered_bits(values):
         """float32 values (no NaN) -> int32 in the same order: the float's bits made monotonic
         (negatives: flip the magnitude bits; -0.0 as 0.0). ``_ordered_floats`` undoes it."""
@@ -213,15 +249,14 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim,
-                                 chunks, share, parts,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share,
+                                 parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 NEEDED: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]. NEEDED: a tile none of whose queries needed marks stores empty lists."""
+        parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -231,11 +266,7 @@ if triton is not None:
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
-        stop = tl.minimum(first + share, columns)
-        if NEEDED:
-            stop = tl.where(tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) > 0,
-                            stop, first)
-        for start in range(first, stop, BLOCK_N):
+        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
                                   PRECISION, BLOCK_K)
@@ -567,7 +598,18 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     columns = r.shape[1]
     chunks = triton.cdiv(columns, chunk)
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
-    if out.numel():
+    held = triton.next_power_of_2(max(dim, 16))
+    if out.numel() and held <= MINIMA_HELD_MAX_DIM:
+        processors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        row_blocks = triton.cdiv(rows, BLOCK_M)
+        parts = max(1, min(triton.cdiv(MINIMA_HELD_PROGRAMS_PER_SM * processors, batch * row_blocks),
+                           triton.cdiv(columns, BLOCK_N)))
+        share = triton.cdiv(triton.cdiv(columns, parts), BLOCK_N) * BLOCK_N
+        _held_minima_kernel[(row_blocks, triton.cdiv(columns, share), batch)](
+            q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, share,
+            CHUNK=chunk, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DP=held, NEEDED=needed is not None,
+            num_warps=NUM_WARPS, num_stages=2 if held >= 128 else 3)
+    elif out.numel():
         row_blocks, column_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(columns, BLOCK_N)
         block_k = 16 if dim <= 16 else 32
         _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
@@ -619,8 +661,9 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
     number of chunks. On the fused path the sums (and the order) are rounded down to 32 -
     log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which is all the
-    certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): only tiles of queries
-    holding a needed one are multiplied, the others' lists are +inf (chunks unspecified)."""
+    certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): the other rows' lists
+    are unspecified (the stored minima multiply only tiles of queries holding a needed one;
+    the fused lists every tile)."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
         values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed), count)
@@ -639,12 +682,12 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, needed if needed is not None else r_norms, lists,
-                                       rows, columns, dim, chunks, share, parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
+                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       NEEDED=needed is not None, num_warps=FUSED_NUM_WARPS)
+                                       num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
