@@ -20,6 +20,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
     python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
                                                          or three, the minima's queries held or not)
+    python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -375,6 +376,38 @@ def precision(generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
+# (M, N, D, chunk) of the stored minima and the held tiles tried: (queries, references, stages).
+HELD_SHAPES = ((10000, 1000000, 128, 64), (10000, 200000, 64, 32), (20000, 200000, 16, 32))
+HELD_TILES = ((128, 64, 2), (128, 64, 3), (64, 128, 2), (64, 64, 3), (128, 128, 2), (128, 128, 3), (64, 128, 3))
+
+
+def held_sweep(generator) -> None:
+    """The stored chunk minima alone, ms (TFLOP/s of one product a pair, tf32 or tf32x3), by
+    the held kernel's tiles and without it (tiles of both clouds, references first)."""
+    defaults = dict(triton_dense.MINIMA_HELD_TILES), triton_dense.MINIMA_HELD_MAX_DIM
+    for rows, columns, dim, chunk in HELD_SHAPES:
+        q = torch.randn(1, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(1, columns, dim, device="cuda", generator=generator)
+        norms = (r * r).sum(-1)
+        padded = max(16, 1 << (dim - 1).bit_length())
+        for precision in ("tf32", "tf32x3"):
+            cells = []
+            for tiles in (None,) + HELD_TILES:
+                triton_dense.MINIMA_HELD_MAX_DIM = 0 if tiles is None else 128
+                if tiles is not None:
+                    triton_dense.MINIMA_HELD_TILES[padded] = tiles
+                name = "both tiles" if tiles is None else "held %dx%d/%d" % tiles
+                try:
+                    ms = median_ms(lambda: triton_dense.chunk_minima(q, r, norms, chunk, precision), 10)
+                except Exception as error:  # (out of shared memory)
+                    cells.append(f"{name} {type(error).__name__}")
+                    continue
+                cells.append(f"{name} {ms:.3f} ({2 * rows * columns * dim / ms / 1e9:.0f})")
+            print(f"M={rows} N={columns} D={dim} {precision}:", ", ".join(cells), flush=True)
+    triton_dense.MINIMA_HELD_TILES.update(defaults[0])
+    triton_dense.MINIMA_HELD_MAX_DIM = defaults[1]
+
+
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -385,7 +418,8 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("points", points, "3-D clouds: dense against the grid"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
-         ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"))
+         ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
+         ("held-sweep", held_sweep, "the stored minima's held tiles"))
 
 
 def main() -> None:

@@ -93,7 +93,7 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # D=32 k=50 1.681 / 1.943: the second pass's ~25 launches and selection cost more than the
 # products save where they are cheap. Clustered clouds fail the first bound nearly everywhere
 # (the second products then run in full).
-TF32_FIRST_MIN_DIM = 64
+TF32_FIRST_MIN_DIM = 128
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB

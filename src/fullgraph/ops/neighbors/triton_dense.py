@@ -37,8 +37,11 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
 # of references read once from memory while the queries stay in L2), not the other way.
 MINIMA_QUERIES_FIRST = True
 # Up to this many coordinates (padded to a power of two) a program holds its tile of queries
-# and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM.
+# and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in
+# tiles (queries, references, pipeline stages) by the padded D: 128 x 128 tiles of D = 128
+# took 320 KiB of shared memory in tf32x3 (H100 run UB).
 MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 128, 4
+MINIMA_HELD_TILES = {16: (128, 128, 3), 32: (128, 128, 3), 64: (128, 128, 3), 128: (128, 64, 2)}
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -600,15 +603,17 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     held = triton.next_power_of_2(max(dim, 16))
     if out.numel() and held <= MINIMA_HELD_MAX_DIM:
+        block_m, block_n, stages = MINIMA_HELD_TILES[held]
+        block_n = max(block_n, chunk)
         processors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        row_blocks = triton.cdiv(rows, BLOCK_M)
+        row_blocks = triton.cdiv(rows, block_m)
         parts = max(1, min(triton.cdiv(MINIMA_HELD_PROGRAMS_PER_SM * processors, batch * row_blocks),
-                           triton.cdiv(columns, BLOCK_N)))
-        share = triton.cdiv(triton.cdiv(columns, parts), BLOCK_N) * BLOCK_N
+                           triton.cdiv(columns, block_n)))
+        share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
         _held_minima_kernel[(row_blocks, triton.cdiv(columns, share), batch)](
             q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, share,
-            CHUNK=chunk, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DP=held, NEEDED=needed is not None,
-            num_warps=NUM_WARPS, num_stages=2 if held >= 128 else 3)
+            CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, DP=held, NEEDED=needed is not None,
+            num_warps=NUM_WARPS, num_stages=stages)
     elif out.numel():
         row_blocks, column_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(columns, BLOCK_N)
         block_k = 16 if dim <= 16 else 32
