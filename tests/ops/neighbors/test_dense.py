@@ -200,6 +200,33 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("capacity", [64, 3])
+def test_the_capture_path_redoes_some_rows_by_their_stored_products(monkeypatch, capacity, generator):
+    """Inside a capture (forced) on wide items: rows the products' bounds leave unproven
+    (every fourth query of each item, made so) are redone by their stored products up to
+    CAPTURE_REDO_ROWS an item, the rest by the Triton search: the reference's lists."""
+    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    monkeypatch.setattr(dense, "_capturing", lambda query: True)
+    monkeypatch.setattr(dense, "BRUTE_FORCE_REDO_MAX_COLUMNS", 0)
+    monkeypatch.setattr(dense, "CAPTURE_REDO_ROWS", capacity)
+    products = dense._products
+
+    def useless_for_some(frames, rows, precision, q_abs):
+        q, r, error = products(frames, rows, precision, q_abs)
+        return q, r, torch.where(torch.arange(error.shape[-1], device=error.device) % 4 == 0, 1e30, error)
+
+    monkeypatch.setattr(dense, "_products", useless_for_some)
+    searched = _count_searched_rows(monkeypatch)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query = torch.stack([points("normal", 30, 8, generator) for _ in range(2)]).float().to(device)
+    ref = torch.stack([points("normal", 400, 8, generator) for _ in range(2)]).float().to(device)
+    dists, idx = fullgraph.knn(query, ref, 5, backend="dense")
+    assert searched == [2 * max(0, 8 - capacity)]  # 8 rows of 30 an item
+    want_dists, want_idx = fullgraph.knn(query, ref, 5, backend="torch")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
     monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)

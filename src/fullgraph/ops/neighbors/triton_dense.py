@@ -38,10 +38,15 @@ BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
 MINIMA_QUERIES_FIRST = True
 # Up to this many coordinates (padded to a power of two) a program holds its tile of queries
 # and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in
-# tiles (queries, references, pipeline stages) by the padded D: 128 x 128 tiles of D = 128
-# took 320 KiB of shared memory in tf32x3 (H100 run UB).
-MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 128, 4
+# tiles (queries, references, pipeline stages) by the padded D. H100, session 32 run UC
+# (``dense_profile.py --held-sweep``), the minima alone, ms tiles of both clouds / held
+# 128 x 128 x 3: 2 x 10^4 x 2 x 10^5 D=16 tf32x3 5.11 / 2.85 (tf32 2.27 / 1.73); 10^4 x 2 x
+# 10^5 D=64 tf32x3 4.81 / 3.92 (tf32 1.74 / 1.48); but 10^4 x 10^6 D=128 tf32 12.07 / 13.3
+# at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
+MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 64, 4
 MINIMA_HELD_TILES = {16: (128, 128, 3), 32: (128, 128, 3), 64: (128, 128, 3), 128: (128, 64, 2)}
+# The fused lists hold their tile of queries up to this many (padded) coordinates.
+FUSED_HELD_MAX_DIM = 64
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -161,6 +166,22 @@ if triton is not None:
         tl.store(where, minima, mask=inside)
 
     @triton.jit
+    def _held_tile_minima(q, r_base, r_norms_base, n, columns, dim, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+        """``_tile_minima`` of held queries q [len(m), DP] (DP >= D coordinates, zero past D)."""
+        d = tl.arange(0, q.shape[1])
+        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+                    other=0.0)
+        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+        approx = norms[None, :] - 2.0 * tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        return tl.min(tl.reshape(approx, (q.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
+
+    @triton.jit
+    def _held_queries(q_base, m, rows, dim, DP: tl.constexpr):
+        """[len(m), DP]: the queries m, zero past D."""
+        d = tl.arange(0, DP)
+        return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
+
+    @triton.jit
     def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks, share,
                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, DP: tl.constexpr, NEEDED: tl.constexpr):
@@ -179,17 +200,12 @@ if triton is not None:
                              tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32),
                              mask=(m[:, None] < rows) & (c[None, :] < chunks))
                 return
-        d = tl.arange(0, DP)
-        q = tl.load(q_ptr + (item * rows + m[:, None]) * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim),
-                    other=0.0)
+        q = _held_queries(q_ptr + item * rows * dim, m, rows, dim, DP)
         for start in range(first, stop, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-            r = tl.load(r_ptr + (item * columns + n[:, None]) * dim + d[None, :],
-                        mask=(n[:, None] < columns) & (d[None, :] < dim), other=0.0)
-            norms = tl.load(r_norms_ptr + item * columns + n, mask=n < columns, other=float("inf"))
-            approx = norms[None, :] - 2.0 * tl.dot(q, tl.trans(r), input_precision=PRECISION)
-            minima = tl.min(tl.reshape(approx, (BLOCK_M, BLOCK_N // CHUNK, CHUNK)), axis=2)
+            minima = _held_tile_minima(q, r_ptr + item * columns * dim, r_norms_ptr + item * columns, n, columns, dim,
+                                       CHUNK, PRECISION)
             tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :], minima,
                      mask=(m[:, None] < rows) & (c[None, :] < chunks))
 
@@ -256,10 +272,11 @@ if triton is not None:
                                  parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 HELD: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]."""
+        parts, KEYS]. HELD > 0: the tile of queries held, HELD >= D coordinates."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -269,10 +286,15 @@ if triton is not None:
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
+        if HELD:
+            q = _held_queries(q_base, m, rows, dim, HELD)
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
-                                  PRECISION, BLOCK_K)
+            if HELD:
+                minima = _held_tile_minima(q, r_base, r_norms_ptr + item * columns, n, columns, dim, CHUNK, PRECISION)
+            else:
+                minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+                                      PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
@@ -687,12 +709,13 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
+        held = triton.next_power_of_2(max(dim, 16))
         _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=FUSED_NUM_WARPS)
+                                       HELD=held if held <= FUSED_HELD_MAX_DIM else 0, num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
