@@ -21,7 +21,6 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
                                                          or three, the minima's queries held or not)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
-    python benchmarks/dense_profile.py --fused-held     (the fused lists with their queries held or not)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -409,24 +408,6 @@ def held_sweep(generator) -> None:
     triton_dense.MINIMA_HELD_MAX_DIM = defaults[1]
 
 
-def fused_held(generator) -> None:
-    """Graphed dense kNN on the fused lists with the tile of queries held (FUSED_HELD_MAX_DIM
-    64) or reloaded a tile of references at a time (0), twice each, alternating."""
-    shapes = SHAPES[:3] + ((4, 4096, 16384, 32, 50),)
-    default = triton_dense.FUSED_HELD_MAX_DIM
-    for batch, rows, columns, dim, k in shapes:
-        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
-        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
-        times = {0: [], 64: []}
-        for held in (0, 64, 0, 64):
-            triton_dense.FUSED_HELD_MAX_DIM = held
-            times[held].append(median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))))
-        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
-              ", ".join(f"held up to {held}: " + " / ".join(f"{t:.3f}" for t in ts) for held, ts in times.items()),
-              flush=True)
-    triton_dense.FUSED_HELD_MAX_DIM = default
-
-
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -438,8 +419,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
-         ("held-sweep", held_sweep, "the stored minima's held tiles"),
-         ("fused-held", fused_held, "the fused lists with their queries held or not"))
+         ("held-sweep", held_sweep, "the stored minima's held tiles"))
 
 
 def main() -> None:

@@ -119,14 +119,15 @@ def test_a_thousand_replays_on_fresh_data_equal_eager(generator):
     assert replayed.captures == 1
 
 
-def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(generator):
+@pytest.mark.parametrize("columns", [700, 9000])  # the brute force redoes them; float32 products, the search
+def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(columns, generator):
     """auto takes "dense" for D >= 4 on CUDA: the rows its certificate cannot prove (ties
     wider than the slack) are redone inside the graph, on every replay."""
     from fullgraph.ops.neighbors import dense
 
     def tied():
         pool = points("normal", 5, 32, generator).float().cuda()
-        ref = pool[torch.randint(0, 5, (700,), generator=generator).cuda()]
+        ref = pool[torch.randint(0, 5, (columns,), generator=generator).cuda()]
         query = torch.cat([pool[torch.randint(0, 5, (30,), generator=generator).cuda()] + 0.01,
                            points("normal", 30, 32, generator).float().cuda()])
         return query, ref

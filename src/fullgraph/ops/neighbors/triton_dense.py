@@ -45,8 +45,8 @@ MINIMA_QUERIES_FIRST = True
 # at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
 MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 64, 4
 MINIMA_HELD_TILES = {16: (128, 128, 3), 32: (128, 128, 3), 64: (128, 128, 3), 128: (128, 64, 2)}
-# The fused lists hold their tile of queries up to this many (padded) coordinates.
-FUSED_HELD_MAX_DIM = 64
+# (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
+# held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -272,11 +272,10 @@ if triton is not None:
                                  parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 HELD: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]. HELD > 0: the tile of queries held, HELD >= D coordinates."""
+        parts, KEYS]."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -286,15 +285,10 @@ if triton is not None:
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         first = part * share
-        if HELD:
-            q = _held_queries(q_base, m, rows, dim, HELD)
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            if HELD:
-                minima = _held_tile_minima(q, r_base, r_norms_ptr + item * columns, n, columns, dim, CHUNK, PRECISION)
-            else:
-                minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
-                                      PRECISION, BLOCK_K)
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+                                  PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
@@ -709,13 +703,12 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        held = triton.next_power_of_2(max(dim, 16))
         _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,
                                        BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       HELD=held if held <= FUSED_HELD_MAX_DIM else 0, num_warps=FUSED_NUM_WARPS)
+                                       num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
