@@ -200,35 +200,6 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("capacity", [64, 3])
-def test_the_capture_path_redoes_some_rows_with_float32_products(monkeypatch, capacity, generator):
-    """Inside a capture (forced) on wide items: rows the tensor cores' bounds leave unproven
-    (every fourth query of each item, made so) are redone with float32 products up to
-    CAPTURE_REDO_ROWS an item, the rest by the Triton search: the reference's lists."""
-    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    monkeypatch.setattr(dense, "_capturing", lambda query: True)
-    monkeypatch.setattr(dense, "BRUTE_FORCE_REDO_MAX_COLUMNS", 0)
-    monkeypatch.setattr(dense, "CAPTURE_REDO_ROWS", capacity)
-    products = dense._products
-
-    def useless_for_some(frames, rows, precision, q_abs):
-        q, r, error = products(frames, rows, precision, q_abs)
-        if precision == "ieee":
-            return q, r, error
-        return q, r, torch.where(torch.arange(error.shape[-1], device=error.device) % 4 == 0, 1e30, error)
-
-    monkeypatch.setattr(dense, "_products", useless_for_some)
-    searched = _count_searched_rows(monkeypatch)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    query = torch.stack([points("normal", 30, 8, generator) for _ in range(2)]).float().to(device)
-    ref = torch.stack([points("normal", 400, 8, generator) for _ in range(2)]).float().to(device)
-    dists, idx = fullgraph.knn(query, ref, 5, backend="dense")
-    assert searched == [2 * max(0, 8 - capacity)]  # 8 rows of 30 an item
-    want_dists, want_idx = fullgraph.knn(query, ref, 5, backend="torch")
-    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
     monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)
@@ -365,10 +336,10 @@ def test_compiles_once(generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("width, count", [(1, 1), (37, 7), (64, 64)])
+@pytest.mark.parametrize("width, count", [(1, 1), (37, 7), (64, 64), (5000, 40)])  # 5000: a block at a time
 def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
-    """The GPU path's row selection (Triton's sort of packed keys): a stable sort's first
-    ``count``, with ties, -0.0 beside 0.0, negatives and +inf."""
+    """The GPU path's row selection (Triton's sort of packed keys; wide rows a block at a
+    time): a stable sort's first ``count``, with ties, -0.0 beside 0.0, negatives and +inf."""
     from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -378,6 +349,11 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
     found, position = triton_dense.smallest(values, count, in_registers=True)
     want, want_position = torch.sort(values, dim=-1, stable=True)
     assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
+    if width > triton_dense.SORT_MAX:  # rows not needed: +inf at position 0
+        needed = torch.tensor([[True, False], [False, False], [False, True]], device=device)
+        some, some_position = triton_dense.smallest(values, count, in_registers=True, needed=needed)
+        assert torch.equal(some[needed], found[needed]) and torch.equal(some_position[needed], position[needed])
+        assert torch.isinf(some[~needed]).all() and (some_position[~needed] == 0).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

@@ -407,45 +407,12 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
     unproven &= query_ok
     if _brute_force_redoes(frames, k):
         return _brute_force(frames, ref_ok, k, radius, dists, idx, needed=unproven)
-    _exact_products_redo(frames, ref_ok, k, radius, unproven, dists, idx)
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=unproven,
                                       built=_grid(frames, query_ok, ref_ok))
     d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=unproven)
     redo = unproven[..., None]
     dists.copy_(torch.where(redo, d[..., :k] * frames.scale[..., None], dists))
     idx.copy_(torch.where(redo, i[..., :k], idx))
-
-
-# Inside a capture on items wider than BRUTE_FORCE_REDO_MAX_COLUMNS, the first this many
-# unproven rows of each item go through steps 1-3 again with float32 products ("ieee": fused
-# multiply-adds in Triton; cuBLAS may not create its handle inside a capture), the rest to the
-# Triton search, whose programs scan all N references for one or two queries each: 39 rows
-# of a clustered 10^4 x 10^6 D=128 cloud took ~430 ms there (H100, session 32 run UC: 470 ms
-# graphed against 45 on a normal cloud).
-CAPTURE_REDO_ROWS = 64
-
-
-def _exact_products_redo(frames: _Frames, ref_ok, k, radius, unproven, dists, idx) -> None:
-    """Up to CAPTURE_REDO_ROWS of each item's ``unproven`` [B, M] rows redone with float32
-    products (``_proven_lists``, "ieee") without a host read (the rows found by a stable sort,
-    padded with others whose lists are left as they were): their lists into dists / idx, and
-    those proven now cleared from ``unproven``."""
-    batch, rows = unproven.shape
-    count = min(CAPTURE_REDO_ROWS, rows)
-    order = torch.argsort((~unproven).to(torch.uint8), dim=1, stable=True)[:, :count]  # unproven rows first
-    wanted = unproven.gather(1, order)
-    part = frames.items(slice(None))
-    part.q, part.qc = (_gather_rows(points, order) for points in (frames.q, frames.qc))
-    d, i, still = _proven_lists(part, slice(None), ref_ok, k, radius, "ieee")
-    d = d * frames.scale[..., None]
-    # Rows not redone write into a spare row past M (scattered duplicates only there).
-    target = torch.where(wanted & ~still, order, rows)[..., None]
-    for lists, new in ((dists, d), (idx, i)):
-        width = new.shape[-1]
-        spare = torch.cat([lists[..., :width], lists[:, :1, :width]], 1)
-        lists[..., :width] = spare.scatter_(1, target.expand(-1, -1, width), new.to(lists.dtype))[:, :rows]
-    cleared = torch.zeros((batch, rows + 1), dtype=torch.bool, device=unproven.device)
-    unproven &= ~cleared.scatter_(1, target[..., 0], True)[:, :rows]
 
 
 def _grid(frames: _Frames, query_ok, ref_ok):
