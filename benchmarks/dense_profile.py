@@ -21,7 +21,6 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
                                                          or three, the minima's queries held or not)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
-    python benchmarks/dense_profile.py --wide-smallest  (wide rows' selection: Triton against torch.topk)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -409,20 +408,6 @@ def held_sweep(generator) -> None:
     triton_dense.MINIMA_HELD_MAX_DIM = defaults[1]
 
 
-def wide_smallest(generator) -> None:
-    """``triton_dense.smallest`` of wide rows (the stored minima's selection), ms: a block at
-    a time in Triton against torch.topk, and the Triton kernel with one row in 100 needed."""
-    for rows, width, count in ((10000, 15625, 17), (20000, 6250, 17), (10000, 6250, 17), (16384, 4096, 57),
-                               (10000, 62500, 17)):
-        values = torch.randn(rows, width, device="cuda", generator=generator)
-        needed = torch.rand(rows, device="cuda", generator=generator) < 0.01
-        cells = [f"{name} {median_ms(fn, 20):.3f}" for name, fn in (
-            ("topk", lambda: triton_dense.smallest(values, count, in_registers=False)),
-            ("triton", lambda: triton_dense.smallest(values, count, in_registers=True)),
-            ("triton 1% needed", lambda: triton_dense.smallest(values, count, in_registers=True, needed=needed)))]
-        print(f"rows={rows} width={width} count={count}:", ", ".join(cells), "ms", flush=True)
-
-
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -434,8 +419,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
-         ("held-sweep", held_sweep, "the stored minima's held tiles"),
-         ("wide-smallest", wide_smallest, "wide rows' selection: Triton against torch.topk"))
+         ("held-sweep", held_sweep, "the stored minima's held tiles"))
 
 
 def main() -> None:

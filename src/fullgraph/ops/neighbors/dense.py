@@ -50,6 +50,14 @@ products are three TF32 products (each operand split in two TF32 parts, eps = 2^
 whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2^-9) the
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
+On wide clouds of wide points (the stored minima, D >= TF32_FIRST_MIN_DIM) the products run
+first in one TF32 product of both clouds rounded to TF32 beforehand (``_Frames.rounded``):
+each product of rounded operands q', r' is exact, and q.r - q'.r' = q_lo.r + q'.r_lo, at
+most |q_lo| R + |q'| max |r_lo| by Cauchy-Schwarz with the norms of what the rounding left
+out (``_products``), ~2^-11 of |q| R where one TF32 product's input rounding bounds 2^-9. The
+valid rows that bound leaves unproven go through steps 1-3 again in three TF32 products,
+only the tiles of queries holding one multiplied (``_block_on_tensor_cores``).
+
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
 D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
 items (``_brute_force_redoes``), else the Triton search restricted to them, for k + SLACK
@@ -75,7 +83,8 @@ SLACK = 8
 # triton_dense.FUSED_CHUNK 2: see there).
 CHUNK_SLACK = 6
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
-# (u = 2^-10) fails the certificate on every row of normal clouds (D = 16-128, measured).
+# (u = 2^-10) fails the certificate on 0.5-2 % of normal rows (D = 16-128, measured; with
+# operands rounded beforehand and their residuals bounded, none: TF32_FIRST_MIN_DIM).
 # Three bfloat16 products (each operand in two bfloat16 parts, eps 2^-14) were faster but
 # sent back ~20 times the rows of clustered clouds (H200, session 25 run NE,
 # session25/dense-floor-run-NE.log: 8 x 4096^2 D=64 k=20 products 0.326 -> 0.242 ms, graphed
@@ -86,13 +95,14 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # TF32_FIRST_MIN_DIM coordinates: one TF32 product of operands rounded to TF32 beforehand
 # (each product exact, the rounding's residuals bounded per query: ``_products``); the valid
 # rows they leave unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
-# H100, session 32 run UA (``dense_profile.py --precision``), graphed ms tf32x3 alone / TF32
-# first (rows the first products left unproven, normal / clustered): 10^4 x 10^6 D=128 k=10
-# 45.2 / 24.1 (0 / 10,000 of 10,000); 2 x 10^4 x 2 x 10^5 D=16 7.97 / 8.89 (0 / 19,707); on
-# the fused lists 8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2 0.625 / 0.711, 4 x 4096 x 16,384
-# D=32 k=50 1.681 / 1.943: the second pass's ~25 launches and selection cost more than the
-# products save where they are cheap. Clustered clouds fail the first bound nearly everywhere
-# (the second products then run in full).
+# H100, session 32 runs UA-UC (``dense_profile.py --precision``), graphed ms tf32x3 alone /
+# TF32 first (rows the first products left unproven, normal / clustered; clustered graphed):
+# 10^4 x 10^6 D=128 k=10 45.2 / 24.1 (0 / 10,000 of 10,000; 470 / 488); 10^4 x 10^5 D=128
+# 5.81 / 4.38 (0 / 9,998; 48.0 / 50.6); 10^4 x 2 x 10^5 D=64 5.76 / 5.23 (0 / 9,986; 5.90 /
+# 8.83); 2 x 10^4 x 2 x 10^5 D=16 5.64 / 8.18 (0 / 19,660); on the fused lists 8 x 4096^2
+# D=64 1.081 / 1.035, 32 x 1024^2 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943:
+# the second pass's ~25 launches and selection cost more than the products save where they
+# are cheap, and clustered clouds fail the first bound nearly everywhere.
 TF32_FIRST_MIN_DIM = 128
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);

@@ -48,10 +48,10 @@ MINIMA_HELD_TILES = {16: (128, 128, 3), 32: (128, 128, 3), 64: (128, 128, 3), 12
 # (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
 # held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
 BLOCK_MEMBERS = 128
-# The widest rows ``smallest`` sorts in registers, and the keys one program sorts; wider rows
-# are merged a block of WIDE_BLOCK values at a time for up to WIDE_MAX_KEYS least.
+# The widest rows ``smallest`` sorts in registers, and the keys one program sorts. (Wider
+# rows merged a block of 1,024 at a time, a row a program, took 7x torch.topk's time: H100
+# session 32 run UF, 10^4 rows of 15,625 values, 17 least: 14.1 against 2.0 ms.)
 SORT_MAX, SORT_KEYS = 2048, 4096
-WIDE_BLOCK, WIDE_MAX_KEYS = 1024, 64
 # The fused path (``least_chunks`` up to FUSED_MAX_KEYS chunks a query): chunks of
 # FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
 # queries; a tile of references holds at least as many chunks as the list. Chunks of 2 with
@@ -583,47 +583,15 @@ if triton is not None:
         tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
 
 
-    @triton.jit
-    def _smallest_wide_kernel(values_ptr, needed_ptr, out_values_ptr, out_index_ptr, width, count,
-                              KEYS: tl.constexpr, LOG_KEYS: tl.constexpr, BLOCK: tl.constexpr, LOG_BLOCK: tl.constexpr,
-                              NEEDED: tl.constexpr):
-        """One row of values [rows, width]: its KEYS least (value, position) keys, merged a block
-        of BLOCK values at a time into a sorted list (``_least_descending``, ``_merge_sorted``);
-        the first ``count`` stored. NEEDED: a row not needed stores +inf at position 0."""
-        r = tl.program_id(0).to(tl.int64)
-        slot = tl.arange(0, KEYS)
-        keep = slot < count
-        if NEEDED:
-            if tl.load(needed_ptr + r) == 0:
-                tl.store(out_values_ptr + r * count + slot, float("inf"), mask=keep)
-                tl.store(out_index_ptr + r * count + slot, 0, mask=keep)
-                return
-        best = tl.full((1, KEYS), _KEY_NONE, tl.int64)
-        for start in range(0, width, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            x = tl.load(values_ptr + r * width + c, mask=c < width, other=float("inf"))
-            keys = tl.where(c < width, _ordered_keys(x, c), _KEY_NONE)
-            best = _merge_sorted(best, _least_descending(tl.reshape(keys, (1, BLOCK)), LOG_BLOCK, KEYS), LOG_KEYS)
-        best = tl.reshape(best, (KEYS,))
-        top = (best >> 32).to(tl.int32)
-        tl.store(out_values_ptr + r * count + slot, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True),
-                 mask=keep)
-        tl.store(out_index_ptr + r * count + slot, best & 0xFFFFFFFF, mask=keep)
-
-
-def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None,
-             needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """values [..., W] float32 (no NaN) -> the ``count`` least per row, ascending, and their
     positions (int64), ties to the smaller position: ``torch.topk(largest=False)`` with a
-    defined tie order. ``in_registers`` (default: on GPUs, wide rows for up to WIDE_MAX_KEYS)
-    selects in Triton: rows of up to SORT_MAX columns sorted whole, wider ones a block at a
-    time; otherwise ``torch.topk`` (CUDA) or a stable sort (CPU tensors, where Triton is
-    interpreted and its sort takes seconds). ``needed`` (bool, the rows' shape): on the wide
-    path, rows it leaves out come back +inf at position 0."""
+    defined tie order. ``in_registers`` (default: on GPUs up to SORT_MAX columns) sorts in
+    Triton; otherwise ``torch.topk`` (wide rows) or a stable sort (CPU tensors, where Triton
+    is interpreted and its sort takes seconds)."""
     width = values.shape[-1]
-    wide = width > SORT_MAX
     if in_registers is None:
-        in_registers = values.is_cuda and (not wide or count <= WIDE_MAX_KEYS)
+        in_registers = values.is_cuda and width <= SORT_MAX
     if not in_registers:
         if values.is_cuda:
             return torch.topk(values, count, dim=-1, largest=False, sorted=True)
@@ -632,13 +600,7 @@ def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None,
     rows = values.numel() // max(width, 1)
     out_values = torch.empty((*values.shape[:-1], count), dtype=torch.float32, device=values.device)
     out_index = torch.empty((*values.shape[:-1], count), dtype=torch.int64, device=values.device)
-    if rows and count and wide:
-        keys = max(16, triton.next_power_of_2(count))
-        _smallest_wide_kernel[(rows,)](values.contiguous(), needed if needed is not None else values, out_values,
-                                       out_index, width, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1,
-                                       BLOCK=WIDE_BLOCK, LOG_BLOCK=WIDE_BLOCK.bit_length() - 1,
-                                       NEEDED=needed is not None, num_warps=4)
-    elif rows and count:
+    if rows and count:
         padded = triton.next_power_of_2(width)
         per_program = max(1, SORT_KEYS // padded)
         _smallest_kernel[(triton.cdiv(rows, per_program),)](values.contiguous(), out_values, out_index, rows, width,
@@ -727,7 +689,7 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     the fused lists every tile)."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed), count, needed=needed)
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed), count)
         return values + q_norms[..., None], chosen
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     batch, rows, dim = q.shape
