@@ -21,6 +21,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
                                                          or three, the minima's queries held or not)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
+    python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -408,6 +409,23 @@ def held_sweep(generator) -> None:
     triton_dense.MINIMA_HELD_MAX_DIM = defaults[1]
 
 
+def members_all(generator) -> None:
+    """Graphed dense kNN with every chosen member measured in the reference's arithmetic
+    (dense.MEASURED_ALL_MAX 64) or the k + SLACK least by a first measure (0), twice each."""
+    default = dense.MEASURED_ALL_MAX
+    for batch, rows, columns, dim, k in SHAPES[:3] + ((4, 4096, 16384, 32, 50), (8, 4096, 4096, 32, 16)):
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        times = {0: [], 64: []}
+        for most in (0, 64, 0, 64):
+            dense.MEASURED_ALL_MAX = most
+            times[most].append(median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))))
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
+              ", ".join(f"all measured up to {most}: " + " / ".join(f"{t:.3f}" for t in ts)
+                        for most, ts in times.items()), flush=True)
+    dense.MEASURED_ALL_MAX = default
+
+
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -419,7 +437,8 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
-         ("held-sweep", held_sweep, "the stored minima's held tiles"))
+         ("held-sweep", held_sweep, "the stored minima's held tiles"),
+         ("members-all", members_all, "every member measured exactly or the least by a first measure"))
 
 
 def main() -> None:

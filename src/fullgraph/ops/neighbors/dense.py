@@ -122,6 +122,9 @@ CPU_REMEASURE_BYTES = 2 * 2**20
 REDO_MAX_K = 256
 # ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
 REDO_MAX_DIM = 128
+# Up to this many members a query, every member is measured in the reference's arithmetic
+# (no first measure and selection of the k + SLACK least).
+MEASURED_ALL_MAX = 64
 
 
 def _roundoff(dtype: torch.dtype) -> float:
@@ -357,7 +360,7 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
     chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed)
     q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
     members = chosen.shape[-1] * chunk
-    take = min(k + SLACK, members)
+    take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
     # Every unmeasured member of a chosen chunk has a first measure >= the last one re-measured.
     shrink = 1 - 4 * (dim + 2) * 2.0**-24
     if triton_dense.ranks_members(members, take, dim):
