@@ -123,7 +123,10 @@ REDO_MAX_K = 256
 # ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
 REDO_MAX_DIM = 128
 # Up to this many members a query, every member is measured in the reference's arithmetic
-# (no first measure and selection of the k + SLACK least).
+# (no first measure and selection of the k + SLACK least). H100, session 32 run UG
+# (``dense_profile.py --members-all``), graphed ms, a first measure / all measured:
+# 32 x 1024^2 D=64 k=20 0.627 / 0.579, 8 x 4096^2 1.07 / 1.025, 8 x 4096^2 D=32 k=16 0.876 /
+# 0.820 (52 and 44 members: fewer rows read, one sort fewer).
 MEASURED_ALL_MAX = 64
 
 
