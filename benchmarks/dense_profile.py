@@ -22,6 +22,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          or three, the minima's queries held or not)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
+    python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -426,6 +427,42 @@ def members_all(generator) -> None:
     dense.MEASURED_ALL_MAX = default
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the minima's kernel on tiles of both clouds.
+TILE_SETTINGS = ((128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (128, 128, 32, 4, 3), (128, 256, 32, 8, 3),
+                 (256, 128, 32, 8, 3), (128, 128, 16, 8, 4), (64, 256, 32, 4, 3), (128, 256, 64, 8, 2),
+                 (256, 128, 64, 8, 2), (128, 128, 64, 4, 3))
+
+
+def tiles_sweep(generator) -> None:
+    """The minima's kernel on tiles of both clouds (D = 128: ``MINIMA_HELD_MAX_DIM`` leaves
+    it there) launched directly with each setting of TILE_SETTINGS, ms and TFLOP/s of one
+    product a pair, TF32 and tf32x3, at 10^4 x 10^6 D=128 (chunks of 64)."""
+    rows, columns, dim, chunk = 10000, 1000000, 128, 64
+    q = torch.randn(1, rows, dim, device="cuda", generator=generator)
+    r = torch.randn(1, columns, dim, device="cuda", generator=generator)
+    norms = (r * r).sum(-1)
+    out = torch.empty(1, rows, columns // chunk, device="cuda")
+    for precision in ("tf32", "tf32x3"):
+        cells = []
+        for block_m, block_n, block_k, warps, stages in TILE_SETTINGS:
+            row_blocks, column_blocks = -(-rows // block_m), -(-columns // block_n)
+
+            def launch():
+                triton_dense._chunk_minima_kernel[(row_blocks * column_blocks, 1)](
+                    q, r, norms, norms, out, rows, columns, dim, columns // chunk, row_blocks, column_blocks,
+                    CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                    NEEDED=False, QUERIES_FIRST=True, num_warps=warps, num_stages=stages)
+
+            name = f"{block_m}x{block_n}x{block_k}/{warps}w/{stages}s"
+            try:
+                ms = median_ms(launch, 10)
+            except Exception as error:  # (out of shared memory)
+                cells.append(f"{name} {type(error).__name__}")
+                continue
+            cells.append(f"{name} {ms:.3f} ({2 * rows * columns * dim / ms / 1e9:.0f})")
+        print(f"M={rows} N={columns} D={dim} {precision}:", ", ".join(cells), flush=True)
+
+
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -438,6 +475,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
          ("held-sweep", held_sweep, "the stored minima's held tiles"),
+         ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
          ("members-all", members_all, "every member measured exactly or the least by a first measure"))
 
 
