@@ -378,9 +378,10 @@ def precision(generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
-# (M, N, D, chunk) of the stored minima and the held tiles tried: (queries, references, stages).
+# (M, N, D, chunk) of the stored minima and the held tiles tried: (queries, references, warps, stages).
 HELD_SHAPES = ((10000, 1000000, 128, 64), (10000, 200000, 64, 32), (20000, 200000, 16, 32))
-HELD_TILES = ((128, 64, 2), (128, 64, 3), (64, 128, 2), (64, 64, 3), (128, 128, 2), (128, 128, 3), (64, 128, 3))
+HELD_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
+              (64, 128, 8, 3))
 
 
 def held_sweep(generator) -> None:
@@ -398,7 +399,7 @@ def held_sweep(generator) -> None:
                 triton_dense.MINIMA_HELD_MAX_DIM = 0 if tiles is None else 128
                 if tiles is not None:
                     triton_dense.MINIMA_HELD_TILES[padded] = tiles
-                name = "both tiles" if tiles is None else "held %dx%d/%d" % tiles
+                name = "both tiles" if tiles is None else "held %dx%d/%dw/%d" % tiles
                 try:
                     ms = median_ms(lambda: triton_dense.chunk_minima(q, r, norms, chunk, precision), 10)
                 except Exception as error:  # (out of shared memory)

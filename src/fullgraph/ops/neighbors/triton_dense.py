@@ -29,22 +29,26 @@ from ..._triton import tl, triton
 from ..scaling import safe_scale
 from .pairs import PER_COORDINATE_MAX_DIM
 
-# Tiles of chunk_minima: the best of 8 configurations on the H100 (tf32x3; 8 x 4096^2 D=64,
-# 10^4 x 10^6 D=128, 2 x 10^4 x 2 x 10^5 D=16: benchmarks/results/h100-torch2.11/dense-tile-sweep.log);
-# BLOCK_K 16 for D <= 16 (5.0 against 6.3 ms), else 32.
-BLOCK_M, BLOCK_N, NUM_WARPS = 128, 128, 8
+# Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps,
+# pipeline stages) by precision. H100, session 32 run UH (``dense_profile.py --tiles-sweep``,
+# ten settings at 10^4 x 10^6 D=128): TF32 128 x 256 x 32 11.26 ms (227 TFLOP/s) against
+# 12.25 for 128 x 128 x 32; tf32x3 128 x 128 x 64 on 2 stages 36.5 against 39.1. (Session 10,
+# tf32x3, dense-tile-sweep.log: 128 x 128 x 32 on 8 warps the best of 8, BLOCK_K 16 for
+# D <= 16.) The coordinates a step never exceed D's power of two.
+MINIMA_TILES = {"tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
+MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 # ... launched a tile of references at a time against successive tiles of queries (each tile
 # of references read once from memory while the queries stay in L2), not the other way.
 MINIMA_QUERIES_FIRST = True
 # Up to this many coordinates (padded to a power of two) a program holds its tile of queries
 # and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in
-# tiles (queries, references, pipeline stages) by the padded D. H100, session 32 run UC
+# tiles (queries, references, warps, pipeline stages) by the padded D. H100, session 32 run UC
 # (``dense_profile.py --held-sweep``), the minima alone, ms tiles of both clouds / held
 # 128 x 128 x 3: 2 x 10^4 x 2 x 10^5 D=16 tf32x3 5.11 / 2.85 (tf32 2.27 / 1.73); 10^4 x 2 x
 # 10^5 D=64 tf32x3 4.81 / 3.92 (tf32 1.74 / 1.48); but 10^4 x 10^6 D=128 tf32 12.07 / 13.3
 # at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
 MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 64, 4
-MINIMA_HELD_TILES = {16: (128, 128, 3), 32: (128, 128, 3), 64: (128, 128, 3), 128: (128, 64, 2)}
+MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
 # (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
 # held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
 BLOCK_MEMBERS = 128
@@ -621,7 +625,7 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     held = triton.next_power_of_2(max(dim, 16))
     if out.numel() and held <= MINIMA_HELD_MAX_DIM:
-        block_m, block_n, stages = MINIMA_HELD_TILES[held]
+        block_m, block_n, warps, stages = MINIMA_HELD_TILES[held]
         block_n = max(block_n, chunk)
         processors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         row_blocks = triton.cdiv(rows, block_m)
@@ -631,15 +635,16 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
         _held_minima_kernel[(row_blocks, triton.cdiv(columns, share), batch)](
             q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, share,
             CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, DP=held, NEEDED=needed is not None,
-            num_warps=NUM_WARPS, num_stages=stages)
+            num_warps=warps, num_stages=stages)
     elif out.numel():
-        row_blocks, column_blocks = triton.cdiv(rows, BLOCK_M), triton.cdiv(columns, BLOCK_N)
-        block_k = 16 if dim <= 16 else 32
+        block_m, block_n, block_k, warps, stages = MINIMA_TILES.get(precision, MINIMA_OTHER_TILES)
+        block_n = max(block_n, chunk)
+        row_blocks, column_blocks = triton.cdiv(rows, block_m), triton.cdiv(columns, block_n)
         _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
             q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, row_blocks,
-            column_blocks, CHUNK=chunk, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-            NEEDED=needed is not None, QUERIES_FIRST=MINIMA_QUERIES_FIRST, num_warps=NUM_WARPS,
-            num_stages=4 if block_k == 16 else 3)
+            column_blocks, CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_K=min(block_k, held), NEEDED=needed is not None, QUERIES_FIRST=MINIMA_QUERIES_FIRST,
+            num_warps=warps, num_stages=stages)
     return out
 
 
