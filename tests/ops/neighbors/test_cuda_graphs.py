@@ -119,7 +119,7 @@ def test_a_thousand_replays_on_fresh_data_equal_eager(generator):
     assert replayed.captures == 1
 
 
-@pytest.mark.parametrize("columns", [700, 9000])  # the brute force redoes them; float32 products, the search
+@pytest.mark.parametrize("columns", [700, 9000])  # redone by the brute force; by the Triton search
 def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(columns, generator):
     """auto takes "dense" for D >= 4 on CUDA: the rows its certificate cannot prove (ties
     wider than the slack) are redone inside the graph, on every replay."""
