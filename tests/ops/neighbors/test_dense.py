@@ -337,9 +337,10 @@ def test_compiles_once(generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("width, count", [(1, 1), (37, 7), (64, 64)])
-def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
+def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch, generator):
     """The GPU path's row selection (Triton's sort of packed keys): a stable sort's first
-    ``count``, with ties, -0.0 beside 0.0, negatives and +inf."""
+    ``count``, with ties, -0.0 beside 0.0, negatives and +inf; with ``needed``, those rows
+    alike and the programs of the others skipped."""
     from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -349,6 +350,12 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, generator):
     found, position = triton_dense.smallest(values, count, in_registers=True)
     want, want_position = torch.sort(values, dim=-1, stable=True)
     assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
+    monkeypatch.setattr(triton_dense, "SORT_KEYS", 1)  # a row a program: the rows not needed are skipped
+    needed = torch.zeros(3, 2, dtype=torch.bool, device=device)
+    needed[1, 0] = True
+    some, some_position = triton_dense.smallest(values, count, in_registers=True, needed=needed)
+    assert torch.equal(some[needed], found[needed]) and torch.equal(some_position[needed], position[needed])
+    assert torch.isinf(some[~needed]).all() and (some_position[~needed] == torch.arange(count, device=device)).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

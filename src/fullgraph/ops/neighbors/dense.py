@@ -371,7 +371,7 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
         d, i = _within(*_in_torch_sqrt(q, frames.r, d, i), frames.scale, radius)
         return d, i, torch.minimum(beyond, last * shrink)
     measured, position = triton_dense.smallest(
-        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk, needed), take)
+        triton_dense.member_distances(q, frames.r, frames.r_norms, chosen, chunk, needed), take, needed=needed)
     candidates = chosen.gather(2, position // chunk) * chunk + position % chunk
     columns = frames.r.shape[1]
     d, i = _exact_lists(q, frames, candidates.clamp(max=columns - 1), ref_ok, radius, candidates < columns,

@@ -573,11 +573,21 @@ if triton is not None:
             tl.store(reach_ptr + b * blocks + block, tl.max(tl.where(ok, norms, 0.0), 0))
 
     @triton.jit
-    def _smallest_kernel(values_ptr, out_values_ptr, out_index_ptr, rows, width, count,
-                         ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    def _smallest_kernel(values_ptr, needed_ptr, out_values_ptr, out_index_ptr, rows, width, count,
+                         ROWS: tl.constexpr, WIDTH: tl.constexpr, NEEDED: tl.constexpr):
+        """``smallest`` of ROWS rows. NEEDED: a program none of whose rows needed marks stores
+        +inf at positions 0, 1, ..."""
         r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
         c = tl.arange(0, WIDTH)
         inside = (r[:, None] < rows) & (c[None, :] < width)
+        if NEEDED:
+            if tl.max(tl.load(needed_ptr + r, mask=r < rows, other=0).to(tl.int32)) == 0:
+                keep = (r[:, None] < rows) & (c[None, :] < count)
+                tl.store(out_values_ptr + r[:, None] * count + c[None, :],
+                         tl.full((ROWS, WIDTH), float("inf"), tl.float32), mask=keep)
+                tl.store(out_index_ptr + r[:, None] * count + c[None, :], tl.zeros((ROWS, WIDTH), tl.int64) + c[None, :],
+                         mask=keep)
+                return
         x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
         keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
         top = (keys >> 32).to(tl.int32)
@@ -587,12 +597,14 @@ if triton is not None:
         tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
 
 
-def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None,
+             needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """values [..., W] float32 (no NaN) -> the ``count`` least per row, ascending, and their
     positions (int64), ties to the smaller position: ``torch.topk(largest=False)`` with a
     defined tie order. ``in_registers`` (default: on GPUs up to SORT_MAX columns) sorts in
     Triton; otherwise ``torch.topk`` (wide rows) or a stable sort (CPU tensors, where Triton
-    is interpreted and its sort takes seconds)."""
+    is interpreted and its sort takes seconds). ``needed`` (bool, the rows' shape): the rows
+    it leaves out may come back unsorted (+inf at positions 0, 1, ... in registers)."""
     width = values.shape[-1]
     if in_registers is None:
         in_registers = values.is_cuda and width <= SORT_MAX
@@ -607,8 +619,9 @@ def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None)
     if rows and count:
         padded = triton.next_power_of_2(width)
         per_program = max(1, SORT_KEYS // padded)
-        _smallest_kernel[(triton.cdiv(rows, per_program),)](values.contiguous(), out_values, out_index, rows, width,
-                                                            count, ROWS=per_program, WIDTH=padded, num_warps=4)
+        _smallest_kernel[(triton.cdiv(rows, per_program),)](
+            values.contiguous(), needed if needed is not None else values, out_values, out_index, rows, width, count,
+            ROWS=per_program, WIDTH=padded, NEEDED=needed is not None, num_warps=4)
     return out_values, out_index
 
 
