@@ -111,7 +111,11 @@ TF32_FIRST_MIN_DIM = 128
 # D=64 k=20: 32 MiB 201, 128 MiB 202 (176).
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
-CPU_GROUP_BYTES = 2**20  # items of up to this many products' bytes share a block
+# Items of up to this many products' bytes share a block (fewer operators). 2-core CPU,
+# session 32, dense ms with 1 / 16 MiB: 4 x 512^2 D=128 k=20 8.96 / 6.70, D=64 7.09 / 5.22,
+# 8 x 512^2 D=64 14.6 / 9.8, 16 x 256^2 D=64 11.4 / 8.8; larger items alike within noise
+# (32 x 1024^2 D=64 125 / 122, 8 x 2048^2 65-67 / 70, 4 x 512 x 4096 D=32 k=50 15-17 / 14).
+CPU_GROUP_BYTES = 16 * 2**20
 # Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces (2048
 # queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at once,
 # the same bits). On the H100 pieces of 16 MiB were slower (the gathers 570 against 300 us at
@@ -648,8 +652,13 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 #   D=64:  1024^2 4.3 / 2.7 / 1.3;  2 x 1024 x 2048 7.8 / 6.8 / 3.5;  2048^2 5.9 / 6.9 / 3.4
 #   D=128: 1024^2 4.2 / 3.3 / 1.4;  2 x 1024 x 2048 8.5 / 10.8 / 4.0
 # (cdist + topk, inexact, is faster than both there: MKL's products and topk on 16 threads.)
+# Session 32 (products in blocks of 16 MiB of items, CPU_GROUP_BYTES), 2 threads, ms products /
+# brute force / cdist + topk: D=128 2^16 pairs (16 x 256^2) 17.2 / 13.8-14.4 / 7.7-10.4; 2^17 (8 x
+# 256 x 512) 11.5-12.2 / 12.1-12.8 / 6.3; 2^18 (4 x 512^2) 7.05-7.29 / 9.6-9.9 / 6.0; D=64 2^17
+# 9.3-9.6 / 7.3-7.6 / 6.0, 2^18 (8 x 512^2) 11.5-12.4 / 12.4-12.8 / 11.2-11.4; D=32 2^17 5.3 /
+# 4.8-5.1 / 5.1, 2^18 5.3 / 4.6-4.9 / 5.2.
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**21), (32, 2**20), (128, 2**18)),
+    2: ((8, 2**21), (32, 2**20), (128, 2**17)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 
