@@ -22,9 +22,9 @@ import torch
 from .. import _triton, _validate, backends
 from .._triton import tl, triton
 from .neighbors.batching import Padded, check_batch
-from .neighbors.pairs import accumulation_dtype, valid_points
+from .neighbors.pairs import accumulation_dtype, valid_points, valid_points_and_largest
 from .sampling_cuda import BACKEND as CUDA_BACKEND
-from .scaling import magnitude, safe_scale
+from .scaling import safe_scale
 
 
 def _starts(x, valid, random_start: bool, generator) -> torch.Tensor:
@@ -42,11 +42,9 @@ def _prepared(x: torch.Tensor, lengths: torch.Tensor | None):
     """(points, valid): x in its accumulation dtype, scaled per item by a power of two
     (exact) into the unit ball so no squared distance overflows, 0 at invalid points; valid
     [B, N] bool."""
-    valid = valid_points(x, lengths)
+    valid, largest = valid_points_and_largest(x, lengths)
     acc = accumulation_dtype(x.dtype)
-    batch, size = valid.shape
-    largest = torch.where(valid, magnitude(x).to(acc), 0).amax(1) if size else x.new_zeros(batch, dtype=acc)
-    return torch.where(valid[..., None], x.to(acc) / safe_scale(largest)[:, None, None], 0), valid
+    return torch.where(valid[..., None], x.to(acc) / safe_scale(largest.to(acc))[:, None, None], 0), valid
 
 
 def _on_prepared(loop):

@@ -147,8 +147,9 @@ def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
     query[0, 4, 2], ref[1, 7, 0], ref[0, 11, 5] = math.nan, math.inf, math.nan
     query, ref = query.to(device), ref.to(device)
     query_lengths, ref_lengths = torch.tensor([30, 21], device=device), torch.tensor([90, 64], device=device)
-    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    frames = dense._Frames(query, ref, query_ok, ref_ok, torch.float32)
+    frames = dense._Frames(query, ref, query_lengths, ref_lengths, torch.float32)
+    query_ok, ref_ok = frames.query_ok, frames.ref_ok
+    assert torch.equal(query_ok, pairs.valid_points(query, query_lengths))
     assert frames.scale.min().item() > 1  # far out: the clouds are scaled
     built = grid.one_cell(frames.q, frames.r, query_ok, ref_ok, frames.scale)
     assert torch.equal(built[2].bucket_start.cpu(), torch.tensor([0, 89, 90, 90 + 63, 180], dtype=torch.int32))
@@ -422,7 +423,7 @@ def test_rounded_operands_multiply_within_their_bound(dim, generator):
     bits zero, each coordinate within 2^-11, the GPU frames' as torch rounds theirs), and their
     chunk minima against float64 of the unrounded clouds within the stated bound plus the
     float32 sums: coordinates of mixed magnitudes, near-duplicates, a far point."""
-    from fullgraph.ops.neighbors import pairs, triton_dense
+    from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
@@ -431,7 +432,7 @@ def test_rounded_operands_multiply_within_their_bound(dim, generator):
     query, ref = query.to(device), ref.to(device)
     lengths = (torch.tensor([70, 70], device=device), torch.tensor([521, 521], device=device))
     got = triton_dense.frames(query, ref, *lengths)
-    frames = dense._Frames(query, ref, pairs.valid_points(query, None), pairs.valid_points(ref, None), torch.float32)
+    frames = dense._Frames(query, ref, None, None, torch.float32)
     qt, rt, q_lo, r_lo = frames.rounded()
     for rounded, exact in ((qt, frames.qc), (rt, frames.rc)):
         assert ((rounded.view(torch.int32) & 0x1FFF) == 0).all()
@@ -619,7 +620,8 @@ def test_frames_in_triton_equal_torchs(dtype, dim, generator):
     query_lengths, ref_lengths = torch.tensor([40, 17, 0], device=device), torch.tensor([70, 70, 33], device=device)
     got = triton_dense.frames(query, ref, query_lengths, ref_lengths)
     query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    want = dense._Frames(query, ref, query_ok, ref_ok, torch.float32)
+    want = dense._Frames(query, ref, query_lengths, ref_lengths, torch.float32)
+    assert torch.equal(want.query_ok, query_ok) and torch.equal(want.ref_ok, ref_ok)
     assert torch.equal(got["query_ok"], query_ok) and torch.equal(got["ref_ok"], ref_ok)
     assert torch.equal(got["scale"], want.scale) and want.scale[1].item() > 1
     torch.testing.assert_close(got["q"], want.q, rtol=0, atol=0, equal_nan=True)  # NaN rows stay NaN

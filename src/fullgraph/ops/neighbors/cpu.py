@@ -225,8 +225,9 @@ def _measured(query, ref, radius, query_lengths, ref_lengths):
     yields (items, rows, d [g, m, N] in units of the item's scale, query_ok [g, m], ref_ok
     [g, N], within [g]: the radius in those units, scale [g, 1, 1]); yields None first where
     the extension does not run."""
-    query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    scale = reference.item_scales(query, ref, query_ok, ref_ok)
+    query_ok, query_largest = pairs.valid_points_and_largest(query, query_lengths)
+    ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
+    scale = reference.item_scales(query_largest, ref_largest, query.dtype)
     within = reference.radius_in_units(radius, scale)
     within = (torch.full_like(scale, math.inf) if within is None else within).reshape(-1)
     q, r = query.to(scale.dtype) / scale, ref.to(scale.dtype) / scale

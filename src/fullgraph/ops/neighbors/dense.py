@@ -75,7 +75,6 @@ import torch
 
 from ... import _triton
 from ...backends import FLOATING, Backend
-from ..scaling import safe_scale
 from . import grid, pairs, reference, select, triton_dense, triton_grid
 
 SLACK = 8
@@ -194,11 +193,13 @@ class _Frames:
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
     invalid rows zeroed (``qc``, ``rc``, the operands of the products). Built by torch here;
     on GPUs by ``triton_dense.frames`` (``_Frames.of``: the same scaled clouds, the centre
-    summed in another order)."""
+    summed in another order). Each cloud's valid rows: ``query_ok`` [B, M], ``ref_ok`` [B, N]."""
 
-    def __init__(self, query, ref, query_ok, ref_ok, acc):
-        largest = torch.maximum(reference.largest(query, query_ok), reference.largest(ref, ref_ok))
-        self.scale = safe_scale(largest.to(acc))[:, None]
+    def __init__(self, query, ref, query_lengths, ref_lengths, acc):
+        self.query_ok, query_largest = pairs.valid_points_and_largest(query, query_lengths)
+        self.ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
+        query_ok, ref_ok = self.query_ok, self.ref_ok
+        self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
         # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic
         # (64 x 128^2, D = 128: 13.8 ms for these frames): no copies where every scale is one
         # and every point valid, which a CPU reads for free.
@@ -224,7 +225,7 @@ class _Frames:
     def of(cls, parts: dict) -> _Frames:
         """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
         frames = object.__new__(cls)
-        names = ("scale", "q", "r", "qc", "rc", "reach", "r_norms", "qt", "rt", "q_lo", "r_lo")
+        names = ("scale", "q", "r", "qc", "rc", "reach", "r_norms", "qt", "rt", "q_lo", "r_lo", "query_ok", "ref_ok")
         frames.__dict__.update({name: parts[name] for name in names})
         return frames
 
@@ -593,12 +594,12 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if batch * rows * ref.shape[1] == 0:
         return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
     if _on_tensor_cores(query) and query.shape[-1] <= triton_dense.FRAMES_MAX_DIM:
-        parts = triton_dense.frames(query, ref, pairs.full_lengths(query_lengths, batch, rows, query.device),
-                                    pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device))
-        query_ok, ref_ok, frames = parts["query_ok"], parts["ref_ok"], _Frames.of(parts)
+        frames = _Frames.of(triton_dense.frames(
+            query, ref, pairs.full_lengths(query_lengths, batch, rows, query.device),
+            pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device)))
     else:
-        query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-        frames = _Frames(query, ref, query_ok, ref_ok, acc)
+        frames = _Frames(query, ref, query_lengths, ref_lengths, acc)
+    query_ok, ref_ok = frames.query_ok, frames.ref_ok
     if _brute_forced(query, ref, k):
         _brute_force(frames, ref_ok, k, radius, dists, idx)
     elif _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):

@@ -55,14 +55,31 @@ def full_lengths(lengths: Tensor | None, batch: int, size: int, device) -> Tenso
 
 def valid_points(points: Tensor, lengths: Tensor | None) -> Tensor:
     """[B, L] bool: inside the valid prefix and finite in every coordinate."""
-    batch, size = points.shape[:2]
-    lengths = full_lengths(lengths, batch, size, points.device)
-    inside = torch.arange(size, device=points.device)[None, :] < lengths[:, None]
+    inside = _inside(points, lengths)
     if points.shape[-1] == 0:
         return inside
     # A NaN or infinite coordinate makes the largest |coordinate| NaN or inf: one reduction
     # (isfinite + all took 14x as long on the CPU, 16 x 256 points of D = 64: 0.55 ms).
     return inside & (magnitude(points) < math.inf)
+
+
+def valid_points_and_largest(points: Tensor, lengths: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``valid_points`` [B, L] and each item's largest |coordinate| of them [B] (0 if none):
+    one pass over the points for both (each pass is most of the operators' work on small
+    CPU items: 64 x 128^2, D = 128, ~0.5 ms of a 16 ms kNN)."""
+    inside = _inside(points, lengths)
+    if points.shape[-1] == 0 or points.shape[1] == 0:
+        return inside, points.new_zeros(points.shape[0])
+    sizes = magnitude(points)
+    valid = inside & (sizes < math.inf)
+    return valid, torch.where(valid, sizes, 0).amax(-1)
+
+
+def _inside(points: Tensor, lengths: Tensor | None) -> Tensor:
+    """[B, L] bool: inside each item's valid prefix."""
+    batch, size = points.shape[:2]
+    lengths = full_lengths(lengths, batch, size, points.device)
+    return torch.arange(size, device=points.device)[None, :] < lengths[:, None]
 
 
 def no_neighbors(query: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:

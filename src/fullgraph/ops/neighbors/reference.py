@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import torch
 
 from ...backends import ANY_DEVICE, Backend
-from ..scaling import magnitude, safe_scale
+from ..scaling import safe_scale
 from .pairs import (PER_COORDINATE_MAX_DIM, Kernels, accumulation_dtype, norm_of_difference, query_chunks,
-                    rows_per_block, valid_points)
+                    rows_per_block, valid_points_and_largest)
 
 
 def pairwise_distances(query: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -64,13 +64,14 @@ def found_lists(values: torch.Tensor, order: torch.Tensor,
     return torch.where(found, values * scale, math.inf), order.masked_fill(~found, -1)
 
 
-def item_scales(query, ref, query_ok, ref_ok) -> torch.Tensor:
-    """[B, 1, 1] each item's scale (``safe_scale`` of its largest valid |coordinate|) in the
-    accumulation dtype. One scale per item (the pairs' own would cost a pass over [m, N, D]):
-    far apart points stay finite; only in clouds that also hold points within ~1e-30 of each
-    other do those underflow to distance 0 (ties, broken by index)."""
-    acc = accumulation_dtype(query.dtype)
-    return safe_scale(torch.maximum(largest(query, query_ok), largest(ref, ref_ok)).to(acc))[:, None, None]
+def item_scales(query_largest, ref_largest, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, 1] each item's scale (``safe_scale`` of its largest valid |coordinate|, of the
+    query's and the reference's clouds [B]: ``pairs.valid_points_and_largest``) in the
+    accumulation dtype of ``dtype``. One scale per item (the pairs' own would cost a pass
+    over [m, N, D]): far apart points stay finite; only in clouds that also hold points
+    within ~1e-30 of each other do those underflow to distance 0 (ties, broken by index)."""
+    acc = accumulation_dtype(dtype)
+    return safe_scale(torch.maximum(query_largest, ref_largest).to(acc))[:, None, None]
 
 
 def radius_in_units(radius: float, scale: torch.Tensor) -> torch.Tensor | None:
@@ -86,9 +87,9 @@ def distance_blocks(query, ref, radius, query_lengths, ref_lengths):
     and ok marks valid pairs within the radius. Items small enough share a block (fewer
     operators: 64 clouds of 128 points took ~20 operators each, 44 against 11 ms)."""
     batch, rows, dim = query.shape
-    query_ok = valid_points(query, query_lengths)
-    ref_ok = valid_points(ref, ref_lengths)
-    scale = item_scales(query, ref, query_ok, ref_ok)
+    query_ok, query_largest = valid_points_and_largest(query, query_lengths)
+    ref_ok, ref_largest = valid_points_and_largest(ref, ref_lengths)
+    scale = item_scales(query_largest, ref_largest, query.dtype)
     within = radius_in_units(radius, scale)
     width = dim if dim > PER_COORDINATE_MAX_DIM else 0  # the [m, N, D] block norm_of_difference holds
     for items, chunk in item_blocks(batch, rows, ref.shape[1], width, query.device):
@@ -110,11 +111,6 @@ def item_blocks(batch: int, rows: int, columns: int, row_width: int, device) -> 
     for b in range(batch):
         for chunk in query_chunks(rows, columns, row_width, device):
             yield slice(b, b + 1), chunk
-
-
-def largest(points: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """The largest |coordinate| of the valid points [..., L, D] (valid [..., L]) -> [...] (0 if none)."""
-    return torch.where(valid, magnitude(points), 0).amax(-1) if points.shape[-2] else points.new_zeros(points.shape[:-2])
 
 
 def smallest(d: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
