@@ -450,9 +450,9 @@ def tiles_sweep(generator) -> None:
 
             def launch():
                 triton_dense._chunk_minima_kernel[(row_blocks * column_blocks, 1)](
-                    q, r, norms, norms, out, rows, columns, dim, columns // chunk, row_blocks, column_blocks,
+                    q, r, norms, norms, out, rows, columns, dim, columns // chunk, row_blocks,
                     CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                    NEEDED=False, QUERIES_FIRST=True, num_warps=warps, num_stages=stages)
+                    NEEDED=False, num_warps=warps, num_stages=stages)
 
             name = f"{block_m}x{block_n}x{block_k}/{warps}w/{stages}s"
             try:
