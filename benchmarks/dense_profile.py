@@ -18,8 +18,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --points         (3-D clouds: dense against the grid)
     python benchmarks/dense_profile.py --host           (a tiny eager call's host time: cProfile, profiler)
     python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
-    python benchmarks/dense_profile.py --precision      (wide clouds: the first products in one TF32 product
-                                                         or three, the minima's queries held or not)
+    python benchmarks/dense_profile.py --precision      (wide clouds: the first products of float16 operands
+                                                         or in three TF32 products, the minima's queries held or not)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
@@ -324,16 +324,15 @@ def operators(generator) -> None:
             sort_by="cuda_time_total", row_limit=40, max_name_column_width=40, max_shapes_column_width=70), flush=True)
 
 
-# The stored minima's settings ``--precision`` compares: (TF32_FIRST_MIN_DIM, MINIMA_HELD_MAX_DIM).
-PRECISION_SETTINGS = {"tf32x3, tiles": (10**9, 0), "tf32x3, held": (10**9, 128), "tf32 first, tiles": (0, 0),
-                      "tf32 first, held": (0, 128)}
+# The stored minima's settings ``--precision`` compares: (HALF_FIRST_MIN_DIM, MINIMA_HELD_MAX_DIM).
+PRECISION_SETTINGS = {"tf32x3, tiles": (10**9, 0), "tf32x3, held": (10**9, 128), "fp16 first, tiles": (0, 0),
+                      "fp16 first, held": (0, 128)}
 PRECISION_SHAPES = SHAPES[3:5] + ((1, 10000, 200000, 64, 10), (1, 10000, 100000, 128, 10))
 
 
 def precision(generator) -> None:
     """Graphed dense kNN on wide clouds (the stored minima) with the first products in tf32x3
-    alone or in one TF32 product of rounded operands (the rows it leaves unproven again in
-    tf32x3), the minima by tiles of both clouds or with a tile of queries held; the rows the
+    alone or of operands rounded to float16 (the rows they leave unproven again in tf32x3), the minima by tiles of both clouds or with a tile of queries held; the rows the
     first products left unproven (normal / clustered cloud) and the clustered cloud graphed.
     Then a profile of one graphed call of the first shape with the defaults."""
     proven, unproven = dense._proven_lists, []
@@ -345,14 +344,14 @@ def precision(generator) -> None:
         return d, i, left
 
     dense._proven_lists = counting
-    defaults = dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM
+    defaults = dense.HALF_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM
     for batch, rows, columns, dim, k in PRECISION_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         clustered = _clustered(batch, rows, columns, dim, generator)
         runs = 10 if rows * columns > 1e8 else 30
         cells = []
-        for name, (dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM) in PRECISION_SETTINGS.items():
+        for name, (dense.HALF_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM) in PRECISION_SETTINGS.items():
             try:
                 time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")), runs)
                 on_clusters = median_ms(graphed(lambda: fullgraph.knn(*clustered, k, backend="dense")), runs)
@@ -365,7 +364,7 @@ def precision(generator) -> None:
             cells.append(f"{name} {time:.3f} (clustered {on_clusters:.3f}; unproven first: {unproven})")
             torch.cuda.empty_cache()
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
-    dense.TF32_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM = defaults
+    dense.HALF_FIRST_MIN_DIM, triton_dense.MINIMA_HELD_MAX_DIM = defaults
     batch, rows, columns, dim, k = PRECISION_SHAPES[0]
     q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
     r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
@@ -378,6 +377,14 @@ def precision(generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
+def _operands(q, r, precision):
+    """The minima kernels' operands in ``precision`` and their factor per item (``twice``)."""
+    if precision != "fp16":
+        return q, r, None
+    unit = triton_dense.half_unit(torch.maximum(q.abs().amax((1, 2)), r.abs().amax((1, 2))))
+    return triton_dense.half_operands(q, unit)[0], triton_dense.half_operands(r, unit)[0], 2 / unit**2
+
+
 # (M, N, D, chunk) of the stored minima and the held tiles tried: (queries, references, warps, stages).
 HELD_SHAPES = ((10000, 1000000, 128, 64), (10000, 200000, 64, 32), (20000, 200000, 16, 32))
 HELD_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
@@ -385,23 +392,25 @@ HELD_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3),
 
 
 def held_sweep(generator) -> None:
-    """The stored chunk minima alone, ms (TFLOP/s of one product a pair, tf32 or tf32x3), by
-    the held kernel's tiles and without it (tiles of both clouds, references first)."""
+    """The stored chunk minima alone, ms (TFLOP/s of one product a pair, fp16, tf32 or
+    tf32x3), by the held kernel's tiles and without it (tiles of both clouds, references first)."""
     defaults = dict(triton_dense.MINIMA_HELD_TILES), triton_dense.MINIMA_HELD_MAX_DIM
     for rows, columns, dim, chunk in HELD_SHAPES:
         q = torch.randn(1, rows, dim, device="cuda", generator=generator)
         r = torch.randn(1, columns, dim, device="cuda", generator=generator)
         norms = (r * r).sum(-1)
         padded = max(16, 1 << (dim - 1).bit_length())
-        for precision in ("tf32", "tf32x3"):
+        for precision in ("fp16", "tf32", "tf32x3"):
             cells = []
+            operands = _operands(q, r, precision)
             for tiles in (None,) + HELD_TILES:
                 triton_dense.MINIMA_HELD_MAX_DIM = 0 if tiles is None else 128
                 if tiles is not None:
                     triton_dense.MINIMA_HELD_TILES[padded] = tiles
                 name = "both tiles" if tiles is None else "held %dx%d/%dw/%d" % tiles
                 try:
-                    ms = median_ms(lambda: triton_dense.chunk_minima(q, r, norms, chunk, precision), 10)
+                    ms = median_ms(lambda: triton_dense.chunk_minima(operands[0], operands[1], norms, chunk, precision,
+                                                                     twice=operands[2]), 10)
                 except Exception as error:  # (out of shared memory)
                     cells.append(f"{name} {type(error).__name__}")
                     continue
@@ -429,28 +438,33 @@ def members_all(generator) -> None:
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the minima's kernel on tiles of both clouds.
-TILE_SETTINGS = ((128, 128, 32, 8, 3), (128, 128, 64, 8, 2), (128, 128, 32, 4, 3), (128, 256, 32, 8, 3),
-                 (256, 128, 32, 8, 3), (128, 128, 16, 8, 4), (64, 256, 32, 4, 3), (128, 256, 64, 8, 2),
-                 (256, 128, 64, 8, 2), (128, 128, 64, 4, 3))
+TILE_SETTINGS = {
+    "fp16": ((128, 256, 32, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
+             (128, 128, 64, 4, 4), (256, 128, 64, 8, 3), (128, 256, 128, 8, 2), (256, 256, 64, 8, 2),
+             (64, 256, 64, 4, 4), (128, 128, 128, 8, 2)),
+    "tf32": ((128, 256, 32, 8, 3), (128, 128, 32, 8, 3)),
+}
 
 
 def tiles_sweep(generator) -> None:
     """The minima's kernel on tiles of both clouds (D = 128: ``MINIMA_HELD_MAX_DIM`` leaves
     it there) launched directly with each setting of TILE_SETTINGS, ms and TFLOP/s of one
-    product a pair, TF32 and tf32x3, at 10^4 x 10^6 D=128 (chunks of 64)."""
+    product a pair, by precision, at 10^4 x 10^6 D=128 (chunks of 64)."""
     rows, columns, dim, chunk = 10000, 1000000, 128, 64
     q = torch.randn(1, rows, dim, device="cuda", generator=generator)
     r = torch.randn(1, columns, dim, device="cuda", generator=generator)
     norms = (r * r).sum(-1)
     out = torch.empty(1, rows, columns // chunk, device="cuda")
-    for precision in ("tf32", "tf32x3"):
+    for precision, settings in TILE_SETTINGS.items():
         cells = []
-        for block_m, block_n, block_k, warps, stages in TILE_SETTINGS:
+        a, b, twice = _operands(q, r, precision)
+        for block_m, block_n, block_k, warps, stages in settings:
             row_blocks, column_blocks = -(-rows // block_m), -(-columns // block_n)
 
             def launch():
                 triton_dense._chunk_minima_kernel[(row_blocks * column_blocks, 1)](
-                    q, r, norms, norms, out, rows, columns, dim, columns // chunk, row_blocks,
+                    a, b, norms, norms if twice is None else twice, norms, out, rows, columns, dim, columns // chunk,
+                    row_blocks,
                     CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                     NEEDED=False, num_warps=warps, num_stages=stages)
 

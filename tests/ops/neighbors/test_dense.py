@@ -418,32 +418,37 @@ def test_chunk_minima_within_the_products_error(precision, dim, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim", [16, 64, 128])
-def test_rounded_operands_multiply_within_their_bound(dim, generator):
-    """The first products (``dense._products``, "tf32"): operands rounded to TF32 (the low 13
-    bits zero, each coordinate within 2^-11, the GPU frames' as torch rounds theirs), and their
-    chunk minima against float64 of the unrounded clouds within the stated bound plus the
-    float32 sums: coordinates of mixed magnitudes, near-duplicates, a far point."""
+@pytest.mark.parametrize("magnitude", [1.0, 2.0**-40, 2.0**50])
+def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
+    """The first products (``dense._products``, "fp16"): operands times a power of two
+    rounded to float16 (finite, each coordinate within 2^-11 of its own or of float16's
+    subnormals, the GPU frames' as torch rounds theirs), and their chunk minima against
+    float64 of the unrounded clouds within the stated bound plus the float32 sums:
+    coordinates of mixed magnitudes (and clouds far from 1 in all), near-duplicates, a far
+    point."""
     from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
     ref = torch.cat([torch.randn(2, 500, dim, generator=generator), query[:, :20] * (1 + 2**-20),
                      query[:, 20:21] * 1e3], 1)
-    query, ref = query.to(device), ref.to(device)
+    query, ref = query.to(device) * magnitude, ref.to(device) * magnitude
     lengths = (torch.tensor([70, 70], device=device), torch.tensor([521, 521], device=device))
-    got = triton_dense.frames(query, ref, *lengths)
+    got = triton_dense.frames(query, ref, *lengths, halves=True)
     frames = dense._Frames(query, ref, None, None, torch.float32)
-    qt, rt, q_lo, r_lo = frames.rounded()
-    for rounded, exact in ((qt, frames.qc), (rt, frames.rc)):
-        assert ((rounded.view(torch.int32) & 0x1FFF) == 0).all()
-        assert ((exact - rounded).abs() <= exact.abs() * 2.0**-11).all()
-    assert torch.equal(got["qt"], triton_dense.tf32_rounded(got["qc"]))
-    assert torch.equal(got["rt"], triton_dense.tf32_rounded(got["rc"]))
-    torch.testing.assert_close(got["q_lo"], (got["qc"] - got["qt"]).norm(dim=-1))
-    torch.testing.assert_close(got["r_lo"], (got["rc"] - got["rt"]).norm(dim=-1).amax(-1, keepdim=True))
+    qh, rh, q_lo, r_lo, twice = frames.halves()
+    unit = frames.unit[:, None, None]
+    for half, exact in ((qh, frames.qc), (rh, frames.rc)):
+        assert half.dtype == torch.float16 and torch.isfinite(half).all()
+        assert ((exact - half.float() / unit).abs() <= exact.abs() * 2.0**-11 + 2.0**-25 / unit).all()
+    assert torch.equal(got["unit"], frames.unit)
+    assert torch.equal(got["qh"], triton_dense.half_operands(got["qc"], got["unit"])[0])
+    assert torch.equal(got["rh"], triton_dense.half_operands(got["rc"], got["unit"])[0])
+    torch.testing.assert_close(got["q_lo"], triton_dense.half_operands(got["qc"], got["unit"])[1])
+    torch.testing.assert_close(got["r_lo"], triton_dense.half_operands(got["rc"], got["unit"])[1].amax(-1, keepdim=True))
     q_abs = frames.qc.norm(dim=-1)
-    q, r, error = dense._products(frames, slice(None), "tf32", q_abs)
-    minima = triton_dense.chunk_minima(q, r, frames.r_norms, 4, "tf32").cpu().double()
+    q, r, twice, error = dense._products(frames, slice(None), "fp16", q_abs)
+    minima = triton_dense.chunk_minima(q, r, frames.r_norms, 4, "fp16", twice=twice).cpu().double()
     qc, rc, norms = frames.qc.cpu().double(), frames.rc.cpu().double(), frames.r_norms.cpu().double()
     values = norms[:, None, :] - 2 * qc @ rc.transpose(1, 2)
     want = torch.nn.functional.pad(values, (0, -rc.shape[1] % 4), value=math.inf).unflatten(-1, (-1, 4)).amin(-1)
@@ -476,19 +481,19 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator):
-    """The stored minima's first products in TF32: rows whose first bound is made useless
+    """The stored minima's first products of float16 operands: rows whose first bound is made useless
     (every third query) are proven by the second products, theirs only: the reference's
     lists, and no row left for the redo."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
-    monkeypatch.setattr(dense, "TF32_FIRST_MIN_DIM", 16)
+    monkeypatch.setattr(dense, "HALF_FIRST_MIN_DIM", 16)
     products, tiers = dense._products, []
 
     def loose_first(frames, rows, precision, q_abs):
-        q, r, error = products(frames, rows, precision, q_abs)
-        if precision == "tf32":
+        q, r, twice, error = products(frames, rows, precision, q_abs)
+        if precision == "fp16":
             error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
-        return q, r, error
+        return q, r, twice, error
 
     def counted(frames, rows, ref_ok, k, radius, precision, needed=None):
         tiers.append((precision, None if needed is None else needed.tolist()))
@@ -502,7 +507,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
-    assert [precision for precision, _ in tiers] == ["tf32", dense.TENSOR_CORE_PRECISION]
+    assert [precision for precision, _ in tiers] == ["fp16", dense.TENSOR_CORE_PRECISION]
     assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
     assert redone == [0]
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")

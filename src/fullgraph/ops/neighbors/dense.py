@@ -50,13 +50,14 @@ products are three TF32 products (each operand split in two TF32 parts, eps = 2^
 whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2^-9) the
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
-On wide clouds of wide points (the stored minima, D >= TF32_FIRST_MIN_DIM) the products run
-first in one TF32 product of both clouds rounded to TF32 beforehand (``_Frames.rounded``):
-each product of rounded operands q', r' is exact, and q.r - q'.r' = q_lo.r + q'.r_lo, at
-most |q_lo| R + |q'| max |r_lo| by Cauchy-Schwarz with the norms of what the rounding left
-out (``_products``), ~2^-11 of |q| R where one TF32 product's input rounding bounds 2^-9. The
-valid rows that bound leaves unproven go through steps 1-3 again in three TF32 products,
-only the tiles of queries holding one multiplied (``_block_on_tensor_cores``).
+On wide clouds of wide points (the stored minima, D >= HALF_FIRST_MIN_DIM) the products run
+first on both clouds rounded to float16 beforehand (times a power of two per item that
+keeps them in range, ``_Frames.halves``): each product of rounded operands q', r' is exact
+(11 bits by 11), and q.r - q'.r' = q_lo.r + q'.r_lo, at most |q_lo| R + |q'| max |r_lo| by
+Cauchy-Schwarz with the norms of what the rounding left out (``_products``), ~2^-11 of |q| R
+where one TF32 product's input rounding bounds 2^-9. The valid rows that bound leaves
+unproven go through steps 1-3 again in three TF32 products, only the tiles of queries
+holding one multiplied (``_block_on_tensor_cores``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
 D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
@@ -83,7 +84,7 @@ SLACK = 8
 CHUNK_SLACK = 6
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product
 # (u = 2^-10) fails the certificate on 0.5-2 % of normal rows (D = 16-128, measured; with
-# operands rounded beforehand and their residuals bounded, none: TF32_FIRST_MIN_DIM).
+# operands rounded beforehand and their residuals bounded, none: HALF_FIRST_MIN_DIM).
 # Three bfloat16 products (each operand in two bfloat16 parts, eps 2^-14) were faster but
 # sent back ~20 times the rows of clustered clouds (H200, session 25 run NE,
 # session25/dense-floor-run-NE.log: 8 x 4096^2 D=64 k=20 products 0.326 -> 0.242 ms, graphed
@@ -91,18 +92,19 @@ CHUNK_SLACK = 6
 # 32,768, 4 x 4096 x 16,384 D=32 2,793 -> 6,800): kept out.
 TENSOR_CORE_PRECISION = "tf32x3"
 # The first products of the stored minima (wide clouds) for points of at least
-# TF32_FIRST_MIN_DIM coordinates: one TF32 product of operands rounded to TF32 beforehand
+# HALF_FIRST_MIN_DIM coordinates: one product of operands rounded to float16 beforehand
 # (each product exact, the rounding's residuals bounded per query: ``_products``); the valid
 # rows they leave unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
-# H100, session 32 runs UA-UC (``dense_profile.py --precision``), graphed ms tf32x3 alone /
-# TF32 first (rows the first products left unproven, normal / clustered; clustered graphed):
+# Session 32 rounded the operands to TF32 instead (the same 11 bits, twice the bytes and half
+# the tensor cores' rate): H100, runs UA-UC (``dense_profile.py --precision``), graphed ms
+# tf32x3 alone / TF32 first (rows the first products left unproven, normal / clustered; clustered graphed):
 # 10^4 x 10^6 D=128 k=10 45.2 / 24.1 (0 / 10,000 of 10,000; 470 / 488); 10^4 x 10^5 D=128
 # 5.81 / 4.38 (0 / 9,998; 48.0 / 50.6); 10^4 x 2 x 10^5 D=64 5.76 / 5.23 (0 / 9,986; 5.90 /
 # 8.83); 2 x 10^4 x 2 x 10^5 D=16 5.64 / 8.18 (0 / 19,660); on the fused lists 8 x 4096^2
 # D=64 1.081 / 1.035, 32 x 1024^2 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943:
 # the second pass's ~25 launches and selection cost more than the products save where they
 # are cheap, and clustered clouds fail the first bound nearly everywhere.
-TF32_FIRST_MIN_DIM = 128
+HALF_FIRST_MIN_DIM = 128
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
@@ -200,6 +202,7 @@ class _Frames:
         self.ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
         query_ok, ref_ok = self.query_ok, self.ref_ok
         self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
+        self.largest = torch.maximum(query_largest, ref_largest).to(acc) / self.scale[:, 0]  # [B]
         # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic
         # (64 x 128^2, D = 128: 13.8 ms for these frames): no copies where every scale is one
         # and every point valid, which a CPU reads for free.
@@ -225,18 +228,19 @@ class _Frames:
     def of(cls, parts: dict) -> _Frames:
         """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
         frames = object.__new__(cls)
-        names = ("scale", "q", "r", "qc", "rc", "reach", "r_norms", "qt", "rt", "q_lo", "r_lo", "query_ok", "ref_ok")
-        frames.__dict__.update({name: parts[name] for name in names})
+        frames.__dict__.update(parts)
         return frames
 
-    def rounded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The products' operands in TF32: ``qc`` and ``rc`` rounded (``triton_dense.tf32_rounded``),
-        the norms of what that left out per query [B, M] and the largest per item [B, 1]."""
-        if "qt" not in vars(self):  # (the GPU frames hold them)
-            self.qt, self.rt = triton_dense.tf32_rounded(self.qc), triton_dense.tf32_rounded(self.rc)
-            self.q_lo = (self.qc - self.qt).norm(dim=-1)
-            self.r_lo = (self.rc - self.rt).norm(dim=-1).amax(-1, keepdim=True)
-        return self.qt, self.rt, self.q_lo, self.r_lo
+    def halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The products' operands in float16 (``triton_dense.half_operands``): ``qc`` and ``rc``
+        times the item's power of two ``unit`` [B], the norms of what they left out per query
+        [B, M] and the largest per item [B, 1], and 2 / unit^2 [B]."""
+        if "qh" not in vars(self):  # (the GPU frames may hold them)
+            self.unit = triton_dense.half_unit(self.largest)
+            self.qh, self.q_lo = triton_dense.half_operands(self.qc, self.unit)
+            self.rh, r_lo = triton_dense.half_operands(self.rc, self.unit)
+            self.r_lo = r_lo.amax(-1, keepdim=True) if r_lo.numel() else torch.zeros_like(self.reach)
+        return self.qh, self.rh, self.q_lo, self.r_lo, 2 / self.unit**2
 
     def items(self, chosen: slice) -> _Frames:
         """The frames of the batch items ``chosen`` (views)."""
@@ -312,20 +316,21 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
 
 
 def _products(frames: _Frames, rows: slice, precision: str, q_abs):
-    """The operands of the products in ``precision`` (the queries ``rows``, the references)
-    and a bound [B, m] on each query's |q.r - the product| over the references, before the
-    float32 sums (step 3 bounds those), for queries of norm ``q_abs`` [B, m]. "tf32": the
-    operands rounded to TF32 beforehand (``_Frames.rounded``), so that every product is
-    exact and q.r - q'.r' = q_lo.r + q'.r_lo (Cauchy-Schwarz on the norms left out; a
-    margin of 2^-10 for their float32 sums). Otherwise each product's input rounding,
-    ε |q_d r_d| (``triton_dense.product_error``), summed: ε |q| |r|."""
-    if precision == "tf32":
-        qt, rt, q_lo, r_lo = frames.rounded()
+    """The operands of the products in ``precision`` (the queries ``rows``, the references),
+    the factor of their products per item [B] (None: 2) and a bound [B, m] on each query's
+    |q.r - the product| over the references, before the float32 sums (step 3 bounds those),
+    for queries of norm ``q_abs`` [B, m]. "fp16": the operands rounded to float16 beforehand
+    (``_Frames.halves``), so that every product is exact and q.r - q'.r' = q_lo.r + q'.r_lo
+    (Cauchy-Schwarz on the norms left out; a margin of 2^-10 for their float32 sums).
+    Otherwise each product's input rounding, ε |q_d r_d| (``triton_dense.product_error``),
+    summed: ε |q| |r|."""
+    if precision == "fp16":
+        qh, rh, q_lo, r_lo, twice = frames.halves()
         q_lo = q_lo[:, rows]
         error = (q_lo * frames.reach + (q_abs + q_lo) * r_lo) * (1 + 2.0**-10)
-        return qt[:, rows].contiguous(), rt, error
+        return qh[:, rows].contiguous(), rh, twice, error
     error = triton_dense.product_error(precision) * q_abs * frames.reach
-    return frames.qc[:, rows].contiguous(), frames.rc, error
+    return frames.qc[:, rows].contiguous(), frames.rc, None, error
 
 
 def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None):
@@ -342,9 +347,9 @@ def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None)
     n_chosen = min(k + CHUNK_SLACK, chunks)
     q_norms = (qc * qc).sum(-1)
     q_abs = q_norms.sqrt()
-    q, r, error = _products(frames, rows, precision, q_abs)
+    q, r, twice, error = _products(frames, rows, precision, q_abs)
     values, chosen = triton_dense.least_chunks(q, q_norms, r, frames.r_norms, min(n_chosen + 1, chunks), chunk,
-                                               precision, needed)
+                                               precision, needed, twice)
     if values.shape[-1] == n_chosen:
         return chosen, chunk, torch.full_like(q_abs, math.inf)
     # Every reference of an unchosen chunk has a product value v with fl(v + |q|^2) >= the
@@ -394,9 +399,9 @@ def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, ne
 
 
 def _first_precision(dim: int, columns: int, k: int) -> str:
-    """The first products' precision (see TF32_FIRST_MIN_DIM)."""
+    """The first products' precision (see HALF_FIRST_MIN_DIM)."""
     stored = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
-    return "tf32" if stored and dim >= TF32_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
+    return "fp16" if stored and dim >= HALF_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
 
 
 def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
@@ -596,7 +601,8 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if _on_tensor_cores(query) and query.shape[-1] <= triton_dense.FRAMES_MAX_DIM:
         frames = _Frames.of(triton_dense.frames(
             query, ref, pairs.full_lengths(query_lengths, batch, rows, query.device),
-            pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device)))
+            pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device),
+            halves=_first_precision(query.shape[-1], ref.shape[1], k) == "fp16"))
     else:
         frames = _Frames(query, ref, query_lengths, ref_lengths, acc)
     query_ok, ref_ok = frames.query_ok, frames.ref_ok

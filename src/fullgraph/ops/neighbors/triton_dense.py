@@ -2,8 +2,9 @@
 per-chunk minima so that no M x N matrix is stored.
 
 ``least_chunks``: for every query i, the chunks c of ``chunk`` consecutive references with
-the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32, or three
-TF32 products that carry float32's significand, "tf32x3"). Up to FUSED_MAX_KEYS chunks a
+the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32, in three
+TF32 products that carry float32's significand, "tf32x3", or of float16 operands, "fp16":
+both clouds times a power of two per item, ``half_operands``, every product exact). Up to FUSED_MAX_KEYS chunks a
 query on up to FUSED_MAX_COLUMNS references, one kernel does it all: each program walks its
 share of the references a tile at a time and merges the tile's chunk minima into a sorted
 list per query (a bitonic merge of packed (value, chunk) int32 keys in registers, the value
@@ -35,7 +36,7 @@ from .pairs import PER_COORDINATE_MAX_DIM
 # 12.25 for 128 x 128 x 32; tf32x3 128 x 128 x 64 on 2 stages 36.5 against 39.1. (Session 10,
 # tf32x3, dense-tile-sweep.log: 128 x 128 x 32 on 8 warps the best of 8, BLOCK_K 16 for
 # D <= 16.) The coordinates a step never exceed D's power of two.
-MINIMA_TILES = {"tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
+MINIMA_TILES = {"fp16": (128, 256, 64, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
 MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 # (Its programs take a tile of references against successive tiles of queries, each tile of
 # references read once from memory while the queries stay in L2: 10^4 x 10^6 D=128 tf32x3
@@ -98,11 +99,21 @@ def product_error(precision: str) -> float:
     return {"ieee": 0.0, "tf32x3": 2.0**-18, "tf32": 2.0**-9 + 2.0**-20}[precision]
 
 
-def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
-    """float32 x rounded to TF32's 10 fraction bits (to nearest, ties away from zero), as
-    float32: operands the tensor cores multiply exactly (each product has at most 22 bits).
-    x - that is exact, at most 2^-11 of |x| a coordinate."""
-    return ((x.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+def half_unit(largest: torch.Tensor) -> torch.Tensor:
+    """[B] the power of two ``half_operands`` multiplies an item's centred clouds by, from
+    their largest |coordinate| before centring ``largest`` [B] (finite, >= 0): a centred
+    coordinate is at most twice that, below 2^15 after (float16's largest is 65,504)."""
+    _, exponent = torch.frexp(largest)  # largest < 2^exponent
+    return torch.ldexp(torch.ones_like(largest), 14 - exponent)
+
+
+def half_operands(x: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x [B, L, D] times ``unit`` [B] (``half_unit``) rounded to float16 (to nearest
+    even, as Triton's frames round), and the norm [B, L] of what that left out, in x's
+    units (the difference is exact): operands the tensor cores multiply exactly, each
+    coordinate within 2^-11 of itself (or of 2^-25 / unit, float16's subnormals)."""
+    half = (x * unit[:, None, None]).to(torch.float16)
+    return half, (x - half.to(torch.float32) / unit[:, None, None]).norm(dim=-1)
 
 
 def _list_width(count: int) -> int:
@@ -127,10 +138,25 @@ if triton is not None:
     _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
     @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, CHUNK: tl.constexpr,
+    def _dot(a, b, PRECISION: tl.constexpr):
+        """tl.dot in ``PRECISION`` ("fp16": of float16 operands, every product exact)."""
+        if PRECISION == "fp16":
+            return tl.dot(a, b)
+        return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _twice(twice_ptr, item, PRECISION: tl.constexpr):
+        """The factor of the products in ``r_norms - 2 q.r``: 2, or 2 / unit^2 for the item's
+        float16 operands (``half_operands``: their products are unit^2 q.r; exact, powers of two)."""
+        if PRECISION == "fp16":
+            return tl.load(twice_ptr + item)
+        return 2.0
+
+    @triton.jit
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
         """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-        ``r_norms - 2 q.r`` of each query m (+inf past ``columns``)."""
+        ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
         for start in range(0, dim, BLOCK_K):
@@ -139,13 +165,14 @@ if triton is not None:
             q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
             r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
                         other=0.0)
-            acc += tl.dot(q, tl.trans(r), input_precision=PRECISION)
+            acc += _dot(q, tl.trans(r), PRECISION)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - 2.0 * acc
+        approx = norms[None, :] - twice * acc
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
-    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks, row_blocks,
+    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
+                             row_blocks,
                              CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
         """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
@@ -163,17 +190,18 @@ if triton is not None:
                 tl.store(where, tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32), mask=inside)
                 return
         minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
-                              m, n, rows, columns, dim, CHUNK, PRECISION, BLOCK_K)
+                              m, n, rows, columns, dim, _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
         tl.store(where, minima, mask=inside)
 
     @triton.jit
-    def _held_tile_minima(q, r_base, r_norms_base, n, columns, dim, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    def _held_tile_minima(q, r_base, r_norms_base, n, columns, dim, twice, CHUNK: tl.constexpr,
+                          PRECISION: tl.constexpr):
         """``_tile_minima`` of held queries q [len(m), DP] (DP >= D coordinates, zero past D)."""
         d = tl.arange(0, q.shape[1])
         r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
                     other=0.0)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - 2.0 * tl.dot(q, tl.trans(r), input_precision=PRECISION)
+        approx = norms[None, :] - twice * _dot(q, tl.trans(r), PRECISION)
         return tl.min(tl.reshape(approx, (q.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
@@ -183,7 +211,8 @@ if triton is not None:
         return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
 
     @triton.jit
-    def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks, share,
+    def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
+                            share,
                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, DP: tl.constexpr, NEEDED: tl.constexpr):
         """``_chunk_minima_kernel`` with a tile of queries held (all its DP >= D coordinates)
@@ -202,11 +231,12 @@ if triton is not None:
                              mask=(m[:, None] < rows) & (c[None, :] < chunks))
                 return
         q = _held_queries(q_ptr + item * rows * dim, m, rows, dim, DP)
+        twice = _twice(twice_ptr, item, PRECISION)
         for start in range(first, stop, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             minima = _held_tile_minima(q, r_ptr + item * columns * dim, r_norms_ptr + item * columns, n, columns, dim,
-                                       CHUNK, PRECISION)
+                                       twice, CHUNK, PRECISION)
             tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :], minima,
                      mask=(m[:, None] < rows) & (c[None, :] < chunks))
 
@@ -269,8 +299,8 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, out_ptr, rows, columns, dim, chunks, share,
-                                 parts,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, out_ptr, rows, columns, dim,
+                                 chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -285,10 +315,11 @@ if triton is not None:
         # keys' bits then resolve the distances themselves.
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
+        twice = _twice(twice_ptr, item, PRECISION)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, CHUNK,
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice, CHUNK,
                                   PRECISION, BLOCK_K)
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
@@ -532,18 +563,14 @@ if triton is not None:
             tl.store(sums_ptr + (b * blocks + block) * dim + d, tl.sum(tl.where(ok[:, None], x, 0.0), 0), mask=d < dim)
 
     @triton.jit
-    def _tf32_rounded(x):
-        """float32 x -> float32 with TF32's 10 fraction bits: ``tf32_rounded``."""
-        return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
-
-    @triton.jit
-    def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, scaled_ptr, centred_ptr, rounded_ptr,
+    def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, unit_ptr, scaled_ptr, centred_ptr, half_ptr,
                         residuals_ptr, norms_ptr, reach_ptr, rows, dim, blocks, NORMS: tl.constexpr,
-                        BLOCK_R: tl.constexpr, DP: tl.constexpr):
+                        HALVES: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
         """points [B, L, D] -> scaled = points / scale[b] (exact: a power of two), centred =
-        scaled - centre[b] (0 on invalid rows), that rounded to TF32 (``_tf32_rounded``) and
-        the norm of what it left out [B, L]; with NORMS, |centred|^2 [B, L] (+inf on invalid
-        rows) and per block the largest of the valid ones -> reach [B, blocks]."""
+        scaled - centre[b] (0 on invalid rows); with HALVES, ``half_operands``: centred times
+        unit[b] in float16 and the norm of what that left out [B, L]; with NORMS,
+        |centred|^2 [B, L] (+inf on invalid rows) and per block the largest of the valid ones
+        -> reach [B, blocks]."""
         b = tl.program_id(1).to(tl.int64)
         block = tl.program_id(0)
         r = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -558,10 +585,12 @@ if triton is not None:
         centred = tl.where(ok[:, None], scaled - centre[None, :], 0.0)
         tl.store(scaled_ptr + where, scaled, mask=mask)
         tl.store(centred_ptr + where, centred, mask=mask)
-        rounded = _tf32_rounded(centred)
-        tl.store(rounded_ptr + where, rounded, mask=mask)
-        left = centred - rounded  # (exact)
-        tl.store(residuals_ptr + b * rows + r, tl.sqrt(tl.sum(left * left, 1)), mask=inside)
+        if HALVES:
+            unit = tl.load(unit_ptr + b)
+            half = (centred * unit).to(tl.float16)
+            tl.store(half_ptr + where, half, mask=mask)
+            left = centred - tl.math.div_rn(half.to(tl.float32), unit)  # (both exact)
+            tl.store(residuals_ptr + b * rows + r, tl.sqrt(tl.sum(left * left, 1)), mask=inside)
         if NORMS:
             norms = tl.sum(centred * centred, 1)
             tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
@@ -620,13 +649,21 @@ def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None,
     return out_values, out_index
 
 
+def _factors(precision: str, twice: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' per-item factor of the products [B] (only "fp16" reads it)."""
+    if precision == "fp16" and (twice is None or twice.dtype != torch.float32):
+        raise ValueError(f"fp16 products need twice: float32 [B] 2 / unit^2 per item, got {twice!r}")
+    return like if twice is None else twice.contiguous()
+
+
 def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str,
-                 needed: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32, contiguous), r_norms [B, N] (|r|^2, +inf where
-    invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least ``r_norms - 2 q.r``. With
-    ``needed`` [B, M] (bool) only tiles of queries holding a needed one are multiplied: the
-    others' minima are +inf."""
-    q, r, r_norms = q.contiguous(), r.contiguous(), r_norms.contiguous()
+                 needed: torch.Tensor | None = None, twice: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32, contiguous; float16 for "fp16"), r_norms [B, N]
+    (|r|^2, +inf where invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least
+    ``r_norms - 2 q.r`` ("fp16": ``r_norms - twice[b] q.r``, ``half_operands`` with
+    twice = 2 / unit^2). With ``needed`` [B, M] (bool) only tiles of queries holding a needed
+    one are multiplied: the others' minima are +inf."""
+    q, r, r_norms, twice = q.contiguous(), r.contiguous(), r_norms.contiguous(), _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
     columns = r.shape[1]
     chunks = triton.cdiv(columns, chunk)
@@ -641,7 +678,7 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
                            triton.cdiv(columns, block_n)))
         share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
         _held_minima_kernel[(row_blocks, triton.cdiv(columns, share), batch)](
-            q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, share,
+            q, r, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, share,
             CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, DP=held, NEEDED=needed is not None,
             num_warps=warps, num_stages=stages)
     elif out.numel():
@@ -649,7 +686,7 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
         block_n = max(block_n, chunk)
         row_blocks, column_blocks = triton.cdiv(rows, block_m), triton.cdiv(columns, block_n)
         _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
-            q, r, r_norms, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, row_blocks,
+            q, r, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, row_blocks,
             CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, held),
             NEEDED=needed is not None, num_warps=warps, num_stages=stages)
     return out
@@ -688,10 +725,12 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
-                 chunk: int, precision: str, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32), r_norms [B, N] (|r|^2,
-    +inf where invalid) -> per query the ``count`` chunks of ``chunk`` references
-    (``chunk_size``) with the least ``r_norms - 2 q.r`` over their members, ascending, ties
+                 chunk: int, precision: str, needed: torch.Tensor | None = None,
+                 twice: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32; float16 for "fp16",
+    ``chunk_minima``), r_norms [B, N] (|r|^2, +inf where invalid) -> per query the ``count``
+    chunks of ``chunk`` references (``chunk_size``) with the least ``r_norms - 2 q.r``
+    (``chunk_minima``'s ``twice``) over their members, ascending, ties
     to the smaller chunk (among equal sums below): the minima plus q_norms, each sum rounded
     to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
     number of chunks. On the fused path the sums (and the order) are rounded down to 32 -
@@ -701,9 +740,10 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     the fused lists every tile)."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed), count)
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count)
         return values + q_norms[..., None], chosen
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
+    twice = _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
     keys = _list_width(count)
     block_n = max(FUSED_BLOCK_N, keys * chunk)
@@ -717,7 +757,7 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, lists, rows, columns, dim, chunks, share,
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, twice, lists, rows, columns, dim, chunks, share,
                                        parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
                                        LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
                                        POSITION_BITS=position_bits,
@@ -842,16 +882,18 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     return dists, idx, last
 
 
-def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor) -> dict:
+def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor,
+           halves: bool = False) -> dict:
     """The dense backend's frames (``dense._Frames``) in four passes over the clouds instead
     of torch's two dozen: query [B, M, D], ref [B, N, D] (float32, float16 or bfloat16,
     D <= FRAMES_MAX_DIM), lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the
     item's power-of-two ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32),
-    centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), those
-    rounded to TF32 (``qt``, ``rt``; ``tf32_rounded``) with the norms of what that left out,
-    per query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1], the references'
-    squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach`` [B, 1] (the
-    largest valid norm)."""
+    centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
+    references' squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach``
+    [B, 1] (the largest valid norm) and the largest |coordinate| of both clouds divided by the scale
+    ``largest`` [B]. With ``halves``, ``half_operands`` of both centred
+    clouds too: ``unit`` [B], ``qh``, ``rh`` (float16), the norms of what they left out, per
+    query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1]."""
     batch, dim = query.shape[0], query.shape[-1]
     padded = triton.next_power_of_2(dim)
     block = max(1, FRAMES_BLOCK // padded)
@@ -868,22 +910,26 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
                                                SUMS=name == "ref", BLOCK_R=block, DP=padded, num_warps=4)
         out[f"{name}_ok"] = ok.view(torch.bool)
         clouds[name] = (points, rows, blocks, ok)
-    scale = safe_scale(torch.maximum(largest[0].amax(1), largest[1].amax(1)))
+    top = torch.maximum(largest[0].amax(1), largest[1].amax(1))
+    scale = safe_scale(top)
     centre = sums.sum(1) / scale[:, None] / out["ref_ok"].sum(1).clamp(min=1)[:, None]  # sums: the ref's
-    out["scale"] = scale[:, None]
+    out["scale"], out["largest"] = scale[:, None], top / scale
+    unit = half_unit(out["largest"]) if halves else scale
     for name, (points, rows, blocks, ok) in clouds.items():
-        scaled, centred, rounded = (torch.empty(points.shape, dtype=torch.float32, device=points.device)
-                                    for _ in range(3))
-        residuals, norms = (torch.empty((batch, rows), dtype=torch.float32, device=points.device) for _ in range(2))
+        scaled, centred = (torch.empty(points.shape, dtype=torch.float32, device=points.device) for _ in range(2))
+        half = torch.empty(points.shape if halves else (1,), dtype=torch.float16, device=points.device)
+        residuals = torch.empty((batch, rows) if halves else (1,), dtype=torch.float32, device=points.device)
+        norms = torch.empty((batch, rows), dtype=torch.float32, device=points.device)
         reach = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
         if rows:
-            _centred_kernel[(blocks, batch)](points, ok, scale, centre, scaled, centred, rounded, residuals, norms,
-                                             reach, rows, dim, blocks, NORMS=name == "ref", BLOCK_R=block, DP=padded,
-                                             num_warps=4)
-        out[name[0]], out[name[0] + "c"], out[name[0] + "t"] = scaled, centred, rounded
+            _centred_kernel[(blocks, batch)](points, ok, scale, centre, unit, scaled, centred, half, residuals, norms,
+                                             reach, rows, dim, blocks, NORMS=name == "ref", HALVES=halves,
+                                             BLOCK_R=block, DP=padded, num_warps=4)
+        out[name[0]], out[name[0] + "c"] = scaled, centred
         if name == "ref":
             out["r_norms"], out["reach"] = norms, reach.amax(1, keepdim=True).sqrt()
-            out["r_lo"] = residuals.amax(1, keepdim=True) if rows else torch.zeros_like(out["reach"])
-        else:
-            out["q_lo"] = residuals
+        if halves and name == "query":
+            out["unit"], out["qh"], out["q_lo"] = unit, half, residuals
+        elif halves:
+            out["rh"], out["r_lo"] = half, residuals.amax(1, keepdim=True) if rows else torch.zeros_like(out["reach"])
     return out
