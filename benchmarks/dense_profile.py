@@ -23,6 +23,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
+    python benchmarks/dense_profile.py --wide-smallest  (the stored minima's selection against torch.topk)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
 """
@@ -478,6 +479,35 @@ def tiles_sweep(generator) -> None:
         print(f"M={rows} N={columns} D={dim} {precision}:", ", ".join(cells), flush=True)
 
 
+def wide_smallest(generator) -> None:
+    """The selection of the stored minima (rows wider than SORT_MAX): ``_wide_smallest``
+    against torch.topk, ms, on the chunk minima of normal and clustered clouds (10^4 x 10^6
+    D=128 chunks of 64, 10^4 x 10^5 D=128 chunks of 32, 2 x 10^4 x 2 x 10^5 D=16 chunks of 32)
+    and on rows of few distinct values (the gathering overflows), with every row needed, 1 %,
+    none."""
+    for rows, columns, dim, chunk, count in ((10000, 1000000, 128, 64, 17), (10000, 100000, 128, 32, 17),
+                                             (20000, 200000, 16, 32, 17)):
+        normal = (torch.randn(1, rows, dim, device="cuda", generator=generator),
+                  torch.randn(1, columns, dim, device="cuda", generator=generator))
+        for name, (q, r) in (("normal", normal), ("clustered", _clustered(1, rows, columns, dim, generator)),
+                             ("ties", None)):
+            if q is None:
+                values = torch.round(torch.randn(1, rows, -(-columns // chunk), device="cuda", generator=generator))
+            else:
+                values = triton_dense.chunk_minima(q, r, (r * r).sum(-1), chunk, "tf32x3")
+            want = torch.topk(values, count, dim=-1, largest=False, sorted=True)
+            got = triton_dense._wide_smallest(values, count, None)
+            same = torch.equal(got[0], want[0])
+            cells = [f"topk {median_ms(lambda: torch.topk(values, count, dim=-1, largest=False), 20):.3f}"]
+            for share in (1.0, 0.01, 0.0):
+                needed = torch.rand(1, rows, device="cuda", generator=generator) < share
+                cells.append(f"wide needed {share:g} "
+                             f"{median_ms(lambda: triton_dense._wide_smallest(values, count, needed), 20):.3f}")
+            print(f"M={rows} chunks={values.shape[-1]} count={count} {name} (values equal topk's: {same}):",
+                  ", ".join(cells), flush=True)
+        torch.cuda.empty_cache()
+
+
 # (flag, function, help): the modes besides the default table.
 MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("chunks", chunks, "the fused lists' chunk size and slack"),
@@ -491,7 +521,8 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
          ("held-sweep", held_sweep, "the stored minima's held tiles"),
          ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
-         ("members-all", members_all, "every member measured exactly or the least by a first measure"))
+         ("members-all", members_all, "every member measured exactly or the least by a first measure"),
+         ("wide-smallest", wide_smallest, "the stored minima's selection against torch.topk"))
 
 
 def main() -> None:

@@ -360,6 +360,38 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("count", [1, 17, 64])
+def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
+    """The selection of wide rows (a threshold from the minima of classes of positions, the
+    values at or below it gathered and sorted): a stable sort's first ``count`` on normal
+    rows, rows of few distinct values (more at the threshold than the gathering holds: each
+    block sorted and merged), one value repeated, -0.0 beside 0.0, +inf rows and a row whose
+    least values crowd one class; with ``needed``, those rows alike and the others skipped."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    monkeypatch.setattr(triton_dense, "WIDE_BLOCK", 256)  # (several blocks a row in the interpreter)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    width = 1000
+    values = torch.randn(8, width, generator=generator)
+    values[1] = torch.round(values[1] * 2)  # few distinct values: ties past the gathering's room
+    values[2] = 3.0
+    values[3, ::2] = -0.0
+    values[3, 1::2] = 0.0
+    values[4] = math.inf
+    values[5, ::64] = -10.0 - torch.rand(16, generator=generator)  # the least all in one class
+    values[6, -70:] = -5.0  # near the end, tied
+    values = values.to(device)
+    found, position = triton_dense._wide_smallest(values, count, None)
+    want, want_position = torch.sort(values, dim=-1, stable=True)
+    assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
+    needed = torch.zeros(8, dtype=torch.bool, device=device)
+    needed[[1, 5]] = True
+    some, some_position = triton_dense._wide_smallest(values, count, needed)
+    assert torch.equal(some[needed], found[needed]) and torch.equal(some_position[needed], position[needed])
+    assert torch.isinf(some[~needed]).all() and (some_position[~needed] == torch.arange(count, device=device)).all()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3), (40, 5000, 40)])
 def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
     """The fused chunk selection (a running list per query, merged a tile at a time, shares of
