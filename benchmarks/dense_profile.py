@@ -490,7 +490,7 @@ def wide_smallest(generator) -> None:
         normal = (torch.randn(1, rows, dim, device="cuda", generator=generator),
                   torch.randn(1, columns, dim, device="cuda", generator=generator))
         for name, (q, r) in (("normal", normal), ("clustered", _clustered(1, rows, columns, dim, generator)),
-                             ("ties", None)):
+                             ("ties", (None, None))):
             if q is None:
                 values = torch.round(torch.randn(1, rows, -(-columns // chunk), device="cuda", generator=generator))
             else:

@@ -492,7 +492,7 @@ def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
     """``needed``: the stored chunk minima of the tiles holding a needed query equal those of
-    the whole call (held queries and not); the other tiles' minima are +inf."""
+    the whole call (held queries and not); the other tiles are not written."""
     from fullgraph.ops.neighbors import triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -507,8 +507,6 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
         some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
         for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
             assert torch.equal(some[b, rows], whole[b, rows])
-            some[b, rows] = math.inf
-        assert torch.isinf(some).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")

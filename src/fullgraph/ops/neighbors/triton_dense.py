@@ -35,8 +35,10 @@ from .pairs import PER_COORDINATE_MAX_DIM
 # ten settings at 10^4 x 10^6 D=128): TF32 128 x 256 x 32 11.26 ms (227 TFLOP/s) against
 # 12.25 for 128 x 128 x 32; tf32x3 128 x 128 x 64 on 2 stages 36.5 against 39.1. (Session 10,
 # tf32x3, dense-tile-sweep.log: 128 x 128 x 32 on 8 warps the best of 8, BLOCK_K 16 for
-# D <= 16.) The coordinates a step never exceed D's power of two.
-MINIMA_TILES = {"fp16": (128, 256, 64, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
+# D <= 16.) float16 operands, session 33 run VB (ten settings): 128 x 256 x 32 8.31 ms (308
+# TFLOP/s), 128 x 256 x 64 8.69, 128 x 128 x 64 8.77, 256 x 128 x 64 9.12, 128 x 256 x 128 on 2
+# stages 8.96, 256 x 256 x 64 41.0 (spilled). The coordinates a step never exceed D's power of two.
+MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
 MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 # (Its programs take a tile of references against successive tiles of queries, each tile of
 # references read once from memory while the queries stay in L2: 10^4 x 10^6 D=128 tf32x3
@@ -185,7 +187,7 @@ if triton is not None:
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
         """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
         references a program, consecutive programs one tile of references against successive
-        tiles of queries. NEEDED: a tile none of whose queries needed marks stores +inf."""
+        tiles of queries. NEEDED: a tile none of whose queries needed marks stores nothing."""
         item = tl.program_id(1).to(tl.int64)
         row_block, column_block = tl.program_id(0) % row_blocks, tl.program_id(0) // row_blocks
         m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -195,7 +197,6 @@ if triton is not None:
         inside = (m[:, None] < rows) & (c[None, :] < chunks)
         if NEEDED:
             if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                tl.store(where, tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32), mask=inside)
                 return
         minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
                               m, n, rows, columns, dim, _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
@@ -232,11 +233,6 @@ if triton is not None:
         stop = tl.minimum(first + share, columns)
         if NEEDED:
             if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                for start in range(first, stop, BLOCK_N):
-                    c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-                    tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :],
-                             tl.full((BLOCK_M, BLOCK_N // CHUNK), float("inf"), tl.float32),
-                             mask=(m[:, None] < rows) & (c[None, :] < chunks))
                 return
         q = _held_queries(q_ptr + item * rows * dim, m, rows, dim, DP)
         twice = _twice(twice_ptr, item, PRECISION)
@@ -748,7 +744,8 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     (|r|^2, +inf where invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least
     ``r_norms - 2 q.r`` ("fp16": ``r_norms - twice[b] q.r``, ``half_operands`` with
     twice = 2 / unit^2). With ``needed`` [B, M] (bool) only tiles of queries holding a needed
-    one are multiplied: the others' minima are +inf."""
+    one are multiplied: the others' minima are unspecified (not written: storing +inf there
+    cost ~3 ms at 10^4 x 10^6)."""
     q, r, r_norms, twice = q.contiguous(), r.contiguous(), r_norms.contiguous(), _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
     columns = r.shape[1]
@@ -826,7 +823,7 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     the fused lists every tile)."""
     columns = r.shape[1]
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count)
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count, needed=needed)
         return values + q_norms[..., None], chosen
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     twice = _factors(precision, twice, r_norms)
