@@ -502,7 +502,7 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
     needed = torch.zeros(2, 300, dtype=torch.bool, device=device)
     needed[0, 5] = needed[1, 299] = True
     for held, tile in ((0, triton_dense.MINIMA_TILES["tf32x3"][0]), (128, triton_dense.MINIMA_HELD_TILES[16][0])):
-        monkeypatch.setattr(triton_dense, "MINIMA_HELD_MAX_DIM", held)
+        monkeypatch.setattr(triton_dense, "MINIMA_HELD_MAX_DIM", dict.fromkeys(triton_dense.MINIMA_HELD_MAX_DIM, held))
         whole = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3")
         some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
         for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):

@@ -95,16 +95,18 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # HALF_FIRST_MIN_DIM coordinates: one product of operands rounded to float16 beforehand
 # (each product exact, the rounding's residuals bounded per query: ``_products``); the valid
 # rows they leave unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
-# Session 32 rounded the operands to TF32 instead (the same 11 bits, twice the bytes and half
-# the tensor cores' rate): H100, runs UA-UC (``dense_profile.py --precision``), graphed ms
-# tf32x3 alone / TF32 first (rows the first products left unproven, normal / clustered; clustered graphed):
-# 10^4 x 10^6 D=128 k=10 45.2 / 24.1 (0 / 10,000 of 10,000; 470 / 488); 10^4 x 10^5 D=128
-# 5.81 / 4.38 (0 / 9,998; 48.0 / 50.6); 10^4 x 2 x 10^5 D=64 5.76 / 5.23 (0 / 9,986; 5.90 /
-# 8.83); 2 x 10^4 x 2 x 10^5 D=16 5.64 / 8.18 (0 / 19,660); on the fused lists 8 x 4096^2
-# D=64 1.081 / 1.035, 32 x 1024^2 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943:
-# the second pass's ~25 launches and selection cost more than the products save where they
-# are cheap, and clustered clouds fail the first bound nearly everywhere.
-HALF_FIRST_MIN_DIM = 128
+# H100, session 33 run VC (``dense_profile.py --precision``), graphed ms tf32x3 alone / float16
+# first, queries held (rows the first products left unproven, normal / clustered; clustered
+# graphed): 10^4 x 10^6 D=128 k=10 41.2 (tiles) / 13.26 (0 / 10,000 of 10,000; 464 / 484);
+# 10^4 x 10^5 D=128 5.09 (tiles) / 2.50 (0 / 9,998; 47.3 / 50.0); 10^4 x 2 x 10^5 D=64 5.22 /
+# 2.58 (0 / 9,986; 5.21 / 7.13); 2 x 10^4 x 2 x 10^5 D=16 4.41 / 3.54 (0 / 19,660; 4.41 /
+# 7.47): clustered clouds fail the first bound nearly everywhere and pay both passes, which
+# at D = 16 costs more (1.7x) than normal clouds gain (1.25x). Session 32 rounded the operands
+# to TF32 instead (the same 11 bits, twice the bytes, half the tensor cores' rate; runs UA-UC:
+# 10^6 D=128 24.1 ms); on the fused lists (N <= 2^14) the second pass's ~25 launches and
+# selection cost more than the products save (8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2
+# 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943).
+HALF_FIRST_MIN_DIM = 64
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB

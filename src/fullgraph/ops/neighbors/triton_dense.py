@@ -50,7 +50,10 @@ MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 # 128 x 128 x 3: 2 x 10^4 x 2 x 10^5 D=16 tf32x3 5.11 / 2.85 (tf32 2.27 / 1.73); 10^4 x 2 x
 # 10^5 D=64 tf32x3 4.81 / 3.92 (tf32 1.74 / 1.48); but 10^4 x 10^6 D=128 tf32 12.07 / 13.3
 # at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
-MINIMA_HELD_MAX_DIM, MINIMA_HELD_PROGRAMS_PER_SM = 64, 4
+# float16 operands (half the shared memory) held at D = 128 too: session 33 run VC
+# (``--precision``), graphed calls 10^4 x 10^6 D=128 15.46 -> 13.26 ms, 10^4 x 10^5 2.73 -> 2.50.
+MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 64, "ieee": 64}  # by precision
+MINIMA_HELD_PROGRAMS_PER_SM = 4
 MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
 # (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
 # held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
@@ -752,7 +755,7 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     chunks = triton.cdiv(columns, chunk)
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     held = triton.next_power_of_2(max(dim, 16))
-    if out.numel() and held <= MINIMA_HELD_MAX_DIM:
+    if out.numel() and held <= MINIMA_HELD_MAX_DIM[precision]:
         block_m, block_n, warps, stages = MINIMA_HELD_TILES[held]
         block_n = max(block_n, chunk)
         processors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
