@@ -396,6 +396,8 @@ HELD_TILES = ((128, 64, 8, 2), (128, 64, 8, 3), (64, 128, 8, 2), (64, 64, 8, 3),
 def held_sweep(generator) -> None:
     """The stored chunk minima alone of float16 operands, ms (TFLOP/s), by the held kernel's tiles and without it (tiles of both clouds, references first)."""
     defaults = dict(triton_dense.MINIMA_HELD_TILES), dict(triton_dense.MINIMA_HELD_MAX_DIM)
+    half_tiles = dict(triton_dense.MINIMA_HELD_HALF_TILES)
+    triton_dense.MINIMA_HELD_HALF_TILES.clear()
     for rows, columns, dim, chunk in HELD_SHAPES:
         q = torch.randn(1, rows, dim, device="cuda", generator=generator)
         r = torch.randn(1, columns, dim, device="cuda", generator=generator)
@@ -418,6 +420,7 @@ def held_sweep(generator) -> None:
                 cells.append(f"{name} {ms:.3f} ({2 * rows * columns * dim / ms / 1e9:.0f})")
             print(f"M={rows} N={columns} D={dim} {precision}:", ", ".join(cells), flush=True)
     triton_dense.MINIMA_HELD_TILES.update(defaults[0])
+    triton_dense.MINIMA_HELD_HALF_TILES.update(half_tiles)
     triton_dense.MINIMA_HELD_MAX_DIM = defaults[1]
 
 

@@ -51,10 +51,17 @@ MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 # 10^5 D=64 tf32x3 4.81 / 3.92 (tf32 1.74 / 1.48); but 10^4 x 10^6 D=128 tf32 12.07 / 13.3
 # at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
 # float16 operands (half the shared memory) held at D = 128 too: session 33 run VC
-# (``--precision``), graphed calls 10^4 x 10^6 D=128 15.46 -> 13.26 ms, 10^4 x 10^5 2.73 -> 2.50.
-MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 64, "ieee": 64}  # by precision
+# (``--precision``), graphed calls 10^4 x 10^6 D=128 15.46 -> 13.26 ms, 10^4 x 10^5 2.73 -> 2.50;
+# and tf32x3 there (now only the second pass, whose programs without a needed row return at
+# once: 3.9 x 10^5 programs of tiles of both clouds took 2.3 ms to, 3 x 10^3 held ones ~0;
+# run VD, graphed 15.11 against 13.25 ms).
+MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64}  # by precision
 MINIMA_HELD_PROGRAMS_PER_SM = 4
 MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
+# ... float16 operands where they differ (``--held-sweep``, session 33 run VD, the minima
+# alone at 10^4 x 10^6 D=128: 128 x 128 on 2 stages 7.39 ms (347 TFLOP/s), 128 x 64 8.00,
+# tiles of both clouds 8.27; at D = 64 and 16 the tiles above were the best of eight).
+MINIMA_HELD_HALF_TILES = {128: (128, 128, 8, 2)}
 # (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
 # held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
 BLOCK_MEMBERS = 128
@@ -756,7 +763,8 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
     out = torch.empty((batch, rows, chunks), dtype=torch.float32, device=q.device)
     held = triton.next_power_of_2(max(dim, 16))
     if out.numel() and held <= MINIMA_HELD_MAX_DIM[precision]:
-        block_m, block_n, warps, stages = MINIMA_HELD_TILES[held]
+        block_m, block_n, warps, stages = (MINIMA_HELD_HALF_TILES if precision == "fp16" else {}).get(
+            held, MINIMA_HELD_TILES[held])
         block_n = max(block_n, chunk)
         processors = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         row_blocks = triton.cdiv(rows, block_m)
