@@ -338,8 +338,8 @@ def precision(generator) -> None:
     Then a profile of one graphed call of the first shape with the defaults."""
     proven, unproven = dense._proven_lists, []
 
-    def counting(frames, rows, ref_ok, k, radius, precision, needed=None):
-        d, i, left = proven(frames, rows, ref_ok, k, radius, precision, needed)
+    def counting(frames, rows, ref_ok, k, radius, precision, needed=None, slack=dense.CHUNK_SLACK):
+        d, i, left = proven(frames, rows, ref_ok, k, radius, precision, needed, slack)
         if needed is None and not torch.cuda.is_current_stream_capturing():
             unproven.append(int(left.sum()))
         return d, i, left

@@ -490,6 +490,34 @@ def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_member_distances_of_the_needed_rows(generator):
+    """``triton_dense.member_distances``: the squared distances to every member of the chosen
+    chunks within (D + 2) u of float64 (a chunk past N and an invalid reference +inf); with
+    ``needed``, those rows alike and the others +inf."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dim, chunk = 40, 8
+    q = torch.randn(2, 5, dim, generator=generator)
+    r = torch.randn(2, 60, dim, generator=generator)
+    norms = (r * r).sum(-1)
+    norms[1, 3] = math.inf
+    chosen = torch.randint(0, 8, (2, 5, 3), generator=generator)  # chunk 7 holds references 56-63 of 60
+    got = triton_dense.member_distances(q.to(device), r.to(device), norms.to(device), chosen.to(device), chunk).cpu()
+    refs = (chosen[..., None] * chunk + torch.arange(chunk)).flatten(-2)
+    padded = torch.cat([r, torch.zeros(2, 4, dim)], 1).double()
+    want = ((q.double()[:, :, None] - padded.gather(1, refs.flatten(1)[..., None].expand(-1, -1, dim)
+                                                     ).view(2, 5, -1, dim)) ** 2).sum(-1)
+    invalid = (refs >= 60) | torch.isinf(norms.gather(1, refs.clamp(max=59).flatten(1)).view(refs.shape))
+    assert torch.isinf(got[invalid]).all()
+    assert ((got[~invalid] - want[~invalid]).abs() <= want[~invalid] * (dim + 2) * 2.0**-24).all()
+    needed = torch.tensor([[True, False, False, True, False], [False] * 5])
+    some = triton_dense.member_distances(q.to(device), r.to(device), norms.to(device), chosen.to(device), chunk,
+                                         needed.to(device)).cpu()
+    assert torch.equal(some[needed], got[needed]) and torch.isinf(some[~needed]).all()
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
     """``needed``: the stored chunk minima of the tiles holding a needed query equal those of
     the whole call (held queries and not); the other tiles are not written."""
@@ -525,9 +553,9 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
             error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
         return q, r, twice, error
 
-    def counted(frames, rows, ref_ok, k, radius, precision, needed=None):
-        tiers.append((precision, None if needed is None else needed.tolist()))
-        return proven(frames, rows, ref_ok, k, radius, precision, needed)
+    def counted(frames, rows, ref_ok, k, radius, precision, needed=None, slack=dense.CHUNK_SLACK):
+        tiers.append((precision, None if needed is None else needed.tolist(), slack))
+        return proven(frames, rows, ref_ok, k, radius, precision, needed, slack)
 
     proven = dense._proven_lists
     monkeypatch.setattr(dense, "_products", loose_first)
@@ -537,7 +565,8 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
-    assert [precision for precision, _ in tiers] == ["fp16", dense.TENSOR_CORE_PRECISION]
+    assert [(precision, slack) for precision, _, slack in tiers] == [
+        ("fp16", dense.CHUNK_SLACK), (dense.TENSOR_CORE_PRECISION, dense.triton_dense.WIDE_GROUPS - 1 - 7)]
     assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
     assert redone == [0]
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")

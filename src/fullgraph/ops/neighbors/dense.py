@@ -335,18 +335,18 @@ def _products(frames: _Frames, rows: slice, precision: str, q_abs):
     return frames.qc[:, rows].contiguous(), frames.rc, None, error
 
 
-def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None):
+def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None, slack=CHUNK_SLACK):
     """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
-    per query the k + CHUNK_SLACK chunks with the least minima on tensor cores in
+    per query the k + ``slack`` chunks with the least minima on tensor cores in
     ``precision`` (chunk numbers [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor
     under the squared distances, as the reference measures them, of every reference in no
     chosen chunk (+inf: none is left). ``needed`` [B, m]: only tiles of queries holding a
     needed one are multiplied (the others' chunks are unspecified)."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunk = triton_dense.chunk_size(columns, k + slack + 1)
     chunks = -(-columns // chunk)
-    n_chosen = min(k + CHUNK_SLACK, chunks)
+    n_chosen = min(k + slack, chunks)
     q_norms = (qc * qc).sum(-1)
     q_abs = q_norms.sqrt()
     q, r, twice, error = _products(frames, rows, precision, q_abs)
@@ -364,15 +364,16 @@ def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None)
     return chosen[..., :n_chosen], chunk, beyond
 
 
-def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None):
+def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None, slack=CHUNK_SLACK):
     """Steps 1-3 on GPUs, the products in ``precision``: the chosen chunks' members measured
     from differences (relative error below (D + 2) u, no cancellation), the k + SLACK nearest
     by that re-measured in the reference's arithmetic (in one kernel,
     ``triton_dense.nearest_members``, where it takes them). Returns ``_exact_lists``' lists
     [B, m, >= k] and ``limit`` [B, m]: a row whose k-th squared distance lies below it is
     exactly the reference's (+inf: every member of every chunk was re-measured). Rows that
-    ``needed`` [B, m] (when given) leaves out come back unspecified."""
-    chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed)
+    ``needed`` [B, m] (when given) leaves out come back unspecified; ``slack``: chunks chosen
+    beyond k."""
+    chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed, slack)
     q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
     members = chosen.shape[-1] * chunk
     take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
@@ -393,9 +394,9 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
     return d, i, beyond
 
 
-def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None):
+def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None, slack=CHUNK_SLACK):
     """``_tensor_core_lists`` [B, m, <= k] and the rows the certificate leaves unproven."""
-    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, needed)
+    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, needed, slack)
     kth = d[..., min(k, d.shape[-1]) - 1]
     return d[..., :k], i[..., :k], ~((kth ** 2 < limit) | torch.isinf(limit))
 
@@ -406,14 +407,24 @@ def _first_precision(dim: int, columns: int, k: int) -> str:
     return "fp16" if stored and dim >= HALF_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
 
 
+def _second_slack(k: int) -> int:
+    """Chunks the second pass chooses beyond k: as many as the wide rows' selection takes
+    (``triton_dense.WIDE_GROUPS`` least a row, one of them the floor), at least CHUNK_SLACK.
+    Its rows are those the first bound left unproven, mostly clustered clouds' near-ties: a
+    wider choice costs members measured for them alone and proves more of them."""
+    return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k)
+
+
 def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
     """``_block`` on GPUs: products in ``_first_precision``, and the valid rows they leave
-    unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied)."""
+    unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied, ``_second_slack``
+    chunks beyond k chosen)."""
     first = _first_precision(frames.q.shape[-1], frames.r.shape[1], k)
     d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, first)
     if first != TENSOR_CORE_PRECISION:
         unproven &= query_ok[:, rows]
-        again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven)
+        again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven,
+                                            _second_slack(k))
         redo = unproven[..., None]
         d, i, unproven = torch.where(redo, again, d), torch.where(redo, found, i), unproven & still
     return d * frames.scale[..., None], i, unproven
@@ -455,7 +466,7 @@ def _width(columns, k) -> int:
     """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
     path) or the chosen chunks' members."""
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    return max(-(-columns // chunk), (k + CHUNK_SLACK) * chunk)
+    return max(-(-columns // chunk), (k + _second_slack(k)) * chunk)
 
 
 def _capturing(query) -> bool:

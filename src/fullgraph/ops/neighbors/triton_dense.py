@@ -367,11 +367,13 @@ if triton is not None:
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         members = n_chosen * CHUNK
         query = item * rows + row
+        if NEEDED:  # (rows not needed: +inf, nothing read)
+            if tl.load(needed_ptr + query) == 0:
+                tl.store(out_ptr + query * members + j, tl.full((BLOCK,), float("inf"), tl.float32), mask=j < members)
+                return
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
         ok = (j < members) & (ref < columns)
-        if NEEDED:  # (rows not needed: +inf, nothing read)
-            ok = ok & (tl.load(needed_ptr + query) != 0)
         norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
         kk = tl.arange(0, BLOCK_K)
         total = tl.zeros((BLOCK,), dtype=tl.float32)
