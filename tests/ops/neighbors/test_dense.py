@@ -545,6 +545,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
     monkeypatch.setattr(dense, "HALF_FIRST_MIN_DIM", 16)
+    monkeypatch.setattr(dense, "WIDE_SLACK_MIN_DIM", 16)
     products, tiers = dense._products, []
 
     def loose_first(frames, rows, precision, q_abs):

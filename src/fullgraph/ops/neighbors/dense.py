@@ -407,24 +407,34 @@ def _first_precision(dim: int, columns: int, k: int) -> str:
     return "fp16" if stored and dim >= HALF_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
 
 
-def _second_slack(k: int) -> int:
-    """Chunks the second pass chooses beyond k: as many as the wide rows' selection takes
-    (``triton_dense.WIDE_GROUPS`` least a row, one of them the floor), at least CHUNK_SLACK.
-    Its rows are those the first bound left unproven, mostly clustered clouds' near-ties: a
-    wider choice costs members measured for them alone and proves more of them."""
-    return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k)
+# From this many coordinates the second pass chooses as many chunks a row as the wide rows'
+# selection takes (``triton_dense.WIDE_GROUPS`` least, one of them the floor): its rows are
+# those the first bound left unproven, a clustered cloud's nearly all, and at D = 128 tf32x3
+# with k + CHUNK_SLACK chunks left some of them unproven still (near-ties), which the capture
+# sends to the Triton search over every reference. H100, session 33 runs VE / VF
+# (``dense_profile.py --precision``), clustered clouds graphed, ms with k + 6 / k + 53 chunks
+# (rows left to the redo, eager): 10^4 x 10^6 D=128 484 / 77.7 (37 / 0), 10^4 x 10^5 D=128
+# 50.0 / 13.0; but 10^4 x 2 x 10^5 D=64 7.19 / 14.8 (none left with either: four times the
+# members measured for nothing); normal clouds alike (no row unproven).
+WIDE_SLACK_MIN_DIM = 128
+
+
+def _second_slack(k: int, dim: int) -> int:
+    """Chunks the second pass chooses beyond k (see WIDE_SLACK_MIN_DIM), at least CHUNK_SLACK."""
+    return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
 
 
 def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
     """``_block`` on GPUs: products in ``_first_precision``, and the valid rows they leave
     unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied, ``_second_slack``
     chunks beyond k chosen)."""
-    first = _first_precision(frames.q.shape[-1], frames.r.shape[1], k)
+    dim = frames.q.shape[-1]
+    first = _first_precision(dim, frames.r.shape[1], k)
     d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, first)
     if first != TENSOR_CORE_PRECISION:
         unproven &= query_ok[:, rows]
         again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven,
-                                            _second_slack(k))
+                                            _second_slack(k, dim))
         redo = unproven[..., None]
         d, i, unproven = torch.where(redo, again, d), torch.where(redo, found, i), unproven & still
     return d * frames.scale[..., None], i, unproven
@@ -438,7 +448,8 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
     batch, rows, _ = query.shape
     take = max(k, min(k + SLACK, REDO_MAX_K))
     unproven = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
-    step = max(1, BLOCK_BYTES["cuda"] // (batch * _width(ref.shape[1], k) * frames.q.element_size()))
+    width = _width(ref.shape[1], k, query.shape[-1])
+    step = max(1, BLOCK_BYTES["cuda"] // (batch * width * frames.q.element_size()))
     for start in range(0, rows, step):
         block = slice(start, min(start + step, rows))
         d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, query_ok, ref_ok, k, radius)
@@ -462,11 +473,11 @@ def _grid(frames: _Frames, query_ok, ref_ok):
     return grid.one_cell(frames.q.contiguous(), frames.r.contiguous(), query_ok, ref_ok, frames.scale)
 
 
-def _width(columns, k) -> int:
+def _width(columns, k, dim) -> int:
     """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
     path) or the chosen chunks' members."""
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    return max(-(-columns // chunk), (k + _second_slack(k)) * chunk)
+    return max(-(-columns // chunk), (k + _second_slack(k, dim)) * chunk)
 
 
 def _capturing(query) -> bool:
@@ -588,7 +599,7 @@ def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, r
     groups = [slice(b, b + together) for b in range(0, batch, together)]
     fused = _on_tensor_cores(query)
     # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
-    width = _width(columns, k) if fused else columns
+    width = _width(columns, k, query.shape[-1]) if fused else columns
     for items in groups:
         part = frames.items(items)
         step = max(1, budget // (part.q.shape[0] * width * frames.q.element_size()))
