@@ -57,7 +57,8 @@ keeps them in range, ``_Frames.halves``): each product of rounded operands q', r
 Cauchy-Schwarz with the norms of what the rounding left out (``_products``), ~2^-11 of |q| R
 where one TF32 product's input rounding bounds 2^-9. The valid rows that bound leaves
 unproven go through steps 1-3 again in three TF32 products, only the tiles of queries
-holding one multiplied (``_block_on_tensor_cores``).
+holding one multiplied, with more chunks chosen from D = WIDE_SLACK_MIN_DIM
+(``_block_on_tensor_cores``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
 D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small

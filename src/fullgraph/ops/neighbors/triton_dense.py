@@ -4,8 +4,9 @@ per-chunk minima so that no M x N matrix is stored.
 ``least_chunks``: for every query i, the chunks c of ``chunk`` consecutive references with
 the least ``min_{j in c} |r_j|^2 - 2 q_i . r_j`` (products by ``tl.dot`` in TF32, in three
 TF32 products that carry float32's significand, "tf32x3", or of float16 operands, "fp16":
-both clouds times a power of two per item, ``half_operands``, every product exact). Up to FUSED_MAX_KEYS chunks a
-query on up to FUSED_MAX_COLUMNS references, one kernel does it all: each program walks its
+both clouds times a power of two per item, ``half_operands``, every product exact). Up to
+FUSED_MAX_KEYS chunks a query on up to FUSED_MAX_COLUMNS references, one kernel does it
+all: each program walks its
 share of the references a tile at a time and merges the tile's chunk minima into a sorted
 list per query (a bitonic merge of packed (value, chunk) int32 keys in registers, the value
 plus |q_i|^2, about the squared distance, rounded down to the bits the chunk number leaves:
@@ -15,8 +16,9 @@ the same way. Longer lists and wider clouds store every chunk minimum
 ``member_distances``: the squared distances from each query to every reference of the chunks
 chosen for it, summed from the differences (no cancellation: within (D + 2) u of the truth,
 relatively). ``smallest``: the least values of each row with their positions, ties to the
-smaller position (a sort of packed (value, position) keys in registers; ``torch.topk``
-beyond SORT_MAX columns). ``dense.py`` says why the k nearest lie in the chosen chunks and
+smaller position (a sort of packed (value, position) keys in registers; beyond SORT_MAX
+columns, a threshold from the minima of classes of positions and a sort of the values under
+it, ``_wide_smallest_kernel``, or ``torch.topk``). ``dense.py`` says why the k nearest lie in the chosen chunks and
 how that is certified.
 """
 
