@@ -269,6 +269,12 @@ if triton is not None:
         return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
 
     @triton.jit
+    def _key_values(keys):
+        """``_ordered_keys`` keys -> their float32 values (``_ordered_bits`` undone)."""
+        top = (keys >> 32).to(tl.int32)
+        return (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
         """float32 values (no NaN) and positions < 2^POSITION_BITS -> int32 keys ordered as
         (value rounded down to 32 - POSITION_BITS bits, position): ``_ordered_keys`` in half
@@ -371,7 +377,8 @@ if triton is not None:
         query = item * rows + row
         if NEEDED:  # (rows not needed: +inf, nothing read)
             if tl.load(needed_ptr + query) == 0:
-                tl.store(out_ptr + query * members + j, tl.full((BLOCK,), float("inf"), tl.float32), mask=j < members)
+                tl.store(out_ptr + query * members + j, tl.full((BLOCK,), float("inf"), tl.float32),
+                         mask=j < members)
                 return
         chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
         ref = chunk * CHUNK + j % CHUNK
@@ -632,10 +639,8 @@ if triton is not None:
                 return
         x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
         keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
-        top = (keys >> 32).to(tl.int32)
-        value = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         keep = (r[:, None] < rows) & (c[None, :] < count)
-        tl.store(out_values_ptr + r[:, None] * count + c[None, :], value, mask=keep)
+        tl.store(out_values_ptr + r[:, None] * count + c[None, :], _key_values(keys), mask=keep)
         tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
 
 
@@ -643,9 +648,7 @@ if triton is not None:
     def _keys_out(keys, out_values_ptr, out_index_ptr, row, count):
         """The first ``count`` of the sorted ``_ordered_keys`` keys -> values and positions of row."""
         slots = tl.arange(0, keys.shape[0])
-        top = (keys >> 32).to(tl.int32)
-        value = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        tl.store(out_values_ptr + row * count + slots, value, mask=slots < count)
+        tl.store(out_values_ptr + row * count + slots, _key_values(keys), mask=slots < count)
         tl.store(out_index_ptr + row * count + slots, keys & 0xFFFFFFFF, mask=slots < count)
 
     @triton.jit
@@ -721,8 +724,9 @@ def smallest(values: torch.Tensor, count: int, in_registers: bool | None = None,
     positions (int64), ties to the smaller position: ``torch.topk(largest=False)`` with a
     defined tie order. ``in_registers`` (default: on GPUs up to SORT_MAX columns) sorts in
     Triton; otherwise on GPUs ``_wide_smallest`` (up to WIDE_GROUPS least) or ``torch.topk``,
-    on CPUs a stable sort (Triton is interpreted there and its sort takes seconds). ``needed`` (bool, the rows' shape): the rows
-    it leaves out may come back unsorted (+inf at positions 0, 1, ... in registers)."""
+    on CPUs a stable sort (Triton is interpreted there and its sort takes seconds).
+    ``needed`` (bool, the rows' shape): the rows it leaves out may come back unsorted (+inf
+    at positions 0, 1, ... where a Triton kernel skips them)."""
     width = values.shape[-1]
     if in_registers is None:
         in_registers = values.is_cuda and width <= SORT_MAX
@@ -784,7 +788,8 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
         block_n = max(block_n, chunk)
         row_blocks, column_blocks = triton.cdiv(rows, block_m), triton.cdiv(columns, block_n)
         _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
-            q, r, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks, row_blocks,
+            q, r, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks,
+            row_blocks,
             CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, held),
             NEEDED=needed is not None, num_warps=warps, num_stages=stages)
     return out
@@ -987,11 +992,11 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     D <= FRAMES_MAX_DIM), lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the
     item's power-of-two ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32),
     centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
-    references' squared norms ``r_norms`` [B, N] (+inf where invalid) and their ``reach``
-    [B, 1] (the largest valid norm) and the largest |coordinate| of both clouds divided by the scale
-    ``largest`` [B]. With ``halves``, ``half_operands`` of both centred
-    clouds too: ``unit`` [B], ``qh``, ``rh`` (float16), the norms of what they left out, per
-    query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1]."""
+    references' squared norms ``r_norms`` [B, N] (+inf where invalid), their ``reach`` [B, 1]
+    (the largest valid norm) and ``largest`` [B], the largest |coordinate| of both clouds over
+    the scale. With ``halves``, ``half_operands`` of both centred clouds too: ``unit`` [B],
+    ``qh``, ``rh`` (float16), the norms of what they left out, per query ``q_lo`` [B, M] and
+    the largest per item ``r_lo`` [B, 1]."""
     batch, dim = query.shape[0], query.shape[-1]
     padded = triton.next_power_of_2(dim)
     block = max(1, FRAMES_BLOCK // padded)
