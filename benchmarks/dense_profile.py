@@ -20,6 +20,8 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --brute-sweep    (the brute force's tile settings, graphed)
     python benchmarks/dense_profile.py --precision      (wide clouds: the first products of float16 operands
                                                          or in three TF32 products, the minima's queries held or not)
+    python benchmarks/dense_profile.py --fused-precision (the fused lists' first products: tf32x3 alone or
+                                                         float16 operands first, normal and clustered)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
@@ -379,6 +381,43 @@ def precision(generator) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
 
 
+# Shapes of the fused lists (N <= 2^14): (B, M, N, D, k).
+FUSED_SHAPES = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (8, 4096, 4096, 128, 20), (8, 2048, 2048, 32, 20),
+                (4, 4096, 16384, 32, 50), (2, 8192, 8192, 16, 16), (16, 1024, 1024, 128, 16))
+
+
+def fused_precision(generator) -> None:
+    """Graphed dense kNN on the fused lists with the first products in tf32x3 alone or of
+    float16 operands (the rows they leave unproven again in tf32x3), normal and clustered
+    clouds, with the valid rows the float16 products left unproven (eager calls)."""
+    certified, again = triton_dense.certified_lists, []
+
+    def counting(*args, **kwargs):
+        if kwargs.get("again", args[17] if len(args) > 17 else False) and not torch.cuda.is_current_stream_capturing():
+            again.append(int(args[15].sum()))
+        return certified(*args, **kwargs)
+
+    triton_dense.certified_lists = counting
+    default = dense.FUSED_HALF_FIRST_MIN_DIM
+    for batch, rows, columns, dim, k in FUSED_SHAPES:
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        clustered = _clustered(batch, rows, columns, dim, generator)
+        cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
+        for name, dense.FUSED_HALF_FIRST_MIN_DIM in (("tf32x3", 2**30), ("fp16 first", 1)):
+            time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
+            on_clusters = median_ms(graphed(lambda: fullgraph.knn(*clustered, k, backend="dense")))
+            again.clear()
+            FAILED.clear()
+            for query, ref in ((q, r), clustered):
+                fullgraph.knn(query, ref, k, backend="dense")
+            cells.append(f"{name} {time:.3f} (clustered {on_clusters:.3f}; unproven first {again}, redone "
+                         f"{[f for f, _ in FAILED]})")
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
+    dense.FUSED_HALF_FIRST_MIN_DIM = default
+    triton_dense.certified_lists = certified
+
+
 def _operands(q, r, precision):
     """The minima kernels' operands in ``precision`` and their factor per item (``twice``)."""
     if precision != "fp16":
@@ -522,6 +561,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("host", host, "a tiny eager call's host time"),
          ("brute-sweep", brute_sweep, "the brute force's settings"),
          ("precision", precision, "wide clouds: the first products' precision, the minima's kernel"),
+         ("fused-precision", fused_precision, "the fused lists' first products: tf32x3 or float16 operands"),
          ("held-sweep", held_sweep, "the stored minima's held tiles"),
          ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
          ("members-all", members_all, "every member measured exactly or the least by a first measure"),
@@ -568,7 +608,7 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 replays["dense graphed"]()
                 torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60)
             print(table, flush=True)
 
 

@@ -167,10 +167,10 @@ def _count_searched_rows(monkeypatch) -> list[int]:
     monkeypatch.setattr(dense.triton_grid, "nearest",
                         lambda *a, needed, **kw: searched.append(int(needed.sum())) or search(*a, needed=needed, **kw))
 
-    def counted_brute_force(*args, needed=None):
+    def counted_brute_force(*args, needed=None, **kwargs):
         if needed is not None:
             searched.append(int(needed.sum()))
-        return brute_force(*args, needed=needed)
+        return brute_force(*args, needed=needed, **kwargs)
 
     monkeypatch.setattr(dense.triton_dense, "brute_force", counted_brute_force)
     return searched

@@ -108,6 +108,8 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # selection cost more than the products save (8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2
 # 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943).
 HALF_FIRST_MIN_DIM = 64
+# ... and on the fused lists (``_fused_lists``: both passes four kernels in all).
+FUSED_HALF_FIRST_MIN_DIM = 64
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
 # 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
@@ -196,7 +198,8 @@ def _remeasure(q, r, candidates):
 class _Frames:
     """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
-    invalid rows zeroed (``qc``, ``rc``, the operands of the products). Built by torch here;
+    invalid rows zeroed (``qc``, ``rc``, the operands of the products; their squared norms
+    ``q_norms``, ``r_norms``, +inf at invalid references). Built by torch here;
     on GPUs by ``triton_dense.frames`` (``_Frames.of``: the same scaled clouds, the centre
     summed in another order). Each cloud's valid rows: ``query_ok`` [B, M], ``ref_ok`` [B, N]."""
 
@@ -222,6 +225,7 @@ class _Frames:
             centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
             self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
             self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
+        self.q_norms = (self.qc * self.qc).sum(-1)
         r_norms = (self.rc * self.rc).sum(-1)
         self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
         # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
@@ -311,7 +315,7 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     u = _roundoff(qc.dtype)
-    q_norms = (qc * qc).sum(-1)
+    q_norms = frames.q_norms[:, rows]
     outside = beyond_expansion(values[..., -1] + q_norms, q_norms.sqrt(), frames.reach, dim, u)
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
@@ -343,12 +347,11 @@ def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None,
     under the squared distances, as the reference measures them, of every reference in no
     chosen chunk (+inf: none is left). ``needed`` [B, m]: only tiles of queries holding a
     needed one are multiplied (the others' chunks are unspecified)."""
-    qc = frames.qc[:, rows]
-    dim, columns = qc.shape[-1], frames.rc.shape[1]
+    dim, columns = frames.qc.shape[-1], frames.rc.shape[1]
     chunk = triton_dense.chunk_size(columns, k + slack + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + slack, chunks)
-    q_norms = (qc * qc).sum(-1)
+    q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
     q, r, twice, error = _products(frames, rows, precision, q_abs)
     values, chosen = triton_dense.least_chunks(q, q_norms, r, frames.r_norms, min(n_chosen + 1, chunks), chunk,
@@ -403,9 +406,9 @@ def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, ne
 
 
 def _first_precision(dim: int, columns: int, k: int) -> str:
-    """The first products' precision (see HALF_FIRST_MIN_DIM)."""
+    """The first products' precision (see HALF_FIRST_MIN_DIM and FUSED_HALF_FIRST_MIN_DIM)."""
     stored = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
-    return "fp16" if stored and dim >= HALF_FIRST_MIN_DIM else TENSOR_CORE_PRECISION
+    return "fp16" if dim >= (HALF_FIRST_MIN_DIM if stored else FUSED_HALF_FIRST_MIN_DIM) else TENSOR_CORE_PRECISION
 
 
 # From this many coordinates the second pass chooses as many chunks a row as the wide rows'
@@ -425,20 +428,65 @@ def _second_slack(k: int, dim: int) -> int:
     return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
 
 
-def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius):
-    """``_block`` on GPUs: products in ``_first_precision``, and the valid rows they leave
-    unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied, ``_second_slack``
-    chunks beyond k chosen)."""
+def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven) -> bool:
+    """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
+    a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
+    write the block's lists, in the frames' scale and within ``radius``, and its unproven
+    valid rows straight into dists / idx [B, M, k] and unproven [B, M], where ~40 small
+    operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
+    first (``_first_precision``) and the rows they leave unproven again in
+    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Returns whether
+    they took the block (else nothing is written)."""
+    dim, columns = frames.q.shape[-1], frames.r.shape[1]
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunks = -(-columns // chunk)
+    n_chosen = min(k + CHUNK_SLACK, chunks)
+    members = n_chosen * chunk
+    take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
+    if (chunk != triton_dense.FUSED_CHUNK or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]
+            or not triton_dense.ranks_members(members, take, dim)):
+        return False
+    q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
+    on_gpu = q.is_cuda
+    first = _first_precision(dim, columns, k)
+    for precision in dict.fromkeys((first, TENSOR_CORE_PRECISION)):
+        if precision == "fp16":
+            qh, rh, q_lo, r_lo, twice = frames.halves()
+            operands, error = (qh[:, rows], rh, twice), (q_lo[:, rows], r_lo)
+        else:
+            operands, error = (frames.qc[:, rows], frames.rc, None), triton_dense.product_error(precision)
+        again = precision != first
+        keys, position_bits = triton_dense.least_chunk_keys(
+            operands[0], q_norms, operands[1], frames.r_norms, min(n_chosen + 1, chunks), precision, operands[2],
+            unproven[:, rows] if again else None)
+        triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, n_chosen, take, q_norms,
+                                     frames.reach, frames.scale, error, radius if on_gpu else math.inf, dists, idx,
+                                     unproven, rows.start, again)
+    if not on_gpu:  # Triton's interpreter: distances in torch's sqrt (``_in_torch_sqrt``)
+        scale = frames.scale[..., None]
+        d, i = _within(*_in_torch_sqrt(q, frames.r, dists[:, rows] / scale, idx[:, rows]), frames.scale, radius)
+        dists[:, rows], idx[:, rows] = d * scale, i
+    return True
+
+
+def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
+    """``_block`` on GPUs, into dists / idx [B, M, k] and unproven [B, M] at ``rows``:
+    ``_fused_lists`` where they take the block; else products in ``_first_precision``, and
+    the valid rows they leave unproven again in TENSOR_CORE_PRECISION (only their tiles
+    multiplied, ``_second_slack`` chunks beyond k chosen)."""
+    if _fused_lists(frames, rows, query_ok, ref_ok, k, radius, dists, idx, unproven):
+        return
     dim = frames.q.shape[-1]
     first = _first_precision(dim, frames.r.shape[1], k)
-    d, i, unproven = _proven_lists(frames, rows, ref_ok, k, radius, first)
+    d, i, still = _proven_lists(frames, rows, ref_ok, k, radius, first)
     if first != TENSOR_CORE_PRECISION:
-        unproven &= query_ok[:, rows]
-        again, found, still = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, unproven,
-                                            _second_slack(k, dim))
-        redo = unproven[..., None]
-        d, i, unproven = torch.where(redo, again, d), torch.where(redo, found, i), unproven & still
-    return d * frames.scale[..., None], i, unproven
+        again = still & query_ok[:, rows]
+        found_d, found_i, left = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, again,
+                                               _second_slack(k, dim))
+        redo = again[..., None]
+        d, i, still = torch.where(redo, found_d, d), torch.where(redo, found_i, i), again & left
+    dists[:, rows, :d.shape[-1]], idx[:, rows, :d.shape[-1]] = d * frames.scale[..., None], i
+    unproven[:, rows] = still
 
 
 def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
@@ -452,9 +500,8 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
     width = _width(ref.shape[1], k, query.shape[-1])
     step = max(1, BLOCK_BYTES["cuda"] // (batch * width * frames.q.element_size()))
     for start in range(0, rows, step):
-        block = slice(start, min(start + step, rows))
-        d, i, unproven[:, block] = _block_on_tensor_cores(frames, block, query_ok, ref_ok, k, radius)
-        dists[:, block, :d.shape[-1]], idx[:, block, :d.shape[-1]] = d, i
+        _block_on_tensor_cores(frames, slice(start, min(start + step, rows)), query_ok, ref_ok, k, radius, dists, idx,
+                               unproven)
     unproven &= query_ok
     if _brute_force_redoes(frames, k):
         return _brute_force(frames, ref_ok, k, radius, dists, idx, needed=unproven)
@@ -511,10 +558,13 @@ def _brute_forced(query, ref, k) -> bool:
 
 def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
     """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx (only
-    the rows ``needed`` [B, M] marks, when given)."""
-    found, position = triton_dense.brute_force(
-        frames.q, frames.r, ref_ok, k,
-        triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM, needed=needed)
+    the rows ``needed`` [B, M] marks, when given), on GPUs by the kernel itself."""
+    sort_from = triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM
+    if frames.q.is_cuda:
+        triton_dense.brute_force(frames.q, frames.r, ref_ok, k, sort_from, needed=needed, scale=frames.scale,
+                                 radius=radius, out=(dists, idx))
+        return
+    found, position = triton_dense.brute_force(frames.q, frames.r, ref_ok, k, sort_from, needed=needed)
     found, position = _in_torch_sqrt(frames.q, frames.r, found, position)
     found = found * frames.scale[..., None]
     keep = found <= radius
@@ -607,10 +657,10 @@ def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, r
         for start in range(0, rows, step):
             block = slice(start, min(start + step, rows))
             if fused:
-                d, i, failed[items, block] = _block_on_tensor_cores(part, block, query_ok[items], ref_ok[items], k,
-                                                                    radius)
-            else:
-                d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
+                _block_on_tensor_cores(part, block, query_ok[items], ref_ok[items], k, radius, dists[items],
+                                       idx[items], failed[items])
+                continue
+            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
 

@@ -321,17 +321,21 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, out_ptr, rows, columns, dim,
-                                 chunks, share, parts,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows,
+                                 columns, dim, chunks, share, parts,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                 NEEDED: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]."""
+        parts, KEYS]. NEEDED: a tile none of whose queries needed marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if NEEDED:
+            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+                return
         q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
         # Keyed on about the squared distance, not |r|^2 - 2 q.r ~ -|q|^2 near the query: the
         # keys' bits then resolve the distances themselves.
@@ -457,81 +461,146 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
 
     @triton.jit
-    def _member_refs(chosen, ok, members, columns, slot, CHUNK: tl.constexpr):
+    def _member_refs(chosen, ok, members, columns, slot, CHUNK: tl.constexpr, POSITION_BITS: tl.constexpr):
         """The references of a query's member slots (member s: the (s % CHUNK)-th of chunk
-        chosen[s // CHUNK]; none past ``members`` or where the chunk is -1) and which of them
-        are valid (inside the cloud, ``ok``)."""
+        chosen[s // CHUNK]; none past ``members`` or where the chunk is -1; POSITION_BITS > 0:
+        chosen holds ``_short_keys``, the chunk in their low bits) and which of them are
+        valid (inside the cloud, ``ok``)."""
         chunk = tl.load(chosen + slot // CHUNK, mask=slot < members, other=-1)
+        if POSITION_BITS > 0:
+            chunk = tl.where(slot < members, chunk & ((1 << POSITION_BITS) - 1), -1)
         ref = chunk * CHUNK + slot % CHUNK
         valid = (chunk >= 0) & (ref < columns)
         return ref, valid & (tl.load(ok + ref, mask=valid, other=0) != 0)
 
     @triton.jit
-    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
-                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
-                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                NEEDED: tl.constexpr):
-        """One query: its members (reference ``chosen[c] * CHUNK + s``, s < CHUNK; chosen < 0:
-        none) measured by summed differences, the ``take`` least (by (value, member)) measured
-        again in the reference's arithmetic and the ``count`` nearest stored by (distance,
-        index); out_last: the take-th least first measure (+inf where every member was)."""
-        row = tl.program_id(0).to(tl.int64)
-        if NEEDED:
-            if tl.load(needed_ptr + row) == 0:
-                return
-        item = row // rows
-        r_base = r_ptr + item * columns * DIM
-        ok_base = ok_ptr + item * columns
+    def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
+                          LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr):
+        """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
+        summed differences, the ``take`` least (by (value, member)) measured again in the
+        reference's arithmetic -> their (distance, index) keys, ascending [SEL or WP] (none:
+        ``_KEY_NONE``), and the take-th least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
         if SEL < WP:
-            ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns, j, CHUNK)
+            ref, valid = _member_refs(chosen, ok_base, members, columns, j, CHUNK, POSITION_BITS)
             total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
                 d = start + tl.arange(0, BLOCK_K)
-                qd = tl.load(q_ptr + row * DIM + d, mask=d < DIM, other=0.0)
+                qd = tl.load(q_row + d, mask=d < DIM, other=0.0)
                 rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=valid[:, None] & (d[None, :] < DIM),
                              other=0.0)
                 diff = qd[None, :] - rd
                 total += tl.sum(diff * diff, 1)
             total = tl.where(valid & (total == total), total, float("inf"))
             first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
-            last = tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0))
-            top = (last >> 32).to(tl.int32)
-            tl.store(out_last + row, (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True))
+            last = _key_values(tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0)))
             slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
         else:
-            tl.store(out_last + row, float("inf"))
+            last = tl.full((), float("inf"), tl.float32)
             slot = j
         dp = tl.arange(0, 1 << LOG_DP)
-        q = tl.load(q_ptr + row * DIM + dp, mask=dp < DIM, other=0.0)
+        q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
         for b in tl.static_range(BLOCKS):
-            ref, valid = _member_refs(chosen_ptr + row * n_chosen, ok_base, members, columns,
-                                      _row_of(slot, b, BLOCK_C), CHUNK)
+            ref, valid = _member_refs(chosen, ok_base, members, columns, _row_of(slot, b, BLOCK_C), CHUNK,
+                                      POSITION_BITS)
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
                         other=0.0)
             d2 = _reference_squares(q, r, DIM, LOG_DP)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
             keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
-        keys = tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0)
-        at = tl.arange(0, BLOCKS * BLOCK_C)
+        return tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0), last
+
+    @triton.jit
+    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
+                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
+                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                                NEEDED: tl.constexpr):
+        """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
+        ``count`` nearest stored by (distance, index), and the take-th least first measure
+        -> out_last."""
+        row = tl.program_id(0).to(tl.int64)
+        if NEEDED:
+            if tl.load(needed_ptr + row) == 0:
+                return
+        item = row // rows
+        keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
+                                       chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
+                                       WP, SEL, BLOCK_K, BLOCK_C, 0)
+        tl.store(out_last + row, last)
+        at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
-        tl.store(out_d + row * count + at, tl.where(hit, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True),
-                                                     float("inf")), mask=at < count)
+        tl.store(out_d + row * count + at, tl.where(hit, _key_values(keys), float("inf")), mask=at < count)
         tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
-    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, out_dist, out_idx, rows, columns, DIM: tl.constexpr,
-                            DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr,
-                            NEEDED: tl.constexpr):
+    def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
+                                q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
+                                n_chosen, n_keys, take, count, error, radius, DIM: tl.constexpr,
+                                LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
+                                HALF: tl.constexpr, NEEDED: tl.constexpr):
+        """One query of a block of ``rows`` (row ``first_row`` on of ``total_rows``): the
+        members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
+        (``_measured_members``), the certificate of ``dense.py`` (the floor under every
+        unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
+        last first measure) and the ``count`` nearest, times the item's scale, within
+        ``radius``, stored into the lists [B, total_rows, count] with the row's flag
+        unproven (valid queries only; an invalid one's list stays empty). HALF: products of
+        float16 operands (``half_operands``), whose error is bounded per query by the norms
+        left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
+        flagged unproven already are done."""
+        row = tl.program_id(0).to(tl.int64)
+        item = row // rows
+        out_row = item * total_rows + first_row + row % rows
+        if NEEDED:
+            if tl.load(out_unproven + out_row) == 0:
+                return
+        keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
+                                       keys_ptr + row * n_keys, columns, n_chosen, take, DIM, LOG_DP, CHUNK, WP,
+                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
+        q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
+        reach = tl.load(reach_ptr + item)
+        # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
+        # the next key's sum rounded down (to 32 - POSITION_BITS bits), less 2^-23 of it
+        # (see dense._chosen_chunks), then dense.beyond_expansion.
+        top = tl.load(keys_ptr + row * n_keys + n_chosen, mask=n_keys > n_chosen, other=0) & -(1 << POSITION_BITS)
+        least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        if HALF:
+            q_lo = tl.load(q_lo_ptr + row)
+            bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
+        else:
+            bound = error * q_abs * reach
+        least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
+        beyond = (least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach)) * (1 - 2 * (DIM + 2) * 2.0**-24)
+        limit = tl.minimum(tl.where(n_keys > n_chosen, beyond, float("inf")), last * (1 - 4 * (DIM + 2) * 2.0**-24))
+        at = tl.arange(0, keys.shape[0])
+        hit = keys != _KEY_NONE
+        d = tl.where(hit, _key_values(keys), float("inf"))
+        kth = tl.sum(tl.where(at == count - 1, d, 0.0))
+        kth = tl.where(count <= keys.shape[0], kth, float("inf"))
+        valid = tl.load(query_ok_ptr + out_row) != 0
+        proven = (kth * kth < limit) | (limit == float("inf"))
+        tl.store(out_unproven + out_row, (valid & ~proven).to(tl.int8))
+        d = d * tl.load(scale_ptr + item)
+        keep = hit & (d <= radius) & valid
+        tl.store(out_d + out_row * count + at, tl.where(keep, d, float("inf")), mask=at < count)
+        tl.store(out_i + out_row * count + at, tl.where(keep, keys & 0xFFFFFFFF, -1), mask=at < count)
+
+    @triton.jit
+    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius,
+                            DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                            KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SORT_FROM: tl.constexpr, NEEDED: tl.constexpr, SCALED: tl.constexpr):
         """The k nearest valid references of BLOCK_M queries of item b, measured as
         ``_squared_distances_kernel`` measures (the reference's arithmetic) and kept as
         (distance, index) keys like the grid search's; launched without contraction. NEEDED:
-        a program none of whose queries needed marks returns at once."""
+        a program none of whose queries needed marks returns at once, and only needed rows
+        are stored. SCALED: distances times scale[b], those beyond ``radius`` dropped."""
         b = tl.program_id(1).to(tl.int64)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if NEEDED:
@@ -559,11 +628,16 @@ if triton is not None:
             keys = tl.where(ok[None, :] & (d2 == d2), keys, _KEY_NONE)
             best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
         best = tl.sort(tl.where(best < 0, _KEY_NONE, best), 1)
+        dist = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         found = best != _KEY_NONE
+        if SCALED:
+            dist = dist * tl.load(scale_ptr + b)
+            found = found & (dist <= radius)
         where = (b * rows + m)[:, None] * K + slots[None, :]
         keep = (m[:, None] < rows) & (slots[None, :] < K)
-        tl.store(out_dist + where, tl.where(found, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True),
-                                            float("inf")), mask=keep)
+        if NEEDED:
+            keep = keep & (tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0) != 0)[:, None]
+        tl.store(out_dist + where, tl.where(found, dist, float("inf")), mask=keep)
         tl.store(out_idx + where, tl.where(found, best & 0xFFFFFFFF, -1), mask=keep)
 
     @triton.jit
@@ -589,13 +663,13 @@ if triton is not None:
 
     @triton.jit
     def _centred_kernel(points_ptr, ok_ptr, scale_ptr, centre_ptr, unit_ptr, scaled_ptr, centred_ptr, half_ptr,
-                        residuals_ptr, norms_ptr, reach_ptr, rows, dim, blocks, NORMS: tl.constexpr,
+                        residuals_ptr, norms_ptr, reach_ptr, rows, dim, blocks, REF: tl.constexpr,
                         HALVES: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
         """points [B, L, D] -> scaled = points / scale[b] (exact: a power of two), centred =
         scaled - centre[b] (0 on invalid rows); with HALVES, ``half_operands``: centred times
-        unit[b] in float16 and the norm of what that left out [B, L]; with NORMS,
-        |centred|^2 [B, L] (+inf on invalid rows) and per block the largest of the valid ones
-        -> reach [B, blocks]."""
+        unit[b] in float16 and the norm of what that left out [B, L]; |centred|^2 [B, L]
+        (REF: +inf on invalid rows, and per block the largest of the valid ones -> reach
+        [B, blocks])."""
         b = tl.program_id(1).to(tl.int64)
         block = tl.program_id(0)
         r = block * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -616,10 +690,12 @@ if triton is not None:
             tl.store(half_ptr + where, half, mask=mask)
             left = centred - tl.math.div_rn(half.to(tl.float32), unit)  # (both exact)
             tl.store(residuals_ptr + b * rows + r, tl.sqrt(tl.sum(left * left, 1)), mask=inside)
-        if NORMS:
-            norms = tl.sum(centred * centred, 1)
+        norms = tl.sum(centred * centred, 1)
+        if REF:
             tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
             tl.store(reach_ptr + b * blocks + block, tl.max(tl.where(ok, norms, 0.0), 0))
+        else:
+            tl.store(norms_ptr + b * rows + r, norms, mask=inside)
 
     @triton.jit
     def _smallest_kernel(values_ptr, needed_ptr, out_values_ptr, out_index_ptr, rows, width, count,
@@ -827,6 +903,44 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 
+def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
+                     precision: str, twice: torch.Tensor | None = None, needed: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, int]:
+    """The fused path of ``least_chunks`` (chunks of FUSED_CHUNK, ``count`` <= FUSED_MAX_KEYS)
+    before decoding: the ``_short_keys`` [B, M, count] (int32, ascending) and their position
+    bits (the chunk: key & (2^bits - 1); the sum, rounded down: the rest). ``needed`` [B, M]
+    (bool): only tiles of queries holding a needed one are multiplied (the others' keys are
+    unspecified)."""
+    q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
+    twice = _factors(precision, twice, r_norms)
+    batch, rows, dim = q.shape
+    columns = r.shape[1]
+    keys = _list_width(count)
+    block_n = max(FUSED_BLOCK_N, keys * FUSED_CHUNK)
+    parts = _shares(batch, rows, columns, block_n, q.device)
+    share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
+    parts = triton.cdiv(columns, share)
+    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
+    out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
+    chunks = triton.cdiv(columns, FUSED_CHUNK)
+    position_bits = max(1, (chunks - 1).bit_length())
+    if out.numel():
+        grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
+        block_k = 16 if dim <= 16 else 32
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, twice,
+                                       needed.contiguous() if needed is not None else r_norms, lists, rows, columns, dim, chunks, share, parts, CHUNK=FUSED_CHUNK,
+                                       PRECISION=precision, KEYS=keys, NEEDED=needed is not None,
+                                       LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1,
+                                       POSITION_BITS=position_bits,
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       num_warps=FUSED_NUM_WARPS)
+        merge_rows = max(1, SORT_KEYS // keys)
+        _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
+            lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
+            num_warps=4)
+    return out, position_bits
+
+
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
                  chunk: int, precision: str, needed: torch.Tensor | None = None,
                  twice: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -836,40 +950,14 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     (``chunk_minima``'s ``twice``) over their members, ascending, ties
     to the smaller chunk (among equal sums below): the minima plus q_norms, each sum rounded
     to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
-    number of chunks. On the fused path the sums (and the order) are rounded down to 32 -
-    log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which is all the
-    certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): the other rows' lists
-    are unspecified (the stored minima multiply only tiles of queries holding a needed one;
-    the fused lists every tile)."""
-    columns = r.shape[1]
+    number of chunks. On the fused path (``least_chunk_keys``) the sums (and the order) are
+    rounded down to 32 - log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which
+    is all the certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): the other
+    rows' lists are unspecified (only tiles of queries holding a needed one are multiplied)."""
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
         values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count, needed=needed)
         return values + q_norms[..., None], chosen
-    q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
-    twice = _factors(precision, twice, r_norms)
-    batch, rows, dim = q.shape
-    keys = _list_width(count)
-    block_n = max(FUSED_BLOCK_N, keys * chunk)
-    parts = _shares(batch, rows, columns, block_n, q.device)
-    share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
-    parts = triton.cdiv(columns, share)
-    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
-    out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
-    chunks = triton.cdiv(columns, chunk)
-    position_bits = max(1, (chunks - 1).bit_length())
-    if out.numel():
-        grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
-        block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, twice, lists, rows, columns, dim, chunks, share,
-                                       parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
-                                       LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-                                       POSITION_BITS=position_bits,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=FUSED_NUM_WARPS)
-        merge_rows = max(1, SORT_KEYS // keys)
-        _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
-            lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
-            num_warps=4)
+    out, position_bits = least_chunk_keys(q, q_norms, r, r_norms, count, precision, twice, needed)
     return _ordered_floats(out & -(1 << position_bits)), (out & ((1 << position_bits) - 1)).to(torch.int64)
 
 
@@ -890,29 +978,36 @@ def brute_force_takes(dim: int, k: int) -> bool:
     return PER_COORDINATE_MAX_DIM < dim <= BRUTE_FORCE_MAX_DIM and k <= BRUTE_FORCE_MAX_K
 
 
-def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int,
-                sort_from: int, needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int, sort_from: int,
+                needed: torch.Tensor | None = None, scale: torch.Tensor | None = None, radius: float = math.inf,
+                out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], r [B, N, D] (float32, D in (4, BRUTE_FORCE_MAX_DIM]), ref_ok [B, N] bool,
     k <= BRUTE_FORCE_MAX_K -> each query's k nearest valid references: distances [B, M, k]
-    (float32, the reference's bits; +inf past the valid ones) and positions (-1 there),
-    ascending, ties to the smaller position. One kernel, no host read; a tile enters the
-    lists by sorting where some query wants ``sort_from`` of its candidates (the grid
-    search's ``SEARCH_SORT_FROM``). ``needed`` [B, M] (bool): only its rows are sure to be
-    searched; the others' lists are +inf / -1 or found too."""
+    (float32, the reference's bits, times ``scale`` [B, 1] where given, none beyond
+    ``radius``; +inf past the valid ones) and positions (-1 there), ascending, ties to the
+    smaller position; into ``out`` (contiguous [B, M, k] float32 and int64) where given. One
+    kernel, no host read; a tile enters the lists by sorting where some query wants
+    ``sort_from`` of its candidates (the grid search's ``SEARCH_SORT_FROM``). ``needed``
+    [B, M] (bool): only its rows are searched and written (the others: +inf / -1 in fresh
+    lists, untouched in ``out``)."""
     batch, rows, dim = q.shape
     columns = r.shape[1]
-    dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
-    idx = torch.empty((batch, rows, k), dtype=torch.int64, device=q.device)
-    if needed is not None:  # (rows not searched: empty lists)
-        dists.fill_(math.inf), idx.fill_(-1)
+    if out is None:
+        dists = torch.empty((batch, rows, k), dtype=torch.float32, device=q.device)
+        idx = torch.empty((batch, rows, k), dtype=torch.int64, device=q.device)
+        if needed is not None:  # (rows not searched: empty lists)
+            dists.fill_(math.inf), idx.fill_(-1)
+    else:
+        dists, idx = out
     if dists.numel():
         padded = triton.next_power_of_2(dim)
         block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
         _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M), batch)](
-            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), needed if needed is not None else ref_ok, dists,
-            idx, rows, columns, DIM=dim, DP=padded, LOG_DP=padded.bit_length() - 1, K=k,
-            KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M, BLOCK_N=block_n, SORT_FROM=sort_from,
-            NEEDED=needed is not None, num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
+            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), needed if needed is not None else ref_ok,
+            scale.contiguous() if scale is not None else q, dists, idx, rows, columns, radius, DIM=dim, DP=padded,
+            LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
+            BLOCK_N=block_n, SORT_FROM=sort_from, NEEDED=needed is not None, SCALED=scale is not None,
+            num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
     return dists, idx
 
 
@@ -951,6 +1046,18 @@ def ranks_members(members: int, take: int, dim: int) -> bool:
     return triton is not None and members <= MEMBERS_MAX and take <= MEMBERS_TAKE_MAX and dim <= MEASURE_MAX_DIM
 
 
+def _members_settings(members: int, take: int, dim: int) -> dict:
+    """``_measured_members``' settings for ``members`` members a query, ``take`` re-measured,
+    of D = dim."""
+    width = triton.next_power_of_2(max(members, 2))
+    selected = min(triton.next_power_of_2(max(take, 2)), width)
+    padded = triton.next_power_of_2(dim)
+    tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
+    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
+                BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=max(1, min(selected, tile // padded)),
+                num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
+
+
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
                     take: int, count: int, needed: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -965,24 +1072,46 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     left unwritten."""
     batch, rows, dim = q.shape
     n_chosen = chosen.shape[-1]
-    members = n_chosen * chunk
-    width = triton.next_power_of_2(max(members, 2))
-    selected = min(triton.next_power_of_2(max(take, 2)), width)
     # (padded: lists longer than the members measured keep their tails)
     dists = torch.full((batch, rows, count), math.inf, dtype=torch.float32, device=q.device)
     idx = torch.full((batch, rows, count), -1, dtype=torch.int64, device=q.device)
     last = torch.empty((batch, rows), dtype=torch.float32, device=q.device)
     if dists.numel():
-        padded = triton.next_power_of_2(dim)
-        tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-        block_c = max(1, min(selected, tile // padded))
         _nearest_members_kernel[(batch * rows,)](
             q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
             needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
-            DIM=dim, LOG_DP=padded.bit_length() - 1, CHUNK=chunk, WP=width, SEL=selected,
-            BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, NEEDED=needed is not None,
-            num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
+            CHUNK=chunk, NEEDED=needed is not None, **_members_settings(n_chosen * chunk, take, dim))
     return dists, idx, last
+
+
+def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, query_ok: torch.Tensor,
+                    keys: torch.Tensor, position_bits: int, n_chosen: int, take: int, q_norms: torch.Tensor,
+                    reach: torch.Tensor, scale: torch.Tensor, error: float | tuple[torch.Tensor, torch.Tensor],
+                    radius: float, dists: torch.Tensor, idx: torch.Tensor, unproven: torch.Tensor,
+                    first_row: int = 0, again: bool = False) -> None:
+    """The fused lists finished in one kernel a query: q [B, m, D] (a block of queries, rows
+    ``first_row`` on), r [B, N, D] (float32, the frames' scaled clouds), ref_ok [B, N],
+    query_ok [B, M] bool, the block's ``least_chunk_keys`` [B, m, n_keys] of chunks of
+    FUSED_CHUNK and their ``position_bits``, of which the first ``n_chosen`` are measured
+    (``nearest_members``, ``take`` re-measured), q_norms [B, m] (|qc|^2 of the centred
+    queries), the references' reach [B, 1] and ``scale`` [B, 1], the products' ``error``
+    (``product_error``; for float16 operands the norms they left out, q_lo [B, m] and r_lo
+    [B, 1]) -> into dists / idx [B, M, k] (float32, int64; columns past the members keep what
+    they held) the k nearest, times the scale, within ``radius``, and into unproven [B, M]
+    (bool) the valid queries the certificate of ``dense.py`` leaves unproven (``again``: only
+    the rows unproven already are done). No host read; nothing but these outputs is written."""
+    batch, rows, dim = q.shape
+    n_keys, count = keys.shape[-1], dists.shape[-1]
+    if batch * rows == 0:
+        return
+    half = not isinstance(error, float)
+    q_lo, r_lo = (t.contiguous() for t in error) if half else (q_norms, q_norms)
+    _certified_lists_kernel[(batch * rows,)](
+        q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8), query_ok.contiguous().view(torch.uint8),
+        keys.contiguous(), q_norms.contiguous(), reach.contiguous(), scale.contiguous(), q_lo, r_lo, dists, idx,
+        unproven.view(torch.int8), rows, first_row, dists.shape[1], r.shape[1], n_chosen, n_keys, take, count,
+        0.0 if half else error, radius, CHUNK=FUSED_CHUNK, POSITION_BITS=position_bits, HALF=half, NEEDED=again,
+        **_members_settings(n_chosen * FUSED_CHUNK, take, dim))
 
 
 def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor,
@@ -992,9 +1121,9 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     D <= FRAMES_MAX_DIM), lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the
     item's power-of-two ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32),
     centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
-    references' squared norms ``r_norms`` [B, N] (+inf where invalid), their ``reach`` [B, 1]
-    (the largest valid norm) and ``largest`` [B], the largest |coordinate| of both clouds over
-    the scale. With ``halves``, ``half_operands`` of both centred clouds too: ``unit`` [B],
+    squared norms of the centred rows ``q_norms`` [B, M] and ``r_norms`` [B, N] (+inf where
+    invalid), the references' ``reach`` [B, 1] (the largest valid norm) and ``largest`` [B],
+    the largest |coordinate| of both clouds over the scale. With ``halves``, ``half_operands`` of both centred clouds too: ``unit`` [B],
     ``qh``, ``rh`` (float16), the norms of what they left out, per query ``q_lo`` [B, M] and
     the largest per item ``r_lo`` [B, 1]."""
     batch, dim = query.shape[0], query.shape[-1]
@@ -1026,11 +1155,13 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
         reach = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
         if rows:
             _centred_kernel[(blocks, batch)](points, ok, scale, centre, unit, scaled, centred, half, residuals, norms,
-                                             reach, rows, dim, blocks, NORMS=name == "ref", HALVES=halves,
+                                             reach, rows, dim, blocks, REF=name == "ref", HALVES=halves,
                                              BLOCK_R=block, DP=padded, num_warps=4)
         out[name[0]], out[name[0] + "c"] = scaled, centred
         if name == "ref":
             out["r_norms"], out["reach"] = norms, reach.amax(1, keepdim=True).sqrt()
+        else:
+            out["q_norms"] = norms
         if halves and name == "query":
             out["unit"], out["qh"], out["q_lo"] = unit, half, residuals
         elif halves:
