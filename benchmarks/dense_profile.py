@@ -33,7 +33,6 @@ CUDA-event medians after warm-up, all in one process; the profile is of one grap
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 
 import torch
@@ -389,27 +388,23 @@ FUSED_SHAPES = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (8, 4096, 409
 
 def fused_precision(generator) -> None:
     """Graphed dense kNN on the fused lists with the first products in tf32x3 alone or of
-    float16 operands (the rows they leave unproven again in tf32x3), the candidates chunks of
-    two or collected (``dense.COLLECT_CHUNK``), normal and clustered clouds, with the valid
-    rows the first products left unproven and the rows redone (eager calls)."""
+    float16 operands (the rows they leave unproven again in tf32x3), normal and clustered
+    clouds, with the valid rows the float16 products left unproven (eager calls)."""
     certified, again = triton_dense.certified_lists, []
 
     def counting(*args, **kwargs):
-        bound = inspect.signature(certified).bind(*args, **kwargs)
-        if bound.arguments.get("again") and not torch.cuda.is_current_stream_capturing():
-            again.append(int(bound.arguments["unproven"].sum()))
+        if kwargs.get("again", args[17] if len(args) > 17 else False) and not torch.cuda.is_current_stream_capturing():
+            again.append(int(args[15].sum()))
         return certified(*args, **kwargs)
 
     triton_dense.certified_lists = counting
-    default = dense.FUSED_HALF_FIRST_MIN_DIM, dense.COLLECT_CHUNK
-    settings = {"tf32x3 chunks of 2": (2**30, 0), "fp16 first, chunks of 2": (1, 0),
-                "tf32x3 collected": (2**30, default[1]), "fp16 first, collected": (1, default[1])}
+    default = dense.FUSED_HALF_FIRST_MIN_DIM
     for batch, rows, columns, dim, k in FUSED_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         clustered = _clustered(batch, rows, columns, dim, generator)
         cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
-        for name, (dense.FUSED_HALF_FIRST_MIN_DIM, dense.COLLECT_CHUNK) in settings.items():
+        for name, dense.FUSED_HALF_FIRST_MIN_DIM in (("tf32x3", 2**30), ("fp16 first", 1)):
             time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
             on_clusters = median_ms(graphed(lambda: fullgraph.knn(*clustered, k, backend="dense")))
             again.clear()
@@ -419,7 +414,7 @@ def fused_precision(generator) -> None:
             cells.append(f"{name} {time:.3f} (clustered {on_clusters:.3f}; unproven first {again}, redone "
                          f"{[f for f, _ in FAILED]})")
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
-    dense.FUSED_HALF_FIRST_MIN_DIM, dense.COLLECT_CHUNK = default
+    dense.FUSED_HALF_FIRST_MIN_DIM = default
     triton_dense.certified_lists = certified
 
 

@@ -428,37 +428,23 @@ def _second_slack(k: int, dim: int) -> int:
     return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
 
 
-# The fused lists' candidates collected (``_fused_lists``): the (k + CHUNK_SLACK + 1)-th least
-# minimum of chunks of COLLECT_CHUNK references bounds each query's candidates (every
-# reference at or under it; about k + CHUNK_SLACK + 1 of them, and up to k = 25 at most
-# COLLECT_CAP, half of them spare), in place of the k + CHUNK_SLACK least chunks of two (twice
-# the members, and a sort of every tile's chunks). 0: chunks of two.
-COLLECT_CHUNK, COLLECT_CAP = 16, 64
-
-
 def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven) -> bool:
-    """Steps 1-3 on the fused lists (up to ``triton_dense.FUSED_MAX_COLUMNS`` references)
-    where one kernel a query measures every candidate, which it writes, in the frames'
-    scale and within ``radius``, with the block's unproven valid rows straight into dists /
-    idx [B, M, k] and unproven [B, M] (``triton_dense.certified_lists``; ~40 small operators
-    finished them: H100 ~0.2 ms of a graphed call). The candidates: the references collected
-    under a bound from coarse chunks (COLLECT_CHUNK), else the members of the k + CHUNK_SLACK
-    least chunks of two. Products of float16 operands first (``_first_precision``), the rows
-    they leave unproven again in TENSOR_CORE_PRECISION (only their tiles multiplied).
-    Returns whether the block was taken (else nothing is written)."""
+    """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
+    a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
+    write the block's lists, in the frames' scale and within ``radius``, and its unproven
+    valid rows straight into dists / idx [B, M, k] and unproven [B, M], where ~40 small
+    operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
+    first (``_first_precision``) and the rows they leave unproven again in
+    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Returns whether
+    they took the block (else nothing is written)."""
     dim, columns = frames.q.shape[-1], frames.r.shape[1]
-    wanted = k + CHUNK_SLACK + 1
-    if (triton_dense.chunk_size(columns, wanted) != triton_dense.FUSED_CHUNK or dists.dtype != torch.float32
-            or dists.shape[0] != frames.q.shape[0]):
-        return False
-    collected = COLLECT_CHUNK and -(-columns // COLLECT_CHUNK) > wanted and triton_dense.ranks_members(
-        COLLECT_CAP, COLLECT_CAP, dim) and COLLECT_CAP <= MEASURED_ALL_MAX and 2 * wanted <= COLLECT_CAP
-    chunk = 1 if collected else triton_dense.FUSED_CHUNK
-    chunks = -(-columns // triton_dense.FUSED_CHUNK)
-    n_chosen = COLLECT_CAP if collected else min(k + CHUNK_SLACK, chunks)
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunks = -(-columns // chunk)
+    n_chosen = min(k + CHUNK_SLACK, chunks)
     members = n_chosen * chunk
     take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
-    if not triton_dense.ranks_members(members, take, dim):
+    if (chunk != triton_dense.FUSED_CHUNK or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]
+            or not triton_dense.ranks_members(members, take, dim)):
         return False
     q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
     on_gpu = q.is_cuda
@@ -466,26 +452,16 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     for precision in dict.fromkeys((first, TENSOR_CORE_PRECISION)):
         if precision == "fp16":
             qh, rh, q_lo, r_lo, twice = frames.halves()
-            (q_op, r_op, twice), error = (qh[:, rows], rh, twice), (q_lo[:, rows], r_lo)
+            operands, error = (qh[:, rows], rh, twice), (q_lo[:, rows], r_lo)
         else:
-            (q_op, r_op, twice), error = (frames.qc[:, rows], frames.rc, None), triton_dense.product_error(precision)
+            operands, error = (frames.qc[:, rows], frames.rc, None), triton_dense.product_error(precision)
         again = precision != first
-        needed = unproven[:, rows] if again else None
-        if collected:
-            keys, bits = triton_dense.least_chunk_keys(q_op, q_norms, r_op, frames.r_norms, wanted, precision, twice,
-                                                       needed, COLLECT_CHUNK)
-            floor = keys[..., wanted - 1]
-            chosen, counts = triton_dense.collect(q_op, q_norms, r_op, frames.r_norms, floor, bits, COLLECT_CAP,
-                                                  precision, twice, needed)
-            position_bits = 0
-        else:
-            keys, bits = triton_dense.least_chunk_keys(q_op, q_norms, r_op, frames.r_norms, min(n_chosen + 1, chunks),
-                                                       precision, twice, needed)
-            chosen, counts, position_bits = keys[..., :n_chosen], None, bits
-            floor = keys[..., n_chosen] if keys.shape[-1] > n_chosen else None
-        triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, chosen, chunk, position_bits, floor, bits, take,
-                                     q_norms, frames.reach, frames.scale, error, radius if on_gpu else math.inf,
-                                     dists, idx, unproven, rows.start, again, counts)
+        keys, position_bits = triton_dense.least_chunk_keys(
+            operands[0], q_norms, operands[1], frames.r_norms, min(n_chosen + 1, chunks), precision, operands[2],
+            unproven[:, rows] if again else None)
+        triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, n_chosen, take, q_norms,
+                                     frames.reach, frames.scale, error, radius if on_gpu else math.inf, dists, idx,
+                                     unproven, rows.start, again)
     if not on_gpu:  # Triton's interpreter: distances in torch's sqrt (``_in_torch_sqrt``)
         scale = frames.scale[..., None]
         d, i = _within(*_in_torch_sqrt(q, frames.r, dists[:, rows] / scale, idx[:, rows]), frames.scale, radius)

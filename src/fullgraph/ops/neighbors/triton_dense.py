@@ -175,10 +175,10 @@ if triton is not None:
         return twice
 
     @triton.jit
-    def _tile_values(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, PRECISION: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """[len(m), len(n)]: ``r_norms - twice q.r`` of the queries m and references n (+inf
-        past ``columns``)."""
+    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
+                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
+        ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
         for start in range(0, dim, BLOCK_K):
@@ -189,14 +189,7 @@ if triton is not None:
                         other=0.0)
             acc += _dot(q, tl.trans(r), PRECISION)
         norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        return norms[None, :] - twice * acc
-
-    @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-        ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
-        approx = _tile_values(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, PRECISION, BLOCK_K)
+        approx = norms[None, :] - twice * acc
         return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
     @triton.jit
@@ -333,11 +326,10 @@ if triton is not None:
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 SUB: tl.constexpr, NEEDED: tl.constexpr):
+                                 NEEDED: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]; SUB products of BLOCK_N references to a sort of their chunks. NEEDED: a
-        tile none of whose queries needed marks stores nothing."""
+        parts, KEYS]. NEEDED: a tile none of whose queries needed marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -351,16 +343,11 @@ if triton is not None:
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
         twice = _twice(twice_ptr, item, PRECISION)
         first = part * share
-        PER: tl.constexpr = BLOCK_N // CHUNK
-        for start in range(first, tl.minimum(first + share, columns), BLOCK_N * SUB):
-            held = tl.full((BLOCK_M, SUB, PER), float("inf"), tl.float32)
-            for s in tl.static_range(SUB):
-                n = start + s * BLOCK_N + tl.arange(0, BLOCK_N)
-                some = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice,
-                                    CHUNK, PRECISION, BLOCK_K)
-                held = tl.where((tl.arange(0, SUB) == s)[None, :, None], some[:, None, :], held)
-            minima = tl.reshape(held, (BLOCK_M, SUB * PER))
-            c = start // CHUNK + tl.arange(0, SUB * PER)
+        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice, CHUNK,
+                                  PRECISION, BLOCK_K)
+            c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
@@ -382,41 +369,6 @@ if triton is not None:
                                 mask=inside, other=_SHORT_KEY_NONE)
             best = _merge_sorted(best, backwards, LOG_KEYS)
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
-
-    @triton.jit
-    def _collect_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, bound_ptr, counts_ptr, out_ptr,
-                        rows, columns, dim, share, bound_stride, CAP: tl.constexpr, PRECISION: tl.constexpr,
-                        POSITION_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
-        """Per query of the tile, every reference of [part * share, (part + 1) * share) whose
-        value + |q|^2 (``_tile_values``), its ``_short_keys`` bits, is at most the query's
-        bound (a ``_short_keys`` key, row stride ``bound_stride``): appended (any order) to
-        out [B, M, CAP], counted in counts [B, M] (zeroed before; past CAP counted, not
-        stored). NEEDED: a tile none of whose queries needed marks does nothing."""
-        item = tl.program_id(2).to(tl.int64)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                return
-        query = item * rows + m
-        q_norms = tl.load(q_norms_ptr + query, mask=m < rows, other=0.0)
-        bound = tl.load(bound_ptr + query * bound_stride, mask=m < rows, other=0) & -(1 << POSITION_BITS)
-        twice = _twice(twice_ptr, item, PRECISION)
-        first = tl.program_id(1) * share
-        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            values = _tile_values(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
-                                  m, n, rows, columns, dim, twice, PRECISION, BLOCK_K) + q_norms[:, None]
-            hit = ((_ordered_bits(values) & -(1 << POSITION_BITS)) <= bound[:, None]) & (n < columns)[None, :]
-            hit = hit & (m < rows)[:, None]
-            # one atomic a row for the tile's place, its hits' order within it by a prefix sum
-            # (an atomic a hit on the products' layout failed to compile, Triton 3.9)
-            inc = hit.to(tl.int32)
-            total = tl.sum(inc, 1)
-            base = tl.atomic_add(counts_ptr + query, total, mask=total > 0, sem="relaxed")
-            slot = base[:, None] + tl.cumsum(inc, 1) - inc
-            tl.store(out_ptr + query[:, None] * CAP + slot, n[None, :] + tl.zeros((BLOCK_M, BLOCK_N), tl.int32),
-                     mask=hit & (slot < CAP))
 
     @triton.jit
     def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, needed_ptr, out_ptr, rows, columns, dim,
@@ -586,45 +538,37 @@ if triton is not None:
         tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
-    def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, chosen_ptr, counts_ptr, floor_ptr, q_norms_ptr,
-                                reach_ptr, scale_ptr, q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row,
-                                total_rows, columns, n_chosen, chosen_stride, floor_stride, has_floor, take, count,
-                                error, radius, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
-                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                POSITION_BITS: tl.constexpr, FLOOR_BITS: tl.constexpr, COUNTED: tl.constexpr,
+    def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
+                                q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
+                                n_chosen, n_keys, take, count, error, radius, DIM: tl.constexpr,
+                                LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
                                 HALF: tl.constexpr, NEEDED: tl.constexpr):
         """One query of a block of ``rows`` (row ``first_row`` on of ``total_rows``): the
-        members of its n_chosen chosen chunks (``_member_refs``; COUNTED: references, the
-        first min(counts[row], n_chosen), none where more were collected) measured
+        members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
         (``_measured_members``), the certificate of ``dense.py`` (the floor under every
-        reference not chosen from the floor key of FLOOR_BITS, where ``has_floor``; the
-        products' ``error`` per unit of |q| R; the last first measure) and the ``count``
-        nearest, times the item's scale, within ``radius``, stored into the lists [B,
-        total_rows, count] with the row's flag unproven (valid queries only; an invalid one's
-        list stays empty). HALF: products of float16 operands (``half_operands``), whose
-        error is bounded per query by the norms left out, q_lo [B, m] and r_lo [B, 1]
-        (``dense._products``). NEEDED: only the rows flagged unproven already are done."""
+        unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
+        last first measure) and the ``count`` nearest, times the item's scale, within
+        ``radius``, stored into the lists [B, total_rows, count] with the row's flag
+        unproven (valid queries only; an invalid one's list stays empty). HALF: products of
+        float16 operands (``half_operands``), whose error is bounded per query by the norms
+        left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
+        flagged unproven already are done."""
         row = tl.program_id(0).to(tl.int64)
         item = row // rows
         out_row = item * total_rows + first_row + row % rows
         if NEEDED:
             if tl.load(out_unproven + out_row) == 0:
                 return
-        if COUNTED:
-            found = tl.load(counts_ptr + row)
-            chosen = tl.minimum(found, n_chosen)
-        else:
-            found = n_chosen
-            chosen = n_chosen
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
-                                       chosen_ptr + row * chosen_stride, columns, chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
+                                       keys_ptr + row * n_keys, columns, n_chosen, take, DIM, LOG_DP, CHUNK, WP,
+                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
         q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
         reach = tl.load(reach_ptr + item)
-        # Every reference not chosen has a product value v with v + |q|^2 at least the floor
-        # key's sum rounded down (to 32 - FLOOR_BITS bits), less 2^-23 of it (see
-        # dense._chosen_chunks), then dense.beyond_expansion.
-        top = tl.load(floor_ptr + row * floor_stride, mask=has_floor != 0, other=0) & -(1 << FLOOR_BITS)
+        # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
+        # the next key's sum rounded down (to 32 - POSITION_BITS bits), less 2^-23 of it
+        # (see dense._chosen_chunks), then dense.beyond_expansion.
+        top = tl.load(keys_ptr + row * n_keys + n_chosen, mask=n_keys > n_chosen, other=0) & -(1 << POSITION_BITS)
         least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
         if HALF:
             q_lo = tl.load(q_lo_ptr + row)
@@ -633,8 +577,7 @@ if triton is not None:
             bound = error * q_abs * reach
         least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
         beyond = (least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach)) * (1 - 2 * (DIM + 2) * 2.0**-24)
-        limit = tl.minimum(tl.where(has_floor != 0, beyond, float("inf")), last * (1 - 4 * (DIM + 2) * 2.0**-24))
-        limit = tl.where(found > n_chosen, -float("inf"), limit)  # (more collected than held: not proven)
+        limit = tl.minimum(tl.where(n_keys > n_chosen, beyond, float("inf")), last * (1 - 4 * (DIM + 2) * 2.0**-24))
         at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
         d = tl.where(hit, _key_values(keys), float("inf"))
@@ -961,73 +904,41 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
-                     precision: str, twice: torch.Tensor | None = None, needed: torch.Tensor | None = None,
-                     chunk: int = FUSED_CHUNK) -> tuple[torch.Tensor, int]:
-    """The fused path of ``least_chunks`` (``count`` <= FUSED_MAX_KEYS; chunks of FUSED_CHUNK,
-    or ``chunk``) before decoding: the ``_short_keys`` [B, M, count] (int32, ascending) and
-    their position bits (the chunk: key & (2^bits - 1); the sum, rounded down: the rest).
-    ``needed`` [B, M] (bool): only tiles of queries holding a needed one are multiplied (the
-    others' keys are unspecified)."""
+                     precision: str, twice: torch.Tensor | None = None, needed: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, int]:
+    """The fused path of ``least_chunks`` (chunks of FUSED_CHUNK, ``count`` <= FUSED_MAX_KEYS)
+    before decoding: the ``_short_keys`` [B, M, count] (int32, ascending) and their position
+    bits (the chunk: key & (2^bits - 1); the sum, rounded down: the rest). ``needed`` [B, M]
+    (bool): only tiles of queries holding a needed one are multiplied (the others' keys are
+    unspecified)."""
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     twice = _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
     columns = r.shape[1]
     keys = _list_width(count)
-    block_n = max(FUSED_BLOCK_N, keys * chunk)  # (a sort holds at least a list of chunks)
+    block_n = max(FUSED_BLOCK_N, keys * FUSED_CHUNK)
     parts = _shares(batch, rows, columns, block_n, q.device)
     share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
     parts = triton.cdiv(columns, share)
     lists = torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
     out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
-    chunks = triton.cdiv(columns, chunk)
+    chunks = triton.cdiv(columns, FUSED_CHUNK)
     position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
-        _chunk_candidates_kernel[(triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)](
-            q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, lists, rows,
-            columns, dim, chunks, share, parts, CHUNK=chunk, PRECISION=precision, KEYS=keys,
-            LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // chunk).bit_length() - 1,
-            POSITION_BITS=position_bits, BLOCK_M=FUSED_BLOCK_M, BLOCK_N=FUSED_BLOCK_N,
-            BLOCK_K=16 if dim <= 16 else 32, SUB=block_n // FUSED_BLOCK_N, NEEDED=needed is not None,
-            num_warps=FUSED_NUM_WARPS)
+        grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
+        block_k = 16 if dim <= 16 else 32
+        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, twice,
+                                       needed.contiguous() if needed is not None else r_norms, lists, rows, columns, dim, chunks, share, parts, CHUNK=FUSED_CHUNK,
+                                       PRECISION=precision, KEYS=keys, NEEDED=needed is not None,
+                                       LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1,
+                                       POSITION_BITS=position_bits,
+                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                                       num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
             num_warps=4)
     return out, position_bits
-
-
-def _rows_view(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """x [B, M] or [B, M, C] as the kernels index it (row b * M + m at that times
-    x.stride(1), C contiguous): itself where it is such a view, else a contiguous copy."""
-    if (x.dim() == 2 or x.stride(-1) == 1) and x.stride(0) == rows * x.stride(1):
-        return x
-    return x.contiguous()
-
-
-def collect(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, bound: torch.Tensor,
-            position_bits: int, cap: int, precision: str, twice: torch.Tensor | None = None,
-            needed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Operands as ``least_chunk_keys``'; bound [B, M] (a view of int32 ``_short_keys`` of
-    ``position_bits``) -> per query the references whose ``r_norms - 2 q.r + |q|^2`` (its
-    short key's bits) is at most the bound's: positions [B, M, cap] (int32, in no order; the
-    first min(count, cap) hold them) and their count [B, M] (int32, beyond cap where more
-    were). ``needed``: as ``least_chunk_keys``' (other rows unspecified)."""
-    q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
-    twice = _factors(precision, twice, r_norms)
-    batch, rows, dim = q.shape
-    columns = r.shape[1]
-    bound = _rows_view(bound, rows)
-    counts = torch.zeros((batch, rows), dtype=torch.int32, device=q.device)
-    out = torch.empty((batch, rows, cap), dtype=torch.int32, device=q.device)
-    if counts.numel() and columns:
-        parts = _shares(batch, rows, columns, FUSED_BLOCK_N, q.device)
-        share = triton.cdiv(triton.cdiv(columns, parts), FUSED_BLOCK_N) * FUSED_BLOCK_N
-        _collect_kernel[(triton.cdiv(rows, FUSED_BLOCK_M), triton.cdiv(columns, share), batch)](
-            q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, bound, counts, out,
-            rows, columns, dim, share, bound.stride(1), CAP=cap, PRECISION=precision, POSITION_BITS=position_bits,
-            BLOCK_M=FUSED_BLOCK_M, BLOCK_N=FUSED_BLOCK_N, BLOCK_K=16 if dim <= 16 else 32,
-            NEEDED=needed is not None, num_warps=FUSED_NUM_WARPS)
-    return out, counts
 
 
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
@@ -1174,41 +1085,33 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
 
 
 def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, query_ok: torch.Tensor,
-                    chosen: torch.Tensor, chunk: int, position_bits: int, floor: torch.Tensor | None,
-                    floor_bits: int, take: int, q_norms: torch.Tensor, reach: torch.Tensor, scale: torch.Tensor,
-                    error: float | tuple[torch.Tensor, torch.Tensor], radius: float, dists: torch.Tensor,
-                    idx: torch.Tensor, unproven: torch.Tensor, first_row: int = 0, again: bool = False,
-                    counts: torch.Tensor | None = None) -> None:
-    """Lists finished in one kernel a query: q [B, m, D] (a block of queries, rows
+                    keys: torch.Tensor, position_bits: int, n_chosen: int, take: int, q_norms: torch.Tensor,
+                    reach: torch.Tensor, scale: torch.Tensor, error: float | tuple[torch.Tensor, torch.Tensor],
+                    radius: float, dists: torch.Tensor, idx: torch.Tensor, unproven: torch.Tensor,
+                    first_row: int = 0, again: bool = False) -> None:
+    """The fused lists finished in one kernel a query: q [B, m, D] (a block of queries, rows
     ``first_row`` on), r [B, N, D] (float32, the frames' scaled clouds), ref_ok [B, N],
-    query_ok [B, M] bool; the block's chosen chunks of ``chunk`` references [B, m, C]
-    (``least_chunk_keys`` with ``position_bits`` > 0; references from ``collect`` with
-    chunk 1, position_bits 0 and their ``counts`` [B, m]), every member measured
-    (``nearest_members``, ``take`` re-measured); floor [B, m] (int32 ``_short_keys`` of
-    ``floor_bits``, a view; None: every reference chosen): at or below the value + |q|^2 of
-    every reference not chosen; q_norms [B, m] (|qc|^2 of the centred queries), the
-    references' reach [B, 1] and ``scale`` [B, 1], the products' ``error``
+    query_ok [B, M] bool, the block's ``least_chunk_keys`` [B, m, n_keys] of chunks of
+    FUSED_CHUNK and their ``position_bits``, of which the first ``n_chosen`` are measured
+    (``nearest_members``, ``take`` re-measured), q_norms [B, m] (|qc|^2 of the centred
+    queries), the references' reach [B, 1] and ``scale`` [B, 1], the products' ``error``
     (``product_error``; for float16 operands the norms they left out, q_lo [B, m] and r_lo
     [B, 1]) -> into dists / idx [B, M, k] (float32, int64; columns past the members keep what
     they held) the k nearest, times the scale, within ``radius``, and into unproven [B, M]
     (bool) the valid queries the certificate of ``dense.py`` leaves unproven (``again``: only
     the rows unproven already are done). No host read; nothing but these outputs is written."""
     batch, rows, dim = q.shape
+    n_keys, count = keys.shape[-1], dists.shape[-1]
     if batch * rows == 0:
         return
     half = not isinstance(error, float)
     q_lo, r_lo = (t.contiguous() for t in error) if half else (q_norms, q_norms)
-    chosen, floor = _rows_view(chosen, rows), None if floor is None else _rows_view(floor, rows)
-    n_chosen = chosen.shape[-1]
     _certified_lists_kernel[(batch * rows,)](
         q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8), query_ok.contiguous().view(torch.uint8),
-        chosen, counts if counts is not None else chosen, floor if floor is not None else chosen,
-        q_norms.contiguous(), reach.contiguous(), scale.contiguous(), q_lo, r_lo, dists, idx,
-        unproven.view(torch.int8), rows, first_row, dists.shape[1], r.shape[1], n_chosen, chosen.stride(1),
-        floor.stride(1) if floor is not None else 0, int(floor is not None), take, dists.shape[-1],
-        0.0 if half else error, radius, CHUNK=chunk, POSITION_BITS=position_bits, FLOOR_BITS=floor_bits,
-        COUNTED=counts is not None, HALF=half, NEEDED=again,
-        **_members_settings(n_chosen * chunk, take, dim))
+        keys.contiguous(), q_norms.contiguous(), reach.contiguous(), scale.contiguous(), q_lo, r_lo, dists, idx,
+        unproven.view(torch.int8), rows, first_row, dists.shape[1], r.shape[1], n_chosen, n_keys, take, count,
+        0.0 if half else error, radius, CHUNK=FUSED_CHUNK, POSITION_BITS=position_bits, HALF=half, NEEDED=again,
+        **_members_settings(n_chosen * FUSED_CHUNK, take, dim))
 
 
 def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor,
