@@ -418,7 +418,7 @@ if triton is not None:
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
-        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
+        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP, False), mask=c < take)  # (D > 4: halved)
 
     @triton.jit
     def _bit_reversed(LOG_DP: tl.constexpr):
@@ -434,11 +434,12 @@ if triton is not None:
         return reversed_bits
 
     @triton.jit
-    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr):
         """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
         summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
-        one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
-        are launched without contraction into fused multiply-adds."""
+        one after another, else halved LOG_DP times (``pairs.halving_sum``; REVERSED: the
+        coordinates held in ``_bit_reversed`` order, each halving's pairs side by side). Kernels
+        using it are launched without contraction into fused multiply-adds."""
         C: tl.constexpr = r.shape[0]
         DP: tl.constexpr = r.shape[1]
         diff = q[None, :] - r
@@ -448,6 +449,10 @@ if triton is not None:
             total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
             for c in tl.static_range(1, DIM):
                 total += tl.sum(tl.where(d == c, x, 0.0), 1)
+        elif REVERSED:
+            for level in tl.static_range(LOG_DP):
+                x = tl.sum(tl.reshape(x, (C, DP >> (level + 1), 2)), 2)
+            total = tl.reshape(x, (C,))
         else:
             for level in tl.static_range(LOG_DP):
                 x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
@@ -476,10 +481,12 @@ if triton is not None:
     @triton.jit
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
                           LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
+                          REVERSED: tl.constexpr):
         """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
         summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic -> their (distance, index) keys, ascending [SEL or WP] (none:
+        reference's arithmetic (REVERSED, beyond PER_COORDINATE_MAX_DIM: coordinates loaded
+        ``_bit_reversed``) -> their (distance, index) keys, ascending [SEL or WP] (none:
         ``_KEY_NONE``), and the take-th least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
@@ -500,7 +507,11 @@ if triton is not None:
         else:
             last = tl.full((), float("inf"), tl.float32)
             slot = j
-        dp = tl.arange(0, 1 << LOG_DP)
+        HALVED: tl.constexpr = REVERSED and DIM > _PER_COORDINATE
+        if HALVED:
+            dp = _bit_reversed(LOG_DP)
+        else:
+            dp = tl.arange(0, 1 << LOG_DP)
         q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
@@ -509,7 +520,7 @@ if triton is not None:
                                       POSITION_BITS)
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
                         other=0.0)
-            d2 = _reference_squares(q, r, DIM, LOG_DP)
+            d2 = _reference_squares(q, r, DIM, LOG_DP, HALVED)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
             keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
@@ -519,7 +530,7 @@ if triton is not None:
     def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                                 n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
                                 WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                NEEDED: tl.constexpr):
+                                REVERSED: tl.constexpr, NEEDED: tl.constexpr):
         """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
         ``count`` nearest stored by (distance, index), and the take-th least first measure
         -> out_last."""
@@ -530,7 +541,7 @@ if triton is not None:
         item = row // rows
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, 0)
+                                       WP, SEL, BLOCK_K, BLOCK_C, 0, REVERSED)
         tl.store(out_last + row, last)
         at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
@@ -543,7 +554,7 @@ if triton is not None:
                                 n_chosen, n_keys, take, count, error, radius, DIM: tl.constexpr,
                                 LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                HALF: tl.constexpr, NEEDED: tl.constexpr):
+                                REVERSED: tl.constexpr, HALF: tl.constexpr, NEEDED: tl.constexpr):
         """One query of a block of ``rows`` (row ``first_row`` on of ``total_rows``): the
         members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
         (``_measured_members``), the certificate of ``dense.py`` (the floor under every
@@ -562,7 +573,7 @@ if triton is not None:
                 return
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        keys_ptr + row * n_keys, columns, n_chosen, take, DIM, LOG_DP, CHUNK, WP,
-                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
+                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS, REVERSED)
         q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
         reach = tl.load(reach_ptr + item)
         # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
@@ -927,13 +938,12 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
-        _chunk_candidates_kernel[grid](q, q_norms, r, r_norms, twice,
-                                       needed.contiguous() if needed is not None else r_norms, lists, rows, columns, dim, chunks, share, parts, CHUNK=FUSED_CHUNK,
-                                       PRECISION=precision, KEYS=keys, NEEDED=needed is not None,
-                                       LOG_KEYS=keys.bit_length() - 1, LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1,
-                                       POSITION_BITS=position_bits,
-                                       BLOCK_M=FUSED_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-                                       num_warps=FUSED_NUM_WARPS)
+        _chunk_candidates_kernel[grid](
+            q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, lists, rows,
+            columns, dim, chunks, share, parts, CHUNK=FUSED_CHUNK, PRECISION=precision, KEYS=keys,
+            NEEDED=needed is not None, LOG_KEYS=keys.bit_length() - 1,
+            LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1, POSITION_BITS=position_bits, BLOCK_M=FUSED_BLOCK_M,
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=FUSED_NUM_WARPS)
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
@@ -1003,7 +1013,8 @@ def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int, 
         padded = triton.next_power_of_2(dim)
         block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
         _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M), batch)](
-            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), needed if needed is not None else ref_ok,
+            q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8),
+            needed if needed is not None else ref_ok,
             scale.contiguous() if scale is not None else q, dists, idx, rows, columns, radius, DIM=dim, DP=padded,
             LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
             BLOCK_N=block_n, SORT_FROM=sort_from, NEEDED=needed is not None, SCALED=scale is not None,
@@ -1038,6 +1049,8 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
 # warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
+# ... whose re-measure loads coordinates bit-reversed (``_bit_reversed``: as the brute force).
+MEMBERS_BIT_REVERSED = True
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -1053,7 +1066,7 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
+    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected, REVERSED=MEMBERS_BIT_REVERSED,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=max(1, min(selected, tile // padded)),
                 num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
 
@@ -1078,7 +1091,7 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     last = torch.empty((batch, rows), dtype=torch.float32, device=q.device)
     if dists.numel():
         _nearest_members_kernel[(batch * rows,)](
-            q.contiguous(), r.contiguous(), ref_ok.to(torch.uint8), chosen.contiguous(),
+            q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8), chosen.contiguous(),
             needed if needed is not None else ref_ok, dists, idx, last, rows, r.shape[1], n_chosen, take, count,
             CHUNK=chunk, NEEDED=needed is not None, **_members_settings(n_chosen * chunk, take, dim))
     return dists, idx, last
@@ -1123,9 +1136,9 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     centred on the mean valid reference and zero on invalid rows (``qc``, ``rc``), the
     squared norms of the centred rows ``q_norms`` [B, M] and ``r_norms`` [B, N] (+inf where
     invalid), the references' ``reach`` [B, 1] (the largest valid norm) and ``largest`` [B],
-    the largest |coordinate| of both clouds over the scale. With ``halves``, ``half_operands`` of both centred clouds too: ``unit`` [B],
-    ``qh``, ``rh`` (float16), the norms of what they left out, per query ``q_lo`` [B, M] and
-    the largest per item ``r_lo`` [B, 1]."""
+    the largest |coordinate| of both clouds over the scale. With ``halves``, ``half_operands``
+    of both centred clouds too: ``unit`` [B], ``qh``, ``rh`` (float16), the norms of what they
+    left out, per query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1]."""
     batch, dim = query.shape[0], query.shape[-1]
     padded = triton.next_power_of_2(dim)
     block = max(1, FRAMES_BLOCK // padded)
@@ -1135,8 +1148,9 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
         rows = points.shape[1]
         blocks = max(1, triton.cdiv(rows, block))
         ok = torch.empty((batch, rows), dtype=torch.int8, device=points.device)
-        largest.append(torch.zeros((batch, blocks), dtype=torch.float32, device=points.device))
-        sums = torch.zeros((batch, blocks, dim) if name == "ref" else (1,), dtype=torch.float32, device=points.device)
+        fresh = torch.empty if rows else torch.zeros  # (every block's values are written)
+        largest.append(fresh((batch, blocks), dtype=torch.float32, device=points.device))
+        sums = fresh((batch, blocks, dim) if name == "ref" else (1,), dtype=torch.float32, device=points.device)
         if rows:
             _row_stats_kernel[(blocks, batch)](points, lengths.contiguous(), ok, largest[-1], sums, rows, dim, blocks,
                                                SUMS=name == "ref", BLOCK_R=block, DP=padded, num_warps=4)
@@ -1152,7 +1166,7 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
         half = torch.empty(points.shape if halves else (1,), dtype=torch.float16, device=points.device)
         residuals = torch.empty((batch, rows) if halves else (1,), dtype=torch.float32, device=points.device)
         norms = torch.empty((batch, rows), dtype=torch.float32, device=points.device)
-        reach = torch.zeros((batch, blocks), dtype=torch.float32, device=points.device)
+        reach = (torch.empty if rows else torch.zeros)((batch, blocks), dtype=torch.float32, device=points.device)
         if rows:
             _centred_kernel[(blocks, batch)](points, ok, scale, centre, unit, scaled, centred, half, residuals, norms,
                                              reach, rows, dim, blocks, REF=name == "ref", HALVES=halves,
