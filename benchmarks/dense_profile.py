@@ -4,6 +4,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
 
     python benchmarks/dense_profile.py > dense.log     (needs a CUDA device)
     python benchmarks/dense_profile.py --quick          (dense and cdist + topk only)
+    python benchmarks/dense_profile.py --quick --shapes 8,4096,4096,64,20   (those shapes only)
     python benchmarks/dense_profile.py --sweep          (the fused kernel's tiles, graphed)
     python benchmarks/dense_profile.py --chunks         (the fused lists' chunk size and slack, graphed,
                                                          with the rows failed)
@@ -387,9 +388,9 @@ FUSED_SHAPES = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (8, 4096, 409
 
 def fused_precision(generator) -> None:
     """Graphed dense kNN on the fused lists with the first products in tf32x3 alone or of
-    float16 operands (the rows they leave unproven again in tf32x3), the members' re-measure
-    loading coordinates bit-reversed or in order, normal and clustered clouds, with the valid
-    rows the float16 products left unproven and the rows redone (eager calls)."""
+    float16 operands (the rows they leave unproven again in tf32x3), normal and clustered
+    clouds, with the valid rows the float16 products left unproven and the rows redone (eager
+    calls)."""
     certified, again = triton_dense.certified_lists, []
 
     def counting(*args, **kwargs):
@@ -398,14 +399,13 @@ def fused_precision(generator) -> None:
         return certified(*args, **kwargs)
 
     triton_dense.certified_lists = counting
-    default = dense.FUSED_HALF_FIRST_MIN_DIM, triton_dense.MEMBERS_BIT_REVERSED
-    settings = {"tf32x3": (2**30, True), "fp16 first": (1, True), "fp16 first, members' coordinates in order": (1, False)}
+    default = dense.FUSED_HALF_FIRST_MIN_DIM
     for batch, rows, columns, dim, k in FUSED_SHAPES:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         clustered = _clustered(batch, rows, columns, dim, generator)
         cells = [f"cdist+topk {median_ms(graphed(lambda: torch.topk(torch.cdist(q, r), k, largest=False))):.3f}"]
-        for name, (dense.FUSED_HALF_FIRST_MIN_DIM, triton_dense.MEMBERS_BIT_REVERSED) in settings.items():
+        for name, dense.FUSED_HALF_FIRST_MIN_DIM in (("tf32x3", 2**30), ("fp16 first", 1)):
             time = median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense")))
             on_clusters = median_ms(graphed(lambda: fullgraph.knn(*clustered, k, backend="dense")))
             again.clear()
@@ -415,7 +415,7 @@ def fused_precision(generator) -> None:
             cells.append(f"{name} {time:.3f} (clustered {on_clusters:.3f}; unproven first {again}, redone "
                          f"{[f for f, _ in FAILED]})")
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}:", ", ".join(cells), flush=True)
-    dense.FUSED_HALF_FIRST_MIN_DIM, triton_dense.MEMBERS_BIT_REVERSED = default
+    dense.FUSED_HALF_FIRST_MIN_DIM = default
     triton_dense.certified_lists = certified
 
 
@@ -572,6 +572,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="dense and cdist + topk only")
+    parser.add_argument("--shapes", nargs="+", metavar="B,M,N,D,k", help="the table's shapes (default: SHAPES)")
     for name, _, text in MODES:
         parser.add_argument(f"--{name}", action="store_true", help=text)
     args = parser.parse_args()
@@ -581,7 +582,8 @@ def main() -> None:
     for name, mode, _ in MODES:
         if getattr(args, name.replace("-", "_")):
             return mode(generator)
-    for batch, rows, columns, dim, k in SHAPES:
+    shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes] if args.shapes else SHAPES
+    for batch, rows, columns, dim, k in shapes:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         runs = 10 if rows * columns > 1e8 else 30

@@ -539,6 +539,37 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim, radius", [(16, math.inf), (64, math.inf), (64, 2.5)])
+def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius, monkeypatch, generator):
+    """``_fused_lists`` (every member measured, the certificate, the scale and the radius in one
+    kernel a query; at D = 64 float16 first products and the rows they leave unproven again)
+    flags the rows that the operators' path (``_proven_lists``) flags (within a radius a
+    subset: it certifies the k nearest before the radius drops some, the operators after)
+    and ends in the same lists: ragged items, a NaN query, ties wider than the slack, a far
+    item."""
+    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=40, columns=500))
+    query, ref = torch.stack([query, query * 1e-3 + 1000]), torch.stack([ref, ref * 1e-3 + 1000])
+    tied_query, tied_ref = _tied(generator, rows=10, columns=200, dim=dim)
+    query[0, :10], ref[0, :200] = tied_query, tied_ref
+    query[1, 3] = math.nan
+    query, ref = query.to(device), ref.to(device)
+    lengths = torch.tensor([40, 33], device=device), torch.tensor([500, 321], device=device)
+    failed, redo = [], dense._redo
+    monkeypatch.setattr(dense, "_redo", lambda *args: failed.append(args[9].clone()) or redo(*args))
+    fused = dense.nearest(query, ref, 9, radius, *lengths)
+    monkeypatch.setattr(dense, "_fused_lists", lambda *args: False)
+    operators = dense.nearest(query, ref, 9, radius, *lengths)
+    assert 0 < int(failed[0].sum()) < 40
+    assert torch.equal(failed[0], failed[1]) if radius == math.inf else not (failed[0] & ~failed[1]).any()
+    for got, want in zip(fused, operators):
+        assert torch.equal(got, want)
+    want_dists, want_idx, _ = dense.reference.nearest(query, ref, 9, radius, *lengths)
+    assert torch.equal(fused[1], want_idx) and torch.equal(fused[0], want_dists)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator):
     """The stored minima's first products of float16 operands: rows whose first bound is made useless
     (every third query) are proven by the second products, theirs only: the reference's

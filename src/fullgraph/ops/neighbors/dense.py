@@ -50,15 +50,18 @@ products are three TF32 products (each operand split in two TF32 parts, eps = 2^
 whatever torch.set_float32_matmul_precision says: with one TF32 product (eps ~ 2^-9) the
 certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
-On wide clouds of wide points (the stored minima, D >= HALF_FIRST_MIN_DIM) the products run
-first on both clouds rounded to float16 beforehand (times a power of two per item that
-keeps them in range, ``_Frames.halves``): each product of rounded operands q', r' is exact
-(11 bits by 11), and q.r - q'.r' = q_lo.r + q'.r_lo, at most |q_lo| R + |q'| max |r_lo| by
-Cauchy-Schwarz with the norms of what the rounding left out (``_products``), ~2^-11 of |q| R
-where one TF32 product's input rounding bounds 2^-9. The valid rows that bound leaves
-unproven go through steps 1-3 again in three TF32 products, only the tiles of queries
-holding one multiplied, with more chunks chosen from D = WIDE_SLACK_MIN_DIM
-(``_block_on_tensor_cores``).
+Where one kernel a query measures every member of the fused lists, it also certifies the
+row and writes its list, scaled and within the radius, into the output
+(``triton_dense.certified_lists``, ``_fused_lists``): two kernels a pass. On wide points
+(the stored minima from D = HALF_FIRST_MIN_DIM, the fused lists from
+FUSED_HALF_FIRST_MIN_DIM) the products run first on both clouds rounded to float16
+beforehand (times a power of two per item that keeps them in range, ``_Frames.halves``):
+each product of rounded operands q', r' is exact (11 bits by 11), and q.r - q'.r' =
+q_lo.r + q'.r_lo, at most |q_lo| R + |q'| max |r_lo| by Cauchy-Schwarz with the norms of
+what the rounding left out (``_products``), ~2^-11 of |q| R where one TF32 product's input
+rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps 1-3 again
+in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
+chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
 D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
@@ -108,7 +111,14 @@ TENSOR_CORE_PRECISION = "tf32x3"
 # selection cost more than the products save (8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2
 # 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943).
 HALF_FIRST_MIN_DIM = 64
-# ... and on the fused lists (``_fused_lists``: both passes four kernels in all).
+# ... and on the fused lists (``_fused_lists``: both passes four kernels in all). H100, session
+# 34 run WA (``dense_profile.py --fused-precision``), graphed ms tf32x3 alone / float16 first
+# (clustered clouds; valid rows the float16 products left unproven, normal / clustered):
+# 32 x 1024^2 D=64 k=20 0.434 / 0.424 (0.431 / 0.505; 0 / 99 of 32,768), 8 x 4096^2 D=64
+# 0.888 / 0.667 (0.878 / 1.358; 0 / 29,274), D=128 1.333 / 0.903 (2.156 / 2.850; 0 / 32,301),
+# but 8 x 2048^2 D=32 0.270 / 0.268 (0.269 / 0.393) and 4 x 4096 x 16,384 D=32 k=50 1.590 /
+# 1.738 (2.876 / 3.805): from D = 64, where clustered clouds stay under cdist + topk (3.43,
+# 3.79 ms).
 FUSED_HALF_FIRST_MIN_DIM = 64
 # The products of one block of queries, at most. On CPUs narrow points want blocks near the
 # caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);

@@ -418,7 +418,7 @@ if triton is not None:
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
-        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP, False), mask=c < take)  # (D > 4: halved)
+        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
 
     @triton.jit
     def _bit_reversed(LOG_DP: tl.constexpr):
@@ -434,12 +434,11 @@ if triton is not None:
         return reversed_bits
 
     @triton.jit
-    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr):
+    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
         """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
         summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
-        one after another, else halved LOG_DP times (``pairs.halving_sum``; REVERSED: the
-        coordinates held in ``_bit_reversed`` order, each halving's pairs side by side). Kernels
-        using it are launched without contraction into fused multiply-adds."""
+        one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
+        are launched without contraction into fused multiply-adds."""
         C: tl.constexpr = r.shape[0]
         DP: tl.constexpr = r.shape[1]
         diff = q[None, :] - r
@@ -449,10 +448,6 @@ if triton is not None:
             total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
             for c in tl.static_range(1, DIM):
                 total += tl.sum(tl.where(d == c, x, 0.0), 1)
-        elif REVERSED:
-            for level in tl.static_range(LOG_DP):
-                x = tl.sum(tl.reshape(x, (C, DP >> (level + 1), 2)), 2)
-            total = tl.reshape(x, (C,))
         else:
             for level in tl.static_range(LOG_DP):
                 x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
@@ -481,12 +476,10 @@ if triton is not None:
     @triton.jit
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
                           LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                          REVERSED: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr):
         """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
         summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic (REVERSED, beyond PER_COORDINATE_MAX_DIM: coordinates loaded
-        ``_bit_reversed``) -> their (distance, index) keys, ascending [SEL or WP] (none:
+        reference's arithmetic -> their (distance, index) keys, ascending [SEL or WP] (none:
         ``_KEY_NONE``), and the take-th least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
@@ -507,11 +500,7 @@ if triton is not None:
         else:
             last = tl.full((), float("inf"), tl.float32)
             slot = j
-        HALVED: tl.constexpr = REVERSED and DIM > _PER_COORDINATE
-        if HALVED:
-            dp = _bit_reversed(LOG_DP)
-        else:
-            dp = tl.arange(0, 1 << LOG_DP)
+        dp = tl.arange(0, 1 << LOG_DP)
         q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
@@ -520,7 +509,7 @@ if triton is not None:
                                       POSITION_BITS)
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
                         other=0.0)
-            d2 = _reference_squares(q, r, DIM, LOG_DP, HALVED)
+            d2 = _reference_squares(q, r, DIM, LOG_DP)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
             keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
@@ -530,7 +519,7 @@ if triton is not None:
     def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                                 n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
                                 WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                REVERSED: tl.constexpr, NEEDED: tl.constexpr):
+                                NEEDED: tl.constexpr):
         """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
         ``count`` nearest stored by (distance, index), and the take-th least first measure
         -> out_last."""
@@ -541,7 +530,7 @@ if triton is not None:
         item = row // rows
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, 0, REVERSED)
+                                       WP, SEL, BLOCK_K, BLOCK_C, 0)
         tl.store(out_last + row, last)
         at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
@@ -554,7 +543,7 @@ if triton is not None:
                                 n_chosen, n_keys, take, count, error, radius, DIM: tl.constexpr,
                                 LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                                 BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                REVERSED: tl.constexpr, HALF: tl.constexpr, NEEDED: tl.constexpr):
+                                HALF: tl.constexpr, NEEDED: tl.constexpr):
         """One query of a block of ``rows`` (row ``first_row`` on of ``total_rows``): the
         members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
         (``_measured_members``), the certificate of ``dense.py`` (the floor under every
@@ -573,7 +562,7 @@ if triton is not None:
                 return
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        keys_ptr + row * n_keys, columns, n_chosen, take, DIM, LOG_DP, CHUNK, WP,
-                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS, REVERSED)
+                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
         q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
         reach = tl.load(reach_ptr + item)
         # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
@@ -1049,8 +1038,9 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
 # warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
-# ... whose re-measure loads coordinates bit-reversed (``_bit_reversed``: as the brute force).
-MEMBERS_BIT_REVERSED = True
+# (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
+# slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
+# D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -1066,7 +1056,7 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected, REVERSED=MEMBERS_BIT_REVERSED,
+    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=max(1, min(selected, tile // padded)),
                 num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
 
