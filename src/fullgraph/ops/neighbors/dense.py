@@ -332,6 +332,16 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
+def _operands(frames: _Frames, rows: slice, precision: str):
+    """The products' operands in ``precision`` (the queries ``rows``, a view; the references)
+    and the factor of their products per item [B] (None: 2): "fp16", ``_Frames.halves``;
+    otherwise the centred clouds."""
+    if precision == "fp16":
+        qh, rh, _, _, twice = frames.halves()
+        return qh[:, rows], rh, twice
+    return frames.qc[:, rows], frames.rc, None
+
+
 def _products(frames: _Frames, rows: slice, precision: str, q_abs):
     """The operands of the products in ``precision`` (the queries ``rows``, the references),
     the factor of their products per item [B] (None: 2) and a bound [B, m] on each query's
@@ -341,13 +351,14 @@ def _products(frames: _Frames, rows: slice, precision: str, q_abs):
     (Cauchy-Schwarz on the norms left out; a margin of 2^-10 for their float32 sums).
     Otherwise each product's input rounding, ε |q_d r_d| (``triton_dense.product_error``),
     summed: ε |q| |r|."""
+    q, r, twice = _operands(frames, rows, precision)
     if precision == "fp16":
-        qh, rh, q_lo, r_lo, twice = frames.halves()
+        _, _, q_lo, r_lo, _ = frames.halves()
         q_lo = q_lo[:, rows]
         error = (q_lo * frames.reach + (q_abs + q_lo) * r_lo) * (1 + 2.0**-10)
-        return qh[:, rows].contiguous(), rh, twice, error
-    error = triton_dense.product_error(precision) * q_abs * frames.reach
-    return frames.qc[:, rows].contiguous(), frames.rc, None, error
+    else:
+        error = triton_dense.product_error(precision) * q_abs * frames.reach
+    return q.contiguous(), r, twice, error
 
 
 def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None, slack=CHUNK_SLACK):
@@ -390,7 +401,7 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
     chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed, slack)
     q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
     members = chosen.shape[-1] * chunk
-    take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
+    take = _measured(members, k)
     # Every unmeasured member of a chosen chunk has a first measure >= the last one re-measured.
     shrink = 1 - 4 * (dim + 2) * 2.0**-24
     if triton_dense.ranks_members(members, take, dim):
@@ -406,6 +417,11 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
     if take < members:
         beyond = torch.minimum(beyond, measured[..., -1] * shrink)
     return d, i, beyond
+
+
+def _measured(members: int, k: int) -> int:
+    """Members a query re-measures in the reference's arithmetic (see MEASURED_ALL_MAX)."""
+    return members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
 
 
 def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None, slack=CHUNK_SLACK):
@@ -452,7 +468,7 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     chunks = -(-columns // chunk)
     n_chosen = min(k + CHUNK_SLACK, chunks)
     members = n_chosen * chunk
-    take = members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
+    take = _measured(members, k)
     if (chunk != triton_dense.FUSED_CHUNK or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]
             or not triton_dense.ranks_members(members, take, dim)):
         return False
@@ -460,14 +476,15 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     on_gpu = q.is_cuda
     first = _first_precision(dim, columns, k)
     for precision in dict.fromkeys((first, TENSOR_CORE_PRECISION)):
-        if precision == "fp16":
-            qh, rh, q_lo, r_lo, twice = frames.halves()
-            operands, error = (qh[:, rows], rh, twice), (q_lo[:, rows], r_lo)
+        q_op, r_op, twice = _operands(frames, rows, precision)
+        if precision == "fp16":  # (the kernel bounds the error as ``_products`` does)
+            _, _, q_lo, r_lo, _ = frames.halves()
+            error = (q_lo[:, rows], r_lo)
         else:
-            operands, error = (frames.qc[:, rows], frames.rc, None), triton_dense.product_error(precision)
+            error = triton_dense.product_error(precision)
         again = precision != first
         keys, position_bits = triton_dense.least_chunk_keys(
-            operands[0], q_norms, operands[1], frames.r_norms, min(n_chosen + 1, chunks), precision, operands[2],
+            q_op, q_norms, r_op, frames.r_norms, min(n_chosen + 1, chunks), precision, twice,
             unproven[:, rows] if again else None)
         triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, n_chosen, take, q_norms,
                                      frames.reach, frames.scale, error, radius if on_gpu else math.inf, dists, idx,
