@@ -4,17 +4,19 @@ The squares of float32 differences overflow beyond ~1.8e19 and lose precision be
 Coordinates are divided by a power of two near their magnitude first; that is exact, so a
 scaled distance times the scale equals the unscaled one wherever neither overflows or
 underflows, and the usual range (``SCALE_BELOW`` to ``SCALE_ABOVE``) is not scaled at all.
-The neighbour operators (``neighbors.pairs``, the Triton grid's ``_safe_scale``) and k-means
-use it.
+The neighbour operators (``neighbors.pairs``; in Triton kernels ``kernel_safe_scale``, the
+grid's and the dense frames') and k-means use it.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._triton import tl, triton
+
 Tensor = torch.Tensor
 
-# Magnitudes outside [2^-30, 2^40] are scaled (the Triton grid's _safe_scale repeats these two).
+# Magnitudes outside [2^-30, 2^40] are scaled (``kernel_safe_scale`` repeats these two).
 SCALE_BELOW, SCALE_ABOVE = 2.0**-30, 2.0**40
 
 
@@ -32,3 +34,20 @@ def safe_scale(size: Tensor) -> Tensor:
     extreme = ((size > SCALE_ABOVE) | (size < SCALE_BELOW)) & (size > 0) & torch.isfinite(size)
     _, exponent = torch.frexp(torch.where(extreme, size, 1))  # size = m 2^e, 0.5 <= m < 1
     return torch.where(extreme, torch.ldexp(torch.ones_like(size), exponent - 1), 1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def kernel_power_below(size):
+        """2^floor(log2(size)) of float32 size > 0 (subnormals too), from the exponent bits."""
+        small = size < 1.1754943508222875e-38  # below 2^-126: lifted by 2^64 first (exact)
+        lifted = tl.where(small, size * 18446744073709551616.0, size)
+        power = (lifted.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        return tl.where(small, power * 5.421010862427522e-20, power)
+
+    @triton.jit
+    def kernel_safe_scale(size):
+        """``safe_scale`` in a Triton kernel (float32 size): the same power of two."""
+        extreme = ((size > 1099511627776.0) | (size < 9.313225746154785e-10)) & (size > 0) & (size < float("inf"))
+        return tl.where(extreme, kernel_power_below(tl.where(extreme, size, 1.0)), 1.0)

@@ -703,24 +703,29 @@ def test_halving_sum_adds_in_its_stated_order(width, generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [5, 64])
 def test_frames_in_triton_equal_torchs(dtype, dim, generator):
-    """The GPU frames (four Triton passes) against the torch ones: validity (ragged lengths,
+    """The GPU frames (three Triton kernels) against the torch ones: validity (ragged lengths,
     NaN and inf coordinates, an empty item), the power-of-two scale (coordinates beyond its
-    range), the scaled clouds bit for bit, and the centred clouds, norms and reach to float
+    range, subnormal ones), the scaled clouds bit for bit, and the centred clouds, norms and reach to float
     rounding (the centre's sum runs in another order)."""
     from fullgraph.ops.neighbors import pairs, triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    query = torch.randn(3, 40, dim, generator=generator) * torch.tensor([1.0, 1e15, 1.0])[:, None, None] + 7
-    ref = torch.randn(3, 70, dim, generator=generator) * torch.tensor([1.0, 1e15, 1.0])[:, None, None] + 7
+    # item 3: subnormal coordinates (bfloat16's on GPUs only: Triton's interpreter widens them wrong)
+    tiny = 1e-40 if dtype == torch.float32 or device == "cuda" else 1e-30
+    size = torch.tensor([1.0, 1e15, 1.0, tiny])[:, None, None]
+    shift = torch.tensor([7.0, 7.0, 7.0, 0.0])[:, None, None]
+    query = torch.randn(4, 40, dim, generator=generator) * size + shift
+    ref = torch.randn(4, 70, dim, generator=generator) * size + shift
     query[0, 3, 1], ref[0, 5, 0], ref[2, 9, 2] = math.nan, math.inf, -math.inf
     query, ref = query.to(dtype).to(device), ref.to(dtype).to(device)
-    query_lengths, ref_lengths = torch.tensor([40, 17, 0], device=device), torch.tensor([70, 70, 33], device=device)
+    query_lengths = torch.tensor([40, 17, 0, 40], device=device)
+    ref_lengths = torch.tensor([70, 70, 33, 70], device=device)
     got = triton_dense.frames(query, ref, query_lengths, ref_lengths)
     query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
     want = dense._Frames(query, ref, query_lengths, ref_lengths, torch.float32)
     assert torch.equal(want.query_ok, query_ok) and torch.equal(want.ref_ok, ref_ok)
     assert torch.equal(got["query_ok"], query_ok) and torch.equal(got["ref_ok"], ref_ok)
-    assert torch.equal(got["scale"], want.scale) and want.scale[1].item() > 1
+    assert torch.equal(got["scale"], want.scale) and want.scale[1].item() > 1 and 0 < want.scale[3].item() < 2**-30
     torch.testing.assert_close(got["q"], want.q, rtol=0, atol=0, equal_nan=True)  # NaN rows stay NaN
     torch.testing.assert_close(got["r"], want.r, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(torch.isinf(got["r_norms"]), ~ref_ok)

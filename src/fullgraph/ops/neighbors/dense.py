@@ -7,7 +7,7 @@ of queries, for every batch item at once:
 
 1. both clouds are scaled by the item's power of two (``ops.scaling.safe_scale``) and
    centred on the mean of its valid references (which shrinks the cancellation error
-   below; on GPUs four Triton passes, ``triton_dense.frames``, where torch took two
+   below; on GPUs three Triton kernels, ``triton_dense.frames``, where torch took two
    dozen kernels); approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
 2. the ``k + SLACK`` smallest per query (``select.smallest``: torch.topk on GPUs, a C++

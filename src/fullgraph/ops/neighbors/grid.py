@@ -95,6 +95,8 @@ class SortedPoints:
 
 
 if triton is not None:
+    from ..scaling import kernel_safe_scale
+
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     SHIFT = tl.constexpr(SHIFT_COLUMN)
@@ -102,13 +104,6 @@ if triton is not None:
     # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100;
     # 512 against 64: radius 1M x 1M 5.006-5.038 -> 4.989-4.990 ms, session 30 run SB).
     _FRAME_CHUNK = tl.constexpr(512)
-
-    @triton.jit
-    def _safe_scale(size):
-        """``ops.scaling.safe_scale`` in a kernel: 2^floor(log2(size)) from the exponent bits."""
-        extreme = ((size > 1099511627776.0) | (size < 9.313225746154785e-10)) & (size > 0) & (size < float("inf"))
-        power = (size.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-        return tl.where(extreme & (power > 0), power, 1.0)
 
     @triton.jit
     def _bounds_kernel(ref, ref_lengths, columns, ref_blocks, query, query_lengths, rows, bounds,
@@ -165,7 +160,7 @@ if triton is not None:
             inside = start + chunk < query_blocks
             rows = bounds + (b * (blocks + query_blocks) + blocks + start + chunk) * 8
             largest = tl.maximum(largest, tl.max(tl.load(rows + 3, mask=inside, other=0.0), 0))
-        tl.store(values + b * VALUES + SCALE, _safe_scale(largest))
+        tl.store(values + b * VALUES + SCALE, kernel_safe_scale(largest))
         on = (dims < G) & (dims * 0 + n > 0)  # an item without valid references gets one cell
         low = tl.where(on, low, 0.0)
         extent = tl.minimum(tl.where(on, high - low, 0.0), 1e38)
