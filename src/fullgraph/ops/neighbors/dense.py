@@ -257,7 +257,8 @@ class _Frames:
             self.qh, self.q_lo = triton_dense.half_operands(self.qc, self.unit)
             self.rh, r_lo = triton_dense.half_operands(self.rc, self.unit)
             self.r_lo = r_lo.amax(-1, keepdim=True) if r_lo.numel() else torch.zeros_like(self.reach)
-        return self.qh, self.rh, self.q_lo, self.r_lo, 2 / self.unit**2
+            self.twice = 2 / self.unit**2
+        return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
 
     def items(self, chosen: slice) -> _Frames:
         """The frames of the batch items ``chosen`` (views)."""
@@ -454,6 +455,22 @@ def _second_slack(k: int, dim: int) -> int:
     return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
 
 
+def _fused_takes(columns: int, k: int, dim: int) -> bool:
+    """Whether ``_fused_lists`` takes float32 lists of k on items of ``columns`` references of
+    D = dim: chunks of ``triton_dense.FUSED_CHUNK``, every member measured in one kernel a query."""
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    members = min(k + CHUNK_SLACK, -(-columns // chunk)) * chunk
+    return chunk == triton_dense.FUSED_CHUNK and triton_dense.ranks_members(members, _measured(members, k), dim)
+
+
+def _writes_every_row(query, ref, k) -> bool:
+    """Whether the GPU path writes every row and column of the lists and of the unproven flags
+    itself (the fused lists, k <= N: at least k members a query), so none is filled first."""
+    columns, dim = ref.shape[1], query.shape[-1]
+    return (_on_tensor_cores(query) and not _brute_forced(query, ref, k) and k <= columns
+            and _fused_takes(columns, k, dim))
+
+
 def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven) -> bool:
     """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
     a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
@@ -469,8 +486,7 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     n_chosen = min(k + CHUNK_SLACK, chunks)
     members = n_chosen * chunk
     take = _measured(members, k)
-    if (chunk != triton_dense.FUSED_CHUNK or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]
-            or not triton_dense.ranks_members(members, take, dim)):
+    if not _fused_takes(columns, k, dim) or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]:
         return False
     q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
     on_gpu = q.is_cuda
@@ -523,13 +539,15 @@ def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, 
     without such a row return at once)."""
     batch, rows, _ = query.shape
     take = max(k, min(k + SLACK, REDO_MAX_K))
-    unproven = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
+    whole = _writes_every_row(query, ref, k)  # (only valid rows flagged: nothing to clear first)
+    unproven = (torch.empty if whole else torch.zeros)((batch, rows), dtype=torch.bool, device=query.device)
     width = _width(ref.shape[1], k, query.shape[-1])
     step = max(1, BLOCK_BYTES["cuda"] // (batch * width * frames.q.element_size()))
     for start in range(0, rows, step):
         _block_on_tensor_cores(frames, slice(start, min(start + step, rows)), query_ok, ref_ok, k, radius, dists, idx,
                                unproven)
-    unproven &= query_ok
+    if not whole:
+        unproven &= query_ok
     if _brute_force_redoes(frames, k):
         return _brute_force(frames, ref_ok, k, radius, dists, idx, needed=unproven)
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=unproven,
@@ -696,15 +714,17 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
     batch, rows, _ = query.shape
     acc = pairs.accumulation_dtype(query.dtype)
-    dists = torch.full((batch, rows, k), math.inf, dtype=acc, device=query.device)
-    idx = torch.full((batch, rows, k), -1, dtype=torch.int64, device=query.device)
-    if batch * rows * ref.shape[1] == 0:
-        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=query.device)
+    empty = batch * rows * ref.shape[1] == 0
+    whole = not empty and _writes_every_row(query, ref, k)  # (invalid queries' rows too)
+    shape, device = (batch, rows, k), query.device
+    dists = torch.empty(shape, dtype=acc, device=device) if whole else torch.full(shape, math.inf, dtype=acc,
+                                                                                   device=device)
+    idx = torch.empty(shape, dtype=torch.int64, device=device) if whole else torch.full(shape, -1, device=device)
+    if empty:
+        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=device)
     if _on_tensor_cores(query) and query.shape[-1] <= triton_dense.FRAMES_MAX_DIM:
-        frames = _Frames.of(triton_dense.frames(
-            query, ref, pairs.full_lengths(query_lengths, batch, rows, query.device),
-            pairs.full_lengths(ref_lengths, batch, ref.shape[1], query.device),
-            halves=_first_precision(query.shape[-1], ref.shape[1], k) == "fp16"))
+        frames = _Frames.of(triton_dense.frames(query, ref, query_lengths, ref_lengths,
+                                                halves=_first_precision(query.shape[-1], ref.shape[1], k) == "fp16"))
     else:
         frames = _Frames(query, ref, query_lengths, ref_lengths, acc)
     query_ok, ref_ok = frames.query_ok, frames.ref_ok
@@ -714,8 +734,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
     else:
         _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
-    ok = query_ok[..., None]
-    dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
+    if not whole:
+        ok = query_ok[..., None]
+        dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
     return dists.to(query.dtype), idx, (idx >= 0).sum(-1)
 
 

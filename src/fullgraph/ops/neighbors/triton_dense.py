@@ -323,14 +323,15 @@ if triton is not None:
 
     @triton.jit
     def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows,
-                                 columns, dim, chunks, share, parts,
+                                 columns, dim, chunks, share, parts, width,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
                                  LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                  NEEDED: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
-        over the references [part * share, (part + 1) * share), ascending -> out [B, M,
-        parts, KEYS]. NEEDED: a tile none of whose queries needed marks stores nothing."""
+        over the references [part * share, (part + 1) * share), ascending -> the first
+        ``width`` of them into out [B, M, parts, width]. NEEDED: a tile none of whose queries
+        needed marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -353,8 +354,8 @@ if triton is not None:
                             _SHORT_KEY_NONE)
             best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
         slots = tl.arange(0, KEYS)
-        tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * KEYS + slots[None, :], best,
-                 mask=m[:, None] < rows)
+        tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * width + slots[None, :], best,
+                 mask=(m[:, None] < rows) & (slots[None, :] < width))
 
     @triton.jit
     def _merge_parts_kernel(lists_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
@@ -643,13 +644,16 @@ if triton is not None:
 
     @triton.jit
     def _cloud_stats(points_ptr, lengths_ptr, ok_ptr, largest_ptr, sums_ptr, counts_ptr, b, program, rows, dim,
-                     share, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+                     share, LENGTHS: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
         """Rows [program * share, (program + 1) * share) of item b of points [B, L, D]: valid
-        (inside its length, every coordinate finite) -> ok [B, L] (int8), the largest
+        (inside its length, LENGTHS: lengths [B], every coordinate finite) -> ok [B, L] (int8), the largest
         |coordinate| of the valid ones -> largest_ptr and (SUMS) their coordinates' sums
         -> sums_ptr [D], their number -> counts_ptr."""
         d = tl.arange(0, DP)
-        length = tl.load(lengths_ptr + b)
+        if LENGTHS:
+            length = tl.load(lengths_ptr + b)
+        else:
+            length = rows
         largest = tl.full((), 0.0, tl.float32)
         total = tl.zeros((DP,), tl.float32)
         count = tl.full((), 0, tl.int32)
@@ -675,7 +679,7 @@ if triton is not None:
     @triton.jit
     def _row_stats_kernel(query_ptr, ref_ptr, q_lengths_ptr, r_lengths_ptr, q_ok_ptr, r_ok_ptr, largest_ptr,
                           sums_ptr, counts_ptr, q_rows, r_rows, dim, q_programs, r_programs, q_share, r_share,
-                          BLOCK_R: tl.constexpr, DP: tl.constexpr):
+                          Q_LENGTHS: tl.constexpr, R_LENGTHS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
         """``_cloud_stats`` of both clouds of item b, the queries' programs first: largest
         [B, q_programs + r_programs], the references' sums [B, r_programs, D] and counts
         [B, r_programs]."""
@@ -684,20 +688,20 @@ if triton is not None:
         out = largest_ptr + b * (q_programs + r_programs) + program
         if program < q_programs:
             _cloud_stats(query_ptr, q_lengths_ptr, q_ok_ptr, out, sums_ptr, counts_ptr, b, program, q_rows, dim,
-                         q_share, False, BLOCK_R, DP)
+                         q_share, Q_LENGTHS, False, BLOCK_R, DP)
         else:
             at = b * r_programs + program - q_programs
             _cloud_stats(ref_ptr, r_lengths_ptr, r_ok_ptr, out, sums_ptr + at * dim, counts_ptr + at, b,
-                         program - q_programs, r_rows, dim, r_share, True, BLOCK_R, DP)
+                         program - q_programs, r_rows, dim, r_share, R_LENGTHS, True, BLOCK_R, DP)
 
     @triton.jit
     def _frame_constants_kernel(largest_ptr, sums_ptr, counts_ptr, scale_ptr, top_ptr, centre_ptr, unit_ptr,
-                                reach_ptr, r_lo_ptr, programs, r_programs, dim, BLOCK_P: tl.constexpr,
+                                twice_ptr, reach_ptr, r_lo_ptr, programs, r_programs, dim, BLOCK_P: tl.constexpr,
                                 DP: tl.constexpr):
         """Item b's constants from ``_row_stats_kernel``'s values: the largest |coordinate|
         of both clouds, its power of two (``scaling.kernel_safe_scale``) -> scale [B] and the
         largest over it -> top [B], the mean valid reference over the scale -> centre [B, D],
-        ``half_unit`` of top -> unit [B]; reach [B] and r_lo [B] zeroed for the maxima of
+        ``half_unit`` of top -> unit [B] and 2 / unit^2 -> twice [B]; reach [B] and r_lo [B] zeroed for the maxima of
         ``_centred_kernel``."""
         b = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, BLOCK_P)
@@ -724,6 +728,7 @@ if triton is not None:
         tl.store(top_ptr + b, largest)
         tl.store(centre_ptr + b * dim + d, centre, mask=d < dim)
         tl.store(unit_ptr + b, unit)
+        tl.store(twice_ptr + b, tl.math.div_rn(2.0, unit * unit))  # (powers of two: exact)
         tl.store(reach_ptr + b, 0.0)
         tl.store(r_lo_ptr + b, 0.0)
 
@@ -1015,8 +1020,9 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
     parts = _shares(batch, rows, columns, block_n, q.device)
     share = triton.cdiv(triton.cdiv(columns, parts), block_n) * block_n
     parts = triton.cdiv(columns, share)
-    lists = torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
     out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
+    # (one share: its lists are the keys, no merge)
+    lists = out if parts == 1 else torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
     chunks = triton.cdiv(columns, FUSED_CHUNK)
     position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
@@ -1024,10 +1030,12 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
         block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](
             q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, lists, rows,
-            columns, dim, chunks, share, parts, CHUNK=FUSED_CHUNK, PRECISION=precision, KEYS=keys,
+            columns, dim, chunks, share, parts, lists.shape[-1], CHUNK=FUSED_CHUNK, PRECISION=precision, KEYS=keys,
             NEEDED=needed is not None, LOG_KEYS=keys.bit_length() - 1,
             LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1, POSITION_BITS=position_bits, BLOCK_M=FUSED_BLOCK_M,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=FUSED_NUM_WARPS)
+        if parts == 1:
+            return out, position_bits
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
             lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
@@ -1220,18 +1228,19 @@ def _frame_shares(rows: int, block: int, batch: int) -> tuple[int, int]:
     return programs, triton.cdiv(blocks, programs) * block
 
 
-def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, ref_lengths: torch.Tensor,
-           halves: bool = False) -> dict:
+def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor | None,
+           ref_lengths: torch.Tensor | None, halves: bool = False) -> dict:
     """The dense backend's frames (``dense._Frames``) in three kernels instead of torch's two
     dozen: query [B, M, D], ref [B, N, D] (float32, float16 or bfloat16, D <= FRAMES_MAX_DIM),
-    lengths [B] int64 -> valid rows (``query_ok``, ``ref_ok``), the item's power-of-two
+    lengths [B] int64 (or None: every row) -> valid rows (``query_ok``, ``ref_ok``), the item's power-of-two
     ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32), centred on the mean
     valid reference and zero on invalid rows (``qc``, ``rc``), the squared norms of the
     centred rows ``q_norms`` [B, M] and ``r_norms`` [B, N] (+inf where invalid), the
     references' ``reach`` [B, 1] (the largest valid norm) and ``largest`` [B], the largest
     |coordinate| of both clouds over the scale. With ``halves``, ``half_operands`` of both
     centred clouds too: ``unit`` [B], ``qh``, ``rh`` (float16), the norms of what they left
-    out, per query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1]."""
+    out, per query ``q_lo`` [B, M] and the largest per item ``r_lo`` [B, 1], and the
+    products' factor ``twice`` [B] (2 / unit^2)."""
     (batch, rows, dim), columns = query.shape, ref.shape[1]
     query, ref = query.contiguous(), ref.contiguous()
     padded = triton.next_power_of_2(dim)
@@ -1243,7 +1252,7 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     largest = torch.empty((batch, q_programs + r_programs), **floats)
     sums = torch.empty((batch, r_programs, dim), **floats)
     counts = torch.empty((batch, r_programs), dtype=torch.int32, device=query.device)
-    scale, top, unit, reach, r_lo = (torch.empty(batch, **floats) for _ in range(5))
+    scale, top, unit, twice, reach, r_lo = (torch.empty(batch, **floats) for _ in range(6))
     centre = torch.empty((batch, dim), **floats)
     q, qc, r, rc = (torch.empty(points.shape, **floats) for points in (query, query, ref, ref))
     qh, rh = (torch.empty(points.shape if halves else (1,), dtype=torch.float16, device=query.device)
@@ -1252,9 +1261,11 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     q_norms, r_norms = torch.empty((batch, rows), **floats), torch.empty((batch, columns), **floats)
     if batch:
         _row_stats_kernel[(q_programs + r_programs, batch)](
-            query, ref, query_lengths.contiguous(), ref_lengths.contiguous(), query_ok, ref_ok, largest, sums, counts,
-            rows, columns, dim, q_programs, r_programs, q_share, r_share, BLOCK_R=block, DP=padded, num_warps=4)
-        _frame_constants_kernel[(batch,)](largest, sums, counts, scale, top, centre, unit, reach, r_lo,
+            query, ref, query if query_lengths is None else query_lengths.contiguous(),
+            ref if ref_lengths is None else ref_lengths.contiguous(), query_ok, ref_ok, largest, sums, counts, rows,
+            columns, dim, q_programs, r_programs, q_share, r_share, Q_LENGTHS=query_lengths is not None,
+            R_LENGTHS=ref_lengths is not None, BLOCK_R=block, DP=padded, num_warps=4)
+        _frame_constants_kernel[(batch,)](largest, sums, counts, scale, top, centre, unit, twice, reach, r_lo,
                                           q_programs + r_programs, r_programs, dim, BLOCK_P=block, DP=padded,
                                           num_warps=4)
         _centred_kernel[(q_programs + r_programs, batch)](
@@ -1264,5 +1275,5 @@ def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor, 
     out = dict(query_ok=query_ok.view(torch.bool), ref_ok=ref_ok.view(torch.bool), scale=scale[:, None],
                largest=top, q=q, r=r, qc=qc, rc=rc, q_norms=q_norms, r_norms=r_norms, reach=reach[:, None])
     if halves:
-        out.update(unit=unit, qh=qh, rh=rh, q_lo=q_lo, r_lo=r_lo[:, None])
+        out.update(unit=unit, qh=qh, rh=rh, q_lo=q_lo, r_lo=r_lo[:, None], twice=twice)
     return out
