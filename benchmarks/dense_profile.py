@@ -25,6 +25,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          float16 operands first, normal and clustered)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
+    python benchmarks/dense_profile.py --members-by-lane (the members re-measured a member a thread or in tiles)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
     python benchmarks/dense_profile.py --wide-smallest  (the stored minima's selection against torch.topk)
 
@@ -481,6 +482,26 @@ def members_all(generator) -> None:
     dense.MEASURED_ALL_MAX = default
 
 
+def members_by_lane(generator) -> None:
+    """Graphed dense kNN with the members re-measured a member a thread
+    (``triton_dense.MEMBERS_BY_LANE``) or in tiles of members by coordinates, twice each."""
+    default = triton_dense.MEMBERS_BY_LANE
+    shapes = SHAPES[:3] + ((16, 256, 256, 64, 20), (4, 4096, 16384, 32, 50), (8, 4096, 4096, 128, 20),
+                           (10000, 100000, 128, 10))
+    for shape in shapes:
+        (batch, rows, columns, dim, k) = shape if len(shape) == 5 else (1, *shape)
+        q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
+        r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
+        times = {True: [], False: []}
+        for by_lane in (True, False, True, False):
+            triton_dense.MEMBERS_BY_LANE = by_lane
+            times[by_lane].append(median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))))
+        print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
+              ", ".join(("a member a thread: " if by_lane else "tiles: ") + " / ".join(f"{t:.3f}" for t in ts)
+                        for by_lane, ts in times.items()), flush=True)
+    triton_dense.MEMBERS_BY_LANE = default
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the minima's kernel on tiles of both clouds.
 TILE_SETTINGS = {
     "fp16": ((128, 256, 32, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
@@ -566,6 +587,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("held-sweep", held_sweep, "the stored minima's held tiles"),
          ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
          ("members-all", members_all, "every member measured exactly or the least by a first measure"),
+         ("members-by-lane", members_by_lane, "the members re-measured a member a thread or in tiles"),
          ("wide-smallest", wide_smallest, "the stored minima's selection against torch.topk"))
 
 

@@ -564,7 +564,7 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
     operators = dense.nearest(query, ref, 9, radius, *lengths)
     assert 0 < int(failed[0].sum()) < 40
     assert torch.equal(failed[0], failed[1]) if radius == math.inf else not (failed[0] & ~failed[1]).any()
-    for got, want in zip(fused, operators):
+    for got, want in zip(fused, operators if radius < math.inf else operators[:2]):  # (kNN: no counts)
         assert torch.equal(got, want)
     want_dists, want_idx, _ = dense.reference.nearest(query, ref, 9, radius, *lengths)
     assert torch.equal(fused[1], want_idx) and torch.equal(fused[0], want_dists)

@@ -28,8 +28,8 @@ reference computes it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1
 When the k-th exact candidate distance squared ``s_i`` is below that, the list is exactly the
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
-On GPUs (float16/bfloat16/float32), small items of few coordinates (``_brute_forced``) skip
-all of this: one kernel measures every pair in the reference's arithmetic and keeps each
+On GPUs (float16/bfloat16/float32), small items of few coordinates outside a CUDA graph
+capture (``_brute_forced``) skip all of this: one kernel measures every pair in the reference's arithmetic and keeps each
 query's k best, exact by construction. Otherwise steps 1-2 never store a block's M x N values: the
 products run on tensor cores (``triton_dense``) and per query only the least value of each
 chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k and up to
@@ -591,14 +591,19 @@ def _on_tensor_cores(query) -> bool:
 # bound by the arithmetic). Eager calls cost ~1-2 ms of host time either way. Session 26 run
 # OL, with the kernel's coordinates loaded bit-reversed (``triton_dense._bit_reversed``):
 # 16 x 256^2 D=64 0.316 / 0.273 (eager 2.12 / 0.99), 4 x 512^2 D=64 0.299 / 0.267, but 2 x
-# 1024^2 D=64 0.326 / 0.412 and 16 x 256^2 D=128 0.360 / 0.512: up to D = 64 now.
+# 1024^2 D=64 0.326 / 0.412 and 16 x 256^2 D=128 0.360 / 0.512: up to D = 64 now. Session 35
+# run XA (the frames in three kernels, fewer launches), eager / graphed ms products / brute
+# force / cdist + topk: 16 x 256^2 D=64 1.347 / 0.062, 0.830 / 0.205, 0.232 / 0.102; D=16
+# 1.434 / 0.041, 0.879 / 0.091; D=128 1.479 / 0.091, 0.680 / 0.442; 64 x 128^2 D=32 1.416 /
+# 0.050, 0.594 / 0.120 (cdist + topk graphed 0.101): graphed the products win everywhere,
+# eager (the host's launches) the brute force, so it takes small items outside a capture only.
 BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 64
 
 
 def _brute_forced(query, ref, k) -> bool:
     rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
-    return (_on_tensor_cores(query) and dim <= BRUTE_FORCE_MAX_DIM and triton_dense.brute_force_takes(dim, k)
-            and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
+    return (_on_tensor_cores(query) and not _capturing(query) and dim <= BRUTE_FORCE_MAX_DIM
+            and triton_dense.brute_force_takes(dim, k) and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
 
 
 def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
@@ -737,7 +742,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if not whole:
         ok = query_ok[..., None]
         dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
-    return dists.to(query.dtype), idx, (idx >= 0).sum(-1)
+    # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
+    counts = (idx >= 0).sum(-1) if radius < math.inf else torch.empty((batch, rows), dtype=torch.int64, device=device)
+    return dists.to(query.dtype), idx, counts
 
 
 class DenseKernels(pairs.Kernels):

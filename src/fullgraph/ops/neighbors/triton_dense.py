@@ -457,6 +457,37 @@ if triton is not None:
         return total
 
     @triton.jit
+    def _lane_tree(q_row, rows, ok, GROUP: tl.constexpr, STEP: tl.constexpr, GROUPS: tl.constexpr,
+                   DIM: tl.constexpr):
+        """[C, 4]: column j the halving sum (``_reference_squares``' order) of the squared
+        differences between q (at q_row) and the rows (pointers [C], ``ok`` [C]) over the
+        coordinates d = 4 g + j, g = GROUP mod STEP: at STEP = GROUPS one group's four,
+        else the classes GROUP and GROUP + STEP mod 2 STEP summed (coordinates 4 STEP apart
+        are a halving's pairs). Each row in one thread, loaded four at a time."""
+        if STEP == GROUPS:
+            d = GROUP * 4 + tl.arange(0, 4)
+            if GROUP * 4 + 4 <= DIM:  # (no mask along the row: 16-byte loads)
+                r = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
+                diff = tl.load(q_row + d)[None, :] - r
+            else:
+                r = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < DIM), other=0.0)
+                diff = tl.load(q_row + d, mask=d < DIM, other=0.0)[None, :] - r
+            total = diff * diff
+        else:
+            total = (_lane_tree(q_row, rows, ok, GROUP, 2 * STEP, GROUPS, DIM)
+                     + _lane_tree(q_row, rows, ok, GROUP + STEP, 2 * STEP, GROUPS, DIM))
+        return total
+
+    @triton.jit
+    def _lane_squares(q_row, rows, ok, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+        """[C]: ``_reference_squares`` of q (at q_row) against the rows at the pointers rows
+        [C] (``ok``: loaded; D > PER_COORDINATE_MAX_DIM), a row a thread: the halvings of
+        coordinates 4 or more apart in ``_lane_tree``, the last two within each thread's
+        four (pairs (j, j + 2), then (0, 1))."""
+        x = _lane_tree(q_row, rows, ok, 0, 1, (1 << LOG_DP) // 4, DIM)
+        return tl.sum(tl.sum(tl.reshape(x, (x.shape[0], 2, 2)), 1), 1)
+
+    @triton.jit
     def _row_of(x, at, WIDTH: tl.constexpr):
         """Row ``at`` of x [R * WIDTH] seen as [R, WIDTH] (integers): [WIDTH]."""
         ROWS: tl.constexpr = x.shape[0] // WIDTH
@@ -478,10 +509,11 @@ if triton is not None:
     @triton.jit
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
                           LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr):
+                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
+                          BY_LANE: tl.constexpr):
         """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
         summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic -> their (distance, index) keys, ascending [SEL or WP] (none:
+        reference's arithmetic (BY_LANE: ``_lane_squares``, BLOCK_C a lane each) -> their (distance, index) keys, ascending [SEL or WP] (none:
         ``_KEY_NONE``), and the take-th least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
@@ -509,9 +541,12 @@ if triton is not None:
         for b in tl.static_range(BLOCKS):
             ref, valid = _member_refs(chosen, ok_base, members, columns, _row_of(slot, b, BLOCK_C), CHUNK,
                                       POSITION_BITS)
-            r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
-                        other=0.0)
-            d2 = _reference_squares(q, r, DIM, LOG_DP)
+            if BY_LANE:
+                d2 = _lane_squares(q_row, r_base + ref * DIM, valid, DIM, LOG_DP)
+            else:
+                r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
+                            other=0.0)
+                d2 = _reference_squares(q, r, DIM, LOG_DP)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
             keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
@@ -521,7 +556,7 @@ if triton is not None:
     def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                                 n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
                                 WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                NEEDED: tl.constexpr):
+                                BY_LANE: tl.constexpr, NEEDED: tl.constexpr):
         """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
         ``count`` nearest stored by (distance, index), and the take-th least first measure
         -> out_last."""
@@ -532,7 +567,7 @@ if triton is not None:
         item = row // rows
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, 0)
+                                       WP, SEL, BLOCK_K, BLOCK_C, 0, BY_LANE)
         tl.store(out_last + row, last)
         at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
@@ -542,11 +577,12 @@ if triton is not None:
     @triton.jit
     def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
                                 q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
-                                n_chosen, n_keys, take, count, error, radius, DIM: tl.constexpr,
+                                n_chosen, n_keys, take, count, error, radius, n_rows, DIM: tl.constexpr,
                                 LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                HALF: tl.constexpr, NEEDED: tl.constexpr):
-        """One query of a block of ``rows`` (row ``first_row`` on of ``total_rows``): the
+                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_LANE: tl.constexpr,
+                                POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+                                NEEDED: tl.constexpr):
+        """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
         members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
         (``_measured_members``), the certificate of ``dense.py`` (the floor under every
         unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
@@ -555,59 +591,78 @@ if triton is not None:
         unproven (valid queries only; an invalid one's list stays empty). HALF: products of
         float16 operands (``half_operands``), whose error is bounded per query by the norms
         left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
-        flagged unproven already are done."""
-        row = tl.program_id(0).to(tl.int64)
-        item = row // rows
-        out_row = item * total_rows + first_row + row % rows
-        if NEEDED:
-            if tl.load(out_unproven + out_row) == 0:
-                return
-        keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
-                                       keys_ptr + row * n_keys, columns, n_chosen, take, DIM, LOG_DP, CHUNK, WP,
-                                       SEL, BLOCK_K, BLOCK_C, POSITION_BITS)
-        q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
-        reach = tl.load(reach_ptr + item)
-        # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
-        # the next key's sum rounded down (to 32 - POSITION_BITS bits), less 2^-23 of it
-        # (see dense._chosen_chunks), then dense.beyond_expansion.
-        top = tl.load(keys_ptr + row * n_keys + n_chosen, mask=n_keys > n_chosen, other=0) & -(1 << POSITION_BITS)
-        least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        if HALF:
-            q_lo = tl.load(q_lo_ptr + row)
-            bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
-        else:
-            bound = error * q_abs * reach
-        least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
-        beyond = (least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach)) * (1 - 2 * (DIM + 2) * 2.0**-24)
-        limit = tl.minimum(tl.where(n_keys > n_chosen, beyond, float("inf")), last * (1 - 4 * (DIM + 2) * 2.0**-24))
-        at = tl.arange(0, keys.shape[0])
-        hit = keys != _KEY_NONE
-        d = tl.where(hit, _key_values(keys), float("inf"))
-        kth = tl.sum(tl.where(at == count - 1, d, 0.0))
-        kth = tl.where(count <= keys.shape[0], kth, float("inf"))
-        valid = tl.load(query_ok_ptr + out_row) != 0
-        proven = (kth * kth < limit) | (limit == float("inf"))
-        tl.store(out_unproven + out_row, (valid & ~proven).to(tl.int8))
-        d = d * tl.load(scale_ptr + item)
-        keep = hit & (d <= radius) & valid
-        tl.store(out_d + out_row * count + at, tl.where(keep, d, float("inf")), mask=at < count)
-        tl.store(out_i + out_row * count + at, tl.where(keep, keys & 0xFFFFFFFF, -1), mask=at < count)
+        flagged unproven already are done (a program of ROWS without one does nothing)."""
+        for i in range(ROWS):
+            row = tl.program_id(0).to(tl.int64) * ROWS + i
+            item = row // rows
+            out_row = item * total_rows + first_row + row % rows
+            go = row < n_rows
+            if NEEDED:
+                go = go & (tl.load(out_unproven + out_row, mask=go, other=0) != 0)
+            if go:
+                keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
+                                               ok_ptr + item * columns, keys_ptr + row * n_keys, columns, n_chosen,
+                                               take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
+                                               BY_LANE)
+                q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
+                reach = tl.load(reach_ptr + item)
+                # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
+                # the next key's sum rounded down (to 32 - POSITION_BITS bits), less 2^-23 of it
+                # (see dense._chosen_chunks), then dense.beyond_expansion.
+                top = tl.load(keys_ptr + row * n_keys + n_chosen, mask=n_keys > n_chosen, other=0)
+                top = top & -(1 << POSITION_BITS)
+                least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+                if HALF:
+                    q_lo = tl.load(q_lo_ptr + row)
+                    bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
+                else:
+                    bound = error * q_abs * reach
+                least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
+                beyond = ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+                          * (1 - 2 * (DIM + 2) * 2.0**-24))
+                limit = tl.minimum(tl.where(n_keys > n_chosen, beyond, float("inf")),
+                                   last * (1 - 4 * (DIM + 2) * 2.0**-24))
+                at = tl.arange(0, keys.shape[0])
+                hit = keys != _KEY_NONE
+                d = tl.where(hit, _key_values(keys), float("inf"))
+                kth = tl.sum(tl.where(at == count - 1, d, 0.0))
+                kth = tl.where(count <= keys.shape[0], kth, float("inf"))
+                valid = tl.load(query_ok_ptr + out_row) != 0
+                proven = (kth * kth < limit) | (limit == float("inf"))
+                tl.store(out_unproven + out_row, (valid & ~proven).to(tl.int8))
+                d = d * tl.load(scale_ptr + item)
+                keep = hit & (d <= radius) & valid
+                tl.store(out_d + out_row * count + at, tl.where(keep, d, float("inf")), mask=at < count)
+                tl.store(out_i + out_row * count + at, tl.where(keep, keys & 0xFFFFFFFF, -1), mask=at < count)
 
     @triton.jit
     def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius,
                             DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
-                            KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                             SORT_FROM: tl.constexpr, NEEDED: tl.constexpr, SCALED: tl.constexpr):
-        """The k nearest valid references of BLOCK_M queries of item b, measured as
-        ``_squared_distances_kernel`` measures (the reference's arithmetic) and kept as
-        (distance, index) keys like the grid search's; launched without contraction. NEEDED:
-        a program none of whose queries needed marks returns at once, and only needed rows
+        """The k nearest valid references of GROUPS blocks of BLOCK_M queries of item b,
+        measured as ``_squared_distances_kernel`` measures (the reference's arithmetic) and
+        kept as (distance, index) keys like the grid search's; launched without contraction.
+        NEEDED: a block none of whose queries needed marks is skipped, and only needed rows
         are stored. SCALED: distances times scale[b], those beyond ``radius`` dropped."""
         b = tl.program_id(1).to(tl.int64)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                return
+        for group in range(GROUPS):
+            first = (tl.program_id(0) * GROUPS + group) * BLOCK_M
+            m = first + tl.arange(0, BLOCK_M)
+            go = first < rows
+            if NEEDED:
+                go = go & (tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) != 0)
+            if go:
+                _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns,
+                                  radius, b, m, DIM, DP, LOG_DP, K, KP, BLOCK_N, SORT_FROM, NEEDED, SCALED)
+
+    @triton.jit
+    def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius, b,
+                          m, DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                          KP: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr, NEEDED: tl.constexpr,
+                          SCALED: tl.constexpr):
+        """``_brute_force_kernel``'s lists of the queries m of item b."""
+        BLOCK_M: tl.constexpr = m.shape[0]
         d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
         q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
                     other=0.0)
@@ -995,11 +1050,12 @@ def _ordered_floats(ordered: torch.Tensor) -> torch.Tensor:
 
 
 def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
-    """Shares of the references: enough programs to fill the device, each share at least
-    8 tiles (Triton's interpreter: one multiprocessor)."""
+    """Shares of the references: as many as the device holds at once more programs (rounded
+    down: a share more than fills it costs its merge), each share at least 8 tiles (Triton's
+    interpreter: one multiprocessor)."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
-    return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
+    return max(1, min(FUSED_PROGRAMS_PER_SM * processors // programs, triton.cdiv(columns, 8 * block_n)))
 
 
 
@@ -1073,6 +1129,10 @@ def measures(q: torch.Tensor) -> bool:
 # the k it keeps in registers, and its tiles (queries, and references per DP / 64).
 BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
 BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
+# Blocks of queries a program walks where only ``needed`` rows are searched (the redo of a
+# capture: nearly always none; 8,192 programs that returned at once took ~8 us, H100 session 35
+# run XA at 32 x 1024^2).
+BRUTE_FORCE_REDO_GROUPS = 8
 
 
 def brute_force_takes(dim: int, k: int) -> bool:
@@ -1104,12 +1164,13 @@ def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int, 
     if dists.numel():
         padded = triton.next_power_of_2(dim)
         block_n = max(1, min(64, BRUTE_FORCE_TILE // (BRUTE_FORCE_BLOCK_M * padded)))
-        _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M), batch)](
+        groups = 1 if needed is None else BRUTE_FORCE_REDO_GROUPS
+        _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M * groups), batch)](
             q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8),
             needed if needed is not None else ref_ok,
             scale.contiguous() if scale is not None else q, dists, idx, rows, columns, radius, DIM=dim, DP=padded,
             LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
-            BLOCK_N=block_n, SORT_FROM=sort_from, NEEDED=needed is not None, SCALED=scale is not None,
+            BLOCK_N=block_n, GROUPS=groups, SORT_FROM=sort_from, NEEDED=needed is not None, SCALED=scale is not None,
             num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)
     return dists, idx
 
@@ -1141,6 +1202,9 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
 # warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
+# The re-measure a member a thread (``_lane_squares``: its coordinates in 16-byte loads, the
+# halving sums in registers) instead of tiles of members by coordinates summed across threads.
+MEMBERS_BY_LANE = True
 # (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
 # slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
 # D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
@@ -1159,8 +1223,10 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
+    by_lane = MEMBERS_BY_LANE and dim > PER_COORDINATE_MAX_DIM
+    block_c = min(selected, 32 * MEMBERS_WARPS) if by_lane else max(1, min(selected, tile // padded))
     return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
-                BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=max(1, min(selected, tile // padded)),
+                BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_LANE=by_lane,
                 num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
 
 
@@ -1190,6 +1256,11 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     return dists, idx, last
 
 
+# Rows a program of the second pass holds (``certified_lists(again=True)``): where none is
+# unproven, 32,768 one-row programs that return at once took ~8 us (H100, session 35 run XA).
+CERTIFIED_AGAIN_ROWS = 8
+
+
 def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, query_ok: torch.Tensor,
                     keys: torch.Tensor, position_bits: int, n_chosen: int, take: int, q_norms: torch.Tensor,
                     reach: torch.Tensor, scale: torch.Tensor, error: float | tuple[torch.Tensor, torch.Tensor],
@@ -1212,11 +1283,13 @@ def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, quer
         return
     half = not isinstance(error, float)
     q_lo, r_lo = (t.contiguous() for t in error) if half else (q_norms, q_norms)
-    _certified_lists_kernel[(batch * rows,)](
+    per_program = CERTIFIED_AGAIN_ROWS if again else 1
+    _certified_lists_kernel[(triton.cdiv(batch * rows, per_program),)](
         q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8), query_ok.contiguous().view(torch.uint8),
         keys.contiguous(), q_norms.contiguous(), reach.contiguous(), scale.contiguous(), q_lo, r_lo, dists, idx,
         unproven.view(torch.int8), rows, first_row, dists.shape[1], r.shape[1], n_chosen, n_keys, take, count,
-        0.0 if half else error, radius, CHUNK=FUSED_CHUNK, POSITION_BITS=position_bits, HALF=half, NEEDED=again,
+        0.0 if half else error, radius, batch * rows, CHUNK=FUSED_CHUNK, POSITION_BITS=position_bits,
+        ROWS=per_program, HALF=half, NEEDED=again,
         **_members_settings(n_chosen * FUSED_CHUNK, take, dim))
 
 
