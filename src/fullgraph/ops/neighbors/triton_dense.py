@@ -301,15 +301,24 @@ if triton is not None:
         return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
 
     @triton.jit
-    def _least_descending(keys, LOG_NEW: tl.constexpr, WIDTH: tl.constexpr):
-        """The WIDTH least keys of each row of keys [R, 2^LOG_NEW] (WIDTH <= 2^LOG_NEW),
-        descending: a bitonic sort, then its last WIDTH."""
-        for stage in tl.static_range(1, LOG_NEW + 1):
+    def _least_descending(keys, LOG_NEW: tl.constexpr, LOG_WIDTH: tl.constexpr):
+        """The 2^LOG_WIDTH least keys of each row of keys [R, 2^LOG_NEW] (LOG_WIDTH <=
+        LOG_NEW), descending: runs of that width sorted, alternately descending and ascending
+        (a bitonic sort's first stages), then while more than one run is left, each pair's
+        elementwise minima (a descending run against an ascending one: its least half, a
+        bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
+        before its least: 47 against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
+        WIDTH: tl.constexpr = 1 << LOG_WIDTH
+        for stage in tl.static_range(1, LOG_WIDTH + 1):
             for step in tl.static_range(stage):
                 keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
-        GROUPS: tl.constexpr = keys.shape[1] // WIDTH
-        x = tl.reshape(keys, (keys.shape[0], GROUPS, WIDTH))
-        return tl.sum(tl.where((tl.arange(0, GROUPS) == GROUPS - 1)[None, :, None], x, 0), 1)
+        for level in tl.static_range(LOG_NEW - LOG_WIDTH):
+            runs: tl.constexpr = keys.shape[1] // (2 * WIDTH)
+            keys = tl.reshape(tl.min(tl.reshape(keys, (keys.shape[0], runs, 2, WIDTH)), 2),
+                              (keys.shape[0], runs * WIDTH))
+            for step in tl.static_range(LOG_WIDTH):
+                keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
+        return keys
 
     @triton.jit
     def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
@@ -352,7 +361,7 @@ if triton is not None:
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
-            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, KEYS), LOG_KEYS)
+            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, LOG_KEYS), LOG_KEYS)
         slots = tl.arange(0, KEYS)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * width + slots[None, :], best,
                  mask=(m[:, None] < rows) & (slots[None, :] < width))
@@ -494,17 +503,17 @@ if triton is not None:
         return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
 
     @triton.jit
-    def _member_refs(chosen, ok, members, columns, slot, CHUNK: tl.constexpr, POSITION_BITS: tl.constexpr):
+    def _member_refs(chosen, members, columns, slot, CHUNK: tl.constexpr, POSITION_BITS: tl.constexpr):
         """The references of a query's member slots (member s: the (s % CHUNK)-th of chunk
         chosen[s // CHUNK]; none past ``members`` or where the chunk is -1; POSITION_BITS > 0:
         chosen holds ``_short_keys``, the chunk in their low bits) and which of them are
-        valid (inside the cloud, ``ok``)."""
+        inside the cloud (their rows may be read; valid where ``ok`` too: read apart, so
+        that the rows' loads wait for one load less)."""
         chunk = tl.load(chosen + slot // CHUNK, mask=slot < members, other=-1)
         if POSITION_BITS > 0:
             chunk = tl.where(slot < members, chunk & ((1 << POSITION_BITS) - 1), -1)
         ref = chunk * CHUNK + slot % CHUNK
-        valid = (chunk >= 0) & (ref < columns)
-        return ref, valid & (tl.load(ok + ref, mask=valid, other=0) != 0)
+        return ref, (chunk >= 0) & (ref < columns)
 
     @triton.jit
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
@@ -513,20 +522,22 @@ if triton is not None:
                           BY_LANE: tl.constexpr):
         """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
         summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic (BY_LANE: ``_lane_squares``, BLOCK_C a lane each) -> their (distance, index) keys, ascending [SEL or WP] (none:
-        ``_KEY_NONE``), and the take-th least first measure (+inf where every member was)."""
+        reference's arithmetic (BY_LANE: ``_lane_squares``, BLOCK_C a lane each) -> their
+        (distance, index) keys, ascending [SEL or WP] (none: ``_KEY_NONE``), and the take-th
+        least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
         j = tl.arange(0, WP)
         if SEL < WP:
-            ref, valid = _member_refs(chosen, ok_base, members, columns, j, CHUNK, POSITION_BITS)
+            ref, inside = _member_refs(chosen, members, columns, j, CHUNK, POSITION_BITS)
             total = tl.zeros((WP,), tl.float32)
             for start in range(0, DIM, BLOCK_K):
                 d = start + tl.arange(0, BLOCK_K)
                 qd = tl.load(q_row + d, mask=d < DIM, other=0.0)
-                rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=valid[:, None] & (d[None, :] < DIM),
+                rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=inside[:, None] & (d[None, :] < DIM),
                              other=0.0)
                 diff = qd[None, :] - rd
                 total += tl.sum(diff * diff, 1)
+            valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
             total = tl.where(valid & (total == total), total, float("inf"))
             first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
             last = _key_values(tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0)))
@@ -539,14 +550,14 @@ if triton is not None:
         BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
         for b in tl.static_range(BLOCKS):
-            ref, valid = _member_refs(chosen, ok_base, members, columns, _row_of(slot, b, BLOCK_C), CHUNK,
-                                      POSITION_BITS)
+            ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
             if BY_LANE:
-                d2 = _lane_squares(q_row, r_base + ref * DIM, valid, DIM, LOG_DP)
+                d2 = _lane_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
             else:
-                r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=valid[:, None] & (dp[None, :] < DIM),
+                r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
                             other=0.0)
                 d2 = _reference_squares(q, r, DIM, LOG_DP)
+            valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
             found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
             found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
             keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
@@ -1050,12 +1061,12 @@ def _ordered_floats(ordered: torch.Tensor) -> torch.Tensor:
 
 
 def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
-    """Shares of the references: as many as the device holds at once more programs (rounded
-    down: a share more than fills it costs its merge), each share at least 8 tiles (Triton's
-    interpreter: one multiprocessor)."""
+    """Shares of the references: enough programs to fill the device, each share at least
+    8 tiles (Triton's interpreter: one multiprocessor). (Rounded down, one share at 8 x 4096^2
+    D=64: 369 us of candidates against 322 and a merge of 18, H100 session 35 run XB.)"""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
-    return max(1, min(FUSED_PROGRAMS_PER_SM * processors // programs, triton.cdiv(columns, 8 * block_n)))
+    return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
 
 
 
@@ -1203,7 +1214,11 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # The re-measure a member a thread (``_lane_squares``: its coordinates in 16-byte loads, the
-# halving sums in registers) instead of tiles of members by coordinates summed across threads.
+# halving sums in registers) instead of tiles of members by coordinates summed across threads:
+# half the instructions (PTX for sm_90, 52 members of D = 64: 1,364 lines against 2,905), but
+# the kernel waits on its loads: H100, session 35 run XB (``dense_profile.py --members-by-lane``),
+# graphed ms a member a thread / tiles: 32 x 1024^2 D=64 k=20 0.284 / 0.286, 8 x 4096^2 0.556 /
+# 0.555, D=128 0.774 / 0.801, 16 x 256^2 0.055 / 0.054, 4 x 4096 x 16,384 D=32 k=50 1.471 / 1.473.
 MEMBERS_BY_LANE = True
 # (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
 # slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
