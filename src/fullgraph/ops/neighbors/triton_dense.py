@@ -313,9 +313,8 @@ if triton is not None:
             for step in tl.static_range(stage):
                 keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         for level in tl.static_range(LOG_NEW - LOG_WIDTH):
-            runs: tl.constexpr = keys.shape[1] // (2 * WIDTH)
-            keys = tl.reshape(tl.min(tl.reshape(keys, (keys.shape[0], runs, 2, WIDTH)), 2),
-                              (keys.shape[0], runs * WIDTH))
+            pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
+            keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
             for step in tl.static_range(LOG_WIDTH):
                 keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
         return keys
