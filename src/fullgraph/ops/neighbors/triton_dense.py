@@ -1218,7 +1218,10 @@ MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # the kernel waits on its loads: H100, session 35 run XB (``dense_profile.py --members-by-lane``),
 # graphed ms a member a thread / tiles: 32 x 1024^2 D=64 k=20 0.284 / 0.286, 8 x 4096^2 0.556 /
 # 0.555, D=128 0.774 / 0.801, 16 x 256^2 0.055 / 0.054, 4 x 4096 x 16,384 D=32 k=50 1.471 / 1.473.
-MEMBERS_BY_LANE = True
+# Up to MEMBERS_BY_LANE_MAX_DIM coordinates: its recursion compiles a function a group of
+# four, slow for wide points (Triton 3.6, sm_90, 52 members: D=128 5.3 s against 3.4 for the
+# tiles, D=300 63.9 against 26.5).
+MEMBERS_BY_LANE, MEMBERS_BY_LANE_MAX_DIM = True, 128
 # (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
 # slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
 # D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
@@ -1237,7 +1240,7 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    by_lane = MEMBERS_BY_LANE and dim > PER_COORDINATE_MAX_DIM
+    by_lane = MEMBERS_BY_LANE and PER_COORDINATE_MAX_DIM < dim <= MEMBERS_BY_LANE_MAX_DIM
     block_c = min(selected, 32 * MEMBERS_WARPS) if by_lane else max(1, min(selected, tile // padded))
     return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_LANE=by_lane,
