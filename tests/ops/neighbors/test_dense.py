@@ -424,6 +424,39 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("shares", [1, 10**6])
+def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, monkeypatch, generator):
+    """``least_chunk_keys(floor=True)``: tiles offer half the list, so chunks may be left out
+    where the nearest crowd into one tile (references ordered along the query's line); the
+    count - 1 keys are chunks' own (their minima plus |q|^2, rounded down, ascending,
+    distinct chunks) and the last lies at or below every chunk they leave out, with one share
+    of the references or many (their floors merged)."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", shares)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.round(torch.randn(2, 70, 5, generator=generator) * 2)
+    r = torch.round(torch.randn(2, 1500, 5, generator=generator) * 2)
+    r[0, :200] = q[0, :1] + torch.arange(200.0)[:, None] * 0.25  # item 0: the nearest in its first tiles
+    r[0, 200:] += 50
+    q, r = q.to(device), r.to(device)
+    norms, q_norms = (r * r).sum(-1), (q * q).sum(-1)
+    count = 27
+    keys, bits = triton_dense.least_chunk_keys(q, q_norms, r, norms, count, "ieee", floor=True)
+    chosen = (keys & ((1 << bits) - 1)).long()
+    values = triton_dense._ordered_floats(keys & -(1 << bits))
+    stored = triton_dense.chunk_minima(q, r, norms, triton_dense.FUSED_CHUNK, "ieee") + q_norms[..., None]
+    mine = stored.gather(2, chosen[..., :-1])
+    assert (values[..., :-1] <= mine).all() and (mine - values[..., :-1] <= mine.abs() * 2.0**-12).all()
+    assert (values[..., 1:-1] >= values[..., :-2]).all()
+    assert all(len(set(row.tolist())) == count - 1 for row in chosen[..., :-1].reshape(-1, count - 1))
+    left_out = stored.scatter(2, chosen[..., :-1], math.inf).amin(-1)
+    assert (values[..., -1] <= left_out).all()
+    exact = torch.sort(stored, dim=-1).values[..., count - 2]
+    assert (mine.amax(-1) > exact)[0].any()  # (item 0's tiles left some of its nearest out)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
 @pytest.mark.parametrize("dim", [16, 64, 128])
 def test_chunk_minima_within_the_products_error(precision, dim, generator):

@@ -478,7 +478,9 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     valid rows straight into dists / idx [B, M, k] and unproven [B, M], where ~40 small
     operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
     first (``_first_precision``) and the rows they leave unproven again in
-    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Returns whether
+    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied); the first pass's
+    tiles offer half the list, the least they drop a floor under the unchosen chunks
+    (``least_chunk_keys(floor=True)``), so a second pass follows it always. Returns whether
     they took the block (else nothing is written)."""
     dim, columns = frames.q.shape[-1], frames.r.shape[1]
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
@@ -491,20 +493,25 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
     on_gpu = q.is_cuda
     first = _first_precision(dim, columns, k)
-    for precision in dict.fromkeys((first, TENSOR_CORE_PRECISION)):
+    # The first pass's tiles offer half the list where a floor key follows the chosen chunks
+    # (``triton_dense.FUSED_TILE_HALF``): its rows left unproven go again with whole lists.
+    halved = triton_dense.FUSED_TILE_HALF and chunks > n_chosen
+    passes = [(first, halved)]
+    if first != TENSOR_CORE_PRECISION or halved:
+        passes.append((TENSOR_CORE_PRECISION, False))
+    for again, (precision, floor) in enumerate(passes):
         q_op, r_op, twice = _operands(frames, rows, precision)
         if precision == "fp16":  # (the kernel bounds the error as ``_products`` does)
             _, _, q_lo, r_lo, _ = frames.halves()
             error = (q_lo[:, rows], r_lo)
         else:
             error = triton_dense.product_error(precision)
-        again = precision != first
         keys, position_bits = triton_dense.least_chunk_keys(
             q_op, q_norms, r_op, frames.r_norms, min(n_chosen + 1, chunks), precision, twice,
-            unproven[:, rows] if again else None)
+            unproven[:, rows] if again else None, floor)
         triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, n_chosen, take, q_norms,
                                      frames.reach, frames.scale, error, radius if on_gpu else math.inf, dists, idx,
-                                     unproven, rows.start, again)
+                                     unproven, rows.start, bool(again))
     if not on_gpu:  # Triton's interpreter: distances in torch's sqrt (``_in_torch_sqrt``)
         scale = frames.scale[..., None]
         d, i = _within(*_in_torch_sqrt(q, frames.r, dists[:, rows] / scale, idx[:, rows]), frames.scale, radius)

@@ -98,6 +98,12 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 2, 
 # distance) 23 (session26/dense-keys-run-OB.log: 4 x 4096 x 16,384 D=32 k=32 / 50 3.06 / 3.14
 # -> 2.38 / 2.45 ms; at 2^16, 1 x 8,192 x 65,536 D=16 k=50 slower, 2.28 -> 4.73).
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
+# Where the list's last key is a floor only (``least_chunk_keys(floor=True)``: the first
+# products of the fused lists), each tile of references offers half the list's keys, the least
+# it drops lowering that floor: a shorter sort a tile. A query whose nearest crowd into one
+# tile (references ordered in space) gets a low floor and goes to the second products, which
+# offer the whole list.
+FUSED_TILE_HALF = True
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -303,21 +309,25 @@ if triton is not None:
     @triton.jit
     def _least_descending(keys, LOG_NEW: tl.constexpr, LOG_WIDTH: tl.constexpr):
         """The 2^LOG_WIDTH least keys of each row of keys [R, 2^LOG_NEW] (LOG_WIDTH <=
-        LOG_NEW), descending: runs of that width sorted, alternately descending and ascending
-        (a bitonic sort's first stages), then while more than one run is left, each pair's
-        elementwise minima (a descending run against an ascending one: its least half, a
-        bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
-        before its least: 47 against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
+        LOG_NEW), descending, and the least of the others [R] (``_SHORT_KEY_NONE``: none):
+        runs of that width sorted, alternately descending and ascending (a bitonic sort's
+        first stages), then while more than one run is left, each pair's elementwise minima
+        (a descending run against an ascending one: its least half, a bitonic sequence)
+        sorted into the next alternating runs. (A whole sort of the row before its least: 47
+        against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
         WIDTH: tl.constexpr = 1 << LOG_WIDTH
+        dropped = tl.full((keys.shape[0],), _SHORT_KEY_NONE, tl.int32)
         for stage in tl.static_range(1, LOG_WIDTH + 1):
             for step in tl.static_range(stage):
                 keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         for level in tl.static_range(LOG_NEW - LOG_WIDTH):
             pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
+            above = tl.reshape(tl.max(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
+            dropped = tl.minimum(dropped, tl.min(above, 1))
             keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
             for step in tl.static_range(LOG_WIDTH):
                 keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
-        return keys
+        return keys, dropped
 
     @triton.jit
     def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
@@ -330,16 +340,19 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows,
-                                 columns, dim, chunks, share, parts, width,
+    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr,
+                                 floors_ptr, rows, columns, dim, chunks, share, parts, width,
                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
-                                 LOG_KEYS: tl.constexpr, LOG_NEW: tl.constexpr, POSITION_BITS: tl.constexpr,
-                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 NEEDED: tl.constexpr):
+                                 LOG_KEYS: tl.constexpr, LOG_KEEP: tl.constexpr, LOG_NEW: tl.constexpr,
+                                 POSITION_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                 BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> the first
-        ``width`` of them into out [B, M, parts, width]. NEEDED: a tile none of whose queries
-        needed marks stores nothing."""
+        ``width`` of them into out [B, M, parts, width]. LOG_KEEP < LOG_KEYS: a tile's
+        2^LOG_KEEP least only enter the list, and the least it leaves out lowers a floor:
+        one share (parts 1) folds it into the list's last key, several store it into floors
+        [B, M, parts] (the merge folds them). NEEDED: a tile none of whose queries needed
+        marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -351,6 +364,7 @@ if triton is not None:
         # keys' bits then resolve the distances themselves.
         q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
         best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
+        floor = tl.full((BLOCK_M,), _SHORT_KEY_NONE, tl.int32)
         twice = _twice(twice_ptr, item, PRECISION)
         first = part * share
         for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
@@ -360,16 +374,29 @@ if triton is not None:
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
-            best = _merge_sorted(best, _least_descending(keys, LOG_NEW, LOG_KEYS), LOG_KEYS)
+            new, dropped = _least_descending(keys, LOG_NEW, LOG_KEEP)
+            if LOG_KEEP < LOG_KEYS:  # (descending: the missing keys first, as none)
+                runs = tl.reshape(new, (BLOCK_M, 1, 1 << LOG_KEEP))
+                last = tl.reshape(tl.arange(0, 1 << (LOG_KEYS - LOG_KEEP)), (1, 1 << (LOG_KEYS - LOG_KEEP), 1))
+                new = tl.reshape(tl.where(last == (1 << (LOG_KEYS - LOG_KEEP)) - 1, runs, _SHORT_KEY_NONE),
+                                 (BLOCK_M, KEYS))
+                floor = tl.minimum(floor, dropped)
+            best = _merge_sorted(best, new, LOG_KEYS)
         slots = tl.arange(0, KEYS)
+        if LOG_KEEP < LOG_KEYS:
+            if parts == 1:
+                best = tl.where(slots[None, :] == width - 1, tl.minimum(best, floor[:, None]), best)
+            else:
+                tl.store(floors_ptr + (item * rows + m) * parts + part, floor, mask=m < rows)
         tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * width + slots[None, :], best,
                  mask=(m[:, None] < rows) & (slots[None, :] < width))
 
     @triton.jit
-    def _merge_parts_kernel(lists_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
-                            LOG_KEYS: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _merge_parts_kernel(lists_ptr, floors_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
+                            LOG_KEYS: tl.constexpr, FLOORS: tl.constexpr, BLOCK_M: tl.constexpr):
         """lists [rows, parts, KEYS] (each ascending) -> out [rows, count]: the least ``count``
-        keys of each row's lists, ascending (a list read backwards is descending)."""
+        keys of each row's lists, ascending (a list read backwards is descending); FLOORS:
+        the last lowered to the least of floors [rows, parts]."""
         m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         slots = tl.arange(0, KEYS)
         inside = m[:, None] < total_rows
@@ -378,6 +405,13 @@ if triton is not None:
             backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
                                 mask=inside, other=_SHORT_KEY_NONE)
             best = _merge_sorted(best, backwards, LOG_KEYS)
+        if FLOORS:
+            floors = tl.load(floors_ptr + m[:, None] * parts + tl.arange(0, 2)[None, :],
+                             mask=inside & (tl.arange(0, 2)[None, :] < parts), other=_SHORT_KEY_NONE)
+            for part in range(2, parts):
+                floors = tl.minimum(floors, tl.load(floors_ptr + m[:, None] * parts + part, mask=inside,
+                                                    other=_SHORT_KEY_NONE))
+            best = tl.where(slots[None, :] == count - 1, tl.minimum(best, tl.min(floors, 1)[:, None]), best)
         tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
     @triton.jit
@@ -1070,13 +1104,16 @@ def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.dev
 
 
 def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
-                     precision: str, twice: torch.Tensor | None = None, needed: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, int]:
+                     precision: str, twice: torch.Tensor | None = None, needed: torch.Tensor | None = None,
+                     floor: bool = False) -> tuple[torch.Tensor, int]:
     """The fused path of ``least_chunks`` (chunks of FUSED_CHUNK, ``count`` <= FUSED_MAX_KEYS)
     before decoding: the ``_short_keys`` [B, M, count] (int32, ascending) and their position
     bits (the chunk: key & (2^bits - 1); the sum, rounded down: the rest). ``needed`` [B, M]
     (bool): only tiles of queries holding a needed one are multiplied (the others' keys are
-    unspecified)."""
+    unspecified). ``floor``: the last key need only be at or below every chunk the others
+    leave out (not itself a chunk's: the caller measures count - 1 chunks, the last bounds
+    the rest), so each tile of references offers only half the list (FUSED_TILE_HALF), the
+    least it drops lowering the last key."""
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     twice = _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
@@ -1089,23 +1126,26 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
     out = torch.empty((batch, rows, count), dtype=torch.int32, device=q.device)
     # (one share: its lists are the keys, no merge)
     lists = out if parts == 1 else torch.empty((batch, rows, parts, keys), dtype=torch.int32, device=q.device)
+    halved = floor and FUSED_TILE_HALF and keys > 1
+    floors = torch.empty((batch, rows, parts) if halved and parts > 1 else (1,), dtype=torch.int32, device=q.device)
     chunks = triton.cdiv(columns, FUSED_CHUNK)
     position_bits = max(1, (chunks - 1).bit_length())
     if out.numel():
         grid = (triton.cdiv(rows, FUSED_BLOCK_M), parts, batch)
         block_k = 16 if dim <= 16 else 32
         _chunk_candidates_kernel[grid](
-            q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, lists, rows,
-            columns, dim, chunks, share, parts, lists.shape[-1], CHUNK=FUSED_CHUNK, PRECISION=precision, KEYS=keys,
-            NEEDED=needed is not None, LOG_KEYS=keys.bit_length() - 1,
+            q, q_norms, r, r_norms, twice, needed.contiguous() if needed is not None else r_norms, lists, floors,
+            rows, columns, dim, chunks, share, parts, lists.shape[-1], CHUNK=FUSED_CHUNK, PRECISION=precision,
+            KEYS=keys, NEEDED=needed is not None, LOG_KEYS=keys.bit_length() - 1,
+            LOG_KEEP=keys.bit_length() - 1 - halved,
             LOG_NEW=(block_n // FUSED_CHUNK).bit_length() - 1, POSITION_BITS=position_bits, BLOCK_M=FUSED_BLOCK_M,
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=FUSED_NUM_WARPS)
         if parts == 1:
             return out, position_bits
         merge_rows = max(1, SORT_KEYS // keys)
         _merge_parts_kernel[(triton.cdiv(batch * rows, merge_rows),)](
-            lists, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, BLOCK_M=merge_rows,
-            num_warps=4)
+            lists, floors, out, batch * rows, parts, count, KEYS=keys, LOG_KEYS=keys.bit_length() - 1, FLOORS=halved,
+            BLOCK_M=merge_rows, num_warps=4)
     return out, position_bits
 
 
