@@ -322,9 +322,12 @@ if triton is not None:
                 keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         for level in tl.static_range(LOG_NEW - LOG_WIDTH):
             pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
-            above = tl.reshape(tl.max(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
+            kept = tl.min(pairs, 2)
+            # (each pair's other key as the sum less the kept one, as ``_compare_swap``: a max
+            # beside the min lost the first half-cleaner's keys on the H100, Triton 3.6)
+            above = tl.reshape(tl.sum(pairs, 2) - kept, (keys.shape[0], keys.shape[1] // 2))
             dropped = tl.minimum(dropped, tl.min(above, 1))
-            keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
+            keys = tl.reshape(kept, (keys.shape[0], keys.shape[1] // 2))
             for step in tl.static_range(LOG_WIDTH):
                 keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
         return keys, dropped
