@@ -575,12 +575,16 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
 @pytest.mark.parametrize("dim, radius", [(16, math.inf), (64, math.inf), (64, 2.5)])
 def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius, monkeypatch, generator):
     """``_fused_lists`` (every member measured, the certificate, the scale and the radius in one
-    kernel a query; at D = 64 float16 first products and the rows they leave unproven again)
+    kernel a query; first products of halved tiles, at D = 64 of float16 operands, and the rows
+    they leave unproven again)
     flags the rows that the operators' path (``_proven_lists``) flags (within a radius a
     subset: it certifies the k nearest before the radius drops some, the operators after)
     and ends in the same lists: ragged items, a NaN query, ties wider than the slack, a far
     item."""
+    from fullgraph.ops.neighbors import triton_dense
+
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF_MIN_COLUMNS", 0)  # (halved tiles first here too)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=40, columns=500))
     query, ref = torch.stack([query, query * 1e-3 + 1000]), torch.stack([ref, ref * 1e-3 + 1000])

@@ -495,7 +495,8 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     first = _first_precision(dim, columns, k)
     # The first pass's tiles offer half the list where a floor key follows the chosen chunks
     # (``triton_dense.FUSED_TILE_HALF``): its rows left unproven go again with whole lists.
-    halved = triton_dense.FUSED_TILE_HALF and chunks > n_chosen
+    halved = (triton_dense.FUSED_TILE_HALF and columns >= triton_dense.FUSED_TILE_HALF_MIN_COLUMNS
+              and chunks > n_chosen)
     passes = [(first, halved)]
     if first != TENSOR_CORE_PRECISION or halved:
         passes.append((TENSOR_CORE_PRECISION, False))

@@ -103,7 +103,10 @@ FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # it drops lowering that floor: a shorter sort a tile. A query whose nearest crowd into one
 # tile (references ordered in space) gets a low floor and goes to the second products, which
 # offer the whole list.
-FUSED_TILE_HALF = True
+# From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer, a tile holds more than
+# half the nearest chunks often (16 x 256^2 D=64 k=20: 0.072 ms graphed against 0.055 with
+# whole lists, H100 session 35 run XF).
+FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
