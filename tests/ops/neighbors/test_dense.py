@@ -434,6 +434,7 @@ def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, m
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", shares)
+    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)  # (off by default until it ran on a GPU)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, 70, 5, generator=generator) * 2)
     r = torch.round(torch.randn(2, 1500, 5, generator=generator) * 2)
@@ -584,7 +585,8 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF_MIN_COLUMNS", 0)  # (halved tiles first here too)
+    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)  # (halved tiles first here too)
+    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF_MIN_COLUMNS", 0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=40, columns=500))
     query, ref = torch.stack([query, query * 1e-3 + 1000]), torch.stack([ref, ref * 1e-3 + 1000])

@@ -478,9 +478,10 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     valid rows straight into dists / idx [B, M, k] and unproven [B, M], where ~40 small
     operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
     first (``_first_precision``) and the rows they leave unproven again in
-    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied); the first pass's
-    tiles offer half the list, the least they drop a floor under the unchosen chunks
-    (``least_chunk_keys(floor=True)``), so a second pass follows it always. Returns whether
+    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Where the first
+    pass's tiles offer half the list (``triton_dense.FUSED_TILE_HALF``; the least they drop a
+    floor under the unchosen chunks, ``least_chunk_keys(floor=True)``), a second pass follows
+    it always. Returns whether
     they took the block (else nothing is written)."""
     dim, columns = frames.q.shape[-1], frames.r.shape[1]
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)

@@ -99,14 +99,17 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 2, 
 # -> 2.38 / 2.45 ms; at 2^16, 1 x 8,192 x 65,536 D=16 k=50 slower, 2.28 -> 4.73).
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # Where the list's last key is a floor only (``least_chunk_keys(floor=True)``: the first
-# products of the fused lists), each tile of references offers half the list's keys, the least
-# it drops lowering that floor: a shorter sort a tile. A query whose nearest crowd into one
-# tile (references ordered in space) gets a low floor and goes to the second products, which
-# offer the whole list.
-# From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer, a tile holds more than
-# half the nearest chunks often (16 x 256^2 D=64 k=20: 0.072 ms graphed against 0.055 with
-# whole lists, H100 session 35 run XF).
-FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
+# products of the fused lists), each tile of references may offer half the list's keys, the
+# least it drops lowering that floor: a shorter sort a tile. A query whose nearest crowd into
+# one tile (references ordered in space) gets a low floor and goes to the second products,
+# which offer the whole list. H100 session 35 run XF, graphed ms: 8 x 4096^2 D=64 k=20 0.501
+# (0.492 in --fused-precision) against 0.527 with whole lists, 32 x 1024^2 0.277 against
+# 0.283; but there the floor came out wrong (the dropped keys' maximum beside the kept ones'
+# minimum lost the first half-cleaner's: the floor test failed on the H100, not in Triton's
+# interpreter). Fixed since (the sum less the minimum), but the fix has not run on a GPU yet:
+# off until it has. From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer a tile
+# often holds more than half the nearest chunks (16 x 256^2: 0.072 against 0.055, run XF).
+FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = False, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
