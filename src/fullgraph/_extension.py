@@ -39,8 +39,13 @@ def missing_tools(with_cuda: bool) -> list[str]:
 
 
 def vector_flags() -> list[str]:
-    """Compiler flags that give ATen's vector types (at::vec) AVX2 on CPUs that have it."""
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+    """Compiler flags that give ATen's vector types (at::vec) and GCC's vector extensions
+    AVX-512 or AVX2 on CPUs that have them (the capability torch dispatches to)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "AVX512":
+        return ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX512",
+                "-DCPU_CAPABILITY_AVX512"]
+    if capability == "AVX2":
         return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
     return []
 
