@@ -29,8 +29,9 @@ When the k-th exact candidate distance squared ``s_i`` is below that, the list i
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), small items of few coordinates outside a CUDA graph
-capture (``_brute_forced``) skip all of this: one kernel measures every pair in the reference's arithmetic and keeps each
-query's k best, exact by construction. Otherwise steps 1-2 never store a block's M x N values: the
+capture (``_brute_forced``) skip all of this: one kernel measures every pair in the
+reference's arithmetic and keeps each query's k best, exact by construction. Otherwise steps
+1-2 never store a block's M x N values: the
 products run on tensor cores (``triton_dense``) and per query only the least value of each
 chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k and up to
 2^14 references, one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers;
