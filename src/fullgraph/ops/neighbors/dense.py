@@ -456,12 +456,20 @@ def _second_slack(k: int, dim: int) -> int:
     return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
 
 
+def _fused_plan(columns: int, k: int) -> tuple[int, int, int, int]:
+    """The fused lists' chunk size, chunks, chunks chosen a query and members re-measured for
+    lists of k on items of ``columns`` references."""
+    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
+    chunks = -(-columns // chunk)
+    n_chosen = min(k + CHUNK_SLACK, chunks)
+    return chunk, chunks, n_chosen, _measured(n_chosen * chunk, k)
+
+
 def _fused_takes(columns: int, k: int, dim: int) -> bool:
     """Whether ``_fused_lists`` takes float32 lists of k on items of ``columns`` references of
     D = dim: chunks of ``triton_dense.FUSED_CHUNK``, every member measured in one kernel a query."""
-    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    members = min(k + CHUNK_SLACK, -(-columns // chunk)) * chunk
-    return chunk == triton_dense.FUSED_CHUNK and triton_dense.ranks_members(members, _measured(members, k), dim)
+    chunk, _, n_chosen, take = _fused_plan(columns, k)
+    return chunk == triton_dense.FUSED_CHUNK and triton_dense.ranks_members(n_chosen * chunk, take, dim)
 
 
 def _writes_every_row(query, ref, k) -> bool:
@@ -485,13 +493,9 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     it always. Returns whether
     they took the block (else nothing is written)."""
     dim, columns = frames.q.shape[-1], frames.r.shape[1]
-    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    chunks = -(-columns // chunk)
-    n_chosen = min(k + CHUNK_SLACK, chunks)
-    members = n_chosen * chunk
-    take = _measured(members, k)
     if not _fused_takes(columns, k, dim) or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]:
         return False
+    _, chunks, n_chosen, take = _fused_plan(columns, k)
     q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
     on_gpu = q.is_cuda
     first = _first_precision(dim, columns, k)
