@@ -27,6 +27,7 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
     python benchmarks/dense_profile.py --members-by-lane (the members re-measured a member a thread or in tiles)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
+    python benchmarks/dense_profile.py --registers      (the members' register cap, the candidates' tiles)
     python benchmarks/dense_profile.py --wide-smallest  (the stored minima's selection against torch.topk)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
@@ -502,6 +503,33 @@ def members_by_lane(generator) -> None:
     triton_dense.MEMBERS_BY_LANE = default
 
 
+# Settings of ``registers``: the members' kernels' register cap, then the candidates' tiles.
+REGISTER_SETTINGS = ({}, {"MEMBERS_MAX_REGISTERS": 128}, {"MEMBERS_MAX_REGISTERS": 96}, {"MEMBERS_MAX_REGISTERS": 80},
+                     {"FUSED_NUM_WARPS": 8}, {"FUSED_BLOCK_M": 32}, {"FUSED_BLOCK_M": 128, "FUSED_NUM_WARPS": 8}, {})
+
+
+def registers(generator) -> None:
+    """Graphed dense kNN by the members' kernels' register cap
+    (``triton_dense.MEMBERS_MAX_REGISTERS``: more programs an SM) and by the candidates' tiles
+    (FUSED_BLOCK_M, FUSED_NUM_WARPS), the defaults first and last."""
+    shapes = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (16, 256, 256, 64, 20), (8, 4096, 4096, 128, 20),
+              (8, 4096, 4096, 16, 10))
+    clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
+               torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in shapes]
+    print("shapes:", "; ".join("B={} M={} N={} D={} k={}".format(*shape) for shape in shapes))
+    for setting in REGISTER_SETTINGS:
+        defaults = {name: getattr(triton_dense, name) for name in setting}
+        for name, value in setting.items():
+            setattr(triton_dense, name, value)
+        try:
+            times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
+            print(setting or "defaults", " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
+        except Exception as error:  # a setting the kernels cannot take: say so, go on
+            print(setting, "failed:", type(error).__name__, str(error)[:300], flush=True)
+        for name, value in defaults.items():
+            setattr(triton_dense, name, value)
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the minima's kernel on tiles of both clouds.
 TILE_SETTINGS = {
     "fp16": ((128, 256, 32, 8, 3), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3),
@@ -588,6 +616,7 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
          ("members-all", members_all, "every member measured exactly or the least by a first measure"),
          ("members-by-lane", members_by_lane, "the members re-measured a member a thread or in tiles"),
+         ("registers", registers, "the members' kernels' register cap, the candidates' tiles"),
          ("wide-smallest", wide_smallest, "the stored minima's selection against torch.topk"))
 
 

@@ -109,7 +109,7 @@ FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # interpreter). Fixed since (the sum less the minimum), but the fix has not run on a GPU yet:
 # off until it has. From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer a tile
 # often holds more than half the nearest chunks (16 x 256^2: 0.072 against 0.055, run XF).
-FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = False, 1024
+FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
 MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
@@ -1271,6 +1271,10 @@ MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # four, slow for wide points (Triton 3.6, sm_90, 52 members: D=128 5.3 s against 3.4 for the
 # tiles, D=300 63.9 against 26.5).
 MEMBERS_BY_LANE, MEMBERS_BY_LANE_MAX_DIM = True, 128
+# Registers a thread of the members' kernels may hold (None: as many as ptxas takes). At
+# D = 64 ptxas takes 164 (52 members, Triton 3.6, sm_90): 12 one-warp programs an SM; 96
+# hold them without spilling: 21.
+MEMBERS_MAX_REGISTERS = None
 # (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
 # slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
 # D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
@@ -1293,7 +1297,7 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     block_c = min(selected, 32 * MEMBERS_WARPS) if by_lane else max(1, min(selected, tile // padded))
     return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_LANE=by_lane,
-                num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
+                num_warps=MEMBERS_WARPS, enable_fp_fusion=False, maxnreg=MEMBERS_MAX_REGISTERS)
 
 
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
