@@ -423,18 +423,72 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     assert (values <= want).all() and (want - values <= want.abs() * 2.0**-kept).all()
 
 
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+    from fullgraph.ops.neighbors.triton_dense import _key_ceiling, _key_floor
+
+    @triton.jit
+    def _key_bounds_kernel(keys_ptr, q_abs_ptr, reach_ptr, bound_ptr, floor_ptr, ceiling_ptr, n, DIM: tl.constexpr,
+                           POSITION_BITS: tl.constexpr, BLOCK: tl.constexpr):
+        """``_key_floor`` and ``_key_ceiling`` of n keys, each with its query's norm, its
+        references' reach and the products' bound."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        keys = tl.load(keys_ptr + i, mask=ok, other=0)
+        q_abs, reach = tl.load(q_abs_ptr + i, mask=ok, other=0.0), tl.load(reach_ptr + i, mask=ok, other=0.0)
+        bound = tl.load(bound_ptr + i, mask=ok, other=0.0)
+        tl.store(floor_ptr + i, _key_floor(keys, bound, q_abs, reach, DIM, POSITION_BITS), mask=ok)
+        tl.store(ceiling_ptr + i, _key_ceiling(keys, bound, q_abs, reach, DIM, POSITION_BITS), mask=ok)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim", [16, 64])
+def test_a_chunk_key_s_floor_and_ceiling_hold_its_members(dim, generator):
+    """A chosen chunk's key bounds its members' squared distances as the reference measures
+    them: ``_key_floor`` at or below every member's, ``_key_ceiling`` at or above the
+    nearest's (the certified lists measure chunks up to the first whose floor lies above
+    the k-th's ceiling). Products in three TF32 products (their bound: ``product_error``);
+    normal points, near-duplicates of each query (ties to the last bit of the keys) and a
+    far reference."""
+    from fullgraph.ops.neighbors import triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q = torch.randn(2, 40, dim, generator=generator)
+    r = torch.randn(2, 600, dim, generator=generator)
+    r[:, :40] = q + 1e-4 * torch.randn(2, 40, dim, generator=generator)
+    r[:, 40:80] = q
+    r[1, 100] = 30.0
+    q, r = q.to(device), r.to(device)
+    norms, q_norms = (r * r).sum(-1), (q * q).sum(-1)
+    keys, bits = triton_dense.least_chunk_keys(q, q_norms, r, norms, 27, "tf32x3")
+    chunk = triton_dense.FUSED_CHUNK
+    members = ((keys & ((1 << bits) - 1)).long()[..., None] * chunk + torch.arange(chunk, device=device)).flatten(2)
+    measured = triton_dense.squared_distances(q, r, members).view(*keys.shape, chunk)
+    q_abs = q_norms.sqrt()[..., None].expand(keys.shape).contiguous()
+    reach = r.norm(dim=-1).amax(-1)[:, None, None].expand(keys.shape).contiguous()
+    bound = (triton_dense.product_error("tf32x3") * q_abs * reach).contiguous()
+    floors, ceilings = torch.empty_like(bound), torch.empty_like(bound)
+    _key_bounds_kernel[(triton.cdiv(keys.numel(), 256),)](keys.contiguous(), q_abs, reach, bound, floors, ceilings,
+                                                           keys.numel(), DIM=dim, POSITION_BITS=bits, BLOCK=256)
+    nearest = measured.amin(-1)
+    assert (floors <= nearest).all() and (ceilings >= nearest).all()
+    assert ((ceilings - floors)[0] < 1e-2 * (nearest[0] + 1)).all()  # (close where no reference is far)
+
+
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("shares", [1, 10**6])
 def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, monkeypatch, generator):
     """``least_chunk_keys(floor=True)``: tiles offer half the list, so chunks may be left out
     where the nearest crowd into one tile (references ordered along the query's line); the
     count - 1 keys are chunks' own (their minima plus |q|^2, rounded down, ascending,
-    distinct chunks) and the last lies at or below every chunk they leave out, with one share
-    of the references or many (their floors merged)."""
+    distinct chunks) and the last lies at or below every chunk they leave out (above the
+    others where the nearest spread over the tiles), with one share of the references or
+    many (their floors merged)."""
     from fullgraph.ops.neighbors import triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", shares)
-    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)  # (off by default until it ran on a GPU)
+    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, 70, 5, generator=generator) * 2)
     r = torch.round(torch.randn(2, 1500, 5, generator=generator) * 2)
@@ -453,6 +507,7 @@ def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, m
     assert all(len(set(row.tolist())) == count - 1 for row in chosen[..., :-1].reshape(-1, count - 1))
     left_out = stored.scatter(2, chosen[..., :-1], math.inf).amin(-1)
     assert (values[..., -1] <= left_out).all()
+    assert (values[1, :, -1] >= values[1, :, -2]).float().mean() > 0.9  # (item 1's nearest spread: a useful floor)
     exact = torch.sort(stored, dim=-1).values[..., count - 2]
     assert (mine.amax(-1) > exact)[0].any()  # (item 0's tiles left some of its nearest out)
 

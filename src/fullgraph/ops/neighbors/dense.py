@@ -488,10 +488,9 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
     operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
     first (``_first_precision``) and the rows they leave unproven again in
     TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Where the first
-    pass's tiles offer half the list (``triton_dense.FUSED_TILE_HALF``; the least they drop a
-    floor under the unchosen chunks, ``least_chunk_keys(floor=True)``), a second pass follows
-    it always. Returns whether
-    they took the block (else nothing is written)."""
+    pass's tiles offer half the list (``triton_dense.FUSED_TILE_HALF``; the greatest they
+    offer a floor under the unchosen chunks, ``least_chunk_keys(floor=True)``), a second pass
+    follows it always. Returns whether they took the block (else nothing is written)."""
     dim, columns = frames.q.shape[-1], frames.r.shape[1]
     if not _fused_takes(columns, k, dim) or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]:
         return False

@@ -100,15 +100,15 @@ FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 2, 
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # Where the list's last key is a floor only (``least_chunk_keys(floor=True)``: the first
 # products of the fused lists), each tile of references may offer half the list's keys, the
-# least it drops lowering that floor: a shorter sort a tile. A query whose nearest crowd into
-# one tile (references ordered in space) gets a low floor and goes to the second products,
-# which offer the whole list. H100 session 35 run XF, graphed ms: 8 x 4096^2 D=64 k=20 0.501
-# (0.492 in --fused-precision) against 0.527 with whole lists, 32 x 1024^2 0.277 against
-# 0.283; but there the floor came out wrong (the dropped keys' maximum beside the kept ones'
-# minimum lost the first half-cleaner's: the floor test failed on the H100, not in Triton's
-# interpreter). Fixed since (the sum less the minimum), but the fix has not run on a GPU yet:
-# off until it has. From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer a tile
-# often holds more than half the nearest chunks (16 x 256^2: 0.072 against 0.055, run XF).
+# greatest it offers (at or below every key it leaves out) lowering that floor: a shorter sort
+# a tile. A query whose nearest crowd into one tile (references ordered in space) gets a low
+# floor and goes to the second products, which offer the whole list. H100 session 35 run XF,
+# graphed ms: 8 x 4096^2 D=64 k=20 0.501 (0.492 in --fused-precision) against 0.527 with
+# whole lists, 32 x 1024^2 0.277 against 0.283. (The least key a tile leaves out, tracked
+# through its half-cleaners, came out too high on the H100 though right in Triton's
+# interpreter: session 35 run XG, session 36 run YA.) From FUSED_TILE_HALF_MIN_COLUMNS
+# references (8 tiles): on fewer a tile often holds more than half the nearest chunks
+# (16 x 256^2: 0.072 against 0.055, run XF).
 FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
@@ -315,28 +315,21 @@ if triton is not None:
     @triton.jit
     def _least_descending(keys, LOG_NEW: tl.constexpr, LOG_WIDTH: tl.constexpr):
         """The 2^LOG_WIDTH least keys of each row of keys [R, 2^LOG_NEW] (LOG_WIDTH <=
-        LOG_NEW), descending, and the least of the others [R] (``_SHORT_KEY_NONE``: none):
-        runs of that width sorted, alternately descending and ascending (a bitonic sort's
-        first stages), then while more than one run is left, each pair's elementwise minima
-        (a descending run against an ascending one: its least half, a bitonic sequence)
-        sorted into the next alternating runs. (A whole sort of the row before its least: 47
-        against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
+        LOG_NEW), descending: runs of that width sorted, alternately descending and ascending
+        (a bitonic sort's first stages), then while more than one run is left, each pair's
+        elementwise minima (a descending run against an ascending one: its least half, a
+        bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
+        before its least: 47 against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
         WIDTH: tl.constexpr = 1 << LOG_WIDTH
-        dropped = tl.full((keys.shape[0],), _SHORT_KEY_NONE, tl.int32)
         for stage in tl.static_range(1, LOG_WIDTH + 1):
             for step in tl.static_range(stage):
                 keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
         for level in tl.static_range(LOG_NEW - LOG_WIDTH):
             pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
-            kept = tl.min(pairs, 2)
-            # (each pair's other key as the sum less the kept one, as ``_compare_swap``: a max
-            # beside the min lost the first half-cleaner's keys on the H100, Triton 3.6)
-            above = tl.reshape(tl.sum(pairs, 2) - kept, (keys.shape[0], keys.shape[1] // 2))
-            dropped = tl.minimum(dropped, tl.min(above, 1))
-            keys = tl.reshape(kept, (keys.shape[0], keys.shape[1] // 2))
+            keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
             for step in tl.static_range(LOG_WIDTH):
                 keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
-        return keys, dropped
+        return keys
 
     @triton.jit
     def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
@@ -358,9 +351,9 @@ if triton is not None:
         """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
         over the references [part * share, (part + 1) * share), ascending -> the first
         ``width`` of them into out [B, M, parts, width]. LOG_KEEP < LOG_KEYS: a tile's
-        2^LOG_KEEP least only enter the list, and the least it leaves out lowers a floor:
-        one share (parts 1) folds it into the list's last key, several store it into floors
-        [B, M, parts] (the merge folds them). NEEDED: a tile none of whose queries needed
+        2^LOG_KEEP least only enter the list, and the greatest of them (at or below every key
+        the tile leaves out) lowers a floor: one share (parts 1) folds it into the list's last
+        key, several store it into floors [B, M, parts] (the merge folds them). NEEDED: a tile none of whose queries needed
         marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
@@ -383,13 +376,13 @@ if triton is not None:
             c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
             keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                             _SHORT_KEY_NONE)
-            new, dropped = _least_descending(keys, LOG_NEW, LOG_KEEP)
+            new = _least_descending(keys, LOG_NEW, LOG_KEEP)
             if LOG_KEEP < LOG_KEYS:  # (descending: the missing keys first, as none)
+                floor = tl.minimum(floor, tl.max(new, 1))
                 runs = tl.reshape(new, (BLOCK_M, 1, 1 << LOG_KEEP))
                 last = tl.reshape(tl.arange(0, 1 << (LOG_KEYS - LOG_KEEP)), (1, 1 << (LOG_KEYS - LOG_KEEP), 1))
                 new = tl.reshape(tl.where(last == (1 << (LOG_KEYS - LOG_KEEP)) - 1, runs, _SHORT_KEY_NONE),
                                  (BLOCK_M, KEYS))
-                floor = tl.minimum(floor, dropped)
             best = _merge_sorted(best, new, LOG_KEYS)
         slots = tl.arange(0, KEYS)
         if LOG_KEEP < LOG_KEYS:
@@ -558,6 +551,30 @@ if triton is not None:
         return ref, (chunk >= 0) & (ref < columns)
 
     @triton.jit
+    def _key_floor(keys, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+        """A floor under the squared distances, as the reference measures them, of every
+        reference of the chunks of ``_short_keys`` keys (NaN for ``_SHORT_KEY_NONE``): each
+        has a product value v with v + |q|^2 at least the key's sum rounded down, less 2^-23
+        of it (see dense._chosen_chunks; the products err by ``bound``), then
+        dense.beyond_expansion for a query of norm q_abs among references of norm <= reach."""
+        top = keys & -(1 << POSITION_BITS)
+        least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
+        return ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+                * (1 - 2 * (DIM + 2) * 2.0**-24))
+
+    @triton.jit
+    def _key_ceiling(key, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+        """``_key_floor``'s mirror: a ceiling over the squared distance, as the reference
+        measures it, of the nearest reference of the chunk of a ``_short_keys`` key (not
+        ``_SHORT_KEY_NONE``), whose sum lies below the next rounded key."""
+        top = (key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS)
+        most = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        most = tl.where(most >= 0, most * (1 + 2.0**-22), most * (1 - 2.0**-22)) + 2 * bound
+        return ((most + 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+                * (1 + 2 * (DIM + 2) * 2.0**-24))
+
+    @triton.jit
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
                           LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
@@ -653,27 +670,31 @@ if triton is not None:
             if NEEDED:
                 go = go & (tl.load(out_unproven + out_row, mask=go, other=0) != 0)
             if go:
-                keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
-                                               ok_ptr + item * columns, keys_ptr + row * n_keys, columns, n_chosen,
-                                               take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                               BY_LANE)
                 q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
                 reach = tl.load(reach_ptr + item)
-                # Every reference of an unchosen chunk has a product value v with v + |q|^2 at least
-                # the next key's sum rounded down (to 32 - POSITION_BITS bits), less 2^-23 of it
-                # (see dense._chosen_chunks), then dense.beyond_expansion.
-                top = tl.load(keys_ptr + row * n_keys + n_chosen, mask=n_keys > n_chosen, other=0)
-                top = top & -(1 << POSITION_BITS)
-                least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
                 if HALF:
                     q_lo = tl.load(q_lo_ptr + row)
                     bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
                 else:
                     bound = error * q_abs * reach
-                least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
-                beyond = ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
-                          * (1 - 2 * (DIM + 2) * 2.0**-24))
-                limit = tl.minimum(tl.where(n_keys > n_chosen, beyond, float("inf")),
+                # The chosen chunks past the k-th whose floor lies above the k-th's ceiling hold
+                # none of the k nearest: only the chunks before the first of them are measured,
+                # and its key bounds the rest (the certificate checks it).
+                c = tl.arange(0, WP // CHUNK)
+                chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
+                kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
+                ceiling = tl.where((count <= n_chosen) & (kth_key != _SHORT_KEY_NONE),
+                                   _key_ceiling(kth_key, bound, q_abs, reach, DIM, POSITION_BITS), float("inf"))
+                floors = _key_floor(chosen, bound, q_abs, reach, DIM, POSITION_BITS)
+                measured = tl.minimum(tl.min(tl.where((c >= count) & (floors > ceiling), c, n_chosen)), n_chosen)
+                keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
+                                               ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
+                                               take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
+                                               BY_LANE)
+                # Every reference of an unmeasured chunk lies at or above the next key's floor.
+                top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
+                beyond = _key_floor(top, bound, q_abs, reach, DIM, POSITION_BITS)
+                limit = tl.minimum(tl.where(n_keys > measured, beyond, float("inf")),
                                    last * (1 - 4 * (DIM + 2) * 2.0**-24))
                 at = tl.arange(0, keys.shape[0])
                 hit = keys != _KEY_NONE
@@ -1122,7 +1143,7 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
     unspecified). ``floor``: the last key need only be at or below every chunk the others
     leave out (not itself a chunk's: the caller measures count - 1 chunks, the last bounds
     the rest), so each tile of references offers only half the list (FUSED_TILE_HALF), the
-    least it drops lowering the last key."""
+    greatest it offers lowering the last key."""
     q, q_norms, r, r_norms = q.contiguous(), q_norms.contiguous(), r.contiguous(), r_norms.contiguous()
     twice = _factors(precision, twice, r_norms)
     batch, rows, dim = q.shape
