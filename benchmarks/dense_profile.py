@@ -25,9 +25,9 @@ shifted by 1000, clustered), then a torch.profiler table of one call per small s
                                                          float16 operands first, normal and clustered)
     python benchmarks/dense_profile.py --held-sweep     (the stored minima alone by the held kernel's tiles)
     python benchmarks/dense_profile.py --members-all    (every member measured exactly, or a first measure)
-    python benchmarks/dense_profile.py --members-by-lane (the members re-measured a member a thread or in tiles)
+    python benchmarks/dense_profile.py --members-by-quad (the members re-measured four threads a member or in tiles)
     python benchmarks/dense_profile.py --tiles-sweep    (the minima's tiles at 10^6 references, D = 128)
-    python benchmarks/dense_profile.py --registers      (the members' register cap, the candidates' tiles)
+    python benchmarks/dense_profile.py --settings       (the members' kernels, the candidates' tiles: SETTINGS)
     python benchmarks/dense_profile.py --wide-smallest  (the stored minima's selection against torch.topk)
 
 CUDA-event medians after warm-up, all in one process; the profile is of one graphed call.
@@ -483,10 +483,10 @@ def members_all(generator) -> None:
     dense.MEASURED_ALL_MAX = default
 
 
-def members_by_lane(generator) -> None:
-    """Graphed dense kNN with the members re-measured a member a thread
-    (``triton_dense.MEMBERS_BY_LANE``) or in tiles of members by coordinates, twice each."""
-    default = triton_dense.MEMBERS_BY_LANE
+def members_by_quad(generator) -> None:
+    """Graphed dense kNN with the members re-measured by four threads a member
+    (``triton_dense.MEMBERS_BY_QUAD``) or in tiles of members by coordinates, twice each."""
+    default = triton_dense.MEMBERS_BY_QUAD
     shapes = SHAPES[:3] + ((16, 256, 256, 64, 20), (4, 4096, 16384, 32, 50), (8, 4096, 4096, 128, 20),
                            (10000, 100000, 128, 10))
     for shape in shapes:
@@ -494,31 +494,30 @@ def members_by_lane(generator) -> None:
         q = torch.randn(batch, rows, dim, device="cuda", generator=generator)
         r = torch.randn(batch, columns, dim, device="cuda", generator=generator)
         times = {True: [], False: []}
-        for by_lane in (True, False, True, False):
-            triton_dense.MEMBERS_BY_LANE = by_lane
-            times[by_lane].append(median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))))
+        for by_quad in (True, False, True, False):
+            triton_dense.MEMBERS_BY_QUAD = by_quad
+            times[by_quad].append(median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))))
         print(f"B={batch} M={rows} N={columns} D={dim} k={k}:",
-              ", ".join(("a member a thread: " if by_lane else "tiles: ") + " / ".join(f"{t:.3f}" for t in ts)
-                        for by_lane, ts in times.items()), flush=True)
-    triton_dense.MEMBERS_BY_LANE = default
+              ", ".join(("four threads a member: " if by_quad else "tiles: ") + " / ".join(f"{t:.3f}" for t in ts)
+                        for by_quad, ts in times.items()), flush=True)
+    triton_dense.MEMBERS_BY_QUAD = default
 
 
-# Settings of ``registers``: the members' kernels' register cap, then the candidates' tiles.
-# H100 session 36 run YA (graphed ms, 32 x 1024^2 / 8 x 4096^2 / 16 x 256^2 D=64 k=20 / 8 x 4096^2
-# D=128 / D=16 k=10): defaults 0.279 / 0.508 / 0.055 / 0.713 / 0.449, 128 registers 0.276 / 0.504 /
-# 0.053 / 0.834 / 0.451, 96 0.275 / 0.501 / 0.055 / 1.042 / 0.452, 80 0.291 / 0.519 / 0.059 / 1.424.
-REGISTER_SETTINGS = ({}, {"MEMBERS_MAX_REGISTERS": 96}, {"FUSED_NUM_WARPS": 8}, {"FUSED_BLOCK_M": 32}, {})
+# Settings of ``settings``: the members re-measured in tiles, then the candidates' tiles. H100
+# session 36 run YB (graphed ms, 32 x 1024^2 / 8 x 4096^2 / 16 x 256^2 D=64 k=20, a member a
+# thread): defaults 0.273 / 0.484 / 0.053, FUSED_NUM_WARPS 8 0.278 / 0.571 / 0.052,
+# FUSED_BLOCK_M 32 0.430 / 1.185 / 0.058.
+SETTINGS = ({}, {"MEMBERS_BY_QUAD": False}, {"FUSED_NUM_WARPS": 8}, {})
 
 
-def registers(generator) -> None:
-    """Graphed dense kNN by the members' kernels' register cap
-    (``triton_dense.MEMBERS_MAX_REGISTERS``: more programs an SM) and by the candidates' tiles
-    (FUSED_BLOCK_M, FUSED_NUM_WARPS), the defaults first and last."""
+def settings(generator) -> None:
+    """Graphed dense kNN under each of SETTINGS (``triton_dense`` constants), the defaults
+    first and last."""
     shapes = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (16, 256, 256, 64, 20))
     clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
                torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in shapes]
     print("shapes:", "; ".join("B={} M={} N={} D={} k={}".format(*shape) for shape in shapes))
-    for setting in REGISTER_SETTINGS:
+    for setting in SETTINGS:
         defaults = {name: getattr(triton_dense, name) for name in setting}
         for name, value in setting.items():
             setattr(triton_dense, name, value)
@@ -616,8 +615,8 @@ MODES = (("sweep", sweep, "the fused kernel's tile settings"),
          ("held-sweep", held_sweep, "the stored minima's held tiles"),
          ("tiles-sweep", tiles_sweep, "the minima's tiles of both clouds at 10^6 references, D = 128"),
          ("members-all", members_all, "every member measured exactly or the least by a first measure"),
-         ("members-by-lane", members_by_lane, "the members re-measured a member a thread or in tiles"),
-         ("registers", registers, "the members' kernels' register cap, the candidates' tiles"),
+         ("members-by-quad", members_by_quad, "the members re-measured four threads a member or in tiles"),
+         ("settings", settings, "the members' kernels and the candidates' tiles under SETTINGS"),
          ("wide-smallest", wide_smallest, "the stored minima's selection against torch.topk"))
 
 

@@ -501,35 +501,31 @@ if triton is not None:
         return total
 
     @triton.jit
-    def _lane_tree(q_row, rows, ok, GROUP: tl.constexpr, STEP: tl.constexpr, GROUPS: tl.constexpr,
-                   DIM: tl.constexpr):
-        """[C, 4]: column j the halving sum (``_reference_squares``' order) of the squared
-        differences between q (at q_row) and the rows (pointers [C], ``ok`` [C]) over the
-        coordinates d = 4 g + j, g = GROUP mod STEP: at STEP = GROUPS one group's four,
-        else the classes GROUP and GROUP + STEP mod 2 STEP summed (coordinates 4 STEP apart
-        are a halving's pairs). Each row in one thread, loaded four at a time."""
-        if STEP == GROUPS:
-            d = GROUP * 4 + tl.arange(0, 4)
-            if GROUP * 4 + 4 <= DIM:  # (no mask along the row: 16-byte loads)
-                r = tl.load(rows[:, None] + d[None, :], mask=ok[:, None], other=0.0)
-                diff = tl.load(q_row + d)[None, :] - r
-            else:
-                r = tl.load(rows[:, None] + d[None, :], mask=ok[:, None] & (d[None, :] < DIM), other=0.0)
-                diff = tl.load(q_row + d, mask=d < DIM, other=0.0)[None, :] - r
-            total = diff * diff
-        else:
-            total = (_lane_tree(q_row, rows, ok, GROUP, 2 * STEP, GROUPS, DIM)
-                     + _lane_tree(q_row, rows, ok, GROUP + STEP, 2 * STEP, GROUPS, DIM))
-        return total
-
-    @triton.jit
-    def _lane_squares(q_row, rows, ok, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+    def _quad_squares(q_row, rows, ok, DIM: tl.constexpr, LOG_DP: tl.constexpr):
         """[C]: ``_reference_squares`` of q (at q_row) against the rows at the pointers rows
-        [C] (``ok``: loaded; D > PER_COORDINATE_MAX_DIM), a row a thread: the halvings of
-        coordinates 4 or more apart in ``_lane_tree``, the last two within each thread's
-        four (pairs (j, j + 2), then (0, 1))."""
-        x = _lane_tree(q_row, rows, ok, 0, 1, (1 << LOG_DP) // 4, DIM)
-        return tl.sum(tl.sum(tl.reshape(x, (x.shape[0], 2, 2)), 1), 1)
+        [C] (``ok``: loaded; D > PER_COORDINATE_MAX_DIM, padded to 16 at least: halvings of
+        zeros first, exact), four threads a row: x[l, c, h, j] the square of coordinate
+        16 h + 4 l + j, loaded 16 bytes a thread (a row's four threads read 64 contiguous
+        bytes); the halvings of h in registers, of l across the four, of j in registers. (q
+        loaded in the rows' shape, so that both keep this layout.)"""
+        C: tl.constexpr = rows.shape[0]
+        H: tl.constexpr = ((1 << LOG_DP) + 15) // 16
+        d = (tl.arange(0, 4)[:, None, None, None] * 4 + tl.arange(0, H)[None, None, :, None] * 16
+             + tl.arange(0, 4)[None, None, None, :])
+        at = rows[None, :, None, None] + d
+        if DIM == 16 * H:  # (no mask along the row: 16-byte loads)
+            r = tl.load(at, mask=tl.broadcast_to(ok[None, :, None, None], at.shape), other=0.0)
+            q = tl.load(tl.broadcast_to(q_row + d, at.shape))
+        else:
+            inside = tl.broadcast_to(d < DIM, at.shape)
+            r = tl.load(at, mask=ok[None, :, None, None] & inside, other=0.0)
+            q = tl.load(tl.broadcast_to(q_row + d, at.shape), mask=inside, other=0.0)
+        diff = q - r
+        x = diff * diff
+        for level in tl.static_range(LOG_DP - 4):
+            x = tl.sum(tl.reshape(x, (4, C, 2, H >> (level + 1), 4)), 2)
+        x = tl.sum(tl.sum(tl.reshape(x, (2, 2, C, 4)), 0), 0)
+        return tl.sum(tl.sum(tl.reshape(x, (C, 2, 2)), 1), 1)
 
     @triton.jit
     def _row_of(x, at, WIDTH: tl.constexpr):
@@ -578,10 +574,10 @@ if triton is not None:
     def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
                           LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                          BY_LANE: tl.constexpr):
+                          BY_QUAD: tl.constexpr):
         """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
         summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic (BY_LANE: ``_lane_squares``, BLOCK_C a lane each) -> their
+        reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each) -> their
         (distance, index) keys, ascending [SEL or WP] (none: ``_KEY_NONE``), and the take-th
         least first measure (+inf where every member was)."""
         members = n_chosen * CHUNK
@@ -610,8 +606,8 @@ if triton is not None:
         keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
         for b in tl.static_range(BLOCKS):
             ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
-            if BY_LANE:
-                d2 = _lane_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
+            if BY_QUAD:
+                d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
             else:
                 r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
                             other=0.0)
@@ -626,7 +622,7 @@ if triton is not None:
     def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                                 n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
                                 WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                BY_LANE: tl.constexpr, NEEDED: tl.constexpr):
+                                BY_QUAD: tl.constexpr, NEEDED: tl.constexpr):
         """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
         ``count`` nearest stored by (distance, index), and the take-th least first measure
         -> out_last."""
@@ -637,7 +633,7 @@ if triton is not None:
         item = row // rows
         keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
                                        chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, 0, BY_LANE)
+                                       WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
         tl.store(out_last + row, last)
         at = tl.arange(0, keys.shape[0])
         hit = keys != _KEY_NONE
@@ -649,7 +645,7 @@ if triton is not None:
                                 q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
                                 n_chosen, n_keys, take, count, error, radius, n_rows, DIM: tl.constexpr,
                                 LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_LANE: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
                                 POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
                                 NEEDED: tl.constexpr):
         """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
@@ -690,7 +686,7 @@ if triton is not None:
                 keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
                                                ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
                                                take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                               BY_LANE)
+                                               BY_QUAD)
                 # Every reference of an unmeasured chunk lies at or above the next key's floor.
                 top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
                 beyond = _key_floor(top, bound, q_abs, reach, DIM, POSITION_BITS)
@@ -1282,20 +1278,21 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
 # program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
 # warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
-# The re-measure a member a thread (``_lane_squares``: its coordinates in 16-byte loads, the
-# halving sums in registers) instead of tiles of members by coordinates summed across threads:
-# half the instructions (PTX for sm_90, 52 members of D = 64: 1,364 lines against 2,905), but
-# the kernel waits on its loads: H100, session 35 run XB (``dense_profile.py --members-by-lane``),
-# graphed ms a member a thread / tiles: 32 x 1024^2 D=64 k=20 0.284 / 0.286, 8 x 4096^2 0.556 /
-# 0.555, D=128 0.774 / 0.801, 16 x 256^2 0.055 / 0.054, 4 x 4096 x 16,384 D=32 k=50 1.471 / 1.473.
-# Up to MEMBERS_BY_LANE_MAX_DIM coordinates: its recursion compiles a function a group of
-# four, slow for wide points (Triton 3.6, sm_90, 52 members: D=128 5.3 s against 3.4 for the
-# tiles, D=300 63.9 against 26.5).
-MEMBERS_BY_LANE, MEMBERS_BY_LANE_MAX_DIM = True, 128
-# Registers a thread of the members' kernels may hold (None: as many as ptxas takes). At
-# D = 64 ptxas takes 164 (52 members, Triton 3.6, sm_90): 12 one-warp programs an SM; 96
-# hold them without spilling: 21.
-MEMBERS_MAX_REGISTERS = None
+# The re-measure by four threads a member (``_quad_squares``: each 16 bytes of its row at a
+# time, a member's four reading 64 contiguous bytes; the halvings in registers but two across
+# the four) instead of tiles of members by coordinates (halved across threads: shuffles and
+# layout changes through shared memory). A member a thread (16-byte loads from 32 rows at once)
+# was as fast as the tiles (H100 session 35 run XB, graphed ms: 32 x 1024^2 D=64 k=20 0.284 /
+# 0.286, 8 x 4096^2 0.556 / 0.555, D=128 0.774 / 0.801): both saturate the L1 (session 36 run YC,
+# ncu: L1/TEX throughput 85 %, 12 warps an SM at 163 registers, the kernel 128 us), the one on
+# a line a thread, the other on shuffles; four a member need an eighth of the lines and a
+# shuffle a member (PTX for sm_90, 32 members of D = 64: 32 shuffles against 260 in tiles).
+# Up to MEMBERS_BY_QUAD_MAX_DIM coordinates, BLOCK_C members a block at most 2048 / DP (64
+# values a thread).
+MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
+# (A member a thread took 164 registers at D = 64, four 66. Capped at 96 registers, a member a
+# thread was barely faster: H100 session 36 runs YA / YB, graphed ms 32 x 1024^2 D=64 k=20
+# 0.279 -> 0.275 and 0.273 -> 0.269, D=128 0.713 -> 1.042 (spills).)
 # (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
 # slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
 # D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
@@ -1314,11 +1311,11 @@ def _members_settings(members: int, take: int, dim: int) -> dict:
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    by_lane = MEMBERS_BY_LANE and PER_COORDINATE_MAX_DIM < dim <= MEMBERS_BY_LANE_MAX_DIM
-    block_c = min(selected, 32 * MEMBERS_WARPS) if by_lane else max(1, min(selected, tile // padded))
+    by_quad = MEMBERS_BY_QUAD and PER_COORDINATE_MAX_DIM < dim <= MEMBERS_BY_QUAD_MAX_DIM
+    block_c = min(selected, max(8, 2 * tile // padded) if by_quad else max(1, tile // padded))
     return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
-                BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_LANE=by_lane,
-                num_warps=MEMBERS_WARPS, enable_fp_fusion=False, maxnreg=MEMBERS_MAX_REGISTERS)
+                BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
+                num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
 
 
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
