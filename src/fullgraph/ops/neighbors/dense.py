@@ -827,7 +827,10 @@ def _brute_force_limits() -> tuple[tuple[int, int], ...]:
 #   M=20000, N=200000, D=16, k=10: 81.1 / 10.8 / 76.6 (8.12)
 #   M=10^4, N=10^6, D=128, k=10:   242 / 52.7 / 2,830 (51.7)
 # It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
-# against one); cdist + topk (inexact) stays faster below ~10^8 pairs (issue 14 is open).
+# against one). Since (session 36 runs YD / YE, ms graphed dense / cdist + topk): 16 x 256^2
+# 0.046 / 0.103, 32 x 1024^2 0.209 / 1.412, 8 x 4096^2 0.435 / 3.429, 2 x 10^4 x 2 x 10^5 D=16
+# 4.44 / 80.2, 10^4 x 10^6 D=128 12.38 / 242 (eager); eager, small clouds stay host-bound
+# (16 x 256^2 0.65 against 0.23; 32 x 1024^2 1.43 against 1.45).
 # Beyond REDO_MAX_DIM, outside a capture (benchmarks/dense_wide.py, session11-runs.log):
 #   M=4096, N=10^5, D=256, k=10: 12.2 / 6.4;  M=10^4, N=2*10^5, D=512, k=16: 75.9 / 40.6;
 #   B=8, M=N=2048, D=256, k=20: 1.5 / 5.1 (the small-batch floor again).

@@ -104,9 +104,10 @@ FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # a tile. A query whose nearest crowd into one tile (references ordered in space) gets a low
 # floor and goes to the second products, which offer the whole list. H100 session 35 run XF,
 # graphed ms: 8 x 4096^2 D=64 k=20 0.501 (0.492 in --fused-precision) against 0.527 with
-# whole lists, 32 x 1024^2 0.277 against 0.283. (The least key a tile leaves out, tracked
-# through its half-cleaners, came out too high on the H100 though right in Triton's
-# interpreter: session 35 run XG, session 36 run YA.) From FUSED_TILE_HALF_MIN_COLUMNS
+# whole lists, 32 x 1024^2 0.277 against 0.283; with this floor, session 36 run YB: 0.489 and
+# 0.266. (The least key a tile leaves out, tracked through its half-cleaners, came out too
+# high on the H100 though right in Triton's interpreter: session 35 run XG, session 36 run
+# YA.) From FUSED_TILE_HALF_MIN_COLUMNS
 # references (8 tiles): on fewer a tile often holds more than half the nearest chunks
 # (16 x 256^2: 0.072 against 0.055, run XF).
 FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
@@ -675,7 +676,8 @@ if triton is not None:
                     bound = error * q_abs * reach
                 # The chosen chunks past the k-th whose floor lies above the k-th's ceiling hold
                 # none of the k nearest: only the chunks before the first of them are measured,
-                # and its key bounds the rest (the certificate checks it).
+                # and its key bounds the rest (the certificate checks it). (H100 session 36
+                # run YB, 32 x 1024^2 D=64 k=20: the kernel 145 -> 133 us.)
                 c = tl.arange(0, WP // CHUNK)
                 chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
                 kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
@@ -1287,6 +1289,9 @@ MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # ncu: L1/TEX throughput 85 %, 12 warps an SM at 163 registers, the kernel 128 us), the one on
 # a line a thread, the other on shuffles; four a member need an eighth of the lines and a
 # shuffle a member (PTX for sm_90, 32 members of D = 64: 32 shuffles against 260 in tiles).
+# Session 36 run YD (``dense_profile.py --settings``), graphed ms four threads a member / tiles:
+# 32 x 1024^2 D=64 k=20 0.217 / 0.285, 8 x 4096^2 0.434 / 0.501, 16 x 256^2 0.046 / 0.053; the
+# kernel 133 -> 76 us (ncu: L1/TEX 78 %, 41 % occupancy).
 # Up to MEMBERS_BY_QUAD_MAX_DIM coordinates, BLOCK_C members a block at most 2048 / DP (64
 # values a thread).
 MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
