@@ -702,7 +702,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("dim", [3, 4, 5, 64, 300])
+@pytest.mark.parametrize("dim", [3, 4, 5, 40, 64, 300])
 @pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
                                                           (16, 5, 12, 7)])
 def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chosen, take, count, generator):

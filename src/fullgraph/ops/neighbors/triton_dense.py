@@ -107,9 +107,8 @@ FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
 # whole lists, 32 x 1024^2 0.277 against 0.283; with this floor, session 36 run YB: 0.489 and
 # 0.266. (The least key a tile leaves out, tracked through its half-cleaners, came out too
 # high on the H100 though right in Triton's interpreter: session 35 run XG, session 36 run
-# YA.) From FUSED_TILE_HALF_MIN_COLUMNS
-# references (8 tiles): on fewer a tile often holds more than half the nearest chunks
-# (16 x 256^2: 0.072 against 0.055, run XF).
+# YA.) From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer a tile often holds
+# more than half the nearest chunks (16 x 256^2: 0.072 against 0.055, run XF).
 FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
@@ -354,8 +353,8 @@ if triton is not None:
         ``width`` of them into out [B, M, parts, width]. LOG_KEEP < LOG_KEYS: a tile's
         2^LOG_KEEP least only enter the list, and the greatest of them (at or below every key
         the tile leaves out) lowers a floor: one share (parts 1) folds it into the list's last
-        key, several store it into floors [B, M, parts] (the merge folds them). NEEDED: a tile none of whose queries needed
-        marks stores nothing."""
+        key, several store it into floors [B, M, parts] (the merge folds them). NEEDED: a
+        tile none of whose queries needed marks stores nothing."""
         item = tl.program_id(2).to(tl.int64)
         part = tl.program_id(1)
         m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
