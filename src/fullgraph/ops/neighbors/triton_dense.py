@@ -282,10 +282,14 @@ if triton is not None:
         return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
 
     @triton.jit
+    def _ordered_float(bits):
+        """``_ordered_bits`` undone: int32 -> float32."""
+        return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _key_values(keys):
-        """``_ordered_keys`` keys -> their float32 values (``_ordered_bits`` undone)."""
-        top = (keys >> 32).to(tl.int32)
-        return (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        """``_ordered_keys`` keys -> their float32 values."""
+        return _ordered_float((keys >> 32).to(tl.int32))
 
     @triton.jit
     def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
@@ -553,8 +557,7 @@ if triton is not None:
         has a product value v with v + |q|^2 at least the key's sum rounded down, less 2^-23
         of it (see dense._chosen_chunks; the products err by ``bound``), then
         dense.beyond_expansion for a query of norm q_abs among references of norm <= reach."""
-        top = keys & -(1 << POSITION_BITS)
-        least = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        least = _ordered_float(keys & -(1 << POSITION_BITS))
         least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
         return ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
                 * (1 - 2 * (DIM + 2) * 2.0**-24))
@@ -564,8 +567,7 @@ if triton is not None:
         """``_key_floor``'s mirror: a ceiling over the squared distance, as the reference
         measures it, of the nearest reference of the chunk of a ``_short_keys`` key (not
         ``_SHORT_KEY_NONE``), whose sum lies below the next rounded key."""
-        top = (key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS)
-        most = (top ^ ((top >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        most = _ordered_float((key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS))
         most = tl.where(most >= 0, most * (1 + 2.0**-22), most * (1 - 2.0**-22)) + 2 * bound
         return ((most + 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
                 * (1 + 2 * (DIM + 2) * 2.0**-24))
