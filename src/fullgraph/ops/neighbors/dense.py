@@ -53,7 +53,10 @@ certificate failed on 0.5-2% of normal rows and every clustered row on the H100.
 
 Where one kernel a query measures every member of the fused lists, it also certifies the
 row and writes its list, scaled and within the radius, into the output
-(``triton_dense.certified_lists``, ``_fused_lists``): two kernels a pass. On wide points
+(``triton_dense.certified_lists``, ``_fused_lists``): two kernels a pass. It measures the
+chosen chunks only up to the first past the k-th whose floor (the unchosen chunks' floor
+above, from its own key) lies above a ceiling over the k-th chunk's nearest member: those
+left hold none of the k nearest, and that key is the floor the certificate takes. On wide points
 (the stored minima from D = HALF_FIRST_MIN_DIM, the fused lists from
 FUSED_HALF_FIRST_MIN_DIM) the products run first on both clouds rounded to float16
 beforehand (times a power of two per item that keeps them in range, ``_Frames.halves``):
