@@ -82,13 +82,26 @@ def _count_failed_rows():
 
 def sweep(generator) -> None:
     """Graphed dense kNN of the first three shapes under every tile setting of SWEEP."""
+    _under_settings([dict(zip(SWEEP, setting)) for setting in itertools.product(*SWEEP.values())], generator)
+
+
+def _under_settings(settings, generator) -> None:
+    """Graphed dense kNN of the first three shapes under each setting (``triton_dense``
+    constants by name), each restored after."""
     clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
                torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in SHAPES[:3]]
-    for setting in itertools.product(*SWEEP.values()):
-        for name, value in zip(SWEEP, setting):
+    print("shapes:", "; ".join("B={} M={} N={} D={} k={}".format(*shape) for shape in SHAPES[:3]))
+    for setting in settings:
+        defaults = {name: getattr(triton_dense, name) for name in setting}
+        for name, value in setting.items():
             setattr(triton_dense, name, value)
-        times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
-        print(dict(zip(SWEEP, setting)), " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
+        try:
+            times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
+            print(setting or "defaults", " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
+        except Exception as error:  # a setting the kernels cannot take: say so, go on
+            print(setting, "failed:", type(error).__name__, str(error)[:300], flush=True)
+        for name, value in defaults.items():
+            setattr(triton_dense, name, value)
 
 
 CHUNK_SHAPES = ((8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (4, 4096, 16384, 32, 50), (8, 4096, 4096, 64, 32))
@@ -511,23 +524,9 @@ SETTINGS = ({}, {"MEMBERS_BY_QUAD": False}, {"FUSED_NUM_WARPS": 8}, {})
 
 
 def settings(generator) -> None:
-    """Graphed dense kNN under each of SETTINGS (``triton_dense`` constants), the defaults
-    first and last."""
-    shapes = ((32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (16, 256, 256, 64, 20))
-    clouds = [(torch.randn(b, m, d, device="cuda", generator=generator),
-               torch.randn(b, n, d, device="cuda", generator=generator), k) for b, m, n, d, k in shapes]
-    print("shapes:", "; ".join("B={} M={} N={} D={} k={}".format(*shape) for shape in shapes))
-    for setting in SETTINGS:
-        defaults = {name: getattr(triton_dense, name) for name in setting}
-        for name, value in setting.items():
-            setattr(triton_dense, name, value)
-        try:
-            times = [median_ms(graphed(lambda: fullgraph.knn(q, r, k, backend="dense"))) for q, r, k in clouds]
-            print(setting or "defaults", " ".join(f"{t:.3f}" for t in times), "ms", flush=True)
-        except Exception as error:  # a setting the kernels cannot take: say so, go on
-            print(setting, "failed:", type(error).__name__, str(error)[:300], flush=True)
-        for name, value in defaults.items():
-            setattr(triton_dense, name, value)
+    """Graphed dense kNN of the first three shapes under each of SETTINGS, the defaults first
+    and last."""
+    _under_settings(SETTINGS, generator)
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of the minima's kernel on tiles of both clouds.
