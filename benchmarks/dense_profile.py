@@ -43,7 +43,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fullgraph
 from fullgraph.bench.timing import time_call
-from fullgraph.ops.neighbors import dense, triton_dense
+from fullgraph.ops.neighbors.dense import backend as dense, kernels as triton_dense
 
 SHAPES = ((16, 256, 256, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 64, 20), (1, 10000, 1000000, 128, 10),
           (1, 20000, 200000, 16, 10), (4, 4096, 16384, 32, 50))

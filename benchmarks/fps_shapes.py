@@ -19,7 +19,8 @@ import torch
 
 import fullgraph
 from fullgraph.bench.timing import time_call
-from fullgraph.ops import sampling, sampling_cuda
+from fullgraph.ops.sampling import api as sampling
+from fullgraph.ops.sampling.cuda import backend as sampling_cuda
 
 SHAPES = [(32, 1024, 512), (128, 2048, 512), (64, 4096, 1024), (16, 16384, 4096), (1, 16384, 4096), (32, 16384, 4096),
           (4, 65536, 2048), (1, 100_000, 4096), (1, 1_000_000, 8192), (2, 1_000_000, 8192)]  # clouds, points, samples

@@ -25,7 +25,7 @@ import inspect, json, sys
 import torch
 import fullgraph
 from fullgraph import _triton
-from fullgraph.ops.neighbors import triton_kernels
+from fullgraph.ops.neighbors.triton import kernels as triton_kernels
 
 _triton.INTERPRETED = False  # the host code's GPU constants (it picks others for the interpreter)
 
@@ -92,7 +92,7 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from fullgraph.ops.neighbors import triton_kernels
+    from fullgraph.ops.neighbors.triton import kernels as triton_kernels
 
     target = GPUTarget("cuda", 90, 32)
     print(f"Triton {triton.__version__}, sm_90: registers a thread, spilled bytes, shared memory a block")

@@ -15,7 +15,7 @@ import torch
 from fullgraph.bench import WORKLOADS
 from fullgraph.bench.timing import time_call
 from fullgraph.ops import mlp
-from fullgraph.ops.neighbors import triton_grid
+from fullgraph.ops.neighbors.triton import backend as triton_grid
 
 # (module, attribute, values, projectors); the first value of each is the default, restored after.
 # (Session 26: grid.lower_bounds by counts and a scan instead of binary searches measured even,

@@ -15,7 +15,7 @@ import torch
 from replay_profile import graphed_ms
 
 import fullgraph
-from fullgraph.ops.neighbors import triton_grid
+from fullgraph.ops.neighbors.triton import backend as triton_grid
 
 SETTINGS = ((1.2, 8), (1.0, 8), (0.9, 8), (1.5, 8), (0.0, 8), (0.0, 2))  # (RADIUS_CELL_SIDE, RADIUS_CELL_POINTS)
 POINTS, CHANNELS = 100_000, 16

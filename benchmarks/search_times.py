@@ -25,8 +25,8 @@ import torch
 from replay_profile import graphed_ms
 
 import fullgraph
-from fullgraph.ops.neighbors import grid as cell_grid
-from fullgraph.ops.neighbors import triton_grid
+from fullgraph.ops.neighbors.triton import grid as cell_grid
+from fullgraph.ops.neighbors.triton import backend as triton_grid
 
 SWEEP = [((2, 32, 1), 3), ((2, 32, 1), 2), ((2, 32, 1), 6), ((4, 32, 1), 3), ((4, 32, 2), 3), ((8, 32, 2), 3),
          ((2, 64, 1), 3), ((4, 64, 2), 3), ((1, 32, 1), 3)]  # (SEARCH_BLOCKS, SEARCH_SORT_FROM), radius too

@@ -36,7 +36,7 @@ except ImportError:
     HAVE_TRITON = False
 # Backends that run on CPU tensors here: triton through its interpreter when no GPU.
 if HAVE_TRITON and not torch.cuda.is_available():
-    from fullgraph.ops.neighbors import triton_grid as triton_backend
+    from fullgraph.ops.neighbors.triton import backend as triton_backend
 
     # Triton's interpreter runs each program in Python, so CPU runs take fewer, larger
     # programs: the same kernels with other block constants (GPU runs keep the tuned ones).

@@ -10,7 +10,8 @@ import torch
 
 import fullgraph
 from conftest import DEVICES, backend_cases, points
-from fullgraph.ops import sampling, sampling_cuda
+from fullgraph.ops.sampling import api as sampling
+from fullgraph.ops.sampling.cuda import backend as sampling_cuda
 
 
 def _oracle(x: np.ndarray, count: int, start: int) -> list[int]:

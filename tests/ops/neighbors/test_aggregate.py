@@ -295,7 +295,7 @@ def test_cpu_radius_aggregate_of_small_items_over_blocks_equals_the_pairs(monkey
     (``select.weighted_sums`` and its backward): values and all three gradients as the
     pairs' path, with ragged lengths, a query without neighbours, non-finite points and NaN
     features on references outside every radius (never read)."""
-    from fullgraph.ops.neighbors import cpu, select
+    from fullgraph.ops.neighbors.cpu import backend as cpu, native as select
 
     if not select.available():
         pytest.skip("the C++ extension did not build here")
@@ -324,7 +324,7 @@ def test_cpu_radius_aggregate_of_small_items_over_blocks_equals_the_pairs(monkey
 
 
 def test_the_weighted_sums_ops_check_their_contract():
-    from fullgraph.ops.neighbors import select
+    from fullgraph.ops.neighbors.cpu import native as select
 
     if not select.available():
         pytest.skip("the C++ extension did not build here")

@@ -64,7 +64,7 @@ def test_dynamic_compile_once_on_cuda(generator):
 
 
 def test_auto_picks_triton_on_cuda(monkeypatch, generator):
-    from fullgraph.ops.neighbors import triton_grid as triton_backend
+    from fullgraph.ops.neighbors.triton import backend as triton_backend
 
     calls = []
     kernels = triton_backend.BACKEND.implementation
@@ -123,7 +123,7 @@ def test_a_thousand_replays_on_fresh_data_equal_eager(generator):
 def test_feature_space_knn_replays_with_rows_that_fail_the_certificate(columns, generator):
     """auto takes "dense" for D >= 4 on CUDA: the rows its certificate cannot prove (ties
     wider than the slack) are redone inside the graph, on every replay."""
-    from fullgraph.ops.neighbors import dense
+    from fullgraph.ops.neighbors.dense import backend as dense
 
     def tied():
         pool = points("normal", 5, 32, generator).float().cuda()

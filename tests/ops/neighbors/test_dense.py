@@ -11,7 +11,7 @@ import torch
 
 import fullgraph
 from conftest import DEVICES, DISTRIBUTIONS, HAVE_TRITON, assert_neighbors, oracle_distances, oracle_nearest, points, tolerance
-from fullgraph.ops.neighbors import dense
+from fullgraph.ops.neighbors.dense import backend as dense
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +38,7 @@ def path(request, monkeypatch):
                     "case; every case on the GPU")
     monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
     if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
-        from fullgraph.ops.neighbors import triton_dense
+        from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
         monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_DIM", triton_dense.BRUTE_FORCE_MAX_DIM)
     if torch.cuda.is_available():
@@ -122,7 +122,7 @@ def _tied(generator, device="cpu", rows=40, columns=600, dim=8):
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_the_triton_search_restricted_to_flagged_rows(generator):
     """What redoes failed rows on CUDA without a host read: the flagged rows equal a full search."""
-    from fullgraph.ops.neighbors import triton_grid
+    from fullgraph.ops.neighbors.triton import backend as triton_grid
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.to(device) for t in _clouds("normal", 16, generator, rows=24, columns=90))
@@ -139,7 +139,8 @@ def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
     """What the dense path hands the Triton search instead of building its grid (D > 3): the
     frames' scaled clouds, valid rows first, give the lists of a grid built from scratch, with
     ragged lengths, non-finite points and flagged rows."""
-    from fullgraph.ops.neighbors import grid, pairs, triton_grid
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.triton import backend as triton_grid, grid
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query = torch.stack([points("normal", 30, 8, generator) for _ in range(2)]).float() * 1e15
@@ -252,7 +253,7 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     """Items of few pairs (dense.CPU_BRUTE_FORCE, by D) go to the "cpu" backend's brute force
     where the extension built, the same lists as the reference; wider D or more pairs to the
     products."""
-    from fullgraph.ops.neighbors import cpu, select
+    from fullgraph.ops.neighbors.cpu import backend as cpu, native as select
 
     if not select.available():
         pytest.skip("the C++ extension did not build here")
@@ -342,7 +343,7 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch
     """The GPU path's row selection (Triton's sort of packed keys): a stable sort's first
     ``count``, with ties, -0.0 beside 0.0, negatives and +inf; with ``needed``, those rows
     alike and the programs of the others skipped."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     values = torch.round(torch.randn(3, 2, width, generator=generator) * 3) * 2  # many ties, -0.0 among them
@@ -367,7 +368,7 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
     rows, rows of few distinct values (more at the threshold than the gathering holds: each
     block sorted and merged), one value repeated, -0.0 beside 0.0, +inf rows and a row whose
     least values crowd one class; with ``needed``, those rows alike and the others skipped."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     monkeypatch.setattr(triton_dense, "WIDE_BLOCK", 256)  # (several blocks a row in the interpreter)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -400,7 +401,7 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     points make the products exact, so ties between chunks are many and must go to the
     smaller chunk (small integers keep their order through the lists' rounding); invalid
     references (+inf norms) end the cloud."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -426,7 +427,7 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-    from fullgraph.ops.neighbors.triton_dense import _key_ceiling, _key_floor
+    from fullgraph.ops.neighbors.dense.kernels import _key_ceiling, _key_floor
 
     @triton.jit
     def _key_bounds_kernel(keys_ptr, q_abs_ptr, reach_ptr, bound_ptr, floor_ptr, ceiling_ptr, n, DIM: tl.constexpr,
@@ -451,7 +452,7 @@ def test_a_chunk_key_s_floor_and_ceiling_hold_its_members(dim, generator):
     the k-th's ceiling). Products in three TF32 products (their bound: ``product_error``);
     normal points, near-duplicates of each query (ties to the last bit of the keys) and a
     far reference."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 40, dim, generator=generator)
@@ -485,7 +486,7 @@ def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, m
     distinct chunks) and the last lies at or below every chunk they leave out (above the
     others where the nearest spread over the tiles), with one share of the references or
     many (their floors merged)."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", shares)
     monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)
@@ -521,7 +522,7 @@ def test_chunk_minima_within_the_products_error(precision, dim, generator):
     the float32 sums of three products a coordinate: on coordinates of mixed magnitudes,
     near-duplicates and a far point. (Triton's interpreter multiplies in float32 whatever
     the precision.)"""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
@@ -547,7 +548,7 @@ def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
     float64 of the unrounded clouds within the stated bound plus the float32 sums:
     coordinates of mixed magnitudes (and clouds far from 1 in all), near-duplicates, a far
     point."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query = torch.randn(2, 70, dim, generator=generator) * 10.0 ** torch.randint(-2, 3, (1, 1, dim), generator=generator)
@@ -583,7 +584,7 @@ def test_member_distances_of_the_needed_rows(generator):
     """``triton_dense.member_distances``: the squared distances to every member of the chosen
     chunks within (D + 2) u of float64 (a chunk past N and an invalid reference +inf); with
     ``needed``, those rows alike and the others +inf."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dim, chunk = 40, 8
@@ -610,7 +611,7 @@ def test_member_distances_of_the_needed_rows(generator):
 def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
     """``needed``: the stored chunk minima of the tiles holding a needed query equal those of
     the whole call (held queries and not); the other tiles are not written."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 300, 16, generator=generator).to(device)
@@ -637,7 +638,7 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
     subset: it certifies the k nearest before the radius drops some, the operators after)
     and ends in the same lists: ragged items, a NaN query, ties wider than the slack, a far
     item."""
-    from fullgraph.ops.neighbors import triton_dense
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)  # (halved tiles first here too)
@@ -711,7 +712,8 @@ def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chose
     arithmetic and ordered) against torch doing each step: the same members, bits and order,
     with duplicates (ties to the smaller index), invalid references, a missing chunk (-1),
     lists longer than the members (padding), and rows not ``needed`` left as they were."""
-    from fullgraph.ops.neighbors import pairs, triton_dense
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch, rows, columns = 2, 5, 200
@@ -763,7 +765,8 @@ def test_squared_distances_have_the_references_bits(dim, generator):
     reference's ``pairs.squared_difference`` of the gathered rows, on coordinates whose
     squares span many orders of magnitude (so any other summation order shows), with
     near-duplicates (tiny differences) and far points among them."""
-    from fullgraph.ops.neighbors import pairs, triton_dense
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 7, dim, generator=generator) * 10.0 ** torch.randint(-6, 6, (1, 1, dim), generator=generator)
@@ -802,7 +805,8 @@ def test_frames_in_triton_equal_torchs(dtype, dim, generator):
     NaN and inf coordinates, an empty item), the power-of-two scale (coordinates beyond its
     range, subnormal ones), the scaled clouds bit for bit, and the centred clouds, norms and reach to float
     rounding (the centre's sum runs in another order)."""
-    from fullgraph.ops.neighbors import pairs, triton_dense
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # item 3: subnormal coordinates (bfloat16's on GPUs only: Triton's interpreter widens them wrong)
@@ -835,7 +839,8 @@ def test_brute_force_measures_every_pair_as_the_reference(dim, k, generator):
     """``triton_dense.brute_force``: the k nearest valid references by the reference's
     arithmetic (bits of the halving sums), ties to the smaller position, with duplicates,
     invalid references and fewer valid references than k in one item."""
-    from fullgraph.ops.neighbors import pairs, triton_dense
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.randn(2, 9, dim, generator=generator) * 10.0 ** torch.randint(-3, 3, (1, 1, dim), generator=generator)

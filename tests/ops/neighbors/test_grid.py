@@ -23,7 +23,7 @@ def _clouds(distribution: str, dim: int, seed: int = 0):
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 @pytest.mark.parametrize("dim", [1, 2, 3, 5])
 def test_sorted_clouds_are_permutations_with_cell_ranges(distribution, dim):
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     query, ref, query_lengths, ref_lengths = _clouds(distribution, dim)
     frame, queries, refs = grid.build(query, ref, query_lengths, ref_lengths)
@@ -73,7 +73,7 @@ def _check_sorted(grid, frame, queries, refs, query, ref, query_lengths, ref_len
 @pytest.fixture(params=["search", "histogram"])
 def bounds_method(request, monkeypatch):
     """grid.lower_bounds' two ways, each forced."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     monkeypatch.setattr(grid, "HISTOGRAM_FROM", 1 << 62 if request.param == "search" else 0)
 
@@ -83,7 +83,7 @@ def bounds_method(request, monkeypatch):
 def test_lower_bounds_equal_searchsorted(split, dtype, bounds_method):
     """grid.lower_bounds: per part, torch.searchsorted of arange(count), with duplicate
     values, gaps, values past count and empty parts."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(3)
     values = torch.randint(0, 30, (40,), generator=generator, dtype=dtype)
@@ -102,7 +102,7 @@ def test_lower_bounds_across_programs(split, bounds_method):
     """grid.lower_bounds over many programs' blocks (of bounds searched, or of values whose
     runs are summed a block at a time): runs longer than a block, across blocks and the
     split, long gaps, a clustered part, values past count."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(4)
     count = 5 * max(grid.HISTOGRAM_BLOCK, grid.LOWER_BOUNDS_BLOCK[0]) + 3
@@ -118,7 +118,7 @@ def test_lower_bounds_across_programs(split, bounds_method):
 @pytest.mark.parametrize("dim", [3, 5])
 def test_a_saved_grid_restores_to_the_built_one(dim):
     """grid.save's int32 record gives back the frame and both sorted clouds, bit for bit."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     query, ref, query_lengths, ref_lengths = _clouds("clustered", dim)
     built = grid.build(query, ref, query_lengths, ref_lengths)
@@ -136,7 +136,7 @@ def test_a_saved_grid_restores_to_the_built_one(dim):
 def test_cells_follow_the_density_the_queries_see():
     """A normal cloud queried in its core gets cells that hold about CELL_POINTS references
     there, not the box average (which would put hundreds in each core cell)."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(1)
     ref = torch.randn(1, 20_000, 3, generator=generator).to(DEVICE)
@@ -155,7 +155,7 @@ def test_cells_follow_the_density_the_queries_see():
 def test_cells_of_a_side_hold_between_one_and_cell_points_references(side, expected):
     """``side``: cells of that side (the radius aggregation's, from its radius) where a query's
     cell then holds 1 to ``cell_points`` references; else the side that holds the nearer bound."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(2)
     ref = torch.rand(1, 20_000, 3, generator=generator).to(DEVICE)
@@ -202,7 +202,7 @@ def _tight_clusters(generator, *counts, spread=1e-3):
 def test_clustered_clouds_get_cells_finer_than_their_buckets():
     """Tight clusters: the cells follow the clusters' density (2^shift cells a bucket, found by
     a binary search within it) and the sorted clouds, buckets and offsets stay consistent."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(4)
     ref, query = (cloud.to(DEVICE) for cloud in _tight_clusters(generator, 1_500, 200))
@@ -219,7 +219,7 @@ def test_search_and_aggregation_are_exact_on_sparse_cells():
     """Through buckets of many cells: kNN, radius search and radius_aggregate (forward and
     gradients) equal the torch reference on tightly clustered clouds."""
     import fullgraph
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     generator = torch.Generator().manual_seed(5)
     ref, query = _tight_clusters(generator, 1_200, 16)  # (few queries: Triton's interpreter is slow here)
@@ -249,7 +249,7 @@ def test_cell_space_keeps_32_bit_keys_only_with_room_to_refine():
     sort's keys 32 bits; where even FINER_LEAST would not fit, the keys are 64-bit and the
     cells FINER times the buckets again (a 2 x 10^8-point cloud kept at one cell a bucket to
     save a sort pass searched its clusters 2x slower)."""
-    from fullgraph.ops.neighbors import grid
+    from fullgraph.ops.neighbors.triton import grid
 
     for points, batch in ((1_000, 1), (10**6, 1), (10**7, 1), (3 * 10**7, 1), (4 * 10**7, 1), (2 * 10**8, 1),
                           (10**6, 64)):

@@ -77,12 +77,12 @@ def test_cpu_kernels_equal_torch(dtype):
     idx = _lists(2, 33, 40, 7, generator, "cpu")
     idx[0, 2, :2] = torch.tensor([6, 5])
     idx[1, :, 0] = 3
-    got, want = torch.ops.fullgraph_select.knn_reduce(values, idx), reduce._reduce_torch(values, idx)
+    got, want = torch.ops.fullgraph_cpu.knn_reduce(values, idx), reduce._reduce_torch(values, idx)
     for a, b in zip(got[:3], want[:3]):
         torch.testing.assert_close(a, b, equal_nan=True)
     assert torch.equal(got[3], want[3])
     grads = [torch.randn(2, 33, 37, generator=generator, dtype=dtype) for _ in range(3)]
-    torch.testing.assert_close(torch.ops.fullgraph_select.knn_reduce_backward(*grads, idx, want[3], 40),
+    torch.testing.assert_close(torch.ops.fullgraph_cpu.knn_reduce_backward(*grads, idx, want[3], 40),
                                reduce._backward_torch(*grads, idx, want[3], 40))
 
 

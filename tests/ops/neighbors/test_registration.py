@@ -154,7 +154,7 @@ def test_kd_tree_extern_ops_pass_opcheck(generator):
     import math
 
     from fullgraph import extern
-    from fullgraph.ops.neighbors import cpu
+    from fullgraph.ops.neighbors.cpu import backend as cpu
 
     ref, points_ = points("uniform", 50, 3, generator), points("uniform", 7, 3, generator)
     extern.check(cpu._kdtree_knn, ref, points_, 4, math.inf)

@@ -41,7 +41,7 @@ def test_the_sorting_merge_of_search_tiles_matches_the_oracle(k, radius, generat
     cloud on a lattice of spacing 0.25."""
     from conftest import HAVE_TRITON
 
-    from fullgraph.ops.neighbors import triton_grid
+    from fullgraph.ops.neighbors.triton import backend as triton_grid
 
     if not HAVE_TRITON:
         pytest.skip("needs Triton")
@@ -240,7 +240,7 @@ def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
     """Radius searches on CPUs: the CPU backend at every size, items of at most
     cpu.BRUTE_FORCE_MAX_PAIRS query-reference pairs by brute force (C++), the k-d tree
     beyond; the reference's lists either way."""
-    from fullgraph.ops.neighbors import cpu
+    from fullgraph.ops.neighbors.cpu import backend as cpu
 
     calls = []
     original = cpu._brute_force
@@ -262,7 +262,8 @@ def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
     distances and counts equal bit for bit on ragged batches with duplicates (ties to the
     smaller index), non-finite points, an item of huge coordinates (its scale), pairs exactly
     at the radius, k beyond the cloud, and kNN (no radius)."""
-    from fullgraph.ops.neighbors import cpu, reference, select
+    from fullgraph.ops.neighbors import reference
+    from fullgraph.ops.neighbors.cpu import backend as cpu, native as select
 
     if not select.available():
         pytest.skip("the C++ extension did not build here")
@@ -290,7 +291,8 @@ def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
 def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     """3-D points on CPUs: the k-d tree for items of more query-reference pairs than
     dense.CPU_AUTO_MAX_PAIRS, the products for fewer."""
-    from fullgraph.ops.neighbors import cpu, dense
+    from fullgraph.ops.neighbors.cpu import backend as cpu
+    from fullgraph.ops.neighbors.dense import backend as dense
 
     calls = []
     kernels = cpu.BACKEND.implementation
@@ -328,7 +330,7 @@ def test_large_knn_is_fast_and_lean():
 def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator):
     """The CPU backend's k-d trees (forced: small items otherwise take its brute force) give
     the reference's lists, counts and aggregations on every distribution, ragged."""
-    from fullgraph.ops.neighbors import cpu
+    from fullgraph.ops.neighbors.cpu import backend as cpu
 
     monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 0)
     monkeypatch.setattr(cpu, "PAIRS_BRUTE_FORCE_MAX_PAIRS", 0)

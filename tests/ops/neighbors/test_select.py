@@ -1,4 +1,4 @@
-"""The dense backend's candidate selection (ops/neighbors/select.py): the take smallest of
+"""The dense backend's candidate selection (ops/neighbors/cpu/native.py): the take smallest of
 every row, ascending, ties to the smaller position, NaN last, as a stable sort gives them."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 
 from conftest import CPP_CHECKS_CRASH, CRASH_REASON
 
-from fullgraph.ops.neighbors import select
+from fullgraph.ops.neighbors.cpu import native as select
 
 
 def stable_smallest(values, take):
@@ -117,9 +117,9 @@ def test_squared_distances_refuse_positions_outside_the_cloud(generator):
         pytest.skip(CRASH_REASON)
     # The extension's own operator checks the same (a public torch.ops namespace).
     with pytest.raises(RuntimeError, match=r"candidates: expected positions in \[0, 6\)"):
-        torch.ops.fullgraph_select.squared_distances(q, r, outside)
+        torch.ops.fullgraph_cpu.squared_distances(q, r, outside)
     with pytest.raises(RuntimeError, match="r: expected a CPU tensor"):
-        torch.ops.fullgraph_select.squared_distances(q, r.double(), positions)
+        torch.ops.fullgraph_cpu.squared_distances(q, r.double(), positions)
 
 
 def test_the_brute_force_ops_check_their_contract(generator):

@@ -1,7 +1,7 @@
 import sys, torch, fullgraph
 sys.path.insert(0, "benchmarks")
 from replay_profile import graphed_ms
-from fullgraph.ops.neighbors import grid as g
+from fullgraph.ops.neighbors.triton import grid as g
 gen = torch.Generator(device="cuda").manual_seed(0)
 axis = torch.linspace(-1, 1, 30, device="cuda")
 q = torch.stack(torch.meshgrid(axis, axis, axis, indexing="ij"), -1).reshape(-1, 3)

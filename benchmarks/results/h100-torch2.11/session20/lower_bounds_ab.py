@@ -1,7 +1,7 @@
 import sys, torch
 sys.path.insert(0, "benchmarks")
 from replay_profile import graphed_ms
-from fullgraph.ops.neighbors import grid as g
+from fullgraph.ops.neighbors.triton import grid as g
 gen = torch.Generator(device="cuda").manual_seed(0)
 # the seed grid: 27,000 + 100,000 sorted slots in 2 x 400,001; the pair keys: 189,000 in 100,001
 cases = {"grid slots": (torch.cat([torch.randint(0, 400_001, (27_000,), device="cuda", generator=gen).sort().values,

@@ -136,7 +136,7 @@ register(Workload(
                                     (1, 10_000, 1_000_000, 128, 10)]},
            "feature-small": {"features": [(8, 2048, 2048, 64, 20), (1, 5000, 50_000, 16, 10),
                                           (1, 2000, 100_000, 128, 10)]},
-           # where "auto" should take dense over the search (ops/neighbors/dense.py cites it)
+           # where "auto" should take dense over the search (ops/neighbors/dense/backend.py cites it)
            "crossover": {"features": [(8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 32, 20),
                                       (8, 4096, 4096, 16, 20), (8, 4096, 4096, 8, 20), (16, 256, 256, 64, 20),
                                       (1, 64, 1000, 32, 8), (4, 4096, 4096, 32, 64), (1, 20_000, 200_000, 16, 10),

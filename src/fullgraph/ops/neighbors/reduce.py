@@ -21,8 +21,8 @@ import torch
 
 from ... import _triton, _validate
 from ..._triton import tl, triton
-from . import select
-from .triton_grid import sum_pairs_by_ref
+from .cpu import native as select
+from .triton.backend import sum_pairs_by_ref
 
 Tensor = torch.Tensor
 # Slots are stored as int16: lists up to this long.
@@ -140,7 +140,7 @@ def knn_reduce_op(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor, 
     _check(values, idx)
     values, idx = values.contiguous(), idx.contiguous()
     if _uses_cpp(values):
-        return tuple(torch.ops.fullgraph_select.knn_reduce(values, idx))
+        return tuple(torch.ops.fullgraph_cpu.knn_reduce(values, idx))
     return (_reduce_triton if _uses_triton(values) else _reduce_torch)(values, idx)
 
 
@@ -169,7 +169,7 @@ def knn_reduce_backward_op(grad_max: Tensor, grad_min: Tensor, grad_sum: Tensor,
         raise ValueError(f"slots: expected int16 of shape {(2, batch, rows, channels)}, got {slots.dtype} "
                          f"{tuple(slots.shape)}")
     if _uses_cpp(grad_sum) and grad_max.dtype == grad_min.dtype == grad_sum.dtype:
-        return torch.ops.fullgraph_select.knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, columns)
+        return torch.ops.fullgraph_cpu.knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, columns)
     # (The Triton sums are float32: float64 gradients take torch's float64 index_add.)
     triton_sums = _uses_triton(grad_sum) and torch.float64 not in (grad_max.dtype, grad_min.dtype, grad_sum.dtype)
     return (_backward_triton if triton_sums else _backward_torch)(grad_max, grad_min, grad_sum, idx, slots, columns)

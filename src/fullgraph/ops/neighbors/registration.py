@@ -5,7 +5,7 @@ Each op takes a backend name ("auto" or one of ``BACKENDS``), checks its inputs 
 resolves the backend and calls its ``pairs.Kernels`` interface. Backward functions are
 operators too, so they compile.
 
-The backends, most preferred first for "auto"; a new backend is one module declaring its
+The backends, most preferred first for "auto"; a new backend is one folder (or module) declaring its
 ``Backend`` and one entry here.
 """
 
@@ -16,12 +16,12 @@ import math
 import torch
 
 from ... import _validate, backends
-from . import cpu, cuml, dense, pairs, reference, triton_grid, warp
+from . import cpu, cuml, dense, pairs, reference, triton, warp
 
 BACKENDS = backends.family(
     "neighbors",
     dense.BACKEND,  # first where its measured crossovers say (feature space), else the grid
-    triton_grid.BACKEND,
+    triton.BACKEND,
     cpu.BACKEND,
     reference.BACKEND,
     warp.BACKEND,

@@ -43,11 +43,12 @@ import math
 import numpy as np
 import torch
 
-from ... import _triton
-from ..._triton import triton
-from ...backends import Backend
-from . import grid, pairs
-from . import triton_kernels as kernels
+from .... import _triton
+from ...._triton import triton
+from ....backends import Backend
+from .. import pairs
+from . import grid
+from . import kernels
 
 MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the

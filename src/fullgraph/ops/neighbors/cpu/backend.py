@@ -20,9 +20,10 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from ... import extern
-from ...backends import Backend
-from . import pairs, reference, select
+from .... import extern
+from ....backends import Backend
+from .. import pairs, reference
+from . import native as select
 
 # Candidate searches use a radius a hair larger than asked (the exact test follows): more
 # than the relative error of a float32 distance in D dimensions, (D + 2) * 2^-24, can be.

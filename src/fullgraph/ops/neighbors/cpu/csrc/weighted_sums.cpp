@@ -1,6 +1,6 @@
-// fullgraph_select::weighted_sums(d [B, M, N], ok [B, M, N] bool, features [B, N, C], sigma) -> [B, M, C]
+// fullgraph_cpu::weighted_sums(d [B, M, N], ok [B, M, N] bool, features [B, N, C], sigma) -> [B, M, C]
 //   and weighted_sums_backward(...): radius_aggregate over whole distance blocks of small items
-// (the "cpu" backend, ops/neighbors/cpu.py): per query row, the features of the pairs that
+// (the "cpu" backend, cpu/backend.py): per query row, the features of the pairs that
 // count (ok) weighted by exp(-(d - the row's least d) / sigma) and normalized, as
 // pairs.aggregate_pairs computes them from gathered pairs; a row without a pair gets 0. The
 // pairs' gathers and index_adds cost ~20 torch operators a chunk; here a row is one pass.
@@ -170,13 +170,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> weighted_sums_backward(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fullgraph_select, m) {
+TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("weighted_sums(Tensor d, Tensor ok, Tensor features, float sigma) -> Tensor");
   m.def("weighted_sums_backward(Tensor d, Tensor ok, Tensor features, Tensor query, Tensor ref, Tensor grad_out, "
         "Tensor out, float sigma) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("weighted_sums", &weighted_sums);
   m.impl("weighted_sums_backward", &weighted_sums_backward);
 }

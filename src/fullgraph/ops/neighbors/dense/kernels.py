@@ -28,8 +28,8 @@ import math
 
 import torch
 
-from ..._triton import tl, triton
-from .pairs import PER_COORDINATE_MAX_DIM
+from ...._triton import tl, triton
+from ..pairs import PER_COORDINATE_MAX_DIM
 
 # Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps,
 # pipeline stages) by precision. H100, session 32 run UH (``dense_profile.py --tiles-sweep``,
@@ -162,8 +162,8 @@ def chunk_size(columns: int, count: int) -> int:
 
 
 if triton is not None:
-    from ..scaling import kernel_power_below, kernel_safe_scale
-    from .triton_kernels import _KEY_NONE, _insert
+    from ...scaling import kernel_power_below, kernel_safe_scale
+    from ..triton.kernels import _KEY_NONE, _insert
 
     _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
     _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)

@@ -1,4 +1,4 @@
-// fullgraph_select::knn_reduce(values [B, N, C], idx [B, M, K] int64) -> (max, min, sum [B, M, C],
+// fullgraph_cpu::knn_reduce(values [B, N, C], idx [B, M, K] int64) -> (max, min, sum [B, M, C],
 //   slots [2, B, M, C] int16) and knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, N)
 //   -> [B, N, C]: ops/neighbors/reduce.py's knn_reduce on CPUs. Per query, each neighbour's row
 // is read once (torch gathered [B, M, K, C] and reduced it three times, ~8 ms at 2 x 1024 x 20
@@ -165,13 +165,13 @@ at::Tensor knn_reduce_backward(const at::Tensor& grad_max, const at::Tensor& gra
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fullgraph_select, m) {
+TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("knn_reduce(Tensor values, Tensor idx) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("knn_reduce_backward(Tensor grad_max, Tensor grad_min, Tensor grad_sum, Tensor idx, Tensor slots, "
         "int columns) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("knn_reduce", &knn_reduce);
   m.impl("knn_reduce_backward", &knn_reduce_backward);
 }

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..._extension import ExtensionBuildError, build
+from ...._extension import ExtensionBuildError, build
 
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp", "knn_reduce.cpp")]
@@ -29,7 +29,7 @@ def _built() -> bool:
     try:
         # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise
         # kernels round them (the re-measure's bits), no fused multiply-adds from -mfma.
-        build("fullgraph_select", SOURCES, with_cuda=False, cflags=["-ffp-contract=off"],
+        build("fullgraph_cpu", SOURCES, with_cuda=False, cflags=["-ffp-contract=off"],
               what="fullgraph.knn: the CPU candidate selection and re-measure",
               instead="nothing: torch.topk selects and torch measures instead (slower)")
     except ExtensionBuildError as error:
@@ -52,7 +52,7 @@ def smallest(values: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tenso
     if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= values.shape[-1]:
         raise ValueError(f"take: expected an int from 0 to {values.shape[-1]} (the rows' length), got {take!r}")
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and _built():
-        return torch.ops.fullgraph_select.smallest(values, take)
+        return torch.ops.fullgraph_cpu.smallest(values, take)
     return torch.topk(values, take, dim=-1, largest=False, sorted=True)
 
 
@@ -65,7 +65,7 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
             or not _built()):
         return None
     _check_measure(q, r, candidates)
-    return torch.ops.fullgraph_select.squared_distances(q, r, candidates)
+    return torch.ops.fullgraph_cpu.squared_distances(q, r, candidates)
 
 
 def _check_clouds(q: torch.Tensor, r: torch.Tensor) -> None:
@@ -100,7 +100,7 @@ def squared_distances_all(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor | No
             or not _built()):
         return None
     _check_clouds(q, r)
-    return torch.ops.fullgraph_select.squared_distances_all(q, r)
+    return torch.ops.fullgraph_cpu.squared_distances_all(q, r)
 
 
 def nearest_within(d: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor, within: torch.Tensor,
@@ -118,7 +118,7 @@ def nearest_within(d: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor
         raise ValueError(f"within: expected [{batch}] of d's dtype, got {within.dtype} {list(within.shape)}")
     if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= columns:
         raise ValueError(f"take: expected an int from 0 to {columns} (the rows' length), got {take!r}")
-    return torch.ops.fullgraph_select.nearest_within(d, query_ok, ref_ok, within, take)
+    return torch.ops.fullgraph_cpu.nearest_within(d, query_ok, ref_ok, within, take)
 
 
 def _check_blocks(d: torch.Tensor, ok: torch.Tensor, features: torch.Tensor) -> None:
@@ -138,7 +138,7 @@ def weighted_sums(d: torch.Tensor, ok: torch.Tensor, features: torch.Tensor, sig
     if d.device.type != "cpu" or d.dtype not in (torch.float32, torch.float64) or not _built():
         return None
     _check_blocks(d, ok, features)
-    return torch.ops.fullgraph_select.weighted_sums(d, ok, features, float(sigma))
+    return torch.ops.fullgraph_cpu.weighted_sums(d, ok, features, float(sigma))
 
 
 def weighted_sums_backward(d, ok, features, query, ref, grad_out, out, sigma: float):
@@ -154,4 +154,4 @@ def weighted_sums_backward(d, ok, features, query, ref, grad_out, out, sigma: fl
         if t.dtype != d.dtype or tuple(t.shape) != (batch, rows, features.shape[-1]):
             raise ValueError(f"{name}: expected [{batch}, {rows}, {features.shape[-1]}] {d.dtype}, got {t.dtype} "
                              f"{list(t.shape)}")
-    return torch.ops.fullgraph_select.weighted_sums_backward(d, ok, features, query, ref, grad_out, out, float(sigma))
+    return torch.ops.fullgraph_cpu.weighted_sums_backward(d, ok, features, query, ref, grad_out, out, float(sigma))

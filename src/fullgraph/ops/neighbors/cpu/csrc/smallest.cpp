@@ -1,11 +1,11 @@
-// fullgraph_select::smallest(values [..., N] float32/float64, take) -> (values, indices [..., take]):
+// fullgraph_cpu::smallest(values [..., N] float32/float64, take) -> (values, indices [..., take]):
 // the ``take`` smallest values of every row and their positions, ascending, ties to the smaller
 // position, NaN after +inf (torch.topk(largest=False, sorted=True)'s lists, with its ties fixed).
 //
 // torch.topk on CPUs copies and partially sorts every row (~10 us a row of 2,048 on one core);
 // here a row is read twice (vectorized minima, then a filter) and only its few smallest entries
 // are sorted (select_row). The dense kNN backend's candidate selection on CPUs
-// (ops/neighbors/dense.py) spent most of its time in torch.topk.
+// (ops/neighbors/dense/backend.py) spent most of its time in torch.topk.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -241,12 +241,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
 
 }  // namespace
 
-TORCH_LIBRARY(fullgraph_select, m) {
+TORCH_LIBRARY(fullgraph_cpu, m) {
   m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)");
   m.def("nearest_within(Tensor d, Tensor query_ok, Tensor ref_ok, Tensor within, int take) -> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("smallest", &smallest);
   m.impl("nearest_within", &nearest_within);
 }

@@ -82,9 +82,13 @@ import math
 
 import torch
 
-from ... import _triton
-from ...backends import FLOATING, Backend
-from . import grid, pairs, reference, select, triton_dense, triton_grid
+from .... import _triton
+from ....backends import FLOATING, Backend
+from .. import pairs, reference
+from ..cpu import native as select
+from ..triton import backend as triton_grid
+from ..triton import grid
+from . import kernels as triton_dense
 
 SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate (with

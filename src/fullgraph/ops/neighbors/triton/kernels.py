@@ -7,7 +7,7 @@ allocates: the kernels only read and write the tensors they are given.
 
 from __future__ import annotations
 
-from ..._triton import tl, triton
+from ...._triton import tl, triton
 
 if triton is not None:
     from .grid import INV_SIDE, SCALE, SHIFT, SIDE, SLACK, VALUES

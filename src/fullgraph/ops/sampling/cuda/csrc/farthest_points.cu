@@ -24,7 +24,7 @@
 // [B, count] int64: -1 once an item has no valid point left, and a row of -1 for a start
 // outside [0, N). cluster = 0 chooses the blocks a cloud (below); shared_copy = false reads
 // the winners' coordinates from global memory even where the cloud would fit (for tests).
-// fullgraph/ops/sampling_cuda.py calls it and checks its arguments first.
+// fullgraph/ops/sampling/cuda/backend.py calls it and checks its arguments first.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>

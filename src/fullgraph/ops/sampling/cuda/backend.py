@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .. import backends
-from .._extension import ExtensionBuildError, build, missing_tools
+from .... import backends
+from ...._extension import ExtensionBuildError, build, missing_tools
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
 MAX_POINTS = 65_536  # kMaxPoints: an index takes 16 bits of the kernel's keys

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._triton import tl, triton
+from ...._triton import tl, triton
 
 CELL_POINTS = 8
 # Buckets per item, in units of CELL_POINTS references (room for cells BUDGET / 8 times
@@ -95,7 +95,7 @@ class SortedPoints:
 
 
 if triton is not None:
-    from ..scaling import kernel_safe_scale
+    from ...scaling import kernel_safe_scale
 
     # Columns of ``Frame.values``: origin (x, y, z), extent (x, y, z), then these.
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)

@@ -7,7 +7,7 @@ Points beyond an item's length or with a non-finite coordinate are never taken.
 
 The padded form (x [B, N, D], lengths) reads nothing back to the host, so it compiles and runs
 inside CUDA graphs: one operator, ``fullgraph::farthest_points``, whose backends are a C++/CUDA
-kernel on thread-block clusters ("cuda", sampling_cuda.py: clouds of up to 65,536 points), the
+kernel on thread-block clusters ("cuda", cuda/backend.py: clouds of up to 65,536 points), the
 Triton kernel below ("triton": any size) and K iterations of a few batched tensor operations
 ("torch", any device). The flat form with a batch vector reads the item sizes once (its
 output length depends on them), like torch_cluster.
@@ -19,12 +19,12 @@ import math
 
 import torch
 
-from .. import _triton, _validate, backends
-from .._triton import tl, triton
-from .neighbors.batching import Padded, check_batch
-from .neighbors.pairs import accumulation_dtype, valid_points, valid_points_and_largest
-from .sampling_cuda import BACKEND as CUDA_BACKEND
-from .scaling import safe_scale
+from ... import _triton, _validate, backends
+from ..._triton import tl, triton
+from ..neighbors.batching import Padded, check_batch
+from ..neighbors.pairs import accumulation_dtype, valid_points, valid_points_and_largest
+from ..scaling import safe_scale
+from .cuda.backend import BACKEND as CUDA_BACKEND
 
 
 def _starts(x, valid, random_start: bool, generator) -> torch.Tensor:
@@ -338,7 +338,7 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
             ``generator``, on x's device); else its first valid point.
         backend: "auto", "cuda" (float32, a GPU of compute capability >= 9.0: a C++/CUDA
             kernel built on first use, one thread-block cluster per cloud of up to 65,536
-            points of D <= 4; see sampling_cuda.py), "triton" (CUDA, float32: one launch, a
+            points of D <= 4; see cuda/backend.py), "triton" (CUDA, float32: one launch, a
             program per cloud or per part of a large one, the parts exchanging candidates
             through L2; see ``RESIDENT_ELEMENTS``) or "torch" (a loop of batched PyTorch
             operations, any device and dtype). "auto" takes "cuda" where it is built or can

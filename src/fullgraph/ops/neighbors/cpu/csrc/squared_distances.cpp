@@ -1,4 +1,4 @@
-// fullgraph_select::squared_distances(q [B, M, D], r [B, N, D], candidates [B, M, C] int64)
+// fullgraph_cpu::squared_distances(q [B, M, D], r [B, N, D], candidates [B, M, C] int64)
 //   -> [B, M, C]: sum_d (q[b, i, d] - r[b, candidates[b, i, j], d])^2 in the reference's order
 // (pairs.squared_difference: coordinate by coordinate up to D = 4, above that the squares
 // summed by halving, pairs.halving_sum), float32 or float64, bit for bit.
@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-// Built with -ffp-contract=off (ops/neighbors/select.py): every product and sum is rounded on
+// Built with -ffp-contract=off (cpu/native.py): every product and sum is rounded on
 // its own, as torch's element-wise kernels round them; -mfma would otherwise let the compiler
 // fuse them.
 
@@ -207,12 +207,12 @@ at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(fullgraph_select, m) {
+TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
   m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fullgraph_select, CPU, m) {
+TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("squared_distances", &squared_distances);
   m.impl("squared_distances_all", &squared_distances_all);
 }

@@ -1,0 +1,1 @@
+"""The "cuda" farthest-point-sampling backend: a C++/CUDA extension on thread-block clusters."""
