@@ -217,9 +217,8 @@ if triton is not None:
         tl.store(out + offs, ~(~undefined & (gap * (1 - margin) > bound)), mask=live)
 
 
-# Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k]
-# lists (a few int64 copies), which for a shard of 100M queries at once needed 24 GiB per copy
-# and ran an H200 out of memory.
+# Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k] lists
+# (a few int64 copies).
 MERGE_ROWS = 1 << 22
 
 
@@ -285,10 +284,8 @@ def _boxes(ref: torch.Tensor, group) -> torch.Tensor:
 # OCCUPANCY_POINTS points a cell of a uniform shard.
 OCCUPANCY_CELLS = 64
 OCCUPANCY_POINTS = 8
-# The cells are made only where the box leaves more than this share of the queries reaching
-# a shard: they cost passes over the shard and the queries (at 10^8 points a rank on an H100:
-# ~90 ms a remote step as torch passes, run IE, uniform slabs 589 -> 683 ms; 12-16 ms as
-# kernels, run JB), where the box prunes slabs to ~1 % of the queries alone.
+# The cells are made only where the box leaves more than this share of the queries reaching a shard:
+# they cost passes over the shard and the queries.
 OCCUPANCY_FROM = 0.1
 
 

@@ -227,8 +227,8 @@ class FusedConv1dBlock(nn.Module):
     [B, C_out] and ``residual`` [B, C_out, T] (or [B, C_res, T] through a 1x1 convolution's
     ``residual_weight`` [C_out, C_res], ``residual_bias``) are its optional epilogue. Beyond
     ``FUSED_MAX_COLUMNS`` (B * T) the same function as a product (``matmul_conv1d``),
-    GroupNorm and Mish, which torch.compile fuses better there: one block with FiLM, bf16, H100
-    (benchmarks/conv_block_shapes.py, session 14 run CF): batch 1 (4-16 columns) fused 3.3-8.7 us
+    GroupNorm and Mish, which torch.compile fuses better there: one block with FiLM, bf16, H100:
+    batch 1 (4-16 columns) fused 3.3-8.7 us
     against the compiled product's 6.5-14.1; batch 8, 1024 channels, T = 4 (32 columns) 30.1 against 13.0."""
 
     FUSED_MAX_COLUMNS = 16
@@ -259,8 +259,7 @@ class FiLMEncoder(nn.Module):
     blocks' Linear layers stacked: per block [B, (2) C_out] (``sizes``), in the blocks' call
     order. The product's inner size is padded with zeros to a multiple of
     ``ALIGN`` (cond_dim 1284 at the seed size): cuBLAS then takes a GEMM kernel for the 37 MB
-    of weights at batch 1, 16.5 us a step in the graphed U-Net instead of its GEMV's 36 (H100,
-    benchmarks/unet_profile.py, session 14 runs CC and CD)."""
+    of weights at batch 1, 16.5 us a step in the graphed U-Net instead of its GEMV's 36 (H100)."""
 
     ALIGN = 64
 

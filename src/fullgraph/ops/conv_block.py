@@ -343,11 +343,7 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
 
 
 # "auto" takes the fused kernel on CUDA up to this many (batch item, step) columns, the PyTorch
-# reference beyond. H100, bf16, one block with FiLM, CUDA graphs (benchmarks/conv_block_shapes.py,
-# session 14): C_in = C_out = 256, T = 16: B = 8 (128 columns) 16.2 us against 32.8, B = 64 (1,024)
-# 26.9 against 34.8, B = 256 (4,096) 76.2 against 58.9; 1024 channels, T = 4: B = 8 (32) 30.1
-# against 77.2, B = 64 (256) 94.8 against 90.9, B = 256 (1,024) 251 against 139 (run CF). Batch 1
-# (4-16 columns): 3.3-8.7 us against the compiled matrix-product block's 6.5-14.1.
+# reference beyond.
 AUTO_MAX_COLUMNS = 128
 
 

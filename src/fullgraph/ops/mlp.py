@@ -6,7 +6,7 @@ Point-cloud models run small MLPs on every point (the projector's 3 -> 25 -> 25 
 multiples of 4, cuBLAS takes SIMT kernels and split-K reductions), a bias and a ReLU, and
 the backward as many again, each moving the [N, width] activations through memory: the two
 projector MLPs' products alone took ~225 us of the seed kNN train step (~1,040 us) on the
-H100 (session 15 profile). The "triton" backend keeps a block of rows in registers through
+H100 (torch.profiler). The "triton" backend keeps a block of rows in registers through
 every layer: the forward reads x and writes the output once; the backward (up to four
 layers) recomputes the activations from x (none are saved), writes dL/dx, and each program
 sums its rows' weight and bias gradients in registers and writes them once to its own slot
@@ -35,17 +35,12 @@ from .._triton import tl, triton
 MAX_WIDTH = 32  # wider layers' dot operands outgrow shared memory (4 x 64 wide: ~230 KB)
 MAX_LAYERS = 8
 TRITON_MAX_LAYERS = 4  # the backward kernel holds one accumulator a layer, unrolled
-# Rows a program takes at once, and its warps: forward, backward (H100, the projector's two
-# MLPs, graphed forward / forward + backward, benchmarks/mlp_shapes.py --settings, run FD:
-# backward blocks of 32 rows on 2 warps 150 / 82 us against 191 / 90 for 64 on 4 and 422 /
-# 192 for 64 on 8; the forward 30 us at 64 on 4 against 36 at 32 on 2).
+# Rows a program takes at once, and its warps: forward, backward.
 BLOCK, NUM_WARPS = 64, 4
 BACKWARD_BLOCK, BACKWARD_NUM_WARPS = 32, 2
 # tl.dot's input_precision: "tf32x3" (tensor cores) or "ieee" (float32 FMAs).
 PRECISION = "tf32x3"
 # Backward programs per SM: each owns a run of row blocks (fewer partial sums to reduce).
-# H100 session 20 (run HD), the projector's MLPs forward + backward graphed, 1 / 2 / 4 / 8 / 16
-# a SM: 10^5 x (3, 25, 25, 25) 188 / 114 / 89 / 101 / 129 us; 27,000 x (25, 25, 25, 1) 65 / 49 / 40 / 48 / 47.
 BACKWARD_PROGRAMS_PER_SM = 4
 # Backward programs' partial sums the summing kernel reads at once.
 SUM_CHUNK = 64
@@ -420,7 +415,7 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
             ``fullgraph.graphs``), else "torch". As called, one Triton launch costs the host more
             than the layers' few cuBLAS launches and the GPU waits on the host at these sizes
             (H100, 10^5 x (3, 25, 25, 25) forward + backward: eager 1.68 against 1.10 ms;
-            graphed 0.12 against 0.25 ms; ``benchmarks/mlp_shapes.py``, session 17 runs FG, FJ),
+            graphed 0.12 against 0.25 ms),
             so eager calls run PyTorch's layers directly, and so do calls compiled for other
             devices. Under torch.compile on CUDA without CUDA graphs the operator runs
             PyTorch's layers inside it (one dispatch more than the layers compiled alone:

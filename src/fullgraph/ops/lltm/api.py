@@ -115,9 +115,7 @@ def _extension(input, weights, bias, old_h, old_cell):
 
 BACKENDS = backends.family(
     "lltm",
-    # "auto" takes it on CUDA only: on CPUs plain PyTorch was faster at every size measured
-    # (benchmarks/results/cpu-2core-torch2.13/lltm-threads.log; 1 thread, B = 256: forward
-    # 815 vs 715 us, forward + backward 2,911 vs 1,874 us; 2 threads alike).
+    # "auto" takes it on CUDA only: on CPUs plain PyTorch was faster at every size measured.
     backends.Backend("extension", ops=("lltm",), devices=("cpu", "cuda"), auto_devices=("cuda",),
                      available=_buildable, implementation=_extension,
                      install='a C++ compiler and ninja (pip install "fullgraph[ext]"), and nvcc for CUDA tensors, '

@@ -58,8 +58,7 @@ def valid_points(points: Tensor, lengths: Tensor | None) -> Tensor:
     inside = _inside(points, lengths)
     if points.shape[-1] == 0:
         return inside
-    # A NaN or infinite coordinate makes the largest |coordinate| NaN or inf: one reduction
-    # (isfinite + all took 14x as long on the CPU, 16 x 256 points of D = 64: 0.55 ms).
+    # Measured: NOTES.md.
     return inside & (magnitude(points) < math.inf)
 
 

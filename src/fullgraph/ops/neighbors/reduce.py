@@ -10,8 +10,8 @@ order after a stable sort of the slots by row: deterministic, no atomics (float3
 float64 gradients go through torch's index_add). On CPUs a C++
 kernel does both in one pass each (``csrc/knn_reduce.cpp``, float32 and float64, vectorized
 16 channels at a time; 2 x 1024 queries x 20 slots x 64 channels on the 2-core development
-CPU: forward 1.1 ms, backward 0.65 ms (5.4 and 2.8 before session 26 let the compiler
-vectorize them), against 7.1 and 18.1 ms from torch's gathered rows); elsewhere torch does
+CPU: forward 1.1 ms, backward 0.65 ms (5.4 and 2.8 before the compiler was
+let vectorize them), against 7.1 and 18.1 ms from torch's gathered rows); elsewhere torch does
 the same from the gathered rows.
 """
 

@@ -50,12 +50,8 @@ def _tree_scope():
         _trees.cache = outer
 
 
-# Queries a tree answers, as a fraction of its points, up to which it is built for a fast
-# build (midpoint splits, nodes not shrunk to their points) rather than fast queries:
-# 2-core CPU, session 27, scipy 1.x cKDTree, ms build + query with the default / fast build:
-# kNN k = 8, 1,728 queries of 8,000 normal points 4.48 / 4.07, 27,000 of 10^5 89.1 / 76.2,
-# 2,000 of 20,000 uniform 8.67 / 6.22; radius counts 1,728 of 25,000 9.84 / 6.67; but 10^5
-# of 10^5 uniform (radius, ~75 within) 936 / 956, 64 clusters 65,536^2 k = 10 171 / 200.
+# Queries a tree answers, as a fraction of its points, up to which it is built for a fast build
+# (midpoint splits, nodes not shrunk to their points) rather than fast queries.
 FAST_BUILD_QUERIES = 0.25
 
 
@@ -72,10 +68,8 @@ def _tree(points: np.ndarray, queries: int):
     return tree
 
 
-# Queries from which a tree query runs on every core: below, starting and joining the threads
-# costs more than they save (2-core CPU, D = 3, k = 10, ms with every query on all cores /
-# with this threshold: 64 items of 128 points 111-201 / 46; 16 of 1,024 63 / 51; 8 of 2,048
-# 53-64 / 49; 20,000 x 2,048 40 / 44; 5,000 x 100,000 42 / 42).
+# Queries from which a tree query runs on every core: below, starting and joining the threads costs
+# more than they save.
 PARALLEL_QUERIES = 4096
 
 
@@ -83,25 +77,17 @@ def _workers(points: np.ndarray) -> int:
     return -1 if len(points) >= PARALLEL_QUERIES else 1
 
 
-# Batch items of up to this many query-reference pairs are searched by brute force, where the
-# trees' per-item work costs more: every pair measured in C++ (``_brute_force``). 2-core CPU,
-# session 21, uniform 3-D clouds, radius (cap 32) ms tree / brute force: 4 x 1024^2 (2^20
-# pairs) 21.7 / 13.0, 8 x 1024^2 41.5 / 21.9; 500 x 5,000 5.8 / 5.0; 2,000^2 12.5 / 12.7;
-# 4 x 2048^2 40.1 / 38.9; 5,000^2 30.7 / 53.4 (benchmarks/radius_cpu.py and the log beside it).
+# Batch items of up to this many query-reference pairs are searched by brute force, where the trees'
+# per-item work costs more: every pair measured in C++ (``_brute_force``).
 BRUTE_FORCE_MAX_PAIRS = 2**22
-# ... and radius_pairs (the aggregations) takes the reference's pairs up to this many
-# (radius_aggregate ms tree / reference pairs: 64 x 128^2 68.5 / 19.3, 16 x 256^2 24.6 / 14.6,
-# 8 x 512^2 20.9 / 16.1, 4 x 1024^2 17.3 / 27.7, 2,000^2 10.6 / 25.2).
+# ... and radius_pairs (the aggregations) takes the reference's pairs up to this many.
 PAIRS_BRUTE_FORCE_MAX_PAIRS = 2**18
-# ... and radius_aggregate of items of up to this many pairs sums over whole blocks of
-# measured pairs in C++ (``select.weighted_sums`` and its backward), where the pairs cost
-# ~20 torch operators a chunk: 2-core CPU, session 22, uniform 3-D clouds, C = 8, ms forward /
-# train step, pairs / blocks / plain PyTorch (cdist, masked softmax, bmm):
-#   64 x 128^2 23.4 / 5.3 / 5.3, 58.3 / 17.3 / 15.5;   16 x 256^2 7.5 / 4.5 / 3.7, 18.9 / 10.8 / 10.8;
-#   4 x 512^2 5.6 / 6.1 / 8.6, 13.4 / 15.7 / 16.7;    8 x 1024^2 36.5 / 28.8 / 94.2, 74.4 / 93.6 / 308
+# ... and radius_aggregate of items of up to this many pairs sums over whole blocks of measured
+# pairs in C++ (``select.weighted_sums`` and its backward), where the pairs cost ~20 torch operators
+# a chunk.
 DENSE_AGGREGATE_MAX_PAIRS = 2**17
-# Without the C++ extension "auto" leaves items of up to this many pairs to the reference
-# ("torch"), whose brute force beat the trees there (session 20: 64 x 128^2 radius 66 / 27 ms).
+# Without the C++ extension "auto" leaves items of up to this many pairs to the reference ("torch"),
+# whose brute force beat the trees there.
 AUTO_MIN_PAIRS = 2**17
 
 

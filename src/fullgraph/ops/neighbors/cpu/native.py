@@ -5,9 +5,9 @@ backend's candidate selection (and, by the same C++ extension, its re-measure on
 use by ``fullgraph._extension``) bounds each row's take-th smallest value by group minima,
 keeps only the entries under the bound and sorts those, ties to the smaller position (4x
 torch.topk on the 2-core development CPU: 8 x 2048 rows of 2,048 float32, 28 kept: 18 ms
-against 79 since session 23's 2 x take groups, 29 before; float32 survivors are sorted as 64-bit (value bits, position) words, which took
+against 79 with groups of 2 x take, 29 with groups of take; float32 survivors are sorted as 64-bit (value bits, position) words, which took
 short rows from 5.3 to 3.7 ns a value: 64 x 128 rows of 128, 18 kept, 5.6 -> 4.0 ms against
-topk's 6.8, session 20); elsewhere, and where the extension cannot be built, torch.topk.
+topk's 6.8); elsewhere, and where the extension cannot be built, torch.topk.
 """
 
 from __future__ import annotations

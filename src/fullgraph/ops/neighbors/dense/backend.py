@@ -94,67 +94,34 @@ SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate (with
 # triton_dense.FUSED_CHUNK 2: see there).
 CHUNK_SLACK = 6
-# The GPU path's products: three TF32 products carry float32's significand. One TF32 product
-# (u = 2^-10) fails the certificate on 0.5-2 % of normal rows (D = 16-128, measured; with
-# operands rounded beforehand and their residuals bounded, none: HALF_FIRST_MIN_DIM).
-# Three bfloat16 products (each operand in two bfloat16 parts, eps 2^-14) were faster but
-# sent back ~20 times the rows of clustered clouds (H200, session 25 run NE,
-# session25/dense-floor-run-NE.log: 8 x 4096^2 D=64 k=20 products 0.326 -> 0.242 ms, graphed
-# call 1.230 -> 1.149, DGCNN train step 4.77 -> 4.66 ms; clustered rows failed 83 -> 1,871 of
-# 32,768, 4 x 4096 x 16,384 D=32 2,793 -> 6,800): kept out.
+# The GPU path's products: three TF32 products carry float32's significand. One TF32 product (u =
+# 2^-10) fails the certificate on 0.5-2 % of normal rows (D = 16-128, measured; with operands
+# rounded beforehand and their residuals bounded, none: HALF_FIRST_MIN_DIM). Three bfloat16 products
+# (each operand in two bfloat16 parts, eps 2^-14) were faster but sent back ~20 times the rows of
+# clustered clouds.
 TENSOR_CORE_PRECISION = "tf32x3"
-# The first products of the stored minima (wide clouds) for points of at least
-# HALF_FIRST_MIN_DIM coordinates: one product of operands rounded to float16 beforehand
-# (each product exact, the rounding's residuals bounded per query: ``_products``); the valid
-# rows they leave unproven go again in TENSOR_CORE_PRECISION, only their tiles multiplied.
-# H100, session 33 run VC (``dense_profile.py --precision``), graphed ms tf32x3 alone / float16
-# first, queries held (rows the first products left unproven, normal / clustered; clustered
-# graphed): 10^4 x 10^6 D=128 k=10 41.2 (tiles) / 13.26 (0 / 10,000 of 10,000; 464 / 484);
-# 10^4 x 10^5 D=128 5.09 (tiles) / 2.50 (0 / 9,998; 47.3 / 50.0); 10^4 x 2 x 10^5 D=64 5.22 /
-# 2.58 (0 / 9,986; 5.21 / 7.13); 2 x 10^4 x 2 x 10^5 D=16 4.41 / 3.54 (0 / 19,660; 4.41 /
-# 7.47): clustered clouds fail the first bound nearly everywhere and pay both passes, which
-# at D = 16 costs more (1.7x) than normal clouds gain (1.25x). Session 32 rounded the operands
-# to TF32 instead (the same 11 bits, twice the bytes, half the tensor cores' rate; runs UA-UC:
-# 10^6 D=128 24.1 ms); on the fused lists (N <= 2^14) the second pass's ~25 launches and
-# selection cost more than the products save (8 x 4096^2 D=64 1.081 / 1.035, 32 x 1024^2
-# 0.625 / 0.711, 4 x 4096 x 16,384 D=32 k=50 1.681 / 1.943).
+# The first products of the stored minima (wide clouds) for points of at least HALF_FIRST_MIN_DIM
+# coordinates: one product of operands rounded to float16 beforehand (each product exact, the
+# rounding's residuals bounded per query: ``_products``); the valid rows they leave unproven go
+# again in TENSOR_CORE_PRECISION, only their tiles multiplied.
 HALF_FIRST_MIN_DIM = 64
-# ... and on the fused lists (``_fused_lists``: both passes four kernels in all). H100, session
-# 34 run WA (``dense_profile.py --fused-precision``), graphed ms tf32x3 alone / float16 first
-# (clustered clouds; valid rows the float16 products left unproven, normal / clustered):
-# 32 x 1024^2 D=64 k=20 0.434 / 0.424 (0.431 / 0.505; 0 / 99 of 32,768), 8 x 4096^2 D=64
-# 0.888 / 0.667 (0.878 / 1.358; 0 / 29,274), D=128 1.333 / 0.903 (2.156 / 2.850; 0 / 32,301),
-# but 8 x 2048^2 D=32 0.270 / 0.268 (0.269 / 0.393) and 4 x 4096 x 16,384 D=32 k=50 1.590 /
-# 1.738 (2.876 / 3.805): from D = 64, where clustered clouds stay under cdist + topk (3.43,
-# 3.79 ms).
+# ... and on the fused lists (``_fused_lists``: both passes four kernels in all).
 FUSED_HALF_FIRST_MIN_DIM = 64
-# The products of one block of queries, at most. On CPUs narrow points want blocks near the
-# caches (writing the products is the cost) and wide ones tall blocks (BLAS is the cost);
-# 2-core CPU, session 11, ms dense (cdist + topk): 5000 x 50000 D=16 k=10: 32 MiB 641, 64 MiB
-# 862 (937); 2000 x 100000 D=128: 32 MiB 1229, 256 MiB 1047, 512 MiB 948 (1032); 8 x 2048^2
-# D=64 k=20: 32 MiB 201, 128 MiB 202 (176).
+# The products of one block of queries, at most. On CPUs narrow points want blocks near the caches
+# (writing the products is the cost) and wide ones tall blocks (BLAS is the cost).
 BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
-# Items of up to this many products' bytes share a block (fewer operators). 2-core CPU,
-# session 32, dense ms with 1 / 16 MiB: 4 x 512^2 D=128 k=20 8.96 / 6.70, D=64 7.09 / 5.22,
-# 8 x 512^2 D=64 14.6 / 9.8, 16 x 256^2 D=64 11.4 / 8.8; larger items alike within noise
-# (32 x 1024^2 D=64 125 / 122, 8 x 2048^2 65-67 / 70, 4 x 512 x 4096 D=32 k=50 15-17 / 14).
+# Items of up to this many products' bytes share a block (fewer operators).
 CPU_GROUP_BYTES = 16 * 2**20
-# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces (2048
-# queries x 28 candidates x D = 64: 2.1 ms in pieces of 256 queries against 11.9 ms at once,
-# the same bits). On the H100 pieces of 16 MiB were slower (the gathers 570 against 300 us at
-# 8 x 4096^2, D = 64, k = 20: dense-profile-run-EA.log).
+# Measured: NOTES.md.
 CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
 # ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
 REDO_MAX_DIM = 128
-# Up to this many members a query, every member is measured in the reference's arithmetic
-# (no first measure and selection of the k + SLACK least). H100, session 32 run UG
-# (``dense_profile.py --members-all``), graphed ms, a first measure / all measured:
-# 32 x 1024^2 D=64 k=20 0.627 / 0.579, 8 x 4096^2 1.07 / 1.025, 8 x 4096^2 D=32 k=16 0.876 /
-# 0.820 (52 and 44 members: fewer rows read, one sort fewer).
+# Up to this many members a query, every member is measured in the reference's arithmetic (no first
+# measure and selection of the k + SLACK least).
 MEASURED_ALL_MAX = 64
 
 
@@ -184,9 +151,7 @@ def _remeasure(q, r, candidates):
     in the reference's arithmetic."""
     if q.is_cuda:
         if triton_dense.measures(q):
-            # gathered, squared and summed in one Triton pass, as the reference sums (H100,
-            # 8 x 4096^2, D = 64, 28 candidates: torch's gather, subtraction and square took
-            # ~0.8 ms; the squares written by Triton and summed by torch 0.31 ms)
+            # gathered, squared and summed in one Triton pass, as the reference sums.
             return triton_dense.squared_distances(q, r, candidates).sqrt_()
         return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
     measured = select.squared_distances(q, r, candidates)
@@ -227,9 +192,7 @@ class _Frames:
         query_ok, ref_ok = self.query_ok, self.ref_ok
         self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
         self.largest = torch.maximum(query_largest, ref_largest).to(acc) / self.scale[:, 0]  # [B]
-        # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic
-        # (64 x 128^2, D = 128: 13.8 ms for these frames): no copies where every scale is one
-        # and every point valid, which a CPU reads for free.
+        # Measured: NOTES.md.
         on_host = not query.is_cuda
         if on_host and bool((self.scale == 1).all()):
             self.q, self.r = query.to(acc), ref.to(acc)  # (x / 1 == x)
@@ -447,14 +410,10 @@ def _first_precision(dim: int, columns: int, k: int) -> str:
 
 
 # From this many coordinates the second pass chooses as many chunks a row as the wide rows'
-# selection takes (``triton_dense.WIDE_GROUPS`` least, one of them the floor): its rows are
-# those the first bound left unproven, a clustered cloud's nearly all, and at D = 128 tf32x3
-# with k + CHUNK_SLACK chunks left some of them unproven still (near-ties), which the capture
-# sends to the Triton search over every reference. H100, session 33 runs VE / VF
-# (``dense_profile.py --precision``), clustered clouds graphed, ms with k + 6 / k + 53 chunks
-# (rows left to the redo, eager): 10^4 x 10^6 D=128 484 / 77.7 (37 / 0), 10^4 x 10^5 D=128
-# 50.0 / 13.0; but 10^4 x 2 x 10^5 D=64 7.19 / 14.8 (none left with either: four times the
-# members measured for nothing); normal clouds alike (no row unproven).
+# selection takes (``triton_dense.WIDE_GROUPS`` least, one of them the floor): its rows are those
+# the first bound left unproven, a clustered cloud's nearly all, and at D = 128 tf32x3 with k +
+# CHUNK_SLACK chunks left some of them unproven still (near-ties), which the capture sends to the
+# Triton search over every reference.
 WIDE_SLACK_MIN_DIM = 128
 
 
@@ -601,22 +560,9 @@ def _on_tensor_cores(query) -> bool:
     return query.is_cuda and query.dtype != torch.float64 and _triton.available()
 
 
-# Items of up to BRUTE_FORCE_MAX_PAIRS query-reference pairs and BRUTE_FORCE_MAX_DIM
-# coordinates are measured pair by pair on GPUs (one kernel, ``triton_dense.brute_force``)
-# instead of by the products' candidates and certificate (~40 launches). H100, session 24 run
-# MJ (``python benchmarks/dense_profile.py --brute``), graphed ms products / brute force /
-# cdist + topk: 16 x 256^2 D=16 k=20 0.369 / 0.157 / 0.099; 64 x 128^2 D=32 k=16 0.422 /
-# 0.160 / 0.103; but 16 x 256^2 D=64 0.379 / 0.784, D=128 0.417 / 2.04; 2,048 x 8,192 D=16
-# k=10 0.388 / 0.445; 32 x 1024^2 D=64 0.948 / 20.8 (its tiles of squares, [4, N, D], are
-# bound by the arithmetic). Eager calls cost ~1-2 ms of host time either way. Session 26 run
-# OL, with the kernel's coordinates loaded bit-reversed (``triton_dense._bit_reversed``):
-# 16 x 256^2 D=64 0.316 / 0.273 (eager 2.12 / 0.99), 4 x 512^2 D=64 0.299 / 0.267, but 2 x
-# 1024^2 D=64 0.326 / 0.412 and 16 x 256^2 D=128 0.360 / 0.512: up to D = 64 now. Session 35
-# run XA (the frames in three kernels, fewer launches), eager / graphed ms products / brute
-# force / cdist + topk: 16 x 256^2 D=64 1.347 / 0.062, 0.830 / 0.205, 0.232 / 0.102; D=16
-# 1.434 / 0.041, 0.879 / 0.091; D=128 1.479 / 0.091, 0.680 / 0.442; 64 x 128^2 D=32 1.416 /
-# 0.050, 0.594 / 0.120 (cdist + topk graphed 0.101): graphed the products win everywhere,
-# eager (the host's launches) the brute force, so it takes small items outside a capture only.
+# Items of up to BRUTE_FORCE_MAX_PAIRS query-reference pairs and BRUTE_FORCE_MAX_DIM coordinates are
+# measured pair by pair on GPUs (one kernel, ``triton_dense.brute_force``) instead of by the
+# products' candidates and certificate (~40 launches).
 BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 64
 
 
@@ -645,10 +591,7 @@ def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) ->
     idx.copy_(position)
 
 
-# Rows unproven inside a capture are redone by the brute force on items of up to this many
-# references (programs without such a row return at once: ~0.01 ms where none is, against
-# ~0.1 ms for the search's one-cell grid, its launch and re-measure), by the Triton search on
-# larger ones (per row the brute force's scalar sums cost more there).
+# Measured: NOTES.md.
 BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
 
 
@@ -771,49 +714,17 @@ class DenseKernels(pairs.Kernels):
     nearest = staticmethod(nearest)
 
 
-# Where "auto" takes it. CPU, over the k-d tree: measured on the 2-core development CPU,
-# normal clouds (benchmarks/dense_cpu.py, results/cpu-2core-torch2.13/dense-cpu-session1{3,4}.log),
-# ms dense / tree:
-#   M=5000, N=100000, k=10:  D=6 468/97, D=8 513/225, D=10 651/747, D=12 542/1896   (session 13)
-#   B=8, M=N=2048, k=20:     D=8 61/216,  D=12 63/336;   M=2000, N=10000: D=8 23/49
-# The tree wins up to D = 8 on large clouds; from D = 10 on the products win everywhere. Against
-# cdist + topk (inexact), session 14: 8 x 2048^2 D=64 k=20 92-147 / 147-174, 32 x 1024^2
-# 155-207 / 241-245, 5000 x 50000 D=16 300 / 886; tiny batches stay slower (16 x 256^2 D=64:
-# 13-20 / 8.2; the exact selection of short rows costs what topk does, plus the re-measure;
-# session 20, C++ re-measure and word-sorted selection: 9.3-9.5 / 7.2, 8 x 2048^2 74-78 / 138).
+# Where "auto" takes it.
 AUTO_MIN_DIM = 10
 # Below D = 10, small items too: the tree's per-item work (its queries' threads, the exact
-# re-measure and ordering in torch) outweighs the products up to about these query-reference
-# pairs per item (session 20, 2-core CPU, k = 10, normal clouds, ms dense / tree / cdist + topk):
-#   64 x 128^2: D=3 7.8 / 46-201 / 6.4;  16 x 1024^2: D=3 32 / 51-70 / 57;  8 x 2048^2: D=3 38 / 49-64 / 101,
-#   D=6 37 / 120 / 101;  500 x 5000: D=4 2.1 / 7.7 / 3.7;  2000 x 2000: D=8 4.8 / 21 / 7.3;
-#   2000 x 5000 (10^7 pairs): D=3 10.3 / 8.0, D=4 11.6 / 11.4, D=8 11.4 / 32;  2000 x 10^4: D=4 17 / 12.5,
-#   D=6 18 / 23, D=8 17 / 41;  20000 x 2048: D=3 93 / 42, D=6 91 / 92;  2000 x 20000: D=8 33 / 52;
-#   5000 x 30000: D=6 170 / 52, D=8 114 / 120;  50000 x 1024: D=3 145 / 82;  5000 x 10^5: D=8 378 / 256.
+# re-measure and ordering in torch) outweighs the products up to about these query-reference pairs
+# per item.
 CPU_AUTO_MAX_PAIRS = 2**22
 CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
-# Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute
-# force (every pair measured in C++, 16 references at a time in vectors; bit for bit the
-# reference's lists), where the C++ extension built; by the threads torch uses (the table of
-# the nearest measured count, in ratio). Session 22, k = 16, normal clouds, ms products /
-# brute force / cdist + topk (`benchmarks/dense_cpu.py --sweep`; runs differ by ~10-30 %):
-# 2 threads (the development CPU, results/cpu-2core-torch2.13/dense-cpu-sweep-session22.log):
-#   D=3:   16 x 256^2 9.9 / 4.5 / 6.6;  1024^2 3.8 / 2.4 / 3.4;  2 x 1024 x 2048 9.1 / 6.4 / 12.2;  2048^2 7.7 / 11.3 / 12.3
-#   D=8:   16 x 256^2 11.1 / 5.2 / 7.1; 1024^2 3.7 / 2.9 / 3.4;  2 x 1024 x 2048 10.2 / 7.5 / 13.5;  2048^2 8.6 / 10.2 / 13.7
-#   D=16:  16 x 256^2 11.1 / 5.8 / 7.0; 1024^2 4.0 / 3.5 / 3.4;  2 x 1024 x 2048 10.2 / 10.3 / 12.8
-#   D=32:  16 x 256^2 10.0 / 5.8 / 6.6; 1024^2 5.4 / 4.7 / 3.9;  2 x 1024 x 2048 10.1 / 12.6 / 12.6
-#   D=64:  16 x 256^2 11.6 / 6.9 / 8.2; 4 x 512^2 7.8 / 6.0 / 6.7;  1024^2 4.7 / 4.5 / 3.9;  2048^2 11.7 / 17.7 / 15.6
-#   D=128: 16 x 256^2 14.0 / 9.7 / 9.1; 4 x 512^2 10.0 / 8.9 / 8.6;  1024^2 6.6 / 8.5 / 5.0
-# 16 threads (the H100 host, torch 2.11, results/h100-torch2.11/session22/dense-cpu-sweep-16core-run-JG.log):
-#   D=32:  1024^2 3.9 / 2.2 / 1.2;  2 x 1024 x 2048 7.4 / 4.9 / 3.1;  2048^2 5.7 / 4.8 / 3.0
-#   D=64:  1024^2 4.3 / 2.7 / 1.3;  2 x 1024 x 2048 7.8 / 6.8 / 3.5;  2048^2 5.9 / 6.9 / 3.4
-#   D=128: 1024^2 4.2 / 3.3 / 1.4;  2 x 1024 x 2048 8.5 / 10.8 / 4.0
-# (cdist + topk, inexact, is faster than both there: MKL's products and topk on 16 threads.)
-# Session 32 (products in blocks of 16 MiB of items, CPU_GROUP_BYTES), 2 threads, ms products /
-# brute force / cdist + topk: D=128 2^16 pairs (16 x 256^2) 17.2 / 13.8-14.4 / 7.7-10.4; 2^17 (8 x
-# 256 x 512) 11.5-12.2 / 12.1-12.8 / 6.3; 2^18 (4 x 512^2) 7.05-7.29 / 9.6-9.9 / 6.0; D=64 2^17
-# 9.3-9.6 / 7.3-7.6 / 6.0, 2^18 (8 x 512^2) 11.5-12.4 / 12.4-12.8 / 11.2-11.4; D=32 2^17 5.3 /
-# 4.8-5.1 / 5.1, 2^18 5.3 / 4.6-4.9 / 5.2.
+# Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute force
+# (every pair measured in C++, 16 references at a time in vectors; bit for bit the reference's
+# lists), where the C++ extension built; by the threads torch uses (the table of the nearest
+# measured count, in ratio).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
     2: ((8, 2**21), (32, 2**20), (128, 2**17)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
@@ -824,23 +735,7 @@ def _brute_force_limits() -> tuple[tuple[int, int], ...]:
     """CPU_BRUTE_FORCE's row for the measured thread count nearest (in ratio) to torch's."""
     threads = max(1, torch.get_num_threads())
     return CPU_BRUTE_FORCE[min(CPU_BRUTE_FORCE, key=lambda measured: abs(math.log(threads / measured)))]
-# CUDA, over the Triton search (a one-cell grid, i.e. scalar brute force, above D = 3): the
-# tensor-core path, H100, ms eager cdist+topk / dense / triton (dense graphed), normal clouds
-# (benchmarks/results/h100-torch2.11/dense-tensor-cores-session10.log; dense: session 16,
-# session16/dense-profile-run-EH.log; eager dense calls are launch-bound and vary by ~1.5x):
-#   B=16, M=N=256, D=64, k=20:     0.34 / 4.72 / 1.32 (0.56)   [per-call launches: see the note]
-#   B=32, M=N=1024, D=64, k=20:    1.72 / 5.94 / 6.92 (1.54)
-#   B=8, M=N=4096, D=64, k=20:     3.80 / 5.29 / 21.8 (2.16)
-#   M=20000, N=200000, D=16, k=10: 81.1 / 10.8 / 76.6 (8.12)
-#   M=10^4, N=10^6, D=128, k=10:   242 / 52.7 / 2,830 (51.7)
-# It beats the Triton search from D = 4 on but the tiniest eager calls (dozens of launches
-# against one). Since (session 36 runs YD / YE, ms graphed dense / cdist + topk): 16 x 256^2
-# 0.046 / 0.103, 32 x 1024^2 0.209 / 1.412, 8 x 4096^2 0.435 / 3.429, 2 x 10^4 x 2 x 10^5 D=16
-# 4.44 / 80.2, 10^4 x 10^6 D=128 12.38 / 242 (eager); eager, small clouds stay host-bound
-# (16 x 256^2 0.65 against 0.23; 32 x 1024^2 1.43 against 1.45).
-# Beyond REDO_MAX_DIM, outside a capture (benchmarks/dense_wide.py, session11-runs.log):
-#   M=4096, N=10^5, D=256, k=10: 12.2 / 6.4;  M=10^4, N=2*10^5, D=512, k=16: 75.9 / 40.6;
-#   B=8, M=N=2048, D=256, k=20: 1.5 / 5.1 (the small-batch floor again).
+# CUDA, over the Triton search (a one-cell grid, a scalar brute force above D = 3): NOTES.md.
 CUDA_AUTO_MIN_DIM = 4
 
 
@@ -850,10 +745,7 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         return False
     if device_type == "cuda":
         wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
-        # Beyond REDO_MAX_DIM / REDO_MAX_K only outside a capture (failed rows are then redone
-        # by the stored products, a host read): the Triton search there is a scalar brute force
-        # (D = 128: 2,830 ms against 52.9), and the op resolves "auto" when it runs, so a
-        # capture of the same call takes the capturable backend (the same lists).
+        # Measured: NOTES.md.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_captures("knn", dtype, dim, k) or outside)

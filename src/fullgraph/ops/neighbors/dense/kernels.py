@@ -31,84 +31,36 @@ import torch
 from ...._triton import tl, triton
 from ..pairs import PER_COORDINATE_MAX_DIM
 
-# Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps,
-# pipeline stages) by precision. H100, session 32 run UH (``dense_profile.py --tiles-sweep``,
-# ten settings at 10^4 x 10^6 D=128): TF32 128 x 256 x 32 11.26 ms (227 TFLOP/s) against
-# 12.25 for 128 x 128 x 32; tf32x3 128 x 128 x 64 on 2 stages 36.5 against 39.1. (Session 10,
-# tf32x3, dense-tile-sweep.log: 128 x 128 x 32 on 8 warps the best of 8, BLOCK_K 16 for
-# D <= 16.) float16 operands, session 33 run VB (ten settings): 128 x 256 x 32 8.31 ms (308
-# TFLOP/s), 128 x 256 x 64 8.69, 128 x 128 x 64 8.77, 256 x 128 x 64 9.12, 128 x 256 x 128 on 2
-# stages 8.96, 256 x 256 x 64 41.0 (spilled). The coordinates a step never exceed D's power of two.
+# Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps, pipeline
+# stages) by precision.
 MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
 MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
-# (Its programs take a tile of references against successive tiles of queries, each tile of
-# references read once from memory while the queries stay in L2: 10^4 x 10^6 D=128 tf32x3
-# 48.2 -> 45.2 ms graphed against the other order, H100 session 32 run UA.)
-# Up to this many coordinates (padded to a power of two) a program holds its tile of queries
-# and streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in
-# tiles (queries, references, warps, pipeline stages) by the padded D. H100, session 32 run UC
-# (``dense_profile.py --held-sweep``), the minima alone, ms tiles of both clouds / held
-# 128 x 128 x 3: 2 x 10^4 x 2 x 10^5 D=16 tf32x3 5.11 / 2.85 (tf32 2.27 / 1.73); 10^4 x 2 x
-# 10^5 D=64 tf32x3 4.81 / 3.92 (tf32 1.74 / 1.48); but 10^4 x 10^6 D=128 tf32 12.07 / 13.3
-# at best (64 x 128 x 3; tf32x3 38.9 / 45.8 at 128 x 64 x 2, the only held tile that fit).
-# float16 operands (half the shared memory) held at D = 128 too: session 33 run VC
-# (``--precision``), graphed calls 10^4 x 10^6 D=128 15.46 -> 13.26 ms, 10^4 x 10^5 2.73 -> 2.50;
-# and tf32x3 there (now only the second pass, whose programs without a needed row return at
-# once: 3.9 x 10^5 programs of tiles of both clouds took 2.3 ms to, 3 x 10^3 held ones ~0;
-# run VD, graphed 15.11 against 13.25 ms).
+# Measured: NOTES.md.
 MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64}  # by precision
 MINIMA_HELD_PROGRAMS_PER_SM = 4
 MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
-# ... float16 operands where they differ (``--held-sweep``, session 33 run VD, the minima
-# alone at 10^4 x 10^6 D=128: 128 x 128 on 2 stages 7.39 ms (347 TFLOP/s), 128 x 64 8.00,
-# tiles of both clouds 8.27; at D = 64 and 16 the tiles above were the best of eight).
+# The held kernel's tiles by D (measured: NOTES.md).
 MINIMA_HELD_HALF_TILES = {128: (128, 128, 8, 2)}
-# (The fused lists holding their tile of queries were slower: run UD, graphed ms reloaded /
-# held, 8 x 4096^2 D=64 1.07 / 1.19, 32 x 1024^2 0.62 / 0.66.)
+# Measured: NOTES.md.
 BLOCK_MEMBERS = 128
-# The widest rows ``smallest`` sorts in registers, and the keys one program sorts. (Wider
-# rows merged a block of 1,024 at a time, a row a program, took 7x torch.topk's time: H100
-# session 32 run UF, 10^4 rows of 15,625 values, 17 least: 14.1 against 2.0 ms.)
+# The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
 # Wider rows on GPUs, for up to WIDE_GROUPS least a row: ``_wide_smallest_kernel`` (a
 # threshold from the minima of WIDE_GROUPS classes of positions, the values below it gathered,
 # at most WIDE_CAP, and sorted), read in blocks of WIDE_BLOCK on WIDE_WARPS warps.
 WIDE_GROUPS, WIDE_CAP, WIDE_BLOCK, WIDE_WARPS = 64, 256, 2048, 4
-# The fused path (``least_chunks`` up to FUSED_MAX_KEYS chunks a query): chunks of
-# FUSED_CHUNK references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M
-# queries; a tile of references holds at least as many chunks as the list. Chunks of 2 with
-# dense.CHUNK_SLACK 6 against 4 with 4 (H100, session 31 run TH, graphed ms, rows failed
-# normal / clustered): 8 x 4096^2 D=64 k=20 1.065 (0 / 0) against 1.071 (0 / 3), 32 x 1024^2
-# 0.609 against 0.661, 4 x 4096 x 16,384 D=32 k=50 1.663 (0 / 1) against 2.441 (0 / 23),
-# 8 x 4096^2 k=32 1.333 against 2.047: half the members to measure. Chunks of 2 with slack 4
-# failed more rows (k=50: 2 / 40), of 8 ran out of shared memory.
+# The fused path (``least_chunks`` up to FUSED_MAX_KEYS chunks a query): chunks of FUSED_CHUNK
+# references (short chunks: fewer members to measure), tiles of FUSED_BLOCK_M queries; a tile of
+# references holds at least as many chunks as the list. Chunks of 2 with dense.CHUNK_SLACK 6
+# were faster than 4 with 4 (NOTES.md).
 FUSED_CHUNK, FUSED_BLOCK_M, FUSED_BLOCK_N, FUSED_NUM_WARPS, FUSED_MAX_KEYS = 2, 64, 128, 4, 64
-# ... and up to this many references, by the lists' width (keys, a power of two >= 16):
-# beyond, the stored minima were faster on the H100 (graphed ms fused / stored,
-# session24/dense-keys-run-MF.log: 32 keys (k = 20) 4 x 4096 x 16,384 D=32 1.99 / 2.29, 1 x
-# 8,192 x 65,536 D=16 3.17 / 1.88; session 16: 2 x 10^4 x 2 x 10^5 D=16 21.2 / 8.5,
-# dense-profile-run-EB.log). Lists of 64 keys (k = 28-59) lost beyond 2^10 references while
-# the stored minima's members were measured apart, and won once one kernel measured them
-# (session25/dense-keys-run-NL.log, normal clouds, up to 2^10 / 2^12 / 2^14: 8 x 4096^2 D=64
-# k=32 3.67 / 2.26 / 2.24, k=50 3.93 / 2.49 / 2.48, cdist + topk 3.45 / 3.57; 4 x 4096 x 16,384
-# D=32 k=32 3.04 / 3.03 / 2.36). The keys keep fewer bits the more chunks there are: keyed on
-# the minima themselves (~ -|q|^2 near the query), on 16,384 references a clustered cloud's
-# rows failed the certificate 5,566 of 16,384 times at k=50 (4 with the stored minima;
-# session25/dense-profile-quick-run-NM.log). Keyed on minimum + |q|^2 (~ the squared
-# distance) 23 (session26/dense-keys-run-OB.log: 4 x 4096 x 16,384 D=32 k=32 / 50 3.06 / 3.14
-# -> 2.38 / 2.45 ms; at 2^16, 1 x 8,192 x 65,536 D=16 k=50 slower, 2.28 -> 4.73).
+# ... and up to this many references, by the lists' width (keys, a power of two >= 16): beyond.
 FUSED_MAX_COLUMNS = {16: 2**14, 32: 2**14, 64: 2**14}
-# Where the list's last key is a floor only (``least_chunk_keys(floor=True)``: the first
-# products of the fused lists), each tile of references may offer half the list's keys, the
-# greatest it offers (at or below every key it leaves out) lowering that floor: a shorter sort
-# a tile. A query whose nearest crowd into one tile (references ordered in space) gets a low
-# floor and goes to the second products, which offer the whole list. H100 session 35 run XF,
-# graphed ms: 8 x 4096^2 D=64 k=20 0.501 (0.492 in --fused-precision) against 0.527 with
-# whole lists, 32 x 1024^2 0.277 against 0.283; with this floor, session 36 run YB: 0.489 and
-# 0.266. (The least key a tile leaves out, tracked through its half-cleaners, came out too
-# high on the H100 though right in Triton's interpreter: session 35 run XG, session 36 run
-# YA.) From FUSED_TILE_HALF_MIN_COLUMNS references (8 tiles): on fewer a tile often holds
-# more than half the nearest chunks (16 x 256^2: 0.072 against 0.055, run XF).
+# Where the list's last key is a floor only (``least_chunk_keys(floor=True)``: the first products of
+# the fused lists), each tile of references may offer half the list's keys, the greatest it offers
+# (at or below every key it leaves out) lowering that floor: a shorter sort a tile. A query whose
+# nearest crowd into one tile (references ordered in space) gets a low floor and goes to the second
+# products, which offer the whole list.
 FUSED_TILE_HALF, FUSED_TILE_HALF_MIN_COLUMNS = True, 1024
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
@@ -304,7 +256,7 @@ if triton is not None:
         STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
         odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
         sum may wrap, the difference does not). Not ``tl.sort``: this network was as fast on
-        the H100 (4.38 against 4.61 ms graphed at 8 x 4096^2, dense-sweep-run-EB.log), and
+        the H100 (4.38 against 4.61 ms graphed at 8 x 4096^2), and
         Triton's interpreter runs sums fast, the xor reductions of ``tl.sort`` one element at
         a time."""
         R: tl.constexpr = x.shape[0]
@@ -323,7 +275,7 @@ if triton is not None:
         (a bitonic sort's first stages), then while more than one run is left, each pair's
         elementwise minima (a descending run against an ascending one: its least half, a
         bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
-        before its least: 47 against 40 steps of 32 keys at 64 new, H100 session 35 run XC.)"""
+        before its least: 47 against 40 steps of 32 keys at 64 new, H100.)"""
         WIDTH: tl.constexpr = 1 << LOG_WIDTH
         for stage in tl.static_range(1, LOG_WIDTH + 1):
             for step in tl.static_range(stage):
@@ -676,9 +628,8 @@ if triton is not None:
                 else:
                     bound = error * q_abs * reach
                 # The chosen chunks past the k-th whose floor lies above the k-th's ceiling hold
-                # none of the k nearest: only the chunks before the first of them are measured,
-                # and its key bounds the rest (the certificate checks it). (H100 session 36
-                # run YB, 32 x 1024^2 D=64 k=20: the kernel 145 -> 133 us.)
+                # none of the k nearest: only the chunks before the first of them are measured, and
+                # its key bounds the rest (the certificate checks it).
                 c = tl.arange(0, WP // CHUNK)
                 chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
                 kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
@@ -1125,7 +1076,7 @@ def _ordered_floats(ordered: torch.Tensor) -> torch.Tensor:
 def _shares(batch: int, rows: int, columns: int, block_n: int, device: torch.device) -> int:
     """Shares of the references: enough programs to fill the device, each share at least
     8 tiles (Triton's interpreter: one multiprocessor). (Rounded down, one share at 8 x 4096^2
-    D=64: 369 us of candidates against 322 and a merge of 18, H100 session 35 run XB.)"""
+    D=64: 369 us of candidates against 322 and a merge of 18, H100.)"""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     programs = batch * triton.cdiv(rows, FUSED_BLOCK_M)
     return max(1, min(triton.cdiv(FUSED_PROGRAMS_PER_SM * processors, programs), triton.cdiv(columns, 8 * block_n)))
@@ -1208,9 +1159,8 @@ def measures(q: torch.Tensor) -> bool:
 # the k it keeps in registers, and its tiles (queries, and references per DP / 64).
 BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
 BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
-# Blocks of queries a program walks where only ``needed`` rows are searched (the redo of a
-# capture: nearly always none; 8,192 programs that returned at once took ~8 us, H100 session 35
-# run XA at 32 x 1024^2).
+# Blocks of queries a program walks where only ``needed`` rows are searched (the redo of a capture:
+# nearly always none).
 BRUTE_FORCE_REDO_GROUPS = 8
 
 
@@ -1271,37 +1221,17 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     return out
 
 
-# ``nearest_members``: the most members a query (in registers: measured, sorted), the longest
-# lists it re-measures, and the warps of a query's program. H200, session 25 (runs NC, ND,
-# session25/dense-floor-run-NC.log), graphed dense kNN k=20 D=64, ms one kernel by warps 1 / 2 /
-# 4 against the member distances, their selection and the re-measure apart: 8 x 4096^2 1.23 /
-# 1.39 / 1.63 against 1.50; 32 x 1024^2 0.82 / 0.98 / 1.22 against 1.09; 16 x 256^2 0.30 / 0.32 /
-# 0.35 against 0.43. At 864 members (4 x 4096 x 16,384 D=32 k=50, the stored minima) one
-# warp took 4.75 ms against 3.84 with four: wider member lists go apart. Several queries a
-# program were slower (H100, run NF, session25/dense-floor-run-NF.log: 8 x 4096^2, queries /
-# warps 1 / 1 1.24 ms, 2 / 1 1.34, 2 / 2 1.38, 4 / 2 1.45, 4 / 4 1.54, 8 / 4 1.64).
+# ``nearest_members``: the most members a query (in registers: measured, sorted), the longest lists
+# it re-measures, and the warps of a query's program.
 MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
-# The re-measure by four threads a member (``_quad_squares``: each 16 bytes of its row at a
-# time, a member's four reading 64 contiguous bytes; the halvings in registers but two across
-# the four) instead of tiles of members by coordinates (halved across threads: shuffles and
-# layout changes through shared memory). A member a thread (16-byte loads from 32 rows at once)
-# was as fast as the tiles (H100 session 35 run XB, graphed ms: 32 x 1024^2 D=64 k=20 0.284 /
-# 0.286, 8 x 4096^2 0.556 / 0.555, D=128 0.774 / 0.801): both saturate the L1 (session 36 run YC,
-# ncu: L1/TEX throughput 85 %, 12 warps an SM at 163 registers, the kernel 128 us), the one on
-# a line a thread, the other on shuffles; four a member need an eighth of the lines and a
-# shuffle a member (PTX for sm_90, 32 members of D = 64: 32 shuffles against 260 in tiles).
-# Session 36 run YD (``dense_profile.py --settings``), graphed ms four threads a member / tiles:
-# 32 x 1024^2 D=64 k=20 0.217 / 0.285, 8 x 4096^2 0.434 / 0.501, 16 x 256^2 0.046 / 0.053; the
-# kernel 133 -> 76 us (ncu: L1/TEX 78 %, 41 % occupancy).
-# Up to MEMBERS_BY_QUAD_MAX_DIM coordinates, BLOCK_C members a block at most 2048 / DP (64
-# values a thread).
+# The re-measure by four threads a member (``_quad_squares``: each 16 bytes of its row at a time, a
+# member's four reading 64 contiguous bytes; the halvings in registers but two across the four)
+# instead of tiles of members by coordinates (halved across threads: shuffles and layout changes
+# through shared memory). A member a thread (16-byte loads from 32 rows at once) was as fast as the
+# tiles.
 MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
 # (A member a thread took 164 registers at D = 64, four 66. Capped at 96 registers, a member a
-# thread was barely faster: H100 session 36 runs YA / YB, graphed ms 32 x 1024^2 D=64 k=20
-# 0.279 -> 0.275 and 0.273 -> 0.269, D=128 0.713 -> 1.042 (spills).)
-# (Coordinates loaded bit-reversed for the re-measure, as the brute force loads them, were
-# slower: H100 session 34 run WC, graphed ms in order / bit-reversed, float16 first: 32 x 1024^2
-# D=64 k=20 0.411 / 0.755, 8 x 4096^2 0.650 / 0.999, D=128 0.890 / 1.576.)
+# thread was barely faster).
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -1350,8 +1280,8 @@ def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chos
     return dists, idx, last
 
 
-# Rows a program of the second pass holds (``certified_lists(again=True)``): where none is
-# unproven, 32,768 one-row programs that return at once took ~8 us (H100, session 35 run XA).
+# Rows a program of the second pass holds (``certified_lists(again=True)``): where none is unproven, an
+# empty second pass costs ~1 us (NOTES.md).
 CERTIFIED_AGAIN_ROWS = 8
 
 

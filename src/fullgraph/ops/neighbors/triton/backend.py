@@ -54,19 +54,12 @@ MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
 SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
-# Radius searches (cap 32): one query a program (session 15 sweep, H100, radius 1M x 1M with
-# the sorting merge: 5.3 ms against 6.4 for (2, 32, 1); kNN 1M normal 9.0 against 8.3).
+# Radius searches (cap 32): one query a program.
 RADIUS_SEARCH_BLOCKS = (1, 32, 1)
-# Radius searches' cells: about this many references in a query's cell (H100, session 29 run
-# RG, radius 1M x 1M cap 32, r = 0.0168, ~19 within: 8 / 10 / 12 / 16 / 24 references 5.39 /
-# 5.23 / 5.18 / 5.20 / 5.54 ms). Cells sized from the radius (grid.refine's side, 1 to 8
-# references a cell) measured slower (run RF: 5.96 / 7.72 / 9.41 / 9.78 ms at sides of 1.0 /
-# 0.75 / 0.6 / 0.5 radii): fewer candidates, more rows of cells to walk.
+# Radius searches' cells: about this many references in a query's cell.
 RADIUS_SEARCH_CELL_POINTS = 12
-# A tile of which some row wants this many candidates or more is merged into the lists by
-# sorting (tile and list at once), rather than one candidate at a time: kNN 1M x 1M k = 16
-# 5.1 / 8.3 ms (uniform / normal) against 10.8 / 13.0 (H100, graphed,
-# benchmarks/search_times.py, session 15 runs DF, DG: from 2 or 6 on 1-3 % slower).
+# A tile of which some row wants this many candidates or more is merged into the lists by sorting
+# (tile and list at once), rather than one candidate at a time.
 SEARCH_SORT_FROM = 3
 # Triton's interpreter (CPU tensors) runs a sort as many numpy operations: there the
 # per-candidate merge and SEARCH_BLOCKS for radius searches are twice as fast (200 x 2,000
@@ -75,41 +68,22 @@ SEARCH_SORT_FROM = 3
 INTERPRETER_SORT_FROM = 1 << 30
 # Ranges of cells read at once (two per row of cells along x).
 SEGMENT_LANES = 128
-# (BLOCK_M, BLOCK_N, num_warps) of the radius aggregation and its query-side gradient: a
-# program owns BLOCK_M queries and walks the references BLOCK_N at a time, its tiles crossing
-# from one row's range of cells into the next. H100, seed radius projector whole step graphed,
-# forward / train ms (session 27 run PC, `benchmarks/projector_settings.py AGGREGATE_BLOCKS`):
-# (32, 16, 4) 0.330 / 0.622, (32, 32, 4) 0.309 / 0.605, (16, 32, 4) 0.303 / 0.600, (32, 64, 4)
-# 0.349 / 0.644, (64, 32, 4) 0.359 / 0.653, (16, 64, 4) 0.340 / 0.638.
+# (BLOCK_M, BLOCK_N, num_warps) of the radius aggregation and its query-side gradient: a program
+# owns BLOCK_M queries and walks the references BLOCK_N at a time, its tiles crossing from one row's
+# range of cells into the next.
 AGGREGATE_BLOCKS = (16, 32, 4)
-# The radius aggregation's cells: RADIUS_CELL_SIDE radii a side, as long as a query's cell
-# holds between 1 and RADIUS_CELL_POINTS references (its forward and backward walk whole
-# cells around a block's box: smaller cells round the box up less, larger ones take fewer
-# rows). Fixed references a cell, the best of 8 / 4 / 2 / 1 (H100, session 27 run PD,
-# `benchmarks/radius_cells.py`, 10^5 points, graphed forward + backward) took cells of 0.8-1.3
-# radii up to ~30 neighbours within the radius (uniform ~8: 4 a cell; normal ~3 at a query,
-# on average: 1; the seed projector, ~4: 1), and 8 (0.5 radii) at 250 (uniform: 8.1 ms against
-# 11.6 with 2). Sides of 1.0 / 1.2 / 0.9 / 1.5 radii with 8 (session 28 run QB, same clouds:
-# uniform ~8 / ~32 / ~250 neighbours 2.53 / 3.21 / 7.38, 2.59 / 3.21 / 7.39, 3.08 / 3.85 / 7.38,
-# 2.66 / 3.22 / 7.38 ms; normal 2.11 / 2.47 / 5.83, 2.13 / 2.59 / 5.83, 2.11 / 3.10 / 5.83,
-# 2.19 / 2.84 / 5.84; the seed projector's step with the points' gradients, run QA: 0.806 /
-# 0.832 / 0.796 / 0.847 ms).
+# The radius aggregation's cells: RADIUS_CELL_SIDE radii a side, as long as a query's cell holds
+# between 1 and RADIUS_CELL_POINTS references (its forward and backward walk whole cells around a
+# block's box: smaller cells round the box up less, larger ones take fewer rows). Fixed references a
+# cell, the best of 8 / 4 / 2 / 1.
 RADIUS_CELL_SIDE, RADIUS_CELL_POINTS = 1.0, 8
-# The gradient kernel's ((BLOCK_M, BLOCK_N) of its query side, (BLOCK_M, BLOCK_N) of its
-# reference side, num_warps): the query side owns BLOCK_M queries and walks the references
-# around them BLOCK_N at a time, the reference side owns BLOCK_N references and walks the
-# queries BLOCK_M at a time; one launch, these warps. (Session 29 runs RB, RC,
-# `search_times.py --grad`, the seed's backward alone, graphed, ms: query side (16, 32) with
-# reference side (64, 32, 4 warps) 0.340-0.342, (64, 16, 4) 0.312, (64, 16, 2) 0.282-0.285,
-# (32, 16, 2) 0.258, (64, 8, 2) 0.293, (32, 8, 1) 0.290, (32, 32, 2) 0.326, (128, 16, 2) 0.415,
-# (64, 16, 1) 0.455; (64, 32, 4) capped at 168 / 128 registers a thread (ptxas' maxnreg, from
-# 255 with spills) 0.340 / 0.410. Whole steps, sessions 27-28: 8 warps 0.58-0.77 / 0.98-1.28
-# train / with the points' gradients, against 0.54-0.59 / 0.79-0.83 with 4.)
+# The gradient kernel's ((BLOCK_M, BLOCK_N) of its query side, (BLOCK_M, BLOCK_N) of its reference
+# side, num_warps): the query side owns BLOCK_M queries and walks the references around them BLOCK_N
+# at a time, the reference side owns BLOCK_N references and walks the queries BLOCK_M at a time; one
+# launch, these warps.
 GRAD_BLOCKS = ((16, 32), (32, 16), 2)
 # tl.dot's input_precision in the radius aggregation's weight x feature products, and in its
-# gradient kernels' (H100, seed radius projector whole step graphed, session 27 run PE: all
-# "tf32x3": train 0.567 -> 0.602 ms, with the points' gradients 1.050 -> 0.916; session 17,
-# one range a tile: no faster).
+# gradient kernels'.
 AGGREGATE_PRECISION, GRAD_PRECISION = "ieee", "tf32x3"
 
 
@@ -275,9 +249,8 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
 
 
 _KNN_BLOCK_M, _PAIR_BLOCK_R = 32, 64
-# Pairs a reference row reads at once in pair_sum_kernel: its rows are a chain of dependent
-# loads (slot, then weight and source row) a pair, latency-bound one at a time (69 us of the
-# seed kNN step, H100 session 17, where a block's busiest reference has tens of slots).
+# Pairs a reference row reads at once in pair_sum_kernel: its rows are a chain of dependent loads
+# (slot, then weight and source row) a pair, latency-bound one at a time.
 _PAIR_UNROLL = 4
 _PAIR_KEYS_BLOCK = 1024
 
@@ -308,8 +281,7 @@ def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     reference (stably), then summed in order."""
     batch, rows, k = idx.shape
     refs = batch * columns
-    # 32-bit keys where they fit: a radix sort of half the passes (the H100's seed kNN step
-    # sorted 189,000 int64 keys in 8 passes of ~7.6 us, twice).
+    # 32-bit keys where they fit: a radix sort of half the passes.
     key_dtype = torch.int32 if refs < 2**31 - 1 else torch.int64
     keys = torch.empty((idx.numel(),), dtype=key_dtype, device=idx.device)
     if keys.numel():

@@ -32,23 +32,14 @@ import torch
 from ...._triton import tl, triton
 
 CELL_POINTS = 8
-# Buckets per item, in units of CELL_POINTS references (room for cells BUDGET / 8 times
-# finer per axis than a uniform cloud needs, one a bucket), and how many times more cells
-# than buckets an item may have (clustered clouds): FINER, or as few as FINER_LEAST where
-# that keeps the sort's keys 32 bits. (H100, search_times.py run MA: kNN 1M x 1M of 64
-# clusters 16.1 ms with one cell a bucket, 8.96 with 8, 8.94 with 64; nvidia-h200-x2 run MB:
-# a 2 x 10^8-point cloud kept at one cell a bucket by 32-bit keys searched in 3,770 ms.)
+# Buckets per item, in units of CELL_POINTS references (room for cells BUDGET / 8 times finer per
+# axis than a uniform cloud needs, one a bucket), and how many times more cells than buckets an item
+# may have (clustered clouds): FINER, or as few as FINER_LEAST where that keeps the sort's keys 32
+# bits.
 BUDGET = 32
 FINER, FINER_LEAST = 64, 8
 # lower_bounds, two ways. Small counts: a binary search a bound, one launch (values a program,
-# warps; a chain of dependent loads, so one value a thread: H100 session 20 run HG, the seed
-# grid's 2 x 400,001 slots 25.8 us, torch's searchsorted 28.5). From HISTOGRAM_FROM bounds:
-# the running sum of the values' histogram (one atomic add a run of equal values in a block),
-# four launches but no search: the 2 x 4,000,001 slots of a 1M x 1M grid 54 us against 210
-# (session 29 runs RH, RJ), while the seed radius aggregation's ~2 x 100,000 took ~7 us more
-# (run RK). Both ways at 2 x 2^15 ... 2 x 2^22 bounds (session 30 run SA, us): search 3.5, 4.4,
-# 7.9, 14.3, 27.3, 54.5, 111, 231; histogram 12.7, 14.3, 14.8, 16.4, 18.7, 24.4, 37.5, 77.5: they
-# cross between 2^19 and 2^20 bounds (~1.2 x 2^19 interpolated).
+# warps; a chain of dependent loads, so one value a thread).
 LOWER_BOUNDS_BLOCK = (256, 8)
 HISTOGRAM_BLOCK, HISTOGRAM_FROM = 1024, 1 << 19
 # Layout of one item's row of ``Frame.values``.
@@ -101,8 +92,7 @@ if triton is not None:
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     SHIFT = tl.constexpr(SHIFT_COLUMN)
     VALUES = tl.constexpr(VALUE_COLUMNS)
-    # Blocks' bounds the frame kernel reduces at once (one at a time: ~9 us at 10^5 points, H100;
-    # 512 against 64: radius 1M x 1M 5.006-5.038 -> 4.989-4.990 ms, session 30 run SB).
+    # Measured: NOTES.md.
     _FRAME_CHUNK = tl.constexpr(512)
 
     @triton.jit
@@ -275,9 +265,7 @@ if triton is not None:
                 c = tl.abs(tl.load(base + dim, mask=offs < rows, other=0.0).to(tl.float32))
                 largest = tl.where(c == c, tl.maximum(largest, c), float("inf"))
         else:
-            # Tiles of whole rows (coalesced; one coordinate at a time read each row D times,
-            # 86 us for 8 x 4096 points of D = 64 on the H100), in a loop, not unrolled: unrolled
-            # over D, the grid's kernels took Triton 3.6 ~6 s to compile at D = 64.
+            # Tiles of whole rows (coalesced; one coordinate at a time read each row D times).
             cols = tl.arange(0, 8)
             for start in range(0, D, 8):
                 d = start + cols

@@ -16,11 +16,9 @@ if triton is not None:
     _KEY_NONE = tl.constexpr(0x7FFFFFFFFFFFFFFF)
     # A sorted position beyond every array (masked lanes of a packed tile).
     _NOWHERE = tl.constexpr(1 << 62)
-    # A block's points are searched together when they lie within this many cells per axis:
-    # a few queries that share their candidates (search), or a wider block whose tiles feed
-    # matrix products (aggregation).
-    # (Measured on the H100: splitting aggregation blocks slowed the seed's radius train step
-    # from 1.45 to 2.0 ms, so they always stay together.)
+    # A block's points are searched together when they lie within this many cells per axis: a few
+    # queries that share their candidates (search), or a wider block whose tiles feed matrix
+    # products (aggregation).
     SEARCH_SPREAD, AGGREGATE_SPREAD = tl.constexpr(2), tl.constexpr(1 << 30)
 
     @triton.jit
@@ -208,8 +206,7 @@ if triton is not None:
             ok = ok & (index[None, :] != q_index[:, None])
         # Keyed by the distance as reported (sqrt rounded to nearest like torch.sqrt), not by d2:
         # two d2 one ulp apart can share a distance, and ties in the reported distance go to the
-        # smaller index (keys on d2 listed 79864 before 66696 at equal distances on an H100, and
-        # a near-tie at the k-th slot kept the larger index).
+        # smaller index.
         keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | index
         keys = tl.where(ok, keys, tl.full(keys.shape, _KEY_NONE, tl.int64))
         best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
@@ -224,7 +221,7 @@ if triton is not None:
         (SKIP_SELF: not the reference of index q_index[i], the query itself). kNN packs the
         ranges one after another into tiles of BLOCK_N: far from the data, where the rings
         grow, a range holds a reference or two, and a tile each was mostly empty (1M x 1M
-        normal 7.84 -> 5.60 ms, uniform 4.63 -> 4.32; H100, session 30 runs SL, SM). Radius
+        normal 7.84 -> 5.60 ms, uniform 4.63 -> 4.32; H100). Radius
         searches, whose rows are long, take a range at a time (packed: 4.88 -> 5.77 ms)."""
         if USE_RADIUS:
             while tl.max(pending.to(tl.int32), 0) > 0:
@@ -316,8 +313,7 @@ if triton is not None:
             prev_lo, prev_hi = axes, axes * 0 - 1
             searching = tl.max(member.to(tl.int32), 0)
             if USE_RADIUS:
-                # (A loop that runs once, the box set before it: radius 1M x 1M 5.02 -> 4.88 ms,
-                # session 30 run SG; without the loop 5.40, run SE.)
+                # Measured: NOTES.md.
                 lo, hi = clo, chi
                 while searching > 0:
                     best, threshold, count = _search_box(

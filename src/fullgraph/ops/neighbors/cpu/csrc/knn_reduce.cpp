@@ -1,10 +1,6 @@
 // fullgraph_cpu::knn_reduce(values [B, N, C], idx [B, M, K] int64) -> (max, min, sum [B, M, C],
-//   slots [2, B, M, C] int16) and knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, N)
-//   -> [B, N, C]: ops/neighbors/reduce.py's knn_reduce on CPUs. Per query, each neighbour's row
-// is read once (torch gathered [B, M, K, C] and reduced it three times, ~8 ms at 2 x 1024 x 20
-// x 64); the extremes keep the first slot holding them (a NaN holds both once met), a query
-// without a valid slot gets zeros. The backward adds each slot's share to its row of values,
-// queries and slots in order, each thread owning a range of channels: deterministic.
+// slots [2, B, M, C] int16) and knn_reduce_backward(grad_max, grad_min, grad_sum, idx, slots, N) ->
+// [B, N, C]: ops/neighbors/reduce.py's knn_reduce on CPUs.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

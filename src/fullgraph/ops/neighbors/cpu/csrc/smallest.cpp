@@ -1,11 +1,7 @@
 // fullgraph_cpu::smallest(values [..., N] float32/float64, take) -> (values, indices [..., take]):
 // the ``take`` smallest values of every row and their positions, ascending, ties to the smaller
 // position, NaN after +inf (torch.topk(largest=False, sorted=True)'s lists, with its ties fixed).
-//
-// torch.topk on CPUs copies and partially sorts every row (~10 us a row of 2,048 on one core);
-// here a row is read twice (vectorized minima, then a filter) and only its few smallest entries
-// are sorted (select_row). The dense kNN backend's candidate selection on CPUs
-// (ops/neighbors/dense/backend.py) spent most of its time in torch.topk.
+// torch.topk on CPUs copies and partially sorts every row.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -86,8 +82,8 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   // The minima of G >= take groups, group g = the entries i with i % G == g (G lanes of
   // ``sets`` vectors, read in one pass), and their take-th smallest: a bound of the row's.
   T bound = infinity;
-  // Twice take's groups where the row is long enough (a tighter bound: fewer survivors to sort;
-  // 1,024 rows of 1,024, take 24: 1.27 -> 0.85 ms on the 2-core development CPU).
+  // Twice take's groups where the row is long enough (a tighter bound: fewer
+  // survivors to sort).
   int64_t sets = (2 * take + V::size() - 1) / V::size();
   if (4 * sets * V::size() > size) sets = (take + V::size() - 1) / V::size();
   const int64_t groups = sets * V::size();

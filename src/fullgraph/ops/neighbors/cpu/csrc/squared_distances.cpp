@@ -85,13 +85,11 @@ at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* posi
   return out;
 }
 
-// Every pair, kLanes references at a time: each lane repeats squared_distance's operations in
-// its order (so the same bits), on the block's coordinates transposed ([D][kLanes]) in
-// explicit 32- or 64-byte vectors (GCC's vector extension; 1M pairs of D = 64 on one core: 23 ms as
-// auto-vectorized loops, 6-10 ms so; one pair at a time ~19 ms).
+// Every pair, kLanes references at a time: each lane repeats squared_distance's operations in its
+// order (so the same bits), on the block's coordinates transposed ([D][kLanes]) in explicit 32- or
+// 64-byte vectors (GCC's vector extension; 1M pairs of D = 64 on one core).
 constexpr int64_t kLanes = 16;
-// The vectors' bytes: 64 where the build has AVX-512 (_extension.vector_flags), else 32
-// (2-core development CPU, session 35: every pair of 16 x 256^2, D = 64, 3.01 -> 2.24 ms).
+// The vectors' bytes: 64 where the build has AVX-512 (_extension.vector_flags), else 32.
 #ifdef __AVX512F__
 constexpr int64_t kVectorBytes = 64;
 #else

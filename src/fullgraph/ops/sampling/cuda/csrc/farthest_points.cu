@@ -1,30 +1,10 @@
-// Farthest-point sampling with one thread-block cluster per cloud (sm_90 and later).
-//
-// A cloud of N points is cut into up to kMaxCluster slices of blockDim.x * kPointsPerThread
-// points, a block each, all blocks of a cloud in one cluster. Each block keeps its slice and
-// the slice's squared distances to the samples so far in registers. For every sample each warp
-// finds its candidate (the largest distance, ties to the smaller index: two redux.sync) and
-// posts it as one 64-bit key into the shared memory of every block of its cluster with
-// st.async, which counts the key's bytes on the receiving block's mbarrier. Every warp waits
-// on its own block's barrier (a hardware wait, no polling) and reduces the cluster's keys
-// itself: no block barrier and no cluster barrier a sample (cluster.sync() costs a GPU-wide
-// memory barrier and an L1 invalidation: ~0.4 us a sample on an H100,
-// benchmarks/fps_cluster_probe.cu). The winner's coordinates are read by index from a copy of
-// the cloud in each block's shared memory when it fits (kSharedCloudBytes), from global memory
-// (L2) otherwise. Where a cluster has more than kMaxKeys warps, each block first reduces its
-// warps' keys and posts one.
-//
-// Before the loop the blocks of a cloud agree (one cluster barrier) on what the Python
-// reference computes with ~30 small kernels: which points are valid (inside the item's length,
-// every coordinate finite), how many, the first of them, and the power of two the coordinates
-// are divided by (scaling.safe_scale of their largest magnitude), so one launch is the call.
-//
-// The operator fullgraph_fps::farthest_points(x [B, N, D] float32, lengths [B] int64 or None,
-// start [B] int64 or None (the first valid point), count, cluster, shared_copy) returns idx
-// [B, count] int64: -1 once an item has no valid point left, and a row of -1 for a start
-// outside [0, N). cluster = 0 chooses the blocks a cloud (below); shared_copy = false reads
-// the winners' coordinates from global memory even where the cloud would fit (for tests).
-// fullgraph/ops/sampling/cuda/backend.py calls it and checks its arguments first.
+// Farthest-point sampling with one thread-block cluster per cloud (sm_90 and later). A cloud of N
+// points is cut into up to kMaxCluster slices of blockDim.x * kPointsPerThread points, a block each,
+// all blocks of a cloud in one cluster. Each block keeps its slice and the slice's squared distances
+// to the samples so far in registers. For every sample each warp finds its candidate (the largest
+// distance, ties to the smaller index: two redux.sync) and posts it as one 64-bit key into the
+// shared memory of every block of its cluster with st.async, which counts the key's bytes on the
+// receiving block's mbarrier.
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
