@@ -84,8 +84,20 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "
                                                                  "the generated code")
+    prof = commands.add_parser("profile", help="where one call of each variant of a workload spends its time "
+                                               "(torch.profiler: kernels and operators by self time)")
+    prof.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (see bench)")
+    prof.add_argument("--size", choices=sizes, default=None, help="problem size (default: as bench)")
+    prof.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    prof.add_argument("--variants", default="", metavar="WORDS",
+                      help="comma-separated words: profile only the variants whose names contain one")
+    prof.add_argument("--rows", type=int, default=12, help="rows of each table (default 12)")
     show = commands.add_parser("report", help="print saved benchmark JSON as Markdown tables")
-    show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json`")
+    show.add_argument("files", type=Path, nargs="+", help="JSON files written by `fullgraph bench --json` "
+                                                             "(a folder: its *.json files)")
+    show.add_argument("--summary", action="store_true",
+                      help="one table: per workload and phase, the fastest variant without fullgraph against the "
+                           "fastest with it (the README's results table)")
     show.add_argument("--plot", type=Path, default=None,
                       help="write a PNG: the speed-up by rank count for runs of one torchrun workload at several "
                            "rank counts, else the bar chart of one file")

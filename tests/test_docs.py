@@ -9,7 +9,8 @@ import torch
 import pytest
 
 import fullgraph
-from fullgraph.ops import ddpm, kmeans, sampling
+from fullgraph.ops import ddpm, kmeans
+from fullgraph.ops.sampling import api as sampling
 from fullgraph.ops.lltm import api as lltm
 from fullgraph.ops.neighbors import api
 

@@ -157,6 +157,22 @@ def _explain(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from .bench.profile import profile_workload
+
+    device = _device(args.device)
+    size = _size(args.workload, args.size or ("seed" if device.type == "cuda" else "small"))
+    if args.rows < 1:
+        _usage(f"--rows must be >= 1, got {args.rows}")
+    try:
+        for variant, phase, table in profile_workload(args.workload, size, device, _words(args.variants),
+                                                      rows=args.rows):
+            print(f"{args.workload} ({size}) / {variant} / {phase}\n{table}\n", flush=True)
+    except ValueError as error:  # a workload that cannot run here says why
+        _usage(f"{args.workload}: {error}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``fullgraph ...``: parse (``fullgraph_cli.parser``) and run."""
     from fullgraph_cli import parser
@@ -170,15 +186,21 @@ def run(args) -> int:
         return _bench(args)
     if args.command == "explain":
         return _explain(args)
+    if args.command == "profile":
+        return _profile(args)
     if args.command == "report":
         from .bench import report
 
         plot = args.plot
         _output(plot, "--plot")
+        files = [file for path in args.files for file in (report.result_files(path) if path.is_dir() else [path])]
         try:
-            tables = [report.read_json(path) for path in args.files]  # every file checked before printing
+            tables = [report.read_json(path) for path in files]  # every file checked before printing
         except report.ReportError as error:
             _usage(f"report: {error}")
+        if args.summary:
+            print(report.summary(tables))
+            return 0
         scaling = report.scaling(tables)  # several rank counts of one torchrun workload
         if plot is not None and scaling is None and len(tables) > 1:
             _usage("report --plot: expected one file, or runs of one torchrun workload at several rank counts, "

@@ -257,3 +257,59 @@ def scaling_plot(tables: list[list[dict]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# Variants that run fullgraph's operators; every other variant is what a user would write
+# without fullgraph (the tutorial's code, plain PyTorch, compiled or graphed) or a peer library.
+OURS = ("fullgraph", "extension", "graphed loop")
+# The size a workload is summarized at: its own, else the seed's.
+SUMMARY_SIZE = {"neighbor-ops": "feature"}
+
+
+def _ours(row: dict) -> bool:
+    return any(word in row["variant"] for word in OURS)
+
+
+def _case(row: dict) -> str:
+    """The case a row belongs to: the workload, and the part of its variant before ": " (neighbor-ops
+    names several shapes in one file)."""
+    head, _, rest = row["variant"].partition(": ")
+    if row["variant"].startswith("DDIM"):
+        head, rest = row["variant"].partition(", ")[0], True
+    return f"{row['workload']} {head}" if rest else row["workload"]
+
+
+def _short(variant: str) -> str:
+    return variant.rpartition(": ")[2].removeprefix("DDIM 10 steps, ")
+
+
+def summary(tables: list[list[dict]]) -> str:
+    """One Markdown table over result files: per workload and phase at its summary size, the
+    fastest variant without fullgraph against the fastest with it (medians, ms)."""
+    lines = ["| workload | phase | fastest without fullgraph | ms | fastest with fullgraph | ms | speed-up |",
+             "| --- | --- | --- | ---: | --- | ---: | ---: |"]
+    devices = set()
+    for rows in sorted(tables, key=lambda rows: rows[0]["workload"]):
+        timed = [r for r in rows if "error" not in r]
+        size = SUMMARY_SIZE.get(rows[0]["workload"], "seed")
+        groups: dict[tuple[str, str], list[dict]] = {}
+        for r in timed:
+            if r["size"] == size:
+                groups.setdefault((_case(r), r["phase"]), []).append(r)
+        for (case, phase), group in groups.items():
+            theirs = [r for r in group if not _ours(r)]
+            ours = [r for r in group if _ours(r)]
+            if not theirs or not ours:
+                continue
+            best_theirs = min(theirs, key=lambda r: r["median_ms"])
+            best_ours = min(ours, key=lambda r: r["median_ms"])
+            devices.add(best_ours["device"])
+            lines.append(f"| {case} ({size}) | {phase} | {_short(best_theirs['variant'])} | "
+                         f"{best_theirs['median_ms']:.3g} | {_short(best_ours['variant'])} | "
+                         f"{best_ours['median_ms']:.3g} | {best_theirs['median_ms'] / best_ours['median_ms']:.1f}x |")
+    return f"Medians on {', '.join(sorted(devices))}, from `benchmarks/results/`:\n\n" + "\n".join(lines)
+
+
+def result_files(folder: Path) -> list[Path]:
+    """The result files of one device's folder, by name."""
+    return sorted(Path(folder).glob("*.json"))

@@ -113,7 +113,7 @@ register(Workload(
                 "radius search with the radius projector's aggregation as the train step (uniform)",
     sizes={"seed": {"points": 200_000_000, "k": 16, "train": False},
            "weak": {"points": 250_000_000, "k": 16, "per_rank": True, "train": False},
-           # Measured: NOTES.md.
+           # 2 x 10^8 a GPU: the weak size before 2.5 x 10^8 fitted two H100s.
            "weak-h100": {"points": 200_000_000, "k": 16, "per_rank": True, "train": False},
            # The largest size whose train steps fit one GPU (their neighbour rows: ~0.7 KB a query).
            "medium": {"points": 20_000_000, "k": 16},

@@ -12,7 +12,8 @@ import torch
 
 from ... import _validate
 from .batching import Padded, check_batch
-from .registration import BACKENDS, check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
+from . import registration
+from .registration import check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
 
 
 def _checking() -> bool:
@@ -32,7 +33,7 @@ def _backend(choice, query: torch.Tensor, ref: torch.Tensor, op: str, k: int = 1
     (while tracing, the choice goes to the operator, which resolves it when it runs)."""
     if not _checking():
         return choice
-    return BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k,
+    return registration.BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k,
                             k_argument="max_neighbors" if op == "radius" else "k",
                             size=pairs_per_item(query, ref)).name
 
@@ -287,8 +288,9 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         [M, k, C] or [B, M, k, C]; differentiable w.r.t. ``values``; no host sync.
 
     Raises:
-        TypeError: non-tensors, idx not int64. ValueError: ranks or batch sizes that do not
-        match, devices that differ, indices >= N (checked eagerly).
+        TypeError: non-tensors, idx not int64.
+        ValueError: ranks or batch sizes that do not match, devices that differ, indices >= N
+            (checked eagerly).
 
     Example:
         >>> ref, feats = torch.rand(50, 3), torch.randn(50, 4)

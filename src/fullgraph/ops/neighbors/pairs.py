@@ -58,7 +58,8 @@ def valid_points(points: Tensor, lengths: Tensor | None) -> Tensor:
     inside = _inside(points, lengths)
     if points.shape[-1] == 0:
         return inside
-    # Measured: NOTES.md.
+    # A NaN or infinite coordinate makes the largest |coordinate| NaN or inf: one reduction
+    # (isfinite + all took 14x as long on a CPU).
     return inside & (magnitude(points) < math.inf)
 
 

@@ -260,8 +260,9 @@ def knn_reduce(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         the [M, k, C] rows; compiles (``torch.ops.fullgraph.knn_reduce``) and captures.
 
     Raises:
-        TypeError / ValueError naming the argument: non-floating values, idx not int64,
-        ranks, batch sizes or devices that differ, indices outside [-1, N) (checked eagerly).
+        TypeError: non-floating values, idx not int64 (naming the argument).
+        ValueError: ranks, batch sizes or devices that differ, indices outside [-1, N)
+            (checked eagerly; naming the argument).
 
     Example:
         >>> x = torch.randn(100, 8)

@@ -11,6 +11,7 @@ The backends, most preferred first for "auto"; a new backend is one folder (or m
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -30,6 +31,20 @@ BACKENDS = backends.family(
 
 Tensor = torch.Tensor
 OptionalTensor = torch.Tensor | None
+
+
+@contextlib.contextmanager
+def trying(*extra: backends.Backend):
+    """Within the block, the family holds ``extra`` after its own backends: a backend under
+    development runs through the operators (``backend=its name``, or "auto" where it fits
+    and no listed backend does) before its line is added above."""
+    global BACKENDS
+    listed = BACKENDS
+    BACKENDS = backends.family(listed.name, *listed.backends, *extra)
+    try:
+        yield BACKENDS
+    finally:
+        BACKENDS = listed
 
 
 # ------------------------------------------------------------------- contract checks

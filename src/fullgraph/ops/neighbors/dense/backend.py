@@ -113,7 +113,8 @@ BLOCK_BYTES = {"cpu": 32 * 2**20, "cuda": 2**30}
 CPU_WIDE_BLOCK_BYTES, CPU_WIDE_DIM = 512 * 2**20, 32  # from D = 32 on
 # Items of up to this many products' bytes share a block (fewer operators).
 CPU_GROUP_BYTES = 16 * 2**20
-# Measured: NOTES.md.
+# Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces, the
+# same bits as one gather and several times faster (NOTES.md).
 CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
@@ -192,7 +193,8 @@ class _Frames:
         query_ok, ref_ok = self.query_ok, self.ref_ok
         self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
         self.largest = torch.maximum(query_largest, ref_largest).to(acc) / self.scale[:, 0]  # [B]
-        # Measured: NOTES.md.
+        # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic: no
+        # copies where every scale is one and every point valid, which a CPU reads for free.
         on_host = not query.is_cuda
         if on_host and bool((self.scale == 1).all()):
             self.q, self.r = query.to(acc), ref.to(acc)  # (x / 1 == x)
@@ -591,7 +593,9 @@ def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) ->
     idx.copy_(position)
 
 
-# Measured: NOTES.md.
+# Rows unproven inside a capture are redone by the brute force on items of up to this many
+# references (programs without such a row return at once), by the Triton search on larger ones
+# (per row the brute force's scalar sums cost more there).
 BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
 
 
@@ -745,7 +749,9 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         return False
     if device_type == "cuda":
         wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
-        # Measured: NOTES.md.
+        # Beyond REDO_MAX_DIM / REDO_MAX_K only outside a capture (failed rows are then redone by the
+        # stored products, a host read): the Triton search there is a scalar brute force, and the op
+        # resolves "auto" when it runs, so a capture of the same call takes the capturable backend.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_captures("knn", dtype, dim, k) or outside)

@@ -35,13 +35,15 @@ from ..pairs import PER_COORDINATE_MAX_DIM
 # stages) by precision.
 MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
 MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
-# Measured: NOTES.md.
+# Up to this many coordinates (padded to a power of two) a program holds its tile of queries and
+# streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in tiles
+# (queries, references, warps, pipeline stages) by the padded D (measured: NOTES.md).
 MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64}  # by precision
 MINIMA_HELD_PROGRAMS_PER_SM = 4
 MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
-# The held kernel's tiles by D (measured: NOTES.md).
+# ... with float16 operands where those tiles differ (NOTES.md).
 MINIMA_HELD_HALF_TILES = {128: (128, 128, 8, 2)}
-# Measured: NOTES.md.
+# (The fused lists holding their tile of queries were slower: NOTES.md.)
 BLOCK_MEMBERS = 128
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096

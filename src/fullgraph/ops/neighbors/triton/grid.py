@@ -39,7 +39,9 @@ CELL_POINTS = 8
 BUDGET = 32
 FINER, FINER_LEAST = 64, 8
 # lower_bounds, two ways. Small counts: a binary search a bound, one launch (values a program,
-# warps; a chain of dependent loads, so one value a thread).
+# warps; a chain of dependent loads, so one value a thread). From HISTOGRAM_FROM bounds the running
+# sum of the values' histogram (one atomic add a run of equal values in a block): four launches but
+# no search; the two cross near 1.2 x 2^19 bounds (NOTES.md).
 LOWER_BOUNDS_BLOCK = (256, 8)
 HISTOGRAM_BLOCK, HISTOGRAM_FROM = 1024, 1 << 19
 # Layout of one item's row of ``Frame.values``.
@@ -92,7 +94,7 @@ if triton is not None:
     SIDE, INV_SIDE, SLACK, SCALE = tl.constexpr(6), tl.constexpr(7), tl.constexpr(8), tl.constexpr(SCALE_COLUMN)
     SHIFT = tl.constexpr(SHIFT_COLUMN)
     VALUES = tl.constexpr(VALUE_COLUMNS)
-    # Measured: NOTES.md.
+    # Blocks' bounds the frame kernel reduces at once (one at a time was slower: NOTES.md).
     _FRAME_CHUNK = tl.constexpr(512)
 
     @triton.jit
