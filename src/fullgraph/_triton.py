@@ -1,9 +1,16 @@
-"""Triton, where installed: the one import of it for every module with Triton kernels."""
+"""Triton, where installed, and what the host code that launches Triton kernels needs.
+
+Kernel modules import triton at their top; the modules that launch them reach them through
+``lazy``, so ``import fullgraph`` needs no Triton and a kernel module is imported only when
+one of its kernels first runs.
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import types
 
 import torch
 
@@ -16,6 +23,40 @@ except ImportError:  # pragma: no cover - backends that need it report it when a
 # Triton's interpreter runs the kernels on CPU tensors (slowly): the CPU tests use it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 INSTALL = "triton: pip install triton (it comes with CUDA builds of torch)"
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for b > 0 (``triton.cdiv`` without Triton)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n, 0 for n = 0 (``triton.next_power_of_2`` without Triton)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
+class _Lazy(types.ModuleType):
+    """A module imported on first use; reads and writes of its attributes go to it."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+
+    def _module(self) -> types.ModuleType:
+        return importlib.import_module(self.__name__)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._module(), attr)
+
+    def __setattr__(self, attr: str, value) -> None:
+        setattr(self._module(), attr, value)
+
+    def __delattr__(self, attr: str) -> None:
+        delattr(self._module(), attr)
+
+
+def lazy(name: str) -> types.ModuleType:
+    """The kernel module ``name`` (absolute), imported when first used."""
+    return _Lazy(name)
 
 
 def available(device_type: str = "cuda") -> bool:

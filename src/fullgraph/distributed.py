@@ -40,10 +40,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from . import _validate
-from ._triton import tl, triton
+from . import _triton, _validate
+from ._triton import cdiv, lazy
 from .ops.neighbors import api
 from .ops.neighbors.registration import MAX_PADDED_K
+
+kernels = lazy(f"{__package__}.distributed_kernels")
 
 _INDEX_LAST = torch.iinfo(torch.int64).max
 _PACKED_NONE = (1 << 32) - 1  # "no index" in a merge key's low 32 bits
@@ -165,56 +167,9 @@ _BOUND_BLOCK = 1024
 def _kernels(tensor: torch.Tensor) -> bool:
     """Whether the pruning passes over ``tensor``'s rows run as Triton kernels (one pass, no
     float64 temporaries: ~15 ms of torch operators for 10^8 queries on an H100)."""
-    return tensor.is_cuda and triton is not None
+    return tensor.is_cuda and _triton.available()
 
 
-if triton is not None:
-    @triton.jit
-    def _cell_of(points, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D: tl.constexpr):
-        """(flat cell int64, finite) of the rows ``offs`` of points: ``_Occupancy.cells``."""
-        flat = tl.zeros(offs.shape, tl.int64)
-        finite = live
-        for d in tl.static_range(D):
-            size = S0 if d == 0 else (S1 if d == 1 else S2)
-            q = tl.load(points + offs * stride + d * column_stride, mask=live, other=0.0).to(tl.float64)
-            finite &= tl.abs(q) < float("inf")  # false for NaN too
-            index = tl.floor((q - tl.load(grid_lo + d)) / tl.load(side + d))
-            index = tl.where(tl.abs(index) < float("inf"), index, 0.0)
-            index = tl.minimum(tl.maximum(index, 0.0), size - 1.0)
-            flat = flat * size + index.to(tl.int64)
-        return flat, finite
-
-    @triton.jit
-    def _cells_kernel(points, stride, column_stride, rows, grid_lo, side, S0, S1, S2, flat_out, finite_out,
-                      D: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = offs < rows
-        flat, finite = _cell_of(points, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D)
-        tl.store(flat_out + offs, flat, mask=live)
-        tl.store(finite_out + offs, finite, mask=live)
-
-    @triton.jit
-    def _reaching_kernel(query, stride, column_stride, rows, box, limit, limit_stride, margin, out,
-                         grid_lo, side, S0, S1, S2, steps, smallest,
-                         D: tl.constexpr, OCCUPIED: tl.constexpr, BLOCK: tl.constexpr):
-        """out[i] = not (gap_i (1 - margin) > limit_i): ``_reaching`` of one row a thread."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        live = offs < rows
-        gap2 = tl.zeros([BLOCK], tl.float64)
-        undefined = offs < 0  # NaN anywhere in the gap: torch's maximum propagates it
-        for d in tl.static_range(D):
-            q = tl.load(query + offs * stride + d * column_stride, mask=live, other=0.0).to(tl.float64)
-            below, above = tl.load(box + d) - q, q - tl.load(box + D + d)
-            undefined |= (below != below) | (above != above)
-            g = tl.maximum(tl.maximum(below, above), 0.0)
-            gap2 += g * g
-        gap = tl.sqrt(gap2)
-        if OCCUPIED:
-            flat, finite = _cell_of(query, offs, live, stride, column_stride, grid_lo, side, S0, S1, S2, D)
-            apart = tl.maximum(tl.load(steps + flat, mask=live & finite, other=0) - 2, 0)
-            gap = tl.maximum(gap, tl.where(finite, apart.to(tl.float64) * smallest, 0.0))
-        bound = tl.load(limit + offs * limit_stride, mask=live, other=0.0).to(tl.float64)
-        tl.store(out + offs, ~(~undefined & (gap * (1 - margin) > bound)), mask=live)
 
 
 # Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k] lists
@@ -303,7 +258,7 @@ class _Occupancy(NamedTuple):
         flat = torch.empty(points.shape[0], dtype=torch.int64, device=points.device)
         finite = torch.empty(points.shape[0], dtype=torch.bool, device=points.device)
         if _kernels(points) and points.shape[0]:
-            _cells_kernel[(triton.cdiv(points.shape[0], _BOUND_BLOCK),)](
+            kernels._cells_kernel[(cdiv(points.shape[0], _BOUND_BLOCK),)](
                 points, *points.stride(), points.shape[0], self.lo, self.side, *self._sizes(), flat, finite,
                 D=points.shape[1], BLOCK=_BOUND_BLOCK)
             return flat, finite
@@ -402,7 +357,7 @@ def _reaching(query: torch.Tensor, box: torch.Tensor, best, keep: int, radius: f
         if query.shape[0]:
             limit = best[0][:, keep - 1] if radius is None else query.new_full((1,), radius, dtype=torch.float64)
             grid = occupancy or _Occupancy(box[0], box[0], (1,), limit.new_zeros(1, dtype=torch.int64))
-            _reaching_kernel[(triton.cdiv(query.shape[0], _BOUND_BLOCK),)](
+            kernels._reaching_kernel[(cdiv(query.shape[0], _BOUND_BLOCK),)](
                 query, *query.stride(), query.shape[0], box, limit, limit.stride(0) if radius is None else 0,
                 _PRUNE_MARGIN, reaching, grid.lo, grid.side, *grid._sizes(), grid.steps,
                 grid._smallest_side() if occupancy is not None else 0.0,

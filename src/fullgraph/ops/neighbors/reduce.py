@@ -20,72 +20,17 @@ from __future__ import annotations
 import torch
 
 from ... import _triton, _validate
-from ..._triton import tl, triton
+from ..._triton import cdiv, lazy, next_power_of_2
 from .cpu import native as select
 from .triton.backend import sum_pairs_by_ref
+
+kernels = lazy(f"{__package__}.reduce_kernels")
 
 Tensor = torch.Tensor
 # Slots are stored as int16: lists up to this long.
 MAX_K = 2**15 - 1
 _BLOCK_M = 32
 
-if triton is not None:
-
-    @triton.jit
-    def _reduce_kernel(values, idx, out_max, out_min, out_sum, slots, total_rows, rows, columns, channels,
-                       K: tl.constexpr, CP: tl.constexpr, BLOCK_M: tl.constexpr, ACC: tl.constexpr):
-        """For flat query rows i: the maximum, minimum (and their first slots) and sum over
-        the valid slots of lists idx [B*M, K] of rows of values [B*N, C]; 0 without any."""
-        offs = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, CP)
-        live = offs < total_rows
-        in_c = cols[None, :] < channels
-        base = (offs // rows) * columns
-        top = tl.full((BLOCK_M, CP), float("-inf"), ACC)
-        bottom = tl.full((BLOCK_M, CP), float("inf"), ACC)
-        total = tl.zeros((BLOCK_M, CP), ACC)
-        top_slot = tl.zeros((BLOCK_M, CP), tl.int32)
-        bottom_slot = tl.zeros((BLOCK_M, CP), tl.int32)
-        found = tl.zeros((BLOCK_M,), tl.int32)
-        for r in range(K):
-            j = tl.load(idx + offs * K + r, mask=live, other=-1)
-            ok = j >= 0
-            v = tl.load(values + (base + j)[:, None] * channels + cols[None, :], mask=ok[:, None] & in_c,
-                        other=0.0).to(ACC)
-            # NaN wins both extremes and stays (torch.amax's rule)
-            higher = ok[:, None] & ((v > top) | (v != v)) & (top == top)
-            lower = ok[:, None] & ((v < bottom) | (v != v)) & (bottom == bottom)
-            top, top_slot = tl.where(higher, v, top), tl.where(higher, r, top_slot)
-            bottom, bottom_slot = tl.where(lower, v, bottom), tl.where(lower, r, bottom_slot)
-            total += v
-            found += ok.to(tl.int32)
-        some = (found > 0)[:, None]
-        where = offs[:, None] * channels + cols[None, :]
-        keep = live[:, None] & in_c
-        tl.store(out_max + where, tl.where(some, top, 0.0).to(out_max.dtype.element_ty), mask=keep)
-        tl.store(out_min + where, tl.where(some, bottom, 0.0).to(out_min.dtype.element_ty), mask=keep)
-        tl.store(out_sum + where, total.to(out_sum.dtype.element_ty), mask=keep)
-        tl.store(slots + where, top_slot.to(tl.int16), mask=keep)
-        tl.store(slots + total_rows * channels + where, bottom_slot.to(tl.int16), mask=keep)
-
-
-    @triton.jit
-    def _per_slot_kernel(grad_max, grad_min, grad_sum, slots, out, total_rows, channels, K: tl.constexpr,
-                         CP: tl.constexpr, BLOCK_M: tl.constexpr):
-        """out[i * K + r] = grad_sum[i] + grad_max[i] where r held the maximum + grad_min[i]
-        where it held the minimum, per channel, float32 [B*M*K, C]."""
-        offs = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        cols = tl.arange(0, CP)
-        keep = (offs < total_rows)[:, None] & (cols[None, :] < channels)
-        where = offs[:, None] * channels + cols[None, :]
-        g_sum = tl.load(grad_sum + where, mask=keep, other=0.0).to(tl.float32)
-        g_max = tl.load(grad_max + where, mask=keep, other=0.0).to(tl.float32)
-        g_min = tl.load(grad_min + where, mask=keep, other=0.0).to(tl.float32)
-        top = tl.load(slots + where, mask=keep, other=-1).to(tl.int32)
-        bottom = tl.load(slots + total_rows * channels + where, mask=keep, other=-1).to(tl.int32)
-        for r in range(K):
-            share = g_sum + tl.where(top == r, g_max, 0.0) + tl.where(bottom == r, g_min, 0.0)
-            tl.store(out + (offs[:, None] * K + r) * channels + cols[None, :], share, mask=keep)
 
 
 def _flat(columns: int, idx: Tensor) -> Tensor:
@@ -126,10 +71,10 @@ def _reduce_triton(values: Tensor, idx: Tensor) -> tuple[Tensor, Tensor, Tensor,
     out = [values.new_empty((batch, rows, channels)) for _ in range(3)]
     slots = torch.zeros((2, batch, rows, channels), dtype=torch.int16, device=values.device)
     if batch * rows * channels:
-        acc = tl.float64 if values.dtype == torch.float64 else tl.float32
-        _reduce_kernel[(triton.cdiv(batch * rows, _BLOCK_M),)](
+        acc = kernels.tl.float64 if values.dtype == torch.float64 else kernels.tl.float32
+        kernels._reduce_kernel[(cdiv(batch * rows, _BLOCK_M),)](
             values, idx, *out, slots, batch * rows, rows, columns, channels, K=k,
-            CP=max(16, triton.next_power_of_2(channels)), BLOCK_M=_BLOCK_M, ACC=acc)
+            CP=max(16, next_power_of_2(channels)), BLOCK_M=_BLOCK_M, ACC=acc)
     return (*out, slots)
 
 
@@ -197,9 +142,9 @@ def _backward_triton(grad_max, grad_min, grad_sum, idx, slots, columns) -> Tenso
     channels = grad_sum.shape[-1]
     per_slot = torch.empty((idx.numel(), channels), dtype=torch.float32, device=idx.device)
     if per_slot.numel():
-        _per_slot_kernel[(triton.cdiv(batch * rows, _BLOCK_M),)](
+        kernels._per_slot_kernel[(cdiv(batch * rows, _BLOCK_M),)](
             grad_max.contiguous(), grad_min.contiguous(), grad_sum.contiguous(), slots.contiguous(), per_slot,
-            batch * rows, channels, K=k, CP=max(16, triton.next_power_of_2(channels)), BLOCK_M=_BLOCK_M)
+            batch * rows, channels, K=k, CP=max(16, next_power_of_2(channels)), BLOCK_M=_BLOCK_M)
     ones = torch.ones(idx.numel(), dtype=torch.float32, device=idx.device)
     sums, _ = sum_pairs_by_ref(idx, ones, per_slot, columns, per_slot=True)
     return sums.reshape(batch, columns, channels).to(grad_sum.dtype)

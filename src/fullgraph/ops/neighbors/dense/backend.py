@@ -88,7 +88,9 @@ from .. import pairs, reference
 from ..cpu import native as select
 from ..triton import backend as triton_grid
 from ..triton import grid
-from . import kernels as triton_dense
+from ...._triton import lazy
+
+triton_dense = lazy(f"{__package__}.kernels")
 
 SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate (with

@@ -28,7 +28,11 @@ import math
 
 import torch
 
-from ...._triton import tl, triton
+import triton
+import triton.language as tl
+
+from ...scaling_kernels import kernel_power_below, kernel_safe_scale
+from ..keys import KEY_NONE, insert_keys
 from ..pairs import PER_COORDINATE_MAX_DIM
 
 # Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps, pipeline
@@ -115,849 +119,846 @@ def chunk_size(columns: int, count: int) -> int:
     return 16 if columns <= 2**16 else 32 if columns <= 2**18 else 64
 
 
-if triton is not None:
-    from ...scaling import kernel_power_below, kernel_safe_scale
-    from ..triton.kernels import _KEY_NONE, _insert
 
-    _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
-    _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
+_SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
+_PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
-    @triton.jit
-    def _dot(a, b, PRECISION: tl.constexpr):
-        """tl.dot in ``PRECISION`` ("fp16": of float16 operands, every product exact)."""
-        if PRECISION == "fp16":
-            product = tl.dot(a, b)
-        else:
-            product = tl.dot(a, b, input_precision=PRECISION)
-        return product
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    """tl.dot in ``PRECISION`` ("fp16": of float16 operands, every product exact)."""
+    if PRECISION == "fp16":
+        product = tl.dot(a, b)
+    else:
+        product = tl.dot(a, b, input_precision=PRECISION)
+    return product
 
-    @triton.jit
-    def _twice(twice_ptr, item, PRECISION: tl.constexpr):
-        """The factor of the products in ``r_norms - 2 q.r``: 2, or 2 / unit^2 for the item's
-        float16 operands (``half_operands``: their products are unit^2 q.r; exact, powers of two)."""
-        if PRECISION == "fp16":
-            twice = tl.load(twice_ptr + item)
-        else:
-            twice = 2.0
-        return twice
+@triton.jit
+def _twice(twice_ptr, item, PRECISION: tl.constexpr):
+    """The factor of the products in ``r_norms - 2 q.r``: 2, or 2 / unit^2 for the item's
+    float16 operands (``half_operands``: their products are unit^2 q.r; exact, powers of two)."""
+    if PRECISION == "fp16":
+        twice = tl.load(twice_ptr + item)
+    else:
+        twice = 2.0
+    return twice
 
-    @triton.jit
-    def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-        """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-        ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
-        for start in range(0, dim, BLOCK_K):
-            d = start + kk
-            in_d = d[None, :] < dim
-            q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
-            r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
-                        other=0.0)
-            acc += _dot(q, tl.trans(r), PRECISION)
-        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - twice * acc
-        return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
-
-    @triton.jit
-    def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
-                             row_blocks,
-                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
-        """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
-        references a program, consecutive programs one tile of references against successive
-        tiles of queries. NEEDED: a tile none of whose queries needed marks stores nothing."""
-        item = tl.program_id(1).to(tl.int64)
-        row_block, column_block = tl.program_id(0) % row_blocks, tl.program_id(0) // row_blocks
-        m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        c = column_block * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
-        where = out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :]
-        inside = (m[:, None] < rows) & (c[None, :] < chunks)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                return
-        minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
-                              m, n, rows, columns, dim, _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
-        tl.store(where, minima, mask=inside)
-
-    @triton.jit
-    def _held_tile_minima(q, r_base, r_norms_base, n, columns, dim, twice, CHUNK: tl.constexpr,
-                          PRECISION: tl.constexpr):
-        """``_tile_minima`` of held queries q [len(m), DP] (DP >= D coordinates, zero past D)."""
-        d = tl.arange(0, q.shape[1])
-        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+@triton.jit
+def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
+                 PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
+    ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
+    for start in range(0, dim, BLOCK_K):
+        d = start + kk
+        in_d = d[None, :] < dim
+        q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
+        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
                     other=0.0)
-        norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
-        approx = norms[None, :] - twice * _dot(q, tl.trans(r), PRECISION)
-        return tl.min(tl.reshape(approx, (q.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
+        acc += _dot(q, tl.trans(r), PRECISION)
+    norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+    approx = norms[None, :] - twice * acc
+    return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
-    @triton.jit
-    def _held_queries(q_base, m, rows, dim, DP: tl.constexpr):
-        """[len(m), DP]: the queries m, zero past D."""
-        d = tl.arange(0, DP)
-        return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
+@triton.jit
+def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
+                         row_blocks,
+                         CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
+    """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
+    references a program, consecutive programs one tile of references against successive
+    tiles of queries. NEEDED: a tile none of whose queries needed marks stores nothing."""
+    item = tl.program_id(1).to(tl.int64)
+    row_block, column_block = tl.program_id(0) % row_blocks, tl.program_id(0) // row_blocks
+    m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = column_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    c = column_block * (BLOCK_N // CHUNK) + tl.arange(0, BLOCK_N // CHUNK)
+    where = out_ptr + item * rows * chunks + m[:, None] * chunks + c[None, :]
+    inside = (m[:, None] < rows) & (c[None, :] < chunks)
+    if NEEDED:
+        if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+            return
+    minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
+                          m, n, rows, columns, dim, _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
+    tl.store(where, minima, mask=inside)
 
-    @triton.jit
-    def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
-                            share,
-                            CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, DP: tl.constexpr, NEEDED: tl.constexpr):
-        """``_chunk_minima_kernel`` with a tile of queries held (all its DP >= D coordinates)
-        against the tiles of references [part * share, (part + 1) * share): each tile of
-        references one product, the queries read once."""
-        item = tl.program_id(2).to(tl.int64)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        first = tl.program_id(1) * share
-        stop = tl.minimum(first + share, columns)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                return
-        q = _held_queries(q_ptr + item * rows * dim, m, rows, dim, DP)
-        twice = _twice(twice_ptr, item, PRECISION)
-        for start in range(first, stop, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-            minima = _held_tile_minima(q, r_ptr + item * columns * dim, r_norms_ptr + item * columns, n, columns, dim,
-                                       twice, CHUNK, PRECISION)
-            tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :], minima,
-                     mask=(m[:, None] < rows) & (c[None, :] < chunks))
+@triton.jit
+def _held_tile_minima(q, r_base, r_norms_base, n, columns, dim, twice, CHUNK: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    """``_tile_minima`` of held queries q [len(m), DP] (DP >= D coordinates, zero past D)."""
+    d = tl.arange(0, q.shape[1])
+    r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & (d[None, :] < dim),
+                other=0.0)
+    norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+    approx = norms[None, :] - twice * _dot(q, tl.trans(r), PRECISION)
+    return tl.min(tl.reshape(approx, (q.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
-    @triton.jit
-    def _ordered_bits(values):
-        """float32 values (no NaN) -> int32 in the same order: the float's bits made monotonic
-        (negatives: flip the magnitude bits; -0.0 as 0.0). ``_ordered_floats`` undoes it."""
-        bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+@triton.jit
+def _held_queries(q_base, m, rows, dim, DP: tl.constexpr):
+    """[len(m), DP]: the queries m, zero past D."""
+    d = tl.arange(0, DP)
+    return tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim), other=0.0)
 
-    @triton.jit
-    def _ordered_keys(values, positions):
-        """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position)."""
-        return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
+@triton.jit
+def _held_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
+                        share,
+                        CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, DP: tl.constexpr, NEEDED: tl.constexpr):
+    """``_chunk_minima_kernel`` with a tile of queries held (all its DP >= D coordinates)
+    against the tiles of references [part * share, (part + 1) * share): each tile of
+    references one product, the queries read once."""
+    item = tl.program_id(2).to(tl.int64)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    first = tl.program_id(1) * share
+    stop = tl.minimum(first + share, columns)
+    if NEEDED:
+        if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+            return
+    q = _held_queries(q_ptr + item * rows * dim, m, rows, dim, DP)
+    twice = _twice(twice_ptr, item, PRECISION)
+    for start in range(first, stop, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
+        minima = _held_tile_minima(q, r_ptr + item * columns * dim, r_norms_ptr + item * columns, n, columns, dim,
+                                   twice, CHUNK, PRECISION)
+        tl.store(out_ptr + (item * rows + m[:, None]) * chunks + c[None, :], minima,
+                 mask=(m[:, None] < rows) & (c[None, :] < chunks))
 
-    @triton.jit
-    def _ordered_float(bits):
-        """``_ordered_bits`` undone: int32 -> float32."""
-        return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+@triton.jit
+def _ordered_bits(values):
+    """float32 values (no NaN) -> int32 in the same order: the float's bits made monotonic
+    (negatives: flip the magnitude bits; -0.0 as 0.0). ``_ordered_floats`` undoes it."""
+    bits = tl.where(values == 0.0, 0.0, values).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
-    @triton.jit
-    def _key_values(keys):
-        """``_ordered_keys`` keys -> their float32 values."""
-        return _ordered_float((keys >> 32).to(tl.int32))
+@triton.jit
+def _ordered_keys(values, positions):
+    """float32 values (no NaN) and int positions -> int64 keys ordered as (value, position)."""
+    return (_ordered_bits(values).to(tl.int64) << 32) | positions.to(tl.int64)
 
-    @triton.jit
-    def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
-        """float32 values (no NaN) and positions < 2^POSITION_BITS -> int32 keys ordered as
-        (value rounded down to 32 - POSITION_BITS bits, position): ``_ordered_keys`` in half
-        the width, for the fused lists (int64 compare-and-swap steps cost twice)."""
-        return (_ordered_bits(values) & -(1 << POSITION_BITS)) | positions.to(tl.int32)
+@triton.jit
+def _ordered_float(bits):
+    """``_ordered_bits`` undone: int32 -> float32."""
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
-    @triton.jit
-    def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
-        """One step of a bitonic network along the rows of x [R, W] (integers): the elements
-        STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
-        odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
-        sum may wrap, the difference does not). Not ``tl.sort``: this network was as fast on
-        the H100 (4.38 against 4.61 ms graphed at 8 x 4096^2), and
-        Triton's interpreter runs sums fast, the xor reductions of ``tl.sort`` one element at
-        a time."""
-        R: tl.constexpr = x.shape[0]
-        W: tl.constexpr = x.shape[1]
-        y = tl.reshape(x, (R, W // (2 * STRIDE), 2, STRIDE))
-        group = tl.reshape(tl.arange(0, W // (2 * STRIDE)), (1, W // (2 * STRIDE), 1, 1))
-        descending = ((group * (2 * STRIDE) // BLOCK) % 2 == 1) != FLIP
-        right = tl.reshape(tl.arange(0, 2), (1, 1, 2, 1)) == 1
-        partner = tl.sum(y, 2, keep_dims=True) - y
-        return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
+@triton.jit
+def _key_values(keys):
+    """``_ordered_keys`` keys -> their float32 values."""
+    return _ordered_float((keys >> 32).to(tl.int32))
 
-    @triton.jit
-    def _least_descending(keys, LOG_NEW: tl.constexpr, LOG_WIDTH: tl.constexpr):
-        """The 2^LOG_WIDTH least keys of each row of keys [R, 2^LOG_NEW] (LOG_WIDTH <=
-        LOG_NEW), descending: runs of that width sorted, alternately descending and ascending
-        (a bitonic sort's first stages), then while more than one run is left, each pair's
-        elementwise minima (a descending run against an ascending one: its least half, a
-        bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
-        before its least: 47 against 40 steps of 32 keys at 64 new, H100.)"""
-        WIDTH: tl.constexpr = 1 << LOG_WIDTH
-        for stage in tl.static_range(1, LOG_WIDTH + 1):
-            for step in tl.static_range(stage):
-                keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
-        for level in tl.static_range(LOG_NEW - LOG_WIDTH):
-            pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
-            keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
-            for step in tl.static_range(LOG_WIDTH):
-                keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
-        return keys
+@triton.jit
+def _short_keys(values, positions, POSITION_BITS: tl.constexpr):
+    """float32 values (no NaN) and positions < 2^POSITION_BITS -> int32 keys ordered as
+    (value rounded down to 32 - POSITION_BITS bits, position): ``_ordered_keys`` in half
+    the width, for the fused lists (int64 compare-and-swap steps cost twice)."""
+    return (_ordered_bits(values) & -(1 << POSITION_BITS)) | positions.to(tl.int32)
 
-    @triton.jit
-    def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
-        """The WIDTH least keys of best (ascending) and new (descending) [R, WIDTH], ascending:
-        their elementwise minimum is a bitonic sequence holding them, sorted by LOG_WIDTH
-        compare-and-swap steps."""
-        x = tl.minimum(best, new)
+@triton.jit
+def _compare_swap(x, STRIDE: tl.constexpr, BLOCK: tl.constexpr, FLIP: tl.constexpr):
+    """One step of a bitonic network along the rows of x [R, W] (integers): the elements
+    STRIDE apart put in order, ascending in even blocks of BLOCK elements and descending in
+    odd ones (FLIP: the other way). The partner of a key is its pair's sum less the key (a
+    sum may wrap, the difference does not). Not ``tl.sort``: this network was as fast on
+    the H100 (4.38 against 4.61 ms graphed at 8 x 4096^2), and
+    Triton's interpreter runs sums fast, the xor reductions of ``tl.sort`` one element at
+    a time."""
+    R: tl.constexpr = x.shape[0]
+    W: tl.constexpr = x.shape[1]
+    y = tl.reshape(x, (R, W // (2 * STRIDE), 2, STRIDE))
+    group = tl.reshape(tl.arange(0, W // (2 * STRIDE)), (1, W // (2 * STRIDE), 1, 1))
+    descending = ((group * (2 * STRIDE) // BLOCK) % 2 == 1) != FLIP
+    right = tl.reshape(tl.arange(0, 2), (1, 1, 2, 1)) == 1
+    partner = tl.sum(y, 2, keep_dims=True) - y
+    return tl.reshape(tl.where((y > partner) != (right != descending), partner, y), (R, W))
+
+@triton.jit
+def _least_descending(keys, LOG_NEW: tl.constexpr, LOG_WIDTH: tl.constexpr):
+    """The 2^LOG_WIDTH least keys of each row of keys [R, 2^LOG_NEW] (LOG_WIDTH <=
+    LOG_NEW), descending: runs of that width sorted, alternately descending and ascending
+    (a bitonic sort's first stages), then while more than one run is left, each pair's
+    elementwise minima (a descending run against an ascending one: its least half, a
+    bitonic sequence) sorted into the next alternating runs. (A whole sort of the row
+    before its least: 47 against 40 steps of 32 keys at 64 new, H100.)"""
+    WIDTH: tl.constexpr = 1 << LOG_WIDTH
+    for stage in tl.static_range(1, LOG_WIDTH + 1):
+        for step in tl.static_range(stage):
+            keys = _compare_swap(keys, 1 << (stage - 1 - step), 1 << stage, True)
+    for level in tl.static_range(LOG_NEW - LOG_WIDTH):
+        pairs = tl.reshape(keys, (keys.shape[0], keys.shape[1] // (2 * WIDTH), 2, WIDTH))
+        keys = tl.reshape(tl.min(pairs, 2), (keys.shape[0], keys.shape[1] // 2))
         for step in tl.static_range(LOG_WIDTH):
-            x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
-        return x
+            keys = _compare_swap(keys, WIDTH >> (step + 1), WIDTH, True)
+    return keys
 
-    @triton.jit
-    def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr,
-                                 floors_ptr, rows, columns, dim, chunks, share, parts, width,
-                                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
-                                 LOG_KEYS: tl.constexpr, LOG_KEEP: tl.constexpr, LOG_NEW: tl.constexpr,
-                                 POSITION_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
-        """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
-        over the references [part * share, (part + 1) * share), ascending -> the first
-        ``width`` of them into out [B, M, parts, width]. LOG_KEEP < LOG_KEYS: a tile's
-        2^LOG_KEEP least only enter the list, and the greatest of them (at or below every key
-        the tile leaves out) lowers a floor: one share (parts 1) folds it into the list's last
-        key, several store it into floors [B, M, parts] (the merge folds them). NEEDED: a
-        tile none of whose queries needed marks stores nothing."""
-        item = tl.program_id(2).to(tl.int64)
-        part = tl.program_id(1)
-        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
-                return
-        q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
-        # Keyed on about the squared distance, not |r|^2 - 2 q.r ~ -|q|^2 near the query: the
-        # keys' bits then resolve the distances themselves.
-        q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
-        best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
-        floor = tl.full((BLOCK_M,), _SHORT_KEY_NONE, tl.int32)
-        twice = _twice(twice_ptr, item, PRECISION)
-        first = part * share
-        for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice, CHUNK,
-                                  PRECISION, BLOCK_K)
-            c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
-            keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
-                            _SHORT_KEY_NONE)
-            new = _least_descending(keys, LOG_NEW, LOG_KEEP)
-            if LOG_KEEP < LOG_KEYS:  # (descending: the missing keys first, as none)
-                floor = tl.minimum(floor, tl.max(new, 1))
-                runs = tl.reshape(new, (BLOCK_M, 1, 1 << LOG_KEEP))
-                last = tl.reshape(tl.arange(0, 1 << (LOG_KEYS - LOG_KEEP)), (1, 1 << (LOG_KEYS - LOG_KEEP), 1))
-                new = tl.reshape(tl.where(last == (1 << (LOG_KEYS - LOG_KEEP)) - 1, runs, _SHORT_KEY_NONE),
-                                 (BLOCK_M, KEYS))
-            best = _merge_sorted(best, new, LOG_KEYS)
-        slots = tl.arange(0, KEYS)
-        if LOG_KEEP < LOG_KEYS:
-            if parts == 1:
-                best = tl.where(slots[None, :] == width - 1, tl.minimum(best, floor[:, None]), best)
-            else:
-                tl.store(floors_ptr + (item * rows + m) * parts + part, floor, mask=m < rows)
-        tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * width + slots[None, :], best,
-                 mask=(m[:, None] < rows) & (slots[None, :] < width))
+@triton.jit
+def _merge_sorted(best, new, LOG_WIDTH: tl.constexpr):
+    """The WIDTH least keys of best (ascending) and new (descending) [R, WIDTH], ascending:
+    their elementwise minimum is a bitonic sequence holding them, sorted by LOG_WIDTH
+    compare-and-swap steps."""
+    x = tl.minimum(best, new)
+    for step in tl.static_range(LOG_WIDTH):
+        x = _compare_swap(x, best.shape[1] >> (step + 1), 2 * best.shape[1], False)
+    return x
 
-    @triton.jit
-    def _merge_parts_kernel(lists_ptr, floors_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
-                            LOG_KEYS: tl.constexpr, FLOORS: tl.constexpr, BLOCK_M: tl.constexpr):
-        """lists [rows, parts, KEYS] (each ascending) -> out [rows, count]: the least ``count``
-        keys of each row's lists, ascending (a list read backwards is descending); FLOORS:
-        the last lowered to the least of floors [rows, parts]."""
-        m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        slots = tl.arange(0, KEYS)
-        inside = m[:, None] < total_rows
-        best = tl.load(lists_ptr + m[:, None] * parts * KEYS + slots[None, :], mask=inside, other=_SHORT_KEY_NONE)
-        for part in range(1, parts):
-            backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
-                                mask=inside, other=_SHORT_KEY_NONE)
-            best = _merge_sorted(best, backwards, LOG_KEYS)
-        if FLOORS:
-            floors = tl.load(floors_ptr + m[:, None] * parts + tl.arange(0, 2)[None, :],
-                             mask=inside & (tl.arange(0, 2)[None, :] < parts), other=_SHORT_KEY_NONE)
-            for part in range(2, parts):
-                floors = tl.minimum(floors, tl.load(floors_ptr + m[:, None] * parts + part, mask=inside,
-                                                    other=_SHORT_KEY_NONE))
-            best = tl.where(slots[None, :] == count - 1, tl.minimum(best, tl.min(floors, 1)[:, None]), best)
-        tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
+@triton.jit
+def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr,
+                             floors_ptr, rows, columns, dim, chunks, share, parts, width,
+                             CHUNK: tl.constexpr, PRECISION: tl.constexpr, KEYS: tl.constexpr,
+                             LOG_KEYS: tl.constexpr, LOG_KEEP: tl.constexpr, LOG_NEW: tl.constexpr,
+                             POSITION_BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
+    """Per query of the tile, the KEYS least (chunk minimum + |q|^2, chunk) ``_short_keys``
+    over the references [part * share, (part + 1) * share), ascending -> the first
+    ``width`` of them into out [B, M, parts, width]. LOG_KEEP < LOG_KEYS: a tile's
+    2^LOG_KEEP least only enter the list, and the greatest of them (at or below every key
+    the tile leaves out) lowers a floor: one share (parts 1) folds it into the list's last
+    key, several store it into floors [B, M, parts] (the merge folds them). NEEDED: a
+    tile none of whose queries needed marks stores nothing."""
+    item = tl.program_id(2).to(tl.int64)
+    part = tl.program_id(1)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if NEEDED:
+        if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
+            return
+    q_base, r_base = q_ptr + item * rows * dim, r_ptr + item * columns * dim
+    # Keyed on about the squared distance, not |r|^2 - 2 q.r ~ -|q|^2 near the query: the
+    # keys' bits then resolve the distances themselves.
+    q_norms = tl.load(q_norms_ptr + item * rows + m, mask=m < rows, other=0.0)
+    best = tl.full((BLOCK_M, KEYS), _SHORT_KEY_NONE, tl.int32)
+    floor = tl.full((BLOCK_M,), _SHORT_KEY_NONE, tl.int32)
+    twice = _twice(twice_ptr, item, PRECISION)
+    first = part * share
+    for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice, CHUNK,
+                              PRECISION, BLOCK_K)
+        c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
+        keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
+                        _SHORT_KEY_NONE)
+        new = _least_descending(keys, LOG_NEW, LOG_KEEP)
+        if LOG_KEEP < LOG_KEYS:  # (descending: the missing keys first, as none)
+            floor = tl.minimum(floor, tl.max(new, 1))
+            runs = tl.reshape(new, (BLOCK_M, 1, 1 << LOG_KEEP))
+            last = tl.reshape(tl.arange(0, 1 << (LOG_KEYS - LOG_KEEP)), (1, 1 << (LOG_KEYS - LOG_KEEP), 1))
+            new = tl.reshape(tl.where(last == (1 << (LOG_KEYS - LOG_KEEP)) - 1, runs, _SHORT_KEY_NONE),
+                             (BLOCK_M, KEYS))
+        best = _merge_sorted(best, new, LOG_KEYS)
+    slots = tl.arange(0, KEYS)
+    if LOG_KEEP < LOG_KEYS:
+        if parts == 1:
+            best = tl.where(slots[None, :] == width - 1, tl.minimum(best, floor[:, None]), best)
+        else:
+            tl.store(floors_ptr + (item * rows + m) * parts + part, floor, mask=m < rows)
+    tl.store(out_ptr + ((item * rows + m[:, None]) * parts + part) * width + slots[None, :], best,
+             mask=(m[:, None] < rows) & (slots[None, :] < width))
 
-    @triton.jit
-    def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, needed_ptr, out_ptr, rows, columns, dim,
-                                 n_chosen, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
-                                 NEEDED: tl.constexpr):
-        item = tl.program_id(2).to(tl.int64)
-        row = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        members = n_chosen * CHUNK
-        query = item * rows + row
-        if NEEDED:  # (rows not needed: +inf, nothing read)
-            if tl.load(needed_ptr + query) == 0:
-                tl.store(out_ptr + query * members + j, tl.full((BLOCK,), float("inf"), tl.float32),
-                         mask=j < members)
-                return
-        chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
-        ref = chunk * CHUNK + j % CHUNK
-        ok = (j < members) & (ref < columns)
-        norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
-        kk = tl.arange(0, BLOCK_K)
-        total = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in range(0, dim, BLOCK_K):
-            d = start + kk
-            q = tl.load(q_ptr + query * dim + d, mask=d < dim, other=0.0)
-            r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :],
-                        mask=ok[:, None] & (d[None, :] < dim), other=0.0)
-            diff = q[None, :] - r
-            total += tl.sum(diff * diff, axis=1)
-        # +inf norms mark invalid references (past a length, or NaN rows); an invalid query (a
-        # NaN coordinate) measures +inf too: ``smallest`` wants no NaN (it would order them
-        # after the padding, whose positions lie past the members).
-        total = tl.where((norms == float("inf")) | (total != total), float("inf"), total)
-        tl.store(out_ptr + query * members + j, total, mask=j < members)
+@triton.jit
+def _merge_parts_kernel(lists_ptr, floors_ptr, out_ptr, total_rows, parts, count, KEYS: tl.constexpr,
+                        LOG_KEYS: tl.constexpr, FLOORS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """lists [rows, parts, KEYS] (each ascending) -> out [rows, count]: the least ``count``
+    keys of each row's lists, ascending (a list read backwards is descending); FLOORS:
+    the last lowered to the least of floors [rows, parts]."""
+    m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    slots = tl.arange(0, KEYS)
+    inside = m[:, None] < total_rows
+    best = tl.load(lists_ptr + m[:, None] * parts * KEYS + slots[None, :], mask=inside, other=_SHORT_KEY_NONE)
+    for part in range(1, parts):
+        backwards = tl.load(lists_ptr + (m[:, None] * parts + part) * KEYS + (KEYS - 1 - slots)[None, :],
+                            mask=inside, other=_SHORT_KEY_NONE)
+        best = _merge_sorted(best, backwards, LOG_KEYS)
+    if FLOORS:
+        floors = tl.load(floors_ptr + m[:, None] * parts + tl.arange(0, 2)[None, :],
+                         mask=inside & (tl.arange(0, 2)[None, :] < parts), other=_SHORT_KEY_NONE)
+        for part in range(2, parts):
+            floors = tl.minimum(floors, tl.load(floors_ptr + m[:, None] * parts + part, mask=inside,
+                                                other=_SHORT_KEY_NONE))
+        best = tl.where(slots[None, :] == count - 1, tl.minimum(best, tl.min(floors, 1)[:, None]), best)
+    tl.store(out_ptr + m[:, None] * count + slots[None, :], best, mask=inside & (slots[None, :] < count))
 
-
-    @triton.jit
-    def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
-                                  DP: tl.constexpr, LOG_DP: tl.constexpr):
-        """out [Q, take] = sum_d (q[i] - r[refs[i, c]])_d^2: each difference and square rounded
-        as torch rounds them, summed as ``pairs.halving_sum`` sums (zero-padded to DP = 2^LOG_DP
-        coordinates, halved LOG_DP times). Launched without contraction into fused
-        multiply-adds, which would round differently."""
-        i = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        refs = tl.load(refs_ptr + i * take + c, mask=c < take, other=0)
-        d = tl.arange(0, DP)
-        q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
-        r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
-                    other=0.0)
-        tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
-
-    @triton.jit
-    def _bit_reversed(LOG_DP: tl.constexpr):
-        """[2^LOG_DP]: position p -> the coordinate reverse(p) (its LOG_DP bits reversed).
-        Coordinates loaded in this order put each halving sum's pairs (d, d + half) side by
-        side: a halving is a sum over the fastest axis (in the brute force's [M, N, D] tiles
-        half the shared-memory barriers of summing the halves, PTX for sm_90). Same pairs,
-        same bits."""
-        p = tl.arange(0, 1 << LOG_DP)
-        reversed_bits = tl.zeros_like(p)
-        for bit in tl.static_range(LOG_DP):
-            reversed_bits = reversed_bits | (((p >> bit) & 1) << (LOG_DP - 1 - bit))
-        return reversed_bits
-
-    @triton.jit
-    def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
-        """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
-        summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
-        one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
-        are launched without contraction into fused multiply-adds."""
-        C: tl.constexpr = r.shape[0]
-        DP: tl.constexpr = r.shape[1]
+@triton.jit
+def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, needed_ptr, out_ptr, rows, columns, dim,
+                             n_chosen, CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                             NEEDED: tl.constexpr):
+    item = tl.program_id(2).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    members = n_chosen * CHUNK
+    query = item * rows + row
+    if NEEDED:  # (rows not needed: +inf, nothing read)
+        if tl.load(needed_ptr + query) == 0:
+            tl.store(out_ptr + query * members + j, tl.full((BLOCK,), float("inf"), tl.float32),
+                     mask=j < members)
+            return
+    chunk = tl.load(chosen_ptr + query * n_chosen + j // CHUNK, mask=j < members, other=0)
+    ref = chunk * CHUNK + j % CHUNK
+    ok = (j < members) & (ref < columns)
+    norms = tl.load(r_norms_ptr + item * columns + ref, mask=ok, other=float("inf"))
+    kk = tl.arange(0, BLOCK_K)
+    total = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, dim, BLOCK_K):
+        d = start + kk
+        q = tl.load(q_ptr + query * dim + d, mask=d < dim, other=0.0)
+        r = tl.load(r_ptr + (item * columns + ref[:, None]) * dim + d[None, :],
+                    mask=ok[:, None] & (d[None, :] < dim), other=0.0)
         diff = q[None, :] - r
-        x = diff * diff
-        if DIM <= _PER_COORDINATE:
-            d = tl.arange(0, DP)[None, :]
-            total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
-            for c in tl.static_range(1, DIM):
-                total += tl.sum(tl.where(d == c, x, 0.0), 1)
+        total += tl.sum(diff * diff, axis=1)
+    # +inf norms mark invalid references (past a length, or NaN rows); an invalid query (a
+    # NaN coordinate) measures +inf too: ``smallest`` wants no NaN (it would order them
+    # after the padding, whose positions lie past the members).
+    total = tl.where((norms == float("inf")) | (total != total), float("inf"), total)
+    tl.store(out_ptr + query * members + j, total, mask=j < members)
+
+
+@triton.jit
+def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
+                              DP: tl.constexpr, LOG_DP: tl.constexpr):
+    """out [Q, take] = sum_d (q[i] - r[refs[i, c]])_d^2: each difference and square rounded
+    as torch rounds them, summed as ``pairs.halving_sum`` sums (zero-padded to DP = 2^LOG_DP
+    coordinates, halved LOG_DP times). Launched without contraction into fused
+    multiply-adds, which would round differently."""
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    refs = tl.load(refs_ptr + i * take + c, mask=c < take, other=0)
+    d = tl.arange(0, DP)
+    q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
+    r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
+                other=0.0)
+    tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
+
+@triton.jit
+def _bit_reversed(LOG_DP: tl.constexpr):
+    """[2^LOG_DP]: position p -> the coordinate reverse(p) (its LOG_DP bits reversed).
+    Coordinates loaded in this order put each halving sum's pairs (d, d + half) side by
+    side: a halving is a sum over the fastest axis (in the brute force's [M, N, D] tiles
+    half the shared-memory barriers of summing the halves, PTX for sm_90). Same pairs,
+    same bits."""
+    p = tl.arange(0, 1 << LOG_DP)
+    reversed_bits = tl.zeros_like(p)
+    for bit in tl.static_range(LOG_DP):
+        reversed_bits = reversed_bits | (((p >> bit) & 1) << (LOG_DP - 1 - bit))
+    return reversed_bits
+
+@triton.jit
+def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+    """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
+    summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
+    one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
+    are launched without contraction into fused multiply-adds."""
+    C: tl.constexpr = r.shape[0]
+    DP: tl.constexpr = r.shape[1]
+    diff = q[None, :] - r
+    x = diff * diff
+    if DIM <= _PER_COORDINATE:
+        d = tl.arange(0, DP)[None, :]
+        total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
+        for c in tl.static_range(1, DIM):
+            total += tl.sum(tl.where(d == c, x, 0.0), 1)
+    else:
+        for level in tl.static_range(LOG_DP):
+            x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
+        total = tl.reshape(x, (C,))
+    return total
+
+@triton.jit
+def _quad_squares(q_row, rows, ok, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+    """[C]: ``_reference_squares`` of q (at q_row) against the rows at the pointers rows
+    [C] (``ok``: loaded; D > PER_COORDINATE_MAX_DIM, padded to 16 at least: halvings of
+    zeros first, exact), four threads a row: x[l, c, h, j] the square of coordinate
+    16 h + 4 l + j, loaded 16 bytes a thread (a row's four threads read 64 contiguous
+    bytes); the halvings of h in registers, of l across the four, of j in registers. (q
+    loaded in the rows' shape, so that both keep this layout.)"""
+    C: tl.constexpr = rows.shape[0]
+    H: tl.constexpr = ((1 << LOG_DP) + 15) // 16
+    d = (tl.arange(0, 4)[:, None, None, None] * 4 + tl.arange(0, H)[None, None, :, None] * 16
+         + tl.arange(0, 4)[None, None, None, :])
+    at = rows[None, :, None, None] + d
+    if DIM == 16 * H:  # (no mask along the row: 16-byte loads)
+        r = tl.load(at, mask=tl.broadcast_to(ok[None, :, None, None], at.shape), other=0.0)
+        q = tl.load(tl.broadcast_to(q_row + d, at.shape))
+    else:
+        inside = tl.broadcast_to(d < DIM, at.shape)
+        r = tl.load(at, mask=ok[None, :, None, None] & inside, other=0.0)
+        q = tl.load(tl.broadcast_to(q_row + d, at.shape), mask=inside, other=0.0)
+    diff = q - r
+    x = diff * diff
+    for level in tl.static_range(LOG_DP - 4):
+        x = tl.sum(tl.reshape(x, (4, C, 2, H >> (level + 1), 4)), 2)
+    x = tl.sum(tl.sum(tl.reshape(x, (2, 2, C, 4)), 0), 0)
+    return tl.sum(tl.sum(tl.reshape(x, (C, 2, 2)), 1), 1)
+
+@triton.jit
+def _row_of(x, at, WIDTH: tl.constexpr):
+    """Row ``at`` of x [R * WIDTH] seen as [R, WIDTH] (integers): [WIDTH]."""
+    ROWS: tl.constexpr = x.shape[0] // WIDTH
+    return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
+
+@triton.jit
+def _member_refs(chosen, members, columns, slot, CHUNK: tl.constexpr, POSITION_BITS: tl.constexpr):
+    """The references of a query's member slots (member s: the (s % CHUNK)-th of chunk
+    chosen[s // CHUNK]; none past ``members`` or where the chunk is -1; POSITION_BITS > 0:
+    chosen holds ``_short_keys``, the chunk in their low bits) and which of them are
+    inside the cloud (their rows may be read; valid where ``ok`` too: read apart, so
+    that the rows' loads wait for one load less)."""
+    chunk = tl.load(chosen + slot // CHUNK, mask=slot < members, other=-1)
+    if POSITION_BITS > 0:
+        chunk = tl.where(slot < members, chunk & ((1 << POSITION_BITS) - 1), -1)
+    ref = chunk * CHUNK + slot % CHUNK
+    return ref, (chunk >= 0) & (ref < columns)
+
+@triton.jit
+def _key_floor(keys, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+    """A floor under the squared distances, as the reference measures them, of every
+    reference of the chunks of ``_short_keys`` keys (NaN for ``_SHORT_KEY_NONE``): each
+    has a product value v with v + |q|^2 at least the key's sum rounded down, less 2^-23
+    of it (see dense._chosen_chunks; the products err by ``bound``), then
+    dense.beyond_expansion for a query of norm q_abs among references of norm <= reach."""
+    least = _ordered_float(keys & -(1 << POSITION_BITS))
+    least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
+    return ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+            * (1 - 2 * (DIM + 2) * 2.0**-24))
+
+@triton.jit
+def _key_ceiling(key, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+    """``_key_floor``'s mirror: a ceiling over the squared distance, as the reference
+    measures it, of the nearest reference of the chunk of a ``_short_keys`` key (not
+    ``_SHORT_KEY_NONE``), whose sum lies below the next rounded key."""
+    most = _ordered_float((key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS))
+    most = tl.where(most >= 0, most * (1 + 2.0**-22), most * (1 - 2.0**-22)) + 2 * bound
+    return ((most + 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+            * (1 + 2 * (DIM + 2) * 2.0**-24))
+
+@triton.jit
+def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
+                      LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
+                      BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
+                      BY_QUAD: tl.constexpr):
+    """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
+    summed differences, the ``take`` least (by (value, member)) measured again in the
+    reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each) -> their
+    (distance, index) keys, ascending [SEL or WP] (none: ``KEY_NONE``), and the take-th
+    least first measure (+inf where every member was)."""
+    members = n_chosen * CHUNK
+    j = tl.arange(0, WP)
+    if SEL < WP:
+        ref, inside = _member_refs(chosen, members, columns, j, CHUNK, POSITION_BITS)
+        total = tl.zeros((WP,), tl.float32)
+        for start in range(0, DIM, BLOCK_K):
+            d = start + tl.arange(0, BLOCK_K)
+            qd = tl.load(q_row + d, mask=d < DIM, other=0.0)
+            rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=inside[:, None] & (d[None, :] < DIM),
+                         other=0.0)
+            diff = qd[None, :] - rd
+            total += tl.sum(diff * diff, 1)
+        valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
+        total = tl.where(valid & (total == total), total, float("inf"))
+        first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
+        last = _key_values(tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0)))
+        slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
+    else:
+        last = tl.full((), float("inf"), tl.float32)
+        slot = j
+    dp = tl.arange(0, 1 << LOG_DP)
+    q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
+    BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
+    keys = tl.full((BLOCKS, BLOCK_C), KEY_NONE, tl.int64)
+    for b in tl.static_range(BLOCKS):
+        ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
+        if BY_QUAD:
+            d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
         else:
-            for level in tl.static_range(LOG_DP):
-                x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
-            total = tl.reshape(x, (C,))
-        return total
+            r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
+                        other=0.0)
+            d2 = _reference_squares(q, r, DIM, LOG_DP)
+        valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
+        found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
+        found = tl.where(valid & (d2 == d2), found, KEY_NONE)
+        keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
+    return tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0), last
 
-    @triton.jit
-    def _quad_squares(q_row, rows, ok, DIM: tl.constexpr, LOG_DP: tl.constexpr):
-        """[C]: ``_reference_squares`` of q (at q_row) against the rows at the pointers rows
-        [C] (``ok``: loaded; D > PER_COORDINATE_MAX_DIM, padded to 16 at least: halvings of
-        zeros first, exact), four threads a row: x[l, c, h, j] the square of coordinate
-        16 h + 4 l + j, loaded 16 bytes a thread (a row's four threads read 64 contiguous
-        bytes); the halvings of h in registers, of l across the four, of j in registers. (q
-        loaded in the rows' shape, so that both keep this layout.)"""
-        C: tl.constexpr = rows.shape[0]
-        H: tl.constexpr = ((1 << LOG_DP) + 15) // 16
-        d = (tl.arange(0, 4)[:, None, None, None] * 4 + tl.arange(0, H)[None, None, :, None] * 16
-             + tl.arange(0, 4)[None, None, None, :])
-        at = rows[None, :, None, None] + d
-        if DIM == 16 * H:  # (no mask along the row: 16-byte loads)
-            r = tl.load(at, mask=tl.broadcast_to(ok[None, :, None, None], at.shape), other=0.0)
-            q = tl.load(tl.broadcast_to(q_row + d, at.shape))
-        else:
-            inside = tl.broadcast_to(d < DIM, at.shape)
-            r = tl.load(at, mask=ok[None, :, None, None] & inside, other=0.0)
-            q = tl.load(tl.broadcast_to(q_row + d, at.shape), mask=inside, other=0.0)
-        diff = q - r
-        x = diff * diff
-        for level in tl.static_range(LOG_DP - 4):
-            x = tl.sum(tl.reshape(x, (4, C, 2, H >> (level + 1), 4)), 2)
-        x = tl.sum(tl.sum(tl.reshape(x, (2, 2, C, 4)), 0), 0)
-        return tl.sum(tl.sum(tl.reshape(x, (C, 2, 2)), 1), 1)
+@triton.jit
+def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
+                            n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
+                            WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                            BY_QUAD: tl.constexpr, NEEDED: tl.constexpr):
+    """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
+    ``count`` nearest stored by (distance, index), and the take-th least first measure
+    -> out_last."""
+    row = tl.program_id(0).to(tl.int64)
+    if NEEDED:
+        if tl.load(needed_ptr + row) == 0:
+            return
+    item = row // rows
+    keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
+                                   chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
+                                   WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
+    tl.store(out_last + row, last)
+    at = tl.arange(0, keys.shape[0])
+    hit = keys != KEY_NONE
+    tl.store(out_d + row * count + at, tl.where(hit, _key_values(keys), float("inf")), mask=at < count)
+    tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
 
-    @triton.jit
-    def _row_of(x, at, WIDTH: tl.constexpr):
-        """Row ``at`` of x [R * WIDTH] seen as [R, WIDTH] (integers): [WIDTH]."""
-        ROWS: tl.constexpr = x.shape[0] // WIDTH
-        return tl.sum(tl.where((tl.arange(0, ROWS) == at)[:, None], tl.reshape(x, (ROWS, WIDTH)), 0), 0)
-
-    @triton.jit
-    def _member_refs(chosen, members, columns, slot, CHUNK: tl.constexpr, POSITION_BITS: tl.constexpr):
-        """The references of a query's member slots (member s: the (s % CHUNK)-th of chunk
-        chosen[s // CHUNK]; none past ``members`` or where the chunk is -1; POSITION_BITS > 0:
-        chosen holds ``_short_keys``, the chunk in their low bits) and which of them are
-        inside the cloud (their rows may be read; valid where ``ok`` too: read apart, so
-        that the rows' loads wait for one load less)."""
-        chunk = tl.load(chosen + slot // CHUNK, mask=slot < members, other=-1)
-        if POSITION_BITS > 0:
-            chunk = tl.where(slot < members, chunk & ((1 << POSITION_BITS) - 1), -1)
-        ref = chunk * CHUNK + slot % CHUNK
-        return ref, (chunk >= 0) & (ref < columns)
-
-    @triton.jit
-    def _key_floor(keys, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
-        """A floor under the squared distances, as the reference measures them, of every
-        reference of the chunks of ``_short_keys`` keys (NaN for ``_SHORT_KEY_NONE``): each
-        has a product value v with v + |q|^2 at least the key's sum rounded down, less 2^-23
-        of it (see dense._chosen_chunks; the products err by ``bound``), then
-        dense.beyond_expansion for a query of norm q_abs among references of norm <= reach."""
-        least = _ordered_float(keys & -(1 << POSITION_BITS))
-        least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
-        return ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
-                * (1 - 2 * (DIM + 2) * 2.0**-24))
-
-    @triton.jit
-    def _key_ceiling(key, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
-        """``_key_floor``'s mirror: a ceiling over the squared distance, as the reference
-        measures it, of the nearest reference of the chunk of a ``_short_keys`` key (not
-        ``_SHORT_KEY_NONE``), whose sum lies below the next rounded key."""
-        most = _ordered_float((key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS))
-        most = tl.where(most >= 0, most * (1 + 2.0**-22), most * (1 - 2.0**-22)) + 2 * bound
-        return ((most + 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
-                * (1 + 2 * (DIM + 2) * 2.0**-24))
-
-    @triton.jit
-    def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
-                          LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                          BY_QUAD: tl.constexpr):
-        """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
-        summed differences, the ``take`` least (by (value, member)) measured again in the
-        reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each) -> their
-        (distance, index) keys, ascending [SEL or WP] (none: ``_KEY_NONE``), and the take-th
-        least first measure (+inf where every member was)."""
-        members = n_chosen * CHUNK
-        j = tl.arange(0, WP)
-        if SEL < WP:
-            ref, inside = _member_refs(chosen, members, columns, j, CHUNK, POSITION_BITS)
-            total = tl.zeros((WP,), tl.float32)
-            for start in range(0, DIM, BLOCK_K):
-                d = start + tl.arange(0, BLOCK_K)
-                qd = tl.load(q_row + d, mask=d < DIM, other=0.0)
-                rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=inside[:, None] & (d[None, :] < DIM),
-                             other=0.0)
-                diff = qd[None, :] - rd
-                total += tl.sum(diff * diff, 1)
-            valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
-            total = tl.where(valid & (total == total), total, float("inf"))
-            first = _row_of(tl.sort(_ordered_keys(total, j), 0), 0, SEL)
-            last = _key_values(tl.sum(tl.where(tl.arange(0, SEL) == take - 1, first, 0)))
-            slot = tl.where(tl.arange(0, SEL) < take, (first & 0xFFFFFFFF).to(tl.int32), WP)
-        else:
-            last = tl.full((), float("inf"), tl.float32)
-            slot = j
-        dp = tl.arange(0, 1 << LOG_DP)
-        q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
-        BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
-        keys = tl.full((BLOCKS, BLOCK_C), _KEY_NONE, tl.int64)
-        for b in tl.static_range(BLOCKS):
-            ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
-            if BY_QUAD:
-                d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
-            else:
-                r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
-                            other=0.0)
-                d2 = _reference_squares(q, r, DIM, LOG_DP)
-            valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
-            found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
-            found = tl.where(valid & (d2 == d2), found, _KEY_NONE)
-            keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
-        return tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0), last
-
-    @triton.jit
-    def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
-                                n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
-                                WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                                BY_QUAD: tl.constexpr, NEEDED: tl.constexpr):
-        """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
-        ``count`` nearest stored by (distance, index), and the take-th least first measure
-        -> out_last."""
-        row = tl.program_id(0).to(tl.int64)
-        if NEEDED:
-            if tl.load(needed_ptr + row) == 0:
-                return
+@triton.jit
+def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
+                            q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
+                            n_chosen, n_keys, take, count, error, radius, n_rows, DIM: tl.constexpr,
+                            LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
+                            POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+                            NEEDED: tl.constexpr):
+    """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
+    members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
+    (``_measured_members``), the certificate of ``dense.py`` (the floor under every
+    unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
+    last first measure) and the ``count`` nearest, times the item's scale, within
+    ``radius``, stored into the lists [B, total_rows, count] with the row's flag
+    unproven (valid queries only; an invalid one's list stays empty). HALF: products of
+    float16 operands (``half_operands``), whose error is bounded per query by the norms
+    left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
+    flagged unproven already are done (a program of ROWS without one does nothing)."""
+    for i in range(ROWS):
+        row = tl.program_id(0).to(tl.int64) * ROWS + i
         item = row // rows
-        keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
-                                       chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                       WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
-        tl.store(out_last + row, last)
-        at = tl.arange(0, keys.shape[0])
-        hit = keys != _KEY_NONE
-        tl.store(out_d + row * count + at, tl.where(hit, _key_values(keys), float("inf")), mask=at < count)
-        tl.store(out_i + row * count + at, tl.where(hit, keys & 0xFFFFFFFF, -1), mask=at < count)
-
-    @triton.jit
-    def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
-                                q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
-                                n_chosen, n_keys, take, count, error, radius, n_rows, DIM: tl.constexpr,
-                                LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
-                                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
-                                POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
-                                NEEDED: tl.constexpr):
-        """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
-        members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
-        (``_measured_members``), the certificate of ``dense.py`` (the floor under every
-        unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
-        last first measure) and the ``count`` nearest, times the item's scale, within
-        ``radius``, stored into the lists [B, total_rows, count] with the row's flag
-        unproven (valid queries only; an invalid one's list stays empty). HALF: products of
-        float16 operands (``half_operands``), whose error is bounded per query by the norms
-        left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
-        flagged unproven already are done (a program of ROWS without one does nothing)."""
-        for i in range(ROWS):
-            row = tl.program_id(0).to(tl.int64) * ROWS + i
-            item = row // rows
-            out_row = item * total_rows + first_row + row % rows
-            go = row < n_rows
-            if NEEDED:
-                go = go & (tl.load(out_unproven + out_row, mask=go, other=0) != 0)
-            if go:
-                q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
-                reach = tl.load(reach_ptr + item)
-                if HALF:
-                    q_lo = tl.load(q_lo_ptr + row)
-                    bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
-                else:
-                    bound = error * q_abs * reach
-                # The chosen chunks past the k-th whose floor lies above the k-th's ceiling hold
-                # none of the k nearest: only the chunks before the first of them are measured, and
-                # its key bounds the rest (the certificate checks it).
-                c = tl.arange(0, WP // CHUNK)
-                chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
-                kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
-                ceiling = tl.where((count <= n_chosen) & (kth_key != _SHORT_KEY_NONE),
-                                   _key_ceiling(kth_key, bound, q_abs, reach, DIM, POSITION_BITS), float("inf"))
-                floors = _key_floor(chosen, bound, q_abs, reach, DIM, POSITION_BITS)
-                measured = tl.minimum(tl.min(tl.where((c >= count) & (floors > ceiling), c, n_chosen)), n_chosen)
-                keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
-                                               ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
-                                               take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                               BY_QUAD)
-                # Every reference of an unmeasured chunk lies at or above the next key's floor.
-                top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
-                beyond = _key_floor(top, bound, q_abs, reach, DIM, POSITION_BITS)
-                limit = tl.minimum(tl.where(n_keys > measured, beyond, float("inf")),
-                                   last * (1 - 4 * (DIM + 2) * 2.0**-24))
-                at = tl.arange(0, keys.shape[0])
-                hit = keys != _KEY_NONE
-                d = tl.where(hit, _key_values(keys), float("inf"))
-                kth = tl.sum(tl.where(at == count - 1, d, 0.0))
-                kth = tl.where(count <= keys.shape[0], kth, float("inf"))
-                valid = tl.load(query_ok_ptr + out_row) != 0
-                proven = (kth * kth < limit) | (limit == float("inf"))
-                tl.store(out_unproven + out_row, (valid & ~proven).to(tl.int8))
-                d = d * tl.load(scale_ptr + item)
-                keep = hit & (d <= radius) & valid
-                tl.store(out_d + out_row * count + at, tl.where(keep, d, float("inf")), mask=at < count)
-                tl.store(out_i + out_row * count + at, tl.where(keep, keys & 0xFFFFFFFF, -1), mask=at < count)
-
-    @triton.jit
-    def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius,
-                            DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
-                            KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-                            SORT_FROM: tl.constexpr, NEEDED: tl.constexpr, SCALED: tl.constexpr):
-        """The k nearest valid references of GROUPS blocks of BLOCK_M queries of item b,
-        measured as ``_squared_distances_kernel`` measures (the reference's arithmetic) and
-        kept as (distance, index) keys like the grid search's; launched without contraction.
-        NEEDED: a block none of whose queries needed marks is skipped, and only needed rows
-        are stored. SCALED: distances times scale[b], those beyond ``radius`` dropped."""
-        b = tl.program_id(1).to(tl.int64)
-        for group in range(GROUPS):
-            first = (tl.program_id(0) * GROUPS + group) * BLOCK_M
-            m = first + tl.arange(0, BLOCK_M)
-            go = first < rows
-            if NEEDED:
-                go = go & (tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) != 0)
-            if go:
-                _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns,
-                                  radius, b, m, DIM, DP, LOG_DP, K, KP, BLOCK_N, SORT_FROM, NEEDED, SCALED)
-
-    @triton.jit
-    def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius, b,
-                          m, DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
-                          KP: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr, NEEDED: tl.constexpr,
-                          SCALED: tl.constexpr):
-        """``_brute_force_kernel``'s lists of the queries m of item b."""
-        BLOCK_M: tl.constexpr = m.shape[0]
-        d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
-        q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
-                    other=0.0)
-        slots = tl.arange(0, KP)
-        best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), _KEY_NONE, tl.int64),
-                        tl.full((BLOCK_M, KP), -1, tl.int64))
-        threshold = tl.max(best, 1)
-        for start in range(0, columns, BLOCK_N):
-            n = start + tl.arange(0, BLOCK_N)
-            inside = n < columns
-            r = tl.load(r_ptr + (b * columns + n)[:, None] * DIM + d[None, :],
-                        mask=inside[:, None] & (d[None, :] < DIM), other=0.0)
-            diff = q[:, None, :] - r[None, :, :]
-            x = diff * diff
-            for level in tl.static_range(LOG_DP):  # (d, d + half) side by side: see _bit_reversed
-                x = tl.sum(tl.reshape(x, (BLOCK_M, BLOCK_N, DP >> (level + 1), 2)), 3)
-            d2 = tl.reshape(x, (BLOCK_M, BLOCK_N))
-            ok = inside & (tl.load(r_ok_ptr + b * columns + n, mask=inside, other=0) != 0)
-            keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | n.to(tl.int64)
-            keys = tl.where(ok[None, :] & (d2 == d2), keys, _KEY_NONE)
-            best, threshold = _insert(best, threshold, keys, slots, SORT_FROM)
-        best = tl.sort(tl.where(best < 0, _KEY_NONE, best), 1)
-        dist = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        found = best != _KEY_NONE
-        if SCALED:
-            dist = dist * tl.load(scale_ptr + b)
-            found = found & (dist <= radius)
-        where = (b * rows + m)[:, None] * K + slots[None, :]
-        keep = (m[:, None] < rows) & (slots[None, :] < K)
+        out_row = item * total_rows + first_row + row % rows
+        go = row < n_rows
         if NEEDED:
-            keep = keep & (tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0) != 0)[:, None]
-        tl.store(out_dist + where, tl.where(found, dist, float("inf")), mask=keep)
-        tl.store(out_idx + where, tl.where(found, best & 0xFFFFFFFF, -1), mask=keep)
-
-    @triton.jit
-    def _cloud_stats(points_ptr, lengths_ptr, ok_ptr, largest_ptr, sums_ptr, counts_ptr, b, program, rows, dim,
-                     share, LENGTHS: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
-        """Rows [program * share, (program + 1) * share) of item b of points [B, L, D]: valid
-        (inside its length, LENGTHS: lengths [B], every coordinate finite) -> ok [B, L] (int8), the largest
-        |coordinate| of the valid ones -> largest_ptr and (SUMS) their coordinates' sums
-        -> sums_ptr [D], their number -> counts_ptr."""
-        d = tl.arange(0, DP)
-        if LENGTHS:
-            length = tl.load(lengths_ptr + b)
-        else:
-            length = rows
-        largest = tl.full((), 0.0, tl.float32)
-        total = tl.zeros((DP,), tl.float32)
-        count = tl.full((), 0, tl.int32)
-        first = program * share
-        for start in range(first, tl.minimum(first + share, rows), BLOCK_R):
-            r = start + tl.arange(0, BLOCK_R)
-            inside = r < rows
-            x = tl.load(points_ptr + (b * rows + r[:, None]) * dim + d[None, :],
-                        mask=inside[:, None] & (d[None, :] < dim), other=0.0).to(tl.float32)
-            size = tl.abs(x)
-            finite = tl.min(((x == x) & (size < float("inf"))).to(tl.int32), 1) == 1
-            ok = inside & (r < length) & finite
-            tl.store(ok_ptr + b * rows + r, ok.to(tl.int8), mask=inside)
-            largest = tl.maximum(largest, tl.max(tl.where(ok, tl.max(size, 1), 0.0), 0))
-            if SUMS:
-                total += tl.sum(tl.where(ok[:, None], x, 0.0), 0)
-                count += tl.sum(ok.to(tl.int32), 0)
-        tl.store(largest_ptr, largest)
-        if SUMS:
-            tl.store(sums_ptr + d, total, mask=d < dim)
-            tl.store(counts_ptr, count)
-
-    @triton.jit
-    def _row_stats_kernel(query_ptr, ref_ptr, q_lengths_ptr, r_lengths_ptr, q_ok_ptr, r_ok_ptr, largest_ptr,
-                          sums_ptr, counts_ptr, q_rows, r_rows, dim, q_programs, r_programs, q_share, r_share,
-                          Q_LENGTHS: tl.constexpr, R_LENGTHS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
-        """``_cloud_stats`` of both clouds of item b, the queries' programs first: largest
-        [B, q_programs + r_programs], the references' sums [B, r_programs, D] and counts
-        [B, r_programs]."""
-        b = tl.program_id(1).to(tl.int64)
-        program = tl.program_id(0)
-        out = largest_ptr + b * (q_programs + r_programs) + program
-        if program < q_programs:
-            _cloud_stats(query_ptr, q_lengths_ptr, q_ok_ptr, out, sums_ptr, counts_ptr, b, program, q_rows, dim,
-                         q_share, Q_LENGTHS, False, BLOCK_R, DP)
-        else:
-            at = b * r_programs + program - q_programs
-            _cloud_stats(ref_ptr, r_lengths_ptr, r_ok_ptr, out, sums_ptr + at * dim, counts_ptr + at, b,
-                         program - q_programs, r_rows, dim, r_share, R_LENGTHS, True, BLOCK_R, DP)
-
-    @triton.jit
-    def _frame_constants_kernel(largest_ptr, sums_ptr, counts_ptr, scale_ptr, top_ptr, centre_ptr, unit_ptr,
-                                twice_ptr, reach_ptr, r_lo_ptr, programs, r_programs, dim, BLOCK_P: tl.constexpr,
-                                DP: tl.constexpr):
-        """Item b's constants from ``_row_stats_kernel``'s values: the largest |coordinate|
-        of both clouds, its power of two (``scaling.kernel_safe_scale``) -> scale [B] and the
-        largest over it -> top [B], the mean valid reference over the scale -> centre [B, D],
-        ``half_unit`` of top -> unit [B] and 2 / unit^2 -> twice [B]; reach [B] and r_lo [B] zeroed for the maxima of
-        ``_centred_kernel``."""
-        b = tl.program_id(0).to(tl.int64)
-        p = tl.arange(0, BLOCK_P)
-        d = tl.arange(0, DP)
-        top = tl.full((), 0.0, tl.float32)
-        for start in range(0, programs, BLOCK_P):
-            values = tl.load(largest_ptr + b * programs + start + p, mask=start + p < programs, other=0.0)
-            top = tl.maximum(top, tl.max(values, 0))
-        total = tl.zeros((DP,), tl.float32)
-        count = tl.full((), 0, tl.int32)
-        for start in range(0, r_programs, BLOCK_P):
-            at = start + p
-            inside = at < r_programs
-            total += tl.sum(tl.load(sums_ptr + (b * r_programs + at[:, None]) * dim + d[None, :],
-                                    mask=inside[:, None] & (d[None, :] < dim), other=0.0), 0)
-            count += tl.sum(tl.load(counts_ptr + b * r_programs + at, mask=inside, other=0), 0)
-        scale = kernel_safe_scale(top)
-        largest = tl.math.div_rn(top, scale)
-        centre = tl.math.div_rn(tl.math.div_rn(total, scale), tl.maximum(count, 1).to(tl.float32))
-        # largest = m 2^e (1/2 <= m < 1): 2^(14 - e) = 2^13 / 2^(e - 1); 2^14 for 0, as frexp
-        power = kernel_power_below(tl.where(largest > 0, largest, 1.0))
-        unit = tl.where(largest > 0, tl.math.div_rn(8192.0, power), 16384.0)
-        tl.store(scale_ptr + b, scale)
-        tl.store(top_ptr + b, largest)
-        tl.store(centre_ptr + b * dim + d, centre, mask=d < dim)
-        tl.store(unit_ptr + b, unit)
-        tl.store(twice_ptr + b, tl.math.div_rn(2.0, unit * unit))  # (powers of two: exact)
-        tl.store(reach_ptr + b, 0.0)
-        tl.store(r_lo_ptr + b, 0.0)
-
-    @triton.jit
-    def _centred_rows(points_ptr, ok_ptr, scale, centre, unit, scaled_ptr, centred_ptr, half_ptr, residuals_ptr,
-                      norms_ptr, reach_ptr, r_lo_ptr, b, program, rows, dim, share, REF: tl.constexpr,
-                      HALVES: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
-        """Rows [program * share, (program + 1) * share) of item b of points [B, L, D] ->
-        scaled = points / scale (exact: a power of two), centred = scaled - centre (0 on
-        invalid rows); with HALVES, ``half_operands``: centred times unit in float16 and the
-        norm of what that left out (queries: [B, L]; REF: its largest -> r_lo [B], an atomic
-        maximum); |centred|^2 [B, L] (REF: +inf on invalid rows, the square root of the
-        largest valid one -> reach [B], an atomic maximum)."""
-        d = tl.arange(0, DP)
-        reach = tl.full((), 0.0, tl.float32)
-        left_most = tl.full((), 0.0, tl.float32)
-        first = program * share
-        for start in range(first, tl.minimum(first + share, rows), BLOCK_R):
-            r = start + tl.arange(0, BLOCK_R)
-            inside = r < rows
-            where = (b * rows + r[:, None]) * dim + d[None, :]
-            mask = inside[:, None] & (d[None, :] < dim)
-            x = tl.load(points_ptr + where, mask=mask, other=0.0).to(tl.float32)
-            scaled = tl.math.div_rn(x, scale)
-            ok = tl.load(ok_ptr + b * rows + r, mask=inside, other=0) != 0
-            centred = tl.where(ok[:, None], scaled - centre[None, :], 0.0)
-            tl.store(scaled_ptr + where, scaled, mask=mask)
-            tl.store(centred_ptr + where, centred, mask=mask)
-            if HALVES:
-                half = (centred * unit).to(tl.float16)
-                tl.store(half_ptr + where, half, mask=mask)
-                left = centred - tl.math.div_rn(half.to(tl.float32), unit)  # (both exact)
-                residual = tl.sqrt(tl.sum(left * left, 1))
-                if REF:
-                    left_most = tl.maximum(left_most, tl.max(tl.where(inside, residual, 0.0), 0))
-                else:
-                    tl.store(residuals_ptr + b * rows + r, residual, mask=inside)
-            norms = tl.sum(centred * centred, 1)
-            if REF:
-                tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
-                reach = tl.maximum(reach, tl.max(tl.where(ok, norms, 0.0), 0))
+            go = go & (tl.load(out_unproven + out_row, mask=go, other=0) != 0)
+        if go:
+            q_abs = tl.sqrt(tl.load(q_norms_ptr + row))
+            reach = tl.load(reach_ptr + item)
+            if HALF:
+                q_lo = tl.load(q_lo_ptr + row)
+                bound = (q_lo * reach + (q_abs + q_lo) * tl.load(r_lo_ptr + item)) * (1 + 2.0**-10)
             else:
-                tl.store(norms_ptr + b * rows + r, norms, mask=inside)
-        if REF:  # (sqrt_rn is monotonic: the root of the largest is the largest root)
-            tl.atomic_max(reach_ptr + b, tl.sqrt_rn(reach))
-            if HALVES:
-                tl.atomic_max(r_lo_ptr + b, left_most)
+                bound = error * q_abs * reach
+            # The chosen chunks past the k-th whose floor lies above the k-th's ceiling hold
+            # none of the k nearest: only the chunks before the first of them are measured, and
+            # its key bounds the rest (the certificate checks it).
+            c = tl.arange(0, WP // CHUNK)
+            chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
+            kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
+            ceiling = tl.where((count <= n_chosen) & (kth_key != _SHORT_KEY_NONE),
+                               _key_ceiling(kth_key, bound, q_abs, reach, DIM, POSITION_BITS), float("inf"))
+            floors = _key_floor(chosen, bound, q_abs, reach, DIM, POSITION_BITS)
+            measured = tl.minimum(tl.min(tl.where((c >= count) & (floors > ceiling), c, n_chosen)), n_chosen)
+            keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
+                                           ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
+                                           take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
+                                           BY_QUAD)
+            # Every reference of an unmeasured chunk lies at or above the next key's floor.
+            top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
+            beyond = _key_floor(top, bound, q_abs, reach, DIM, POSITION_BITS)
+            limit = tl.minimum(tl.where(n_keys > measured, beyond, float("inf")),
+                               last * (1 - 4 * (DIM + 2) * 2.0**-24))
+            at = tl.arange(0, keys.shape[0])
+            hit = keys != KEY_NONE
+            d = tl.where(hit, _key_values(keys), float("inf"))
+            kth = tl.sum(tl.where(at == count - 1, d, 0.0))
+            kth = tl.where(count <= keys.shape[0], kth, float("inf"))
+            valid = tl.load(query_ok_ptr + out_row) != 0
+            proven = (kth * kth < limit) | (limit == float("inf"))
+            tl.store(out_unproven + out_row, (valid & ~proven).to(tl.int8))
+            d = d * tl.load(scale_ptr + item)
+            keep = hit & (d <= radius) & valid
+            tl.store(out_d + out_row * count + at, tl.where(keep, d, float("inf")), mask=at < count)
+            tl.store(out_i + out_row * count + at, tl.where(keep, keys & 0xFFFFFFFF, -1), mask=at < count)
 
-    @triton.jit
-    def _centred_kernel(query_ptr, ref_ptr, q_ok_ptr, r_ok_ptr, scale_ptr, centre_ptr, unit_ptr, q_ptr, r_ptr,
-                        qc_ptr, rc_ptr, qh_ptr, rh_ptr, q_lo_ptr, q_norms_ptr, r_norms_ptr, reach_ptr, r_lo_ptr,
-                        q_rows, r_rows, dim, q_programs, q_share, r_share, HALVES: tl.constexpr,
-                        BLOCK_R: tl.constexpr, DP: tl.constexpr):
-        """``_centred_rows`` of both clouds of item b (the queries' programs first) in the
-        constants of ``_frame_constants_kernel``."""
-        b = tl.program_id(1).to(tl.int64)
-        program = tl.program_id(0)
-        d = tl.arange(0, DP)
-        scale, unit = tl.load(scale_ptr + b), tl.load(unit_ptr + b)
-        centre = tl.load(centre_ptr + b * dim + d, mask=d < dim, other=0.0)
-        if program < q_programs:
-            _centred_rows(query_ptr, q_ok_ptr, scale, centre, unit, q_ptr, qc_ptr, qh_ptr, q_lo_ptr, q_norms_ptr,
-                          reach_ptr, r_lo_ptr, b, program, q_rows, dim, q_share, False, HALVES, BLOCK_R, DP)
+@triton.jit
+def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius,
+                        DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+                        SORT_FROM: tl.constexpr, NEEDED: tl.constexpr, SCALED: tl.constexpr):
+    """The k nearest valid references of GROUPS blocks of BLOCK_M queries of item b,
+    measured as ``_squared_distances_kernel`` measures (the reference's arithmetic) and
+    kept as (distance, index) keys like the grid search's; launched without contraction.
+    NEEDED: a block none of whose queries needed marks is skipped, and only needed rows
+    are stored. SCALED: distances times scale[b], those beyond ``radius`` dropped."""
+    b = tl.program_id(1).to(tl.int64)
+    for group in range(GROUPS):
+        first = (tl.program_id(0) * GROUPS + group) * BLOCK_M
+        m = first + tl.arange(0, BLOCK_M)
+        go = first < rows
+        if NEEDED:
+            go = go & (tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) != 0)
+        if go:
+            _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns,
+                              radius, b, m, DIM, DP, LOG_DP, K, KP, BLOCK_N, SORT_FROM, NEEDED, SCALED)
+
+@triton.jit
+def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius, b,
+                      m, DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                      KP: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr, NEEDED: tl.constexpr,
+                      SCALED: tl.constexpr):
+    """``_brute_force_kernel``'s lists of the queries m of item b."""
+    BLOCK_M: tl.constexpr = m.shape[0]
+    d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
+    q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
+                other=0.0)
+    slots = tl.arange(0, KP)
+    best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), KEY_NONE, tl.int64),
+                    tl.full((BLOCK_M, KP), -1, tl.int64))
+    threshold = tl.max(best, 1)
+    for start in range(0, columns, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        inside = n < columns
+        r = tl.load(r_ptr + (b * columns + n)[:, None] * DIM + d[None, :],
+                    mask=inside[:, None] & (d[None, :] < DIM), other=0.0)
+        diff = q[:, None, :] - r[None, :, :]
+        x = diff * diff
+        for level in tl.static_range(LOG_DP):  # (d, d + half) side by side: see _bit_reversed
+            x = tl.sum(tl.reshape(x, (BLOCK_M, BLOCK_N, DP >> (level + 1), 2)), 3)
+        d2 = tl.reshape(x, (BLOCK_M, BLOCK_N))
+        ok = inside & (tl.load(r_ok_ptr + b * columns + n, mask=inside, other=0) != 0)
+        keys = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | n.to(tl.int64)
+        keys = tl.where(ok[None, :] & (d2 == d2), keys, KEY_NONE)
+        best, threshold = insert_keys(best, threshold, keys, slots, SORT_FROM)
+    best = tl.sort(tl.where(best < 0, KEY_NONE, best), 1)
+    dist = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    found = best != KEY_NONE
+    if SCALED:
+        dist = dist * tl.load(scale_ptr + b)
+        found = found & (dist <= radius)
+    where = (b * rows + m)[:, None] * K + slots[None, :]
+    keep = (m[:, None] < rows) & (slots[None, :] < K)
+    if NEEDED:
+        keep = keep & (tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0) != 0)[:, None]
+    tl.store(out_dist + where, tl.where(found, dist, float("inf")), mask=keep)
+    tl.store(out_idx + where, tl.where(found, best & 0xFFFFFFFF, -1), mask=keep)
+
+@triton.jit
+def _cloud_stats(points_ptr, lengths_ptr, ok_ptr, largest_ptr, sums_ptr, counts_ptr, b, program, rows, dim,
+                 share, LENGTHS: tl.constexpr, SUMS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+    """Rows [program * share, (program + 1) * share) of item b of points [B, L, D]: valid
+    (inside its length, LENGTHS: lengths [B], every coordinate finite) -> ok [B, L] (int8), the largest
+    |coordinate| of the valid ones -> largest_ptr and (SUMS) their coordinates' sums
+    -> sums_ptr [D], their number -> counts_ptr."""
+    d = tl.arange(0, DP)
+    if LENGTHS:
+        length = tl.load(lengths_ptr + b)
+    else:
+        length = rows
+    largest = tl.full((), 0.0, tl.float32)
+    total = tl.zeros((DP,), tl.float32)
+    count = tl.full((), 0, tl.int32)
+    first = program * share
+    for start in range(first, tl.minimum(first + share, rows), BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        inside = r < rows
+        x = tl.load(points_ptr + (b * rows + r[:, None]) * dim + d[None, :],
+                    mask=inside[:, None] & (d[None, :] < dim), other=0.0).to(tl.float32)
+        size = tl.abs(x)
+        finite = tl.min(((x == x) & (size < float("inf"))).to(tl.int32), 1) == 1
+        ok = inside & (r < length) & finite
+        tl.store(ok_ptr + b * rows + r, ok.to(tl.int8), mask=inside)
+        largest = tl.maximum(largest, tl.max(tl.where(ok, tl.max(size, 1), 0.0), 0))
+        if SUMS:
+            total += tl.sum(tl.where(ok[:, None], x, 0.0), 0)
+            count += tl.sum(ok.to(tl.int32), 0)
+    tl.store(largest_ptr, largest)
+    if SUMS:
+        tl.store(sums_ptr + d, total, mask=d < dim)
+        tl.store(counts_ptr, count)
+
+@triton.jit
+def _row_stats_kernel(query_ptr, ref_ptr, q_lengths_ptr, r_lengths_ptr, q_ok_ptr, r_ok_ptr, largest_ptr,
+                      sums_ptr, counts_ptr, q_rows, r_rows, dim, q_programs, r_programs, q_share, r_share,
+                      Q_LENGTHS: tl.constexpr, R_LENGTHS: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+    """``_cloud_stats`` of both clouds of item b, the queries' programs first: largest
+    [B, q_programs + r_programs], the references' sums [B, r_programs, D] and counts
+    [B, r_programs]."""
+    b = tl.program_id(1).to(tl.int64)
+    program = tl.program_id(0)
+    out = largest_ptr + b * (q_programs + r_programs) + program
+    if program < q_programs:
+        _cloud_stats(query_ptr, q_lengths_ptr, q_ok_ptr, out, sums_ptr, counts_ptr, b, program, q_rows, dim,
+                     q_share, Q_LENGTHS, False, BLOCK_R, DP)
+    else:
+        at = b * r_programs + program - q_programs
+        _cloud_stats(ref_ptr, r_lengths_ptr, r_ok_ptr, out, sums_ptr + at * dim, counts_ptr + at, b,
+                     program - q_programs, r_rows, dim, r_share, R_LENGTHS, True, BLOCK_R, DP)
+
+@triton.jit
+def _frame_constants_kernel(largest_ptr, sums_ptr, counts_ptr, scale_ptr, top_ptr, centre_ptr, unit_ptr,
+                            twice_ptr, reach_ptr, r_lo_ptr, programs, r_programs, dim, BLOCK_P: tl.constexpr,
+                            DP: tl.constexpr):
+    """Item b's constants from ``_row_stats_kernel``'s values: the largest |coordinate|
+    of both clouds, its power of two (``scaling.kernel_safe_scale``) -> scale [B] and the
+    largest over it -> top [B], the mean valid reference over the scale -> centre [B, D],
+    ``half_unit`` of top -> unit [B] and 2 / unit^2 -> twice [B]; reach [B] and r_lo [B] zeroed for the maxima of
+    ``_centred_kernel``."""
+    b = tl.program_id(0).to(tl.int64)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, DP)
+    top = tl.full((), 0.0, tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        values = tl.load(largest_ptr + b * programs + start + p, mask=start + p < programs, other=0.0)
+        top = tl.maximum(top, tl.max(values, 0))
+    total = tl.zeros((DP,), tl.float32)
+    count = tl.full((), 0, tl.int32)
+    for start in range(0, r_programs, BLOCK_P):
+        at = start + p
+        inside = at < r_programs
+        total += tl.sum(tl.load(sums_ptr + (b * r_programs + at[:, None]) * dim + d[None, :],
+                                mask=inside[:, None] & (d[None, :] < dim), other=0.0), 0)
+        count += tl.sum(tl.load(counts_ptr + b * r_programs + at, mask=inside, other=0), 0)
+    scale = kernel_safe_scale(top)
+    largest = tl.math.div_rn(top, scale)
+    centre = tl.math.div_rn(tl.math.div_rn(total, scale), tl.maximum(count, 1).to(tl.float32))
+    # largest = m 2^e (1/2 <= m < 1): 2^(14 - e) = 2^13 / 2^(e - 1); 2^14 for 0, as frexp
+    power = kernel_power_below(tl.where(largest > 0, largest, 1.0))
+    unit = tl.where(largest > 0, tl.math.div_rn(8192.0, power), 16384.0)
+    tl.store(scale_ptr + b, scale)
+    tl.store(top_ptr + b, largest)
+    tl.store(centre_ptr + b * dim + d, centre, mask=d < dim)
+    tl.store(unit_ptr + b, unit)
+    tl.store(twice_ptr + b, tl.math.div_rn(2.0, unit * unit))  # (powers of two: exact)
+    tl.store(reach_ptr + b, 0.0)
+    tl.store(r_lo_ptr + b, 0.0)
+
+@triton.jit
+def _centred_rows(points_ptr, ok_ptr, scale, centre, unit, scaled_ptr, centred_ptr, half_ptr, residuals_ptr,
+                  norms_ptr, reach_ptr, r_lo_ptr, b, program, rows, dim, share, REF: tl.constexpr,
+                  HALVES: tl.constexpr, BLOCK_R: tl.constexpr, DP: tl.constexpr):
+    """Rows [program * share, (program + 1) * share) of item b of points [B, L, D] ->
+    scaled = points / scale (exact: a power of two), centred = scaled - centre (0 on
+    invalid rows); with HALVES, ``half_operands``: centred times unit in float16 and the
+    norm of what that left out (queries: [B, L]; REF: its largest -> r_lo [B], an atomic
+    maximum); |centred|^2 [B, L] (REF: +inf on invalid rows, the square root of the
+    largest valid one -> reach [B], an atomic maximum)."""
+    d = tl.arange(0, DP)
+    reach = tl.full((), 0.0, tl.float32)
+    left_most = tl.full((), 0.0, tl.float32)
+    first = program * share
+    for start in range(first, tl.minimum(first + share, rows), BLOCK_R):
+        r = start + tl.arange(0, BLOCK_R)
+        inside = r < rows
+        where = (b * rows + r[:, None]) * dim + d[None, :]
+        mask = inside[:, None] & (d[None, :] < dim)
+        x = tl.load(points_ptr + where, mask=mask, other=0.0).to(tl.float32)
+        scaled = tl.math.div_rn(x, scale)
+        ok = tl.load(ok_ptr + b * rows + r, mask=inside, other=0) != 0
+        centred = tl.where(ok[:, None], scaled - centre[None, :], 0.0)
+        tl.store(scaled_ptr + where, scaled, mask=mask)
+        tl.store(centred_ptr + where, centred, mask=mask)
+        if HALVES:
+            half = (centred * unit).to(tl.float16)
+            tl.store(half_ptr + where, half, mask=mask)
+            left = centred - tl.math.div_rn(half.to(tl.float32), unit)  # (both exact)
+            residual = tl.sqrt(tl.sum(left * left, 1))
+            if REF:
+                left_most = tl.maximum(left_most, tl.max(tl.where(inside, residual, 0.0), 0))
+            else:
+                tl.store(residuals_ptr + b * rows + r, residual, mask=inside)
+        norms = tl.sum(centred * centred, 1)
+        if REF:
+            tl.store(norms_ptr + b * rows + r, tl.where(ok, norms, float("inf")), mask=inside)
+            reach = tl.maximum(reach, tl.max(tl.where(ok, norms, 0.0), 0))
         else:
-            _centred_rows(ref_ptr, r_ok_ptr, scale, centre, unit, r_ptr, rc_ptr, rh_ptr, q_lo_ptr, r_norms_ptr,
-                          reach_ptr, r_lo_ptr, b, program - q_programs, r_rows, dim, r_share, True, HALVES, BLOCK_R,
-                          DP)
+            tl.store(norms_ptr + b * rows + r, norms, mask=inside)
+    if REF:  # (sqrt_rn is monotonic: the root of the largest is the largest root)
+        tl.atomic_max(reach_ptr + b, tl.sqrt_rn(reach))
+        if HALVES:
+            tl.atomic_max(r_lo_ptr + b, left_most)
 
-    @triton.jit
-    def _smallest_kernel(values_ptr, needed_ptr, out_values_ptr, out_index_ptr, rows, width, count,
-                         ROWS: tl.constexpr, WIDTH: tl.constexpr, NEEDED: tl.constexpr):
-        """``smallest`` of ROWS rows. NEEDED: a program none of whose rows needed marks stores
-        +inf at positions 0, 1, ..."""
-        r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        c = tl.arange(0, WIDTH)
-        inside = (r[:, None] < rows) & (c[None, :] < width)
-        if NEEDED:
-            if tl.max(tl.load(needed_ptr + r, mask=r < rows, other=0).to(tl.int32)) == 0:
-                keep = (r[:, None] < rows) & (c[None, :] < count)
-                tl.store(out_values_ptr + r[:, None] * count + c[None, :],
-                         tl.full((ROWS, WIDTH), float("inf"), tl.float32), mask=keep)
-                tl.store(out_index_ptr + r[:, None] * count + c[None, :], tl.zeros((ROWS, WIDTH), tl.int64) + c[None, :],
-                         mask=keep)
-                return
-        x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
-        keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
-        keep = (r[:, None] < rows) & (c[None, :] < count)
-        tl.store(out_values_ptr + r[:, None] * count + c[None, :], _key_values(keys), mask=keep)
-        tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
+@triton.jit
+def _centred_kernel(query_ptr, ref_ptr, q_ok_ptr, r_ok_ptr, scale_ptr, centre_ptr, unit_ptr, q_ptr, r_ptr,
+                    qc_ptr, rc_ptr, qh_ptr, rh_ptr, q_lo_ptr, q_norms_ptr, r_norms_ptr, reach_ptr, r_lo_ptr,
+                    q_rows, r_rows, dim, q_programs, q_share, r_share, HALVES: tl.constexpr,
+                    BLOCK_R: tl.constexpr, DP: tl.constexpr):
+    """``_centred_rows`` of both clouds of item b (the queries' programs first) in the
+    constants of ``_frame_constants_kernel``."""
+    b = tl.program_id(1).to(tl.int64)
+    program = tl.program_id(0)
+    d = tl.arange(0, DP)
+    scale, unit = tl.load(scale_ptr + b), tl.load(unit_ptr + b)
+    centre = tl.load(centre_ptr + b * dim + d, mask=d < dim, other=0.0)
+    if program < q_programs:
+        _centred_rows(query_ptr, q_ok_ptr, scale, centre, unit, q_ptr, qc_ptr, qh_ptr, q_lo_ptr, q_norms_ptr,
+                      reach_ptr, r_lo_ptr, b, program, q_rows, dim, q_share, False, HALVES, BLOCK_R, DP)
+    else:
+        _centred_rows(ref_ptr, r_ok_ptr, scale, centre, unit, r_ptr, rc_ptr, rh_ptr, q_lo_ptr, r_norms_ptr,
+                      reach_ptr, r_lo_ptr, b, program - q_programs, r_rows, dim, r_share, True, HALVES, BLOCK_R,
+                      DP)
+
+@triton.jit
+def _smallest_kernel(values_ptr, needed_ptr, out_values_ptr, out_index_ptr, rows, width, count,
+                     ROWS: tl.constexpr, WIDTH: tl.constexpr, NEEDED: tl.constexpr):
+    """``smallest`` of ROWS rows. NEEDED: a program none of whose rows needed marks stores
+    +inf at positions 0, 1, ..."""
+    r = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    c = tl.arange(0, WIDTH)
+    inside = (r[:, None] < rows) & (c[None, :] < width)
+    if NEEDED:
+        if tl.max(tl.load(needed_ptr + r, mask=r < rows, other=0).to(tl.int32)) == 0:
+            keep = (r[:, None] < rows) & (c[None, :] < count)
+            tl.store(out_values_ptr + r[:, None] * count + c[None, :],
+                     tl.full((ROWS, WIDTH), float("inf"), tl.float32), mask=keep)
+            tl.store(out_index_ptr + r[:, None] * count + c[None, :], tl.zeros((ROWS, WIDTH), tl.int64) + c[None, :],
+                     mask=keep)
+            return
+    x = tl.load(values_ptr + r[:, None] * width + c[None, :], mask=inside, other=float("inf"))
+    keys = tl.sort(_ordered_keys(x, c[None, :]), dim=1)
+    keep = (r[:, None] < rows) & (c[None, :] < count)
+    tl.store(out_values_ptr + r[:, None] * count + c[None, :], _key_values(keys), mask=keep)
+    tl.store(out_index_ptr + r[:, None] * count + c[None, :], keys & 0xFFFFFFFF, mask=keep)
 
 
-    @triton.jit
-    def _keys_out(keys, out_values_ptr, out_index_ptr, row, count):
-        """The first ``count`` of the sorted ``_ordered_keys`` keys -> values and positions of row."""
-        slots = tl.arange(0, keys.shape[0])
-        tl.store(out_values_ptr + row * count + slots, _key_values(keys), mask=slots < count)
-        tl.store(out_index_ptr + row * count + slots, keys & 0xFFFFFFFF, mask=slots < count)
+@triton.jit
+def _keys_out(keys, out_values_ptr, out_index_ptr, row, count):
+    """The first ``count`` of the sorted ``_ordered_keys`` keys -> values and positions of row."""
+    slots = tl.arange(0, keys.shape[0])
+    tl.store(out_values_ptr + row * count + slots, _key_values(keys), mask=slots < count)
+    tl.store(out_index_ptr + row * count + slots, keys & 0xFFFFFFFF, mask=slots < count)
 
-    @triton.jit
-    def _wide_smallest_kernel(values_ptr, needed_ptr, scratch_ptr, out_values_ptr, out_index_ptr, width, count,
-                              GROUPS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, KEYS: tl.constexpr,
-                              NEEDED: tl.constexpr):
-        """``smallest`` of a wide row a program (count <= GROUPS, KEYS >= count a power of two).
-        The positions fall in GROUPS classes by their remainder; the count-th least of the
-        classes' minima is at least the row's count-th least value (count distinct values lie
-        at or below it), so only the values at or below it can be chosen: gathered into
-        scratch (CAP a row; a few times count on most rows) and sorted there, or, past CAP
-        (many ties), each block of the row sorted and merged. NEEDED: a row not needed stores
-        +inf at positions 0, 1, ..."""
-        row = tl.program_id(0).to(tl.int64)
-        slots = tl.arange(0, KEYS)
-        if NEEDED:
-            if tl.load(needed_ptr + row) == 0:
-                tl.store(out_values_ptr + row * count + slots, tl.full((KEYS,), float("inf"), tl.float32),
-                         mask=slots < count)
-                tl.store(out_index_ptr + row * count + slots, slots.to(tl.int64), mask=slots < count)
-                return
-        base = values_ptr + row * width
-        lanes = tl.arange(0, BLOCK)
-        least = tl.full((BLOCK,), float("inf"), tl.float32)
-        for start in range(0, width, BLOCK):
-            least = tl.minimum(least, tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf")))
-        classes = tl.sort(tl.min(tl.reshape(least, (BLOCK // GROUPS, GROUPS)), 0))
-        threshold = tl.max(tl.where(tl.arange(0, GROUPS) < count, classes, -float("inf")))
-        scratch = scratch_ptr + row * CAP
-        taken = 0
+@triton.jit
+def _wide_smallest_kernel(values_ptr, needed_ptr, scratch_ptr, out_values_ptr, out_index_ptr, width, count,
+                          GROUPS: tl.constexpr, BLOCK: tl.constexpr, CAP: tl.constexpr, KEYS: tl.constexpr,
+                          NEEDED: tl.constexpr):
+    """``smallest`` of a wide row a program (count <= GROUPS, KEYS >= count a power of two).
+    The positions fall in GROUPS classes by their remainder; the count-th least of the
+    classes' minima is at least the row's count-th least value (count distinct values lie
+    at or below it), so only the values at or below it can be chosen: gathered into
+    scratch (CAP a row; a few times count on most rows) and sorted there, or, past CAP
+    (many ties), each block of the row sorted and merged. NEEDED: a row not needed stores
+    +inf at positions 0, 1, ..."""
+    row = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, KEYS)
+    if NEEDED:
+        if tl.load(needed_ptr + row) == 0:
+            tl.store(out_values_ptr + row * count + slots, tl.full((KEYS,), float("inf"), tl.float32),
+                     mask=slots < count)
+            tl.store(out_index_ptr + row * count + slots, slots.to(tl.int64), mask=slots < count)
+            return
+    base = values_ptr + row * width
+    lanes = tl.arange(0, BLOCK)
+    least = tl.full((BLOCK,), float("inf"), tl.float32)
+    for start in range(0, width, BLOCK):
+        least = tl.minimum(least, tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf")))
+    classes = tl.sort(tl.min(tl.reshape(least, (BLOCK // GROUPS, GROUPS)), 0))
+    threshold = tl.max(tl.where(tl.arange(0, GROUPS) < count, classes, -float("inf")))
+    scratch = scratch_ptr + row * CAP
+    taken = 0
+    for start in range(0, width, BLOCK):
+        x = tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf"))
+        keep = (x <= threshold) & (start + lanes < width)
+        kept = tl.sum(keep.to(tl.int32))
+        if kept > 0:
+            at = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
+            tl.store(scratch + at, _ordered_keys(x, start + lanes), mask=keep & (at < CAP))
+            taken += kept
+    if taken <= CAP:
+        tl.debug_barrier()  # (the gathered keys, stored by other threads)
+        at = tl.arange(0, CAP)
+        _keys_out(tl.sort(tl.load(scratch + at, mask=at < taken, other=KEY_NONE)), out_values_ptr,
+                  out_index_ptr, row, count)
+    else:
+        best = tl.full((KEYS,), KEY_NONE, tl.int64)
         for start in range(0, width, BLOCK):
             x = tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf"))
-            keep = (x <= threshold) & (start + lanes < width)
-            kept = tl.sum(keep.to(tl.int32))
-            if kept > 0:
-                at = taken + tl.cumsum(keep.to(tl.int32), 0) - 1
-                tl.store(scratch + at, _ordered_keys(x, start + lanes), mask=keep & (at < CAP))
-                taken += kept
-        if taken <= CAP:
-            tl.debug_barrier()  # (the gathered keys, stored by other threads)
-            at = tl.arange(0, CAP)
-            _keys_out(tl.sort(tl.load(scratch + at, mask=at < taken, other=_KEY_NONE)), out_values_ptr,
-                      out_index_ptr, row, count)
-        else:
-            best = tl.full((KEYS,), _KEY_NONE, tl.int64)
-            for start in range(0, width, BLOCK):
-                x = tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf"))
-                keys = tl.sort(tl.where((x <= threshold) & (start + lanes < width), _ordered_keys(x, start + lanes),
-                                        _KEY_NONE))
-                head = tl.min(tl.reshape(tl.where(lanes < KEYS, keys, _KEY_NONE), (BLOCK // KEYS, KEYS)), 0)
-                best = tl.sort(tl.minimum(best, tl.flip(head, 0)))
-            _keys_out(best, out_values_ptr, out_index_ptr, row, count)
+            keys = tl.sort(tl.where((x <= threshold) & (start + lanes < width), _ordered_keys(x, start + lanes),
+                                    KEY_NONE))
+            head = tl.min(tl.reshape(tl.where(lanes < KEYS, keys, KEY_NONE), (BLOCK // KEYS, KEYS)), 0)
+            best = tl.sort(tl.minimum(best, tl.flip(head, 0)))
+        _keys_out(best, out_values_ptr, out_index_ptr, row, count)
 
 
 def _wide_smallest(values: torch.Tensor, count: int, needed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,11 +44,12 @@ import numpy as np
 import torch
 
 from .... import _triton
-from ...._triton import triton
+from ...._triton import cdiv, lazy, next_power_of_2
 from ....backends import Backend
 from .. import pairs
 from . import grid
-from . import kernels
+
+kernels = lazy(f"{__package__}.kernels")
 
 MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
@@ -140,11 +141,11 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths, needed=None, skip
         return dists, idx, counts  # (all empty)
     interpreted = _triton.INTERPRETED and not query.is_cuda
     block_m, block_n, warps = RADIUS_SEARCH_BLOCKS if use_radius and not interpreted else SEARCH_BLOCKS
-    kernels.search_kernel[(triton.cdiv(rows, block_m), batch)](
+    kernels.search_kernel[(cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.bucket_start, refs.points, refs.order, refs.bucket_start, refs.within,
         frame.values, frame.shape, dists, idx, counts, counts if needed is None else needed.to(torch.uint8),
         rows, columns, frame.buckets, _squared(radius) if use_radius else 0.0, _reach(radius) if use_radius else 0.0,
-        D=dim, K=k, KP=triton.next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
+        D=dim, K=k, KP=next_power_of_2(k), USE_RADIUS=use_radius, MASKED=needed is not None,
         SKIP_SELF=skip_self, BLOCK_M=block_m, BLOCK_N=block_n,
         LANES=SEGMENT_LANES, SORT_FROM=INTERPRETER_SORT_FROM if interpreted else SEARCH_SORT_FROM,
         num_warps=warps,
@@ -164,7 +165,7 @@ def _aggregate_setup(query, ref, features, query_lengths, ref_lengths, radius, s
     sorted_features = features.reshape(-1, channels)[refs.order].to(torch.float32)
     common = dict(buckets=frame.buckets, channels=channels, radius2=_squared(radius), reach=_reach(radius),
                   inv_sigma=1.0 / sigma)
-    sizes = dict(D=query.shape[-1], CP=max(16, triton.next_power_of_2(max(channels, 1))))
+    sizes = dict(D=query.shape[-1], CP=max(16, next_power_of_2(max(channels, 1))))
     return frame, queries, refs, sorted_features, common, sizes
 
 
@@ -180,7 +181,7 @@ def _row_stats(query, frame, queries, refs, sorted_features, common, sizes, out=
         stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=query.device)
         results = (out, stats, stats)  # out_sum unused
     block_m, block_n, warps = AGGREGATE_BLOCKS
-    kernels.radius_aggregate_kernel[(triton.cdiv(rows, block_m), batch)](
+    kernels.radius_aggregate_kernel[(cdiv(rows, block_m), batch)](
         queries.points, queries.order, queries.bucket_start, refs.points, refs.bucket_start, refs.within, sorted_features,
         frame.values, frame.shape, *results, rows, **common, **sizes,
         STATS_ONLY=out is None, BLOCK_M=block_m, BLOCK_N=block_n, LANES=SEGMENT_LANES, PRECISION=AGGREGATE_PRECISION,
@@ -231,16 +232,16 @@ def radius_aggregate_backward(grad_out, query, ref, features, out, radius, sigma
                                 for _ in range(2))
         sorted_grad = torch.empty((batch * rows, channels), dtype=torch.float32, device=query.device)
         delta = torch.empty((batch * rows,), dtype=torch.float32, device=query.device)
-        kernels.radius_grad_rows_kernel[(triton.cdiv(batch * rows, _ROWS_BLOCK),)](
+        kernels.radius_grad_rows_kernel[(cdiv(batch * rows, _ROWS_BLOCK),)](
             grad_out.contiguous(), out.contiguous(), stats.contiguous() if stats is not None else delta,
             queries.order, frame.values, sorted_grad, delta, row_min, row_sum, batch * rows, rows, channels,
             STATS=stats is not None, CP=sizes["CP"], BLOCK=_ROWS_BLOCK)
         terms = (sorted_features, sorted_grad, row_min, row_sum, delta, frame.values, frame.shape)
-        sizes = dict(sizes, DP=triton.next_power_of_2(dim))
+        sizes = dict(sizes, DP=next_power_of_2(dim))
         clouds = (queries.points, queries.order, queries.bucket_start, queries.within, refs.points, refs.order,
                   refs.bucket_start, refs.within)
         (query_m, query_n), (ref_m, ref_n), warps = GRAD_BLOCKS
-        programs = triton.cdiv(columns, ref_n) + (triton.cdiv(rows, query_m) if query_grad else 0)
+        programs = cdiv(columns, ref_n) + (cdiv(rows, query_m) if query_grad else 0)
         kernels.radius_grad_kernel[(programs, batch)](
             *clouds, *terms, grad_query, grad_ref, grad_features, rows, columns, **common, PULLS=ref_grad, **sizes,
             QUERY_BLOCK_M=query_m, QUERY_BLOCK_N=query_n, REF_BLOCK_M=ref_m, REF_BLOCK_N=ref_n, LANES=SEGMENT_LANES,
@@ -256,7 +257,7 @@ _PAIR_KEYS_BLOCK = 1024
 
 
 def _width(size: int) -> int:
-    return max(16, triton.next_power_of_2(max(size, 1)))
+    return max(16, next_power_of_2(max(size, 1)))
 
 
 def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
@@ -266,9 +267,9 @@ def knn_aggregate(query, ref, features, k, sigma, query_lengths, ref_lengths):
     columns, channels = ref.shape[1], features.shape[-1]
     out = torch.empty((batch, rows, channels), dtype=features.dtype, device=query.device)
     if out.numel() and k:
-        kernels.knn_aggregate_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+        kernels.knn_aggregate_kernel[(cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, out, batch * rows, rows, columns, channels, 1.0 / sigma,
-            K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
+            K=k, KP=next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M)
     elif out.numel():
         out.zero_()
     return out, dists, idx
@@ -285,7 +286,7 @@ def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     key_dtype = torch.int32 if refs < 2**31 - 1 else torch.int64
     keys = torch.empty((idx.numel(),), dtype=key_dtype, device=idx.device)
     if keys.numel():
-        kernels.pair_keys_kernel[(triton.cdiv(keys.numel(), _PAIR_KEYS_BLOCK),)](
+        kernels.pair_keys_kernel[(cdiv(keys.numel(), _PAIR_KEYS_BLOCK),)](
             idx, keys, keys.numel(), rows, columns, refs, K=k, BLOCK=_PAIR_KEYS_BLOCK)
     sorted_refs, order = torch.sort(keys, stable=True)
     starts = grid.lower_bounds(sorted_refs, refs + 1)[0]
@@ -293,7 +294,7 @@ def sum_pairs_by_ref(idx, weights, source, columns, per_slot=False):
     sums = torch.empty((refs, width), dtype=torch.float32, device=idx.device)
     totals = torch.empty((refs,), dtype=torch.float32, device=idx.device)
     if refs and width:  # (no columns: nothing to sum; Triton 3.6 also fails to compile a width of 0)
-        kernels.pair_sum_kernel[(triton.cdiv(refs, _PAIR_BLOCK_R),)](
+        kernels.pair_sum_kernel[(cdiv(refs, _PAIR_BLOCK_R),)](
             order, starts, weights, source, sums, totals, refs, width, K=k, WP=_width(width), BLOCK_R=_PAIR_BLOCK_R,
             PER_SLOT=per_slot, UNROLL=_PAIR_UNROLL)
     elif refs:
@@ -313,9 +314,9 @@ def knn_aggregate_backward(grad_out, features, out, dists, idx, sigma, dists_gra
     weights = allocate((batch * rows * k,), dtype=torch.float32, device=idx.device)
     grad_out = grad_out.contiguous()
     if written:
-        kernels.knn_grad_dists_kernel[(triton.cdiv(batch * rows, _KNN_BLOCK_M),)](
+        kernels.knn_grad_dists_kernel[(cdiv(batch * rows, _KNN_BLOCK_M),)](
             dists, idx, features, grad_out, out, grad_dists, weights, batch * rows, rows, columns, channels,
-            1.0 / sigma, K=k, KP=triton.next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M,
+            1.0 / sigma, K=k, KP=next_power_of_2(k), CP=_width(channels), BLOCK_M=_KNN_BLOCK_M,
             DISTS=dists_grad)
     grad_features, _ = sum_pairs_by_ref(idx, weights, grad_out.reshape(batch * rows, channels), columns)
     return grad_dists.to(dists.dtype), grad_features.reshape(features.shape).to(features.dtype)
