@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
 import types
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - backends that need it report it when asked for
-    triton = tl = None
 
 # Triton's interpreter runs the kernels on CPU tensors (slowly): the CPU tests use it.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -59,8 +55,17 @@ def lazy(name: str) -> types.ModuleType:
     return _Lazy(name)
 
 
+@functools.lru_cache(maxsize=None)
+def _installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def available(device_type: str = "cuda") -> bool:
-    return triton is not None
+    """Whether Triton is installed (its kernels are imported only when one first runs)."""
+    try:
+        return _installed()
+    except ValueError:  # sys.modules["triton"] is None: treated as not installed
+        return False
 
 
 def devices() -> tuple[str, ...]:

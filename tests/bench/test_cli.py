@@ -242,3 +242,28 @@ def test_graph_builder_workloads_agree_with_their_plain_variant(name):
                                                                          torch.device("cpu"))}
     fields = cases[f"fullgraph.{name.replace('-', '_')}"].check()
     assert fields["same_edges_as_plain"] and fields["edges"] > 2 * fields["sampled_points"]
+
+
+def test_profile_prints_each_variant_s_kernels(capsys):
+    """`fullgraph profile`: one profiled call of each selected variant, by self time."""
+    assert main(["profile", "lltm", "--size", "small", "--device", "cpu", "--variants", "document eager",
+                 "--rows", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "lltm (small) / document eager / forward" in out and "lltm (small) / document eager / train" in out
+    assert "Self CPU" in out and "aten::" in out
+
+
+def test_profile_refuses_bad_rows(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["profile", "lltm", "--device", "cpu", "--rows", "0"])
+    assert stop.value.code == 2 and "--rows must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_report_summary_draws_one_table_from_a_folder(tmp_path, capsys):
+    rows = [dict(workload="w", size="seed", params={}, variant=variant, phase="forward", device="GPU", torch="2",
+                 triton="3", commit="abc", median_ms=ms, speedup_vs_eager=1.0, peak_memory_bytes=None,
+                 first_call_s=0.1, p10_ms=ms, p90_ms=ms)
+            for variant, ms in (("plain eager", 4.0), ("plain compiled", 2.0), ("fullgraph compiled", 0.5))]
+    (tmp_path / "w.json").write_text(json.dumps(rows))
+    assert main(["report", "--summary", str(tmp_path)]) == 0
+    assert "| w (seed) | forward | plain compiled | 2 | fullgraph compiled | 0.5 | 4.0x |" in capsys.readouterr().out

@@ -3,6 +3,7 @@ feature space, on adversarial inputs where the product's cancellation error matt
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -14,11 +15,17 @@ from conftest import DEVICES, DISTRIBUTIONS, HAVE_TRITON, assert_neighbors, orac
 from fullgraph.ops.neighbors.dense import backend as dense
 
 
+def _planned(monkeypatch, **decisions):
+    """Every call's ``dense.Plan`` with ``decisions`` forced."""
+    original = dense.plan
+    monkeypatch.setattr(dense, "plan", lambda *args: dataclasses.replace(original(*args), **decisions))
+
+
 @pytest.fixture(autouse=True)
 def _tensor_cores_by_default(monkeypatch):
     """The tests here check the products' path on every size; the brute force only where
     ``path`` asks for it."""
-    monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0)
+    monkeypatch.setattr(dense, "SMALL_ITEM_MAX_PAIRS", 0)
 
 
 @pytest.fixture(params=["blas", "tensor cores", "brute force"])
@@ -36,11 +43,11 @@ def path(request, monkeypatch):
             request.node.originalname not in interpreted_cases):
         pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests and the gradient "
                     "case; every case on the GPU")
-    monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
+    monkeypatch.setattr(dense, "SMALL_ITEM_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
     if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
         from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
-        monkeypatch.setattr(dense, "BRUTE_FORCE_MAX_DIM", triton_dense.BRUTE_FORCE_MAX_DIM)
+        monkeypatch.setattr(dense, "SMALL_ITEM_MAX_DIM", triton_dense.BRUTE_FORCE_MAX_DIM)
     if torch.cuda.is_available():
         return "cuda"
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
@@ -99,9 +106,9 @@ def test_far_from_the_origin(offset, precision, path, generator):
 
 def test_ties_wider_than_the_slack_take_the_reference_path(monkeypatch, path, generator):
     """Many exact duplicates at the k-th place fail the certificate; those rows are redone."""
-    if dense.BRUTE_FORCE_MAX_PAIRS:
+    if dense.SMALL_ITEM_MAX_PAIRS:
         pytest.skip("the brute force measures every pair: nothing to redo")
-    monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: False)
+    _planned(monkeypatch, redo="reference")
     query, ref = _tied(generator, path)
     redone = []
     original = dense.reference.nearest
@@ -204,7 +211,7 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
-    monkeypatch.setattr(dense, "_redone_in_triton", lambda query, k: True)
+    _planned(monkeypatch, redo="search")
     flagged = _count_searched_rows(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = _tied(generator, device)
@@ -652,10 +659,9 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
     query, ref = query.to(device), ref.to(device)
     lengths = torch.tensor([40, 33], device=device), torch.tensor([500, 321], device=device)
     failed, redo = [], dense._redo
-    monkeypatch.setattr(dense, "_redo", lambda *args: failed.append(args[9].clone()) or redo(*args))
+    monkeypatch.setattr(dense, "_redo", lambda *args: failed.append(args[8].clone()) or redo(*args))
     fused = dense.nearest(query, ref, 9, radius, *lengths)
-    monkeypatch.setattr(dense, "_fused_lists", lambda *args: False)
-    monkeypatch.setattr(dense, "_writes_every_row", lambda *args: False)  # (the fused lists' promise)
+    _planned(monkeypatch, fused=False, whole=False)  # (whole: the fused lists' promise)
     operators = dense.nearest(query, ref, 9, radius, *lengths)
     assert 0 < int(failed[0].sum()) < 40
     assert torch.equal(failed[0], failed[1]) if radius == math.inf else not (failed[0] & ~failed[1]).any()

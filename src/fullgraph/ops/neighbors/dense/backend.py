@@ -10,7 +10,7 @@ of queries, for every batch item at once:
    below; on GPUs three Triton kernels, ``triton_dense.frames``, where torch took two
    dozen kernels); approximate squared distances come from one product,
    ``a_ij = |q_i|^2 + |r_j|^2 - 2 q_i . r_j`` (float32; float64 for float64 inputs);
-2. the ``k + SLACK`` smallest per query (``select.smallest``: torch.topk on GPUs, a C++
+2. the ``k + CANDIDATE_SLACK`` smallest per query (``select.smallest``: torch.topk on GPUs, a C++
    selection on CPUs) are re-measured with the reference's
    arithmetic (``pairs.norm_of_difference`` on the same scaled points: its squares summed
    in one fixed order, ``pairs.halving_sum``, which a Triton pass repeats on GPUs) and
@@ -29,7 +29,7 @@ When the k-th exact candidate distance squared ``s_i`` is below that, the list i
 reference's. Near-ties and duplicates wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), small items of few coordinates outside a CUDA graph
-capture (``_brute_forced``) skip all of this: one kernel measures every pair in the
+capture (``Plan.path`` "every pair") skip all of this: one kernel measures every pair in the
 reference's arithmetic and keeps each query's k best, exact by construction. Otherwise steps
 1-2 never store a block's M x N values: the
 products run on tensor cores (``triton_dense``) and per query only the least value of each
@@ -37,7 +37,7 @@ chunk of ``triton_dense.chunk_size`` consecutive references counts (for small k 
 2^14 references, one kernel keeps the least k + CHUNK_SLACK + 1 of them in registers;
 beyond, every chunk's minimum is stored and selected from). The k + CHUNK_SLACK chunks with the least minima are
 chosen; the squared distances to their members are summed
-from differences (relative error below (D + 2) u, no cancellation), and the k + SLACK
+from differences (relative error below (D + 2) u, no cancellation), and the k + CANDIDATE_SLACK
 nearest members re-measured in the reference's arithmetic (where they fit in registers,
 all of it in one kernel a query, ``triton_dense.nearest_members``). Exactness: the k
 nearest lie in chosen chunks up to the products' error (each of the k chosen minima is a
@@ -69,15 +69,17 @@ chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_core
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
 D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
-items (``_brute_force_redoes``), else the Triton search restricted to them, for k + SLACK
+items (``Plan.redo``), else the Triton search restricted to them, for k + CANDIDATE_SLACK
 neighbours re-measured in the reference's arithmetic (the programs of either without such a
-row return at once; ``_in_capture``), and no host read. Otherwise one host read: on
+row return at once; ``_lists_in_capture``), and no host read. Otherwise one host read: on
 GPUs the stored products of steps 1-3 redo them first, then the Triton search (CUDA) or
 the reference (CPUs, float64) what still fails.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 
 import torch
@@ -91,8 +93,10 @@ from ..triton import grid
 from ...._triton import lazy
 
 triton_dense = lazy(f"{__package__}.kernels")
+log = logging.getLogger(__name__)
 
-SLACK = 8
+# Candidates beyond k re-measured in the reference's arithmetic: a margin for the certificate.
+CANDIDATE_SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate (with
 # triton_dense.FUSED_CHUNK 2: see there).
 CHUNK_SLACK = 6
@@ -124,7 +128,7 @@ REDO_MAX_K = 256
 # ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
 REDO_MAX_DIM = 128
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
-# measure and selection of the k + SLACK least).
+# measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
 
 
@@ -337,15 +341,15 @@ def _products(frames: _Frames, rows: slice, precision: str, q_abs):
     return q.contiguous(), r, twice, error
 
 
-def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None, slack=CHUNK_SLACK):
+def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, chunk: int, slack: int, needed=None):
     """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
     per query the k + ``slack`` chunks with the least minima on tensor cores in
     ``precision`` (chunk numbers [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor
     under the squared distances, as the reference measures them, of every reference in no
     chosen chunk (+inf: none is left). ``needed`` [B, m]: only tiles of queries holding a
-    needed one are multiplied (the others' chunks are unspecified)."""
+    needed one are multiplied (the others' chunks are unspecified); ``chunk``: references a
+    chunk (``Plan``)."""
     dim, columns = frames.qc.shape[-1], frames.rc.shape[1]
-    chunk = triton_dense.chunk_size(columns, k + slack + 1)
     chunks = -(-columns // chunk)
     n_chosen = min(k + slack, chunks)
     q_norms = frames.q_norms[:, rows]
@@ -365,16 +369,16 @@ def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, needed=None,
     return chosen[..., :n_chosen], chunk, beyond
 
 
-def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None, slack=CHUNK_SLACK):
+def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
     """Steps 1-3 on GPUs, the products in ``precision``: the chosen chunks' members measured
-    from differences (relative error below (D + 2) u, no cancellation), the k + SLACK nearest
+    from differences (relative error below (D + 2) u, no cancellation), the k + CANDIDATE_SLACK nearest
     by that re-measured in the reference's arithmetic (in one kernel,
     ``triton_dense.nearest_members``, where it takes them). Returns ``_exact_lists``' lists
     [B, m, >= k] and ``limit`` [B, m]: a row whose k-th squared distance lies below it is
     exactly the reference's (+inf: every member of every chunk was re-measured). Rows that
-    ``needed`` [B, m] (when given) leaves out come back unspecified; ``slack``: chunks chosen
-    beyond k."""
-    chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, needed, slack)
+    ``needed`` [B, m] (when given) leaves out come back unspecified; ``chunk``, ``slack``:
+    references a chunk and chunks chosen beyond k."""
+    chosen, chunk, beyond = _chosen_chunks(frames, rows, k, precision, chunk, slack, needed)
     q, dim = frames.q[:, rows].contiguous(), frames.q.shape[-1]
     members = chosen.shape[-1] * chunk
     take = _measured(members, k)
@@ -397,20 +401,14 @@ def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precisio
 
 def _measured(members: int, k: int) -> int:
     """Members a query re-measures in the reference's arithmetic (see MEASURED_ALL_MAX)."""
-    return members if members <= MEASURED_ALL_MAX else min(k + SLACK, members)
+    return members if members <= MEASURED_ALL_MAX else min(k + CANDIDATE_SLACK, members)
 
 
-def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, needed=None, slack=CHUNK_SLACK):
+def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
     """``_tensor_core_lists`` [B, m, <= k] and the rows the certificate leaves unproven."""
-    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, needed, slack)
+    d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, chunk, slack, needed)
     kth = d[..., min(k, d.shape[-1]) - 1]
     return d[..., :k], i[..., :k], ~((kth ** 2 < limit) | torch.isinf(limit))
-
-
-def _first_precision(dim: int, columns: int, k: int) -> str:
-    """The first products' precision (see HALF_FIRST_MIN_DIM and FUSED_HALF_FIRST_MIN_DIM)."""
-    stored = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1) != triton_dense.FUSED_CHUNK
-    return "fp16" if dim >= (HALF_FIRST_MIN_DIM if stored else FUSED_HALF_FIRST_MIN_DIM) else TENSOR_CORE_PRECISION
 
 
 # From this many coordinates the second pass chooses as many chunks a row as the wide rows'
@@ -421,59 +419,101 @@ def _first_precision(dim: int, columns: int, k: int) -> str:
 WIDE_SLACK_MIN_DIM = 128
 
 
-def _second_slack(k: int, dim: int) -> int:
-    """Chunks the second pass chooses beyond k (see WIDE_SLACK_MIN_DIM), at least CHUNK_SLACK."""
-    return max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM else CHUNK_SLACK
+# Items of up to SMALL_ITEM_MAX_PAIRS query-reference pairs and SMALL_ITEM_MAX_DIM coordinates
+# are measured pair by pair on GPUs outside a capture (one kernel, ``triton_dense.brute_force``)
+# instead of by the products' candidates and certificate (~8 launches): eagerly the host's
+# launches cost more than the brute force; inside a capture the products win everywhere.
+SMALL_ITEM_MAX_PAIRS, SMALL_ITEM_MAX_DIM = 2**16, 64
+# Rows unproven inside a capture are redone by the brute force on items of up to this many
+# references (programs without such a row return at once), by the Triton search on larger ones
+# (per row the brute force's scalar sums cost more there).
+BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
 
 
-def _fused_plan(columns: int, k: int) -> tuple[int, int, int, int]:
-    """The fused lists' chunk size, chunks, chunks chosen a query and members re-measured for
-    lists of k on items of ``columns`` references."""
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How "dense" answers one call, decided once from the device, dtype, B, M, N, D, k and
+    whether a CUDA graph capture is running, then handed down (``plan``; logged at DEBUG by
+    ``logging.getLogger("fullgraph.ops.neighbors.dense.backend")``).
+
+    path: "every pair" (small items on GPUs outside a capture: one kernel measures every
+    pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
+    (CPUs and float64: BLAS products, candidates, certificate). capture: the tensor-core
+    path inside a capture, which redoes unproven rows with no host read. redo: what searches
+    the rows the certificate leaves unproven ("every pair", "search": the Triton search,
+    "reference"; on tensor cores outside a capture the stored products try them first).
+    The tensor-core fields (0 / "" / False elsewhere): first, the first products' precision;
+    chunk, chunks, chosen: references a chunk, chunks an item, chunks chosen a query; take,
+    members (fused) or candidates (otherwise) re-measured a query; fused, one kernel a query
+    measures every member and writes the certified lists; whole, the kernels write every row
+    (fused and k <= N: nothing filled first); halved, the fused first pass offers half the
+    list; second_chunk, second_slack: the second pass's chunk and chunks beyond k; width,
+    values a query holds at once (block sizes); triton_frames: the frames built by Triton.
+    """
+
+    path: str
+    capture: bool
+    redo: str
+    take: int
+    width: int
+    first: str = ""
+    chunk: int = 0
+    chunks: int = 0
+    chosen: int = 0
+    fused: bool = False
+    whole: bool = False
+    halved: bool = False
+    second_chunk: int = 0
+    second_slack: int = 0
+    triton_frames: bool = False
+
+
+def plan(query, ref, k) -> Plan:
+    """The ``Plan`` for lists of k from query [B, M, D] to ref [B, N, D]."""
+    rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
+    capturing, tensor_cores = _capturing(query), _on_tensor_cores(query)
+    capture = tensor_cores and capturing and _capturable("knn", query.dtype, dim, k)
+    if capture:
+        redo = "every pair" if triton_dense.brute_force_takes(dim, k) and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS \
+            else "search"
+    else:
+        redo = "search" if query.is_cuda and _capturable("knn", query.dtype, dim, k) else "reference"
+    if not tensor_cores:
+        return Plan("products", False, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns)
+    if (not capturing and dim <= SMALL_ITEM_MAX_DIM and triton_dense.brute_force_takes(dim, k)
+            and rows * columns <= SMALL_ITEM_MAX_PAIRS):
+        return Plan("every pair", False, redo, take=k, width=columns, triton_frames=dim <= triton_dense.FRAMES_MAX_DIM)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
-    n_chosen = min(k + CHUNK_SLACK, chunks)
-    return chunk, chunks, n_chosen, _measured(n_chosen * chunk, k)
+    chosen = min(k + CHUNK_SLACK, chunks)
+    take = _measured(chosen * chunk, k)
+    stored = chunk != triton_dense.FUSED_CHUNK
+    fused = not stored and triton_dense.ranks_members(chosen * chunk, take, dim)
+    second_slack = (max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM
+                    else CHUNK_SLACK)
+    first = "fp16" if dim >= (HALF_FIRST_MIN_DIM if stored else FUSED_HALF_FIRST_MIN_DIM) else TENSOR_CORE_PRECISION
+    return Plan(
+        "tensor cores", capture, redo, take=take, width=max(chunks, (k + second_slack) * chunk), first=first,
+        chunk=chunk, chunks=chunks, chosen=chosen, fused=fused, whole=fused and k <= columns,
+        halved=(fused and triton_dense.FUSED_TILE_HALF and columns >= triton_dense.FUSED_TILE_HALF_MIN_COLUMNS
+                and chunks > chosen),
+        second_chunk=triton_dense.chunk_size(columns, k + second_slack + 1), second_slack=second_slack,
+        triton_frames=dim <= triton_dense.FRAMES_MAX_DIM)
 
 
-def _fused_takes(columns: int, k: int, dim: int) -> bool:
-    """Whether ``_fused_lists`` takes float32 lists of k on items of ``columns`` references of
-    D = dim: chunks of ``triton_dense.FUSED_CHUNK``, every member measured in one kernel a query."""
-    chunk, _, n_chosen, take = _fused_plan(columns, k)
-    return chunk == triton_dense.FUSED_CHUNK and triton_dense.ranks_members(n_chosen * chunk, take, dim)
-
-
-def _writes_every_row(query, ref, k) -> bool:
-    """Whether the GPU path writes every row and column of the lists and of the unproven flags
-    itself (the fused lists, k <= N: at least k members a query), so none is filled first."""
-    columns, dim = ref.shape[1], query.shape[-1]
-    return (_on_tensor_cores(query) and not _brute_forced(query, ref, k) and k <= columns
-            and _fused_takes(columns, k, dim))
-
-
-def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven) -> bool:
+def _fused_lists(plan: Plan, frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
     """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
     a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
     write the block's lists, in the frames' scale and within ``radius``, and its unproven
-    valid rows straight into dists / idx [B, M, k] and unproven [B, M], where ~40 small
-    operators finished them (H100: ~0.2 ms of a graphed call); products of float16 operands
-    first (``_first_precision``) and the rows they leave unproven again in
-    TENSOR_CORE_PRECISION (two more kernels, only their tiles multiplied). Where the first
-    pass's tiles offer half the list (``triton_dense.FUSED_TILE_HALF``; the greatest they
-    offer a floor under the unchosen chunks, ``least_chunk_keys(floor=True)``), a second pass
-    follows it always. Returns whether they took the block (else nothing is written)."""
-    dim, columns = frames.q.shape[-1], frames.r.shape[1]
-    if not _fused_takes(columns, k, dim) or dists.dtype != torch.float32 or dists.shape[0] != frames.q.shape[0]:
-        return False
-    _, chunks, n_chosen, take = _fused_plan(columns, k)
+    valid rows straight into dists / idx [B, M, k] and unproven [B, M]; products in
+    ``plan.first`` and the rows they leave unproven again in TENSOR_CORE_PRECISION (two more
+    kernels, only their tiles multiplied). Where the first pass's tiles offer half the list
+    (``plan.halved``; the greatest they offer a floor under the unchosen chunks,
+    ``least_chunk_keys(floor=True)``), a second pass follows it always."""
     q_norms, q = frames.q_norms[:, rows], frames.q[:, rows]
     on_gpu = q.is_cuda
-    first = _first_precision(dim, columns, k)
-    # The first pass's tiles offer half the list where a floor key follows the chosen chunks
-    # (``triton_dense.FUSED_TILE_HALF``): its rows left unproven go again with whole lists.
-    halved = (triton_dense.FUSED_TILE_HALF and columns >= triton_dense.FUSED_TILE_HALF_MIN_COLUMNS
-              and chunks > n_chosen)
-    passes = [(first, halved)]
-    if first != TENSOR_CORE_PRECISION or halved:
+    passes = [(plan.first, plan.halved)]
+    if plan.first != TENSOR_CORE_PRECISION or plan.halved:
         passes.append((TENSOR_CORE_PRECISION, False))
     for again, (precision, floor) in enumerate(passes):
         q_op, r_op, twice = _operands(frames, rows, precision)
@@ -483,77 +523,62 @@ def _fused_lists(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dist
         else:
             error = triton_dense.product_error(precision)
         keys, position_bits = triton_dense.least_chunk_keys(
-            q_op, q_norms, r_op, frames.r_norms, min(n_chosen + 1, chunks), precision, twice,
+            q_op, q_norms, r_op, frames.r_norms, min(plan.chosen + 1, plan.chunks), precision, twice,
             unproven[:, rows] if again else None, floor)
-        triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, n_chosen, take, q_norms,
-                                     frames.reach, frames.scale, error, radius if on_gpu else math.inf, dists, idx,
-                                     unproven, rows.start, bool(again))
+        triton_dense.certified_lists(q, frames.r, ref_ok, query_ok, keys, position_bits, plan.chosen, plan.take,
+                                     q_norms, frames.reach, frames.scale, error, radius if on_gpu else math.inf,
+                                     dists, idx, unproven, rows.start, bool(again))
     if not on_gpu:  # Triton's interpreter: distances in torch's sqrt (``_in_torch_sqrt``)
         scale = frames.scale[..., None]
         d, i = _within(*_in_torch_sqrt(q, frames.r, dists[:, rows] / scale, idx[:, rows]), frames.scale, radius)
         dists[:, rows], idx[:, rows] = d * scale, i
-    return True
 
 
-def _block_on_tensor_cores(frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
+def _block_on_tensor_cores(plan: Plan, frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx,
+                           unproven):
     """``_block`` on GPUs, into dists / idx [B, M, k] and unproven [B, M] at ``rows``:
-    ``_fused_lists`` where they take the block; else products in ``_first_precision``, and
-    the valid rows they leave unproven again in TENSOR_CORE_PRECISION (only their tiles
-    multiplied, ``_second_slack`` chunks beyond k chosen)."""
-    if _fused_lists(frames, rows, query_ok, ref_ok, k, radius, dists, idx, unproven):
-        return
-    dim = frames.q.shape[-1]
-    first = _first_precision(dim, frames.r.shape[1], k)
-    d, i, still = _proven_lists(frames, rows, ref_ok, k, radius, first)
-    if first != TENSOR_CORE_PRECISION:
+    ``_fused_lists`` where the plan takes them; else products in ``plan.first``, and the
+    valid rows they leave unproven again in TENSOR_CORE_PRECISION (only their tiles
+    multiplied, ``plan.second_slack`` chunks beyond k chosen)."""
+    if plan.fused:
+        return _fused_lists(plan, frames, rows, query_ok, ref_ok, k, radius, dists, idx, unproven)
+    d, i, still = _proven_lists(frames, rows, ref_ok, k, radius, plan.first, plan.chunk, CHUNK_SLACK)
+    if plan.first != TENSOR_CORE_PRECISION:
         again = still & query_ok[:, rows]
-        found_d, found_i, left = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION, again,
-                                               _second_slack(k, dim))
+        found_d, found_i, left = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION,
+                                               plan.second_chunk, plan.second_slack, again)
         redo = again[..., None]
         d, i, still = torch.where(redo, found_d, d), torch.where(redo, found_i, i), again & left
     dists[:, rows, :d.shape[-1]], idx[:, rows, :d.shape[-1]] = d * frames.scale[..., None], i
     unproven[:, rows] = still
 
 
-def _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
+def _lists_in_capture(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx):
     """The tensor-core path inside a CUDA graph capture, with no host read: the rows the
-    certificate leaves unproven take the brute force's lists (``_brute_force_redoes``) or
-    the Triton search's re-measured in the reference's arithmetic (the programs of either
-    without such a row return at once)."""
+    certificate leaves unproven take the brute force's lists or the Triton search's
+    re-measured in the reference's arithmetic (``plan.redo``; the programs of either without
+    such a row return at once)."""
     batch, rows, _ = query.shape
-    take = max(k, min(k + SLACK, REDO_MAX_K))
-    whole = _writes_every_row(query, ref, k)  # (only valid rows flagged: nothing to clear first)
-    unproven = (torch.empty if whole else torch.zeros)((batch, rows), dtype=torch.bool, device=query.device)
-    width = _width(ref.shape[1], k, query.shape[-1])
-    step = max(1, BLOCK_BYTES["cuda"] // (batch * width * frames.q.element_size()))
+    query_ok, ref_ok = frames.query_ok, frames.ref_ok
+    # (where the kernels write every row, only valid rows are flagged: nothing to clear first)
+    unproven = (torch.empty if plan.whole else torch.zeros)((batch, rows), dtype=torch.bool, device=query.device)
+    step = max(1, BLOCK_BYTES["cuda"] // (batch * plan.width * frames.q.element_size()))
     for start in range(0, rows, step):
-        _block_on_tensor_cores(frames, slice(start, min(start + step, rows)), query_ok, ref_ok, k, radius, dists, idx,
-                               unproven)
-    if not whole:
+        _block_on_tensor_cores(plan, frames, slice(start, min(start + step, rows)), query_ok, ref_ok, k, radius, dists,
+                               idx, unproven)
+    if not plan.whole:
         unproven &= query_ok
-    if _brute_force_redoes(frames, k):
-        return _brute_force(frames, ref_ok, k, radius, dists, idx, needed=unproven)
-    _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=unproven,
-                                      built=_grid(frames, query_ok, ref_ok))
-    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=unproven)
-    redo = unproven[..., None]
-    dists.copy_(torch.where(redo, d[..., :k] * frames.scale[..., None], dists))
-    idx.copy_(torch.where(redo, i[..., :k], idx))
+    if plan.redo == "every pair":
+        return _every_pair(frames, ref_ok, k, radius, dists, idx, needed=unproven)
+    _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, unproven, dists, idx)
 
 
-def _grid(frames: _Frames, query_ok, ref_ok):
+def _grid(frames: _Frames):
     """The Triton search's one-cell grid (points of D > 3) from the frames, or None (D <= 3:
     the search builds its grid)."""
     if frames.q.shape[-1] <= 3 or frames.q.dtype != torch.float32:
         return None
-    return grid.one_cell(frames.q.contiguous(), frames.r.contiguous(), query_ok, ref_ok, frames.scale)
-
-
-def _width(columns, k, dim) -> int:
-    """Values a query holds on the tensor-core path: the chunk minima (stored beyond the fused
-    path) or the chosen chunks' members."""
-    chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
-    return max(-(-columns // chunk), (k + _second_slack(k, dim)) * chunk)
+    return grid.one_cell(frames.q.contiguous(), frames.r.contiguous(), frames.query_ok, frames.ref_ok, frames.scale)
 
 
 def _capturing(query) -> bool:
@@ -564,19 +589,7 @@ def _on_tensor_cores(query) -> bool:
     return query.is_cuda and query.dtype != torch.float64 and _triton.available()
 
 
-# Items of up to BRUTE_FORCE_MAX_PAIRS query-reference pairs and BRUTE_FORCE_MAX_DIM coordinates are
-# measured pair by pair on GPUs (one kernel, ``triton_dense.brute_force``) instead of by the
-# products' candidates and certificate (~40 launches).
-BRUTE_FORCE_MAX_PAIRS, BRUTE_FORCE_MAX_DIM = 2**16, 64
-
-
-def _brute_forced(query, ref, k) -> bool:
-    rows, columns, dim = query.shape[1], ref.shape[1], query.shape[-1]
-    return (_on_tensor_cores(query) and not _capturing(query) and dim <= BRUTE_FORCE_MAX_DIM
-            and triton_dense.brute_force_takes(dim, k) and rows * columns <= BRUTE_FORCE_MAX_PAIRS)
-
-
-def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
+def _every_pair(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
     """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx (only
     the rows ``needed`` [B, M] marks, when given), on GPUs by the kernel itself."""
     sort_from = triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM
@@ -595,42 +608,25 @@ def _brute_force(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) ->
     idx.copy_(position)
 
 
-# Rows unproven inside a capture are redone by the brute force on items of up to this many
-# references (programs without such a row return at once), by the Triton search on larger ones
-# (per row the brute force's scalar sums cost more there).
-BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
-
-
-def _brute_force_redoes(frames: _Frames, k) -> bool:
-    columns, dim = frames.r.shape[1], frames.q.shape[-1]
-    return (frames.q.dtype == torch.float32 and triton_dense.brute_force_takes(dim, k)
-            and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS)
-
-
-def _redone_in_triton(query, k) -> bool:
-    return query.device.type == "cuda" and _captures("knn", query.dtype, query.shape[-1], k)
-
-
-def _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
-    takes ``_in_capture``): by the stored products when the chunks missed, and what still
-    fails by the Triton search (CUDA) or the reference."""
+    takes ``_lists_in_capture``): on tensor cores by the stored products when the chunks
+    missed, and what still fails by ``plan.redo``."""
     if not bool(failed.any()):
         return
-    if _on_tensor_cores(query):
-        take = min(k + SLACK, ref.shape[1])
+    if plan.path == "tensor cores":
+        take = min(k + CANDIDATE_SLACK, ref.shape[1])
         budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * frames.q.element_size())
         for b, rows in enumerate(failed):
             rows = rows.nonzero()[:, 0]
             for start in range(0, rows.numel(), budget):
                 some = rows[start:start + budget]
-                d, i, still = _block(frames.items(slice(b, b + 1)), some, ref_ok[b:b + 1], k, radius, take)
+                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take)
                 dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
         if not bool(failed.any()):
             return
-    if _redone_in_triton(query, k):
-        return _redo_in_triton(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed,
-                               dists, idx)
+    if plan.redo == "search":
+        return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     for b, rows in enumerate(failed):
         rows = rows.nonzero()[:, 0]
         if rows.numel():
@@ -639,24 +635,25 @@ def _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_le
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-def _redo_in_triton(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed, dists, idx):
+def _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """The Triton search over the ``failed`` rows (its programs without one return at once),
-    for k + SLACK neighbours re-measured in the reference's arithmetic: its own sums over D
-    may differ from the reference's in the last bit, and so order near-ties differently."""
-    take = max(k, min(k + SLACK, REDO_MAX_K))
+    for k + CANDIDATE_SLACK neighbours re-measured in the reference's arithmetic: its own
+    sums over D may differ from the reference's in the last bit, and so order near-ties
+    differently."""
+    take = max(k, min(k + CANDIDATE_SLACK, REDO_MAX_K))
     _, found, _ = triton_grid.nearest(query, ref, take, radius, query_lengths, ref_lengths, needed=failed,
-                                      built=_grid(frames, query_ok, ref_ok))
-    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), ref_ok, radius, found >= 0, needed=failed)
+                                      built=_grid(frames))
+    d, i = _exact_lists(frames.q, frames, found.clamp(min=0), frames.ref_ok, radius, found >= 0, needed=failed)
     d = d[..., :k] * frames.scale[..., None]
     dists.copy_(torch.where(failed[..., None], d.to(dists.dtype), dists))
     idx.copy_(torch.where(failed[..., None], i[..., :k], idx))
 
 
-def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx):
+def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx):
     """Steps 1-3 a block of queries at a time, then the failed rows redone (``_redo``)."""
     batch, rows, _ = query.shape
+    query_ok, ref_ok = frames.query_ok, frames.ref_ok
     columns = ref.shape[1]
-    take = min(k + SLACK, columns)
     failed = torch.zeros((batch, rows), dtype=torch.bool, device=query.device)
     budget = BLOCK_BYTES.get(query.device.type, BLOCK_BYTES["cpu"])
     if not query.is_cuda and query.shape[-1] >= CPU_WIDE_DIM:
@@ -666,50 +663,49 @@ def _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, r
     # products stay nearer the caches.
     per_item = rows * columns * frames.q.element_size()
     together = batch if query.is_cuda else max(1, min(batch, CPU_GROUP_BYTES // per_item))
-    groups = [slice(b, b + together) for b in range(0, batch, together)]
-    fused = _on_tensor_cores(query)
-    # per query: the products (BLAS), or the chunk minima and the chosen chunks' members (fused)
-    width = _width(columns, k, query.shape[-1]) if fused else columns
-    for items in groups:
+    on_tensor_cores = plan.path == "tensor cores"
+    for start_item in range(0, batch, together):
+        items = slice(start_item, start_item + together)
         part = frames.items(items)
-        step = max(1, budget // (part.q.shape[0] * width * frames.q.element_size()))
+        step = max(1, budget // (part.q.shape[0] * plan.width * frames.q.element_size()))
         for start in range(0, rows, step):
             block = slice(start, min(start + step, rows))
-            if fused:
-                _block_on_tensor_cores(part, block, query_ok[items], ref_ok[items], k, radius, dists[items],
+            if on_tensor_cores:
+                _block_on_tensor_cores(plan, part, block, query_ok[items], ref_ok[items], k, radius, dists[items],
                                        idx[items], failed[items])
                 continue
-            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, take)
+            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
-    _redo(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
     batch, rows, _ = query.shape
     acc = pairs.accumulation_dtype(query.dtype)
-    empty = batch * rows * ref.shape[1] == 0
-    whole = not empty and _writes_every_row(query, ref, k)  # (invalid queries' rows too)
     shape, device = (batch, rows, k), query.device
+    if batch * rows * ref.shape[1] == 0:
+        return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
+                torch.zeros((batch, rows), dtype=torch.int64, device=device))
+    chosen = plan(query, ref, k)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("knn %s x %s, k = %d: %s", tuple(query.shape), tuple(ref.shape), k, chosen)
+    whole = chosen.whole  # (invalid queries' rows too)
     dists = torch.empty(shape, dtype=acc, device=device) if whole else torch.full(shape, math.inf, dtype=acc,
                                                                                    device=device)
     idx = torch.empty(shape, dtype=torch.int64, device=device) if whole else torch.full(shape, -1, device=device)
-    if empty:
-        return dists.to(query.dtype), idx, torch.zeros((batch, rows), dtype=torch.int64, device=device)
-    if _on_tensor_cores(query) and query.shape[-1] <= triton_dense.FRAMES_MAX_DIM:
-        frames = _Frames.of(triton_dense.frames(query, ref, query_lengths, ref_lengths,
-                                                halves=_first_precision(query.shape[-1], ref.shape[1], k) == "fp16"))
+    if chosen.triton_frames:
+        frames = _Frames.of(triton_dense.frames(query, ref, query_lengths, ref_lengths, halves=chosen.first == "fp16"))
     else:
         frames = _Frames(query, ref, query_lengths, ref_lengths, acc)
-    query_ok, ref_ok = frames.query_ok, frames.ref_ok
-    if _brute_forced(query, ref, k):
-        _brute_force(frames, ref_ok, k, radius, dists, idx)
-    elif _on_tensor_cores(query) and _capturing(query) and _captures("knn", query.dtype, query.shape[-1], k):
-        _in_capture(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
+    if chosen.path == "every pair":
+        _every_pair(frames, frames.ref_ok, k, radius, dists, idx)
+    elif chosen.capture:
+        _lists_in_capture(chosen, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx)
     else:
-        _in_blocks(query, ref, frames, query_ok, ref_ok, k, radius, query_lengths, ref_lengths, dists, idx)
+        _in_blocks(chosen, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx)
     if not whole:
-        ok = query_ok[..., None]
+        ok = frames.query_ok[..., None]
         dists, idx = dists.masked_fill(~ok, math.inf), idx.masked_fill(~ok, -1)
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
     counts = (idx >= 0).sum(-1) if radius < math.inf else torch.empty((batch, rows), dtype=torch.int64, device=device)
@@ -750,20 +746,20 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
     if dim is None:
         return False
     if device_type == "cuda":
-        wanted = dim >= CUDA_AUTO_MIN_DIM or (dim >= 4 and k > triton_grid.MAX_K)
+        wanted = dim >= CUDA_AUTO_MIN_DIM
         # Beyond REDO_MAX_DIM / REDO_MAX_K only outside a capture (failed rows are then redone by the
         # stored products, a host read): the Triton search there is a scalar brute force, and the op
         # resolves "auto" when it runs, so a capture of the same call takes the capturable backend.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
-        return wanted and (_captures("knn", dtype, dim, k) or outside)
+        return wanted and (_capturable("knn", dtype, dim, k) or outside)
     if size is not None and any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits()):
         return not select.available()
     limit = CPU_AUTO_WIDE_MAX_PAIRS if dim >= CPU_AUTO_WIDE_DIM else CPU_AUTO_MAX_PAIRS
     return dim >= AUTO_MIN_DIM or (size is not None and size <= limit)
 
 
-def _captures(op, dtype, dim, k) -> bool:
+def _capturable(op, dtype, dim, k) -> bool:
     """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 up to
     REDO_MAX_K and REDO_MAX_DIM (see the module docstring)."""
     return (dtype != torch.float64 and k <= REDO_MAX_K and (dim is None or dim <= REDO_MAX_DIM)
@@ -772,5 +768,5 @@ def _captures(op, dtype, dim, k) -> bool:
 
 BACKEND = Backend(
     "dense", ops=("knn", "knn_aggregate"), devices=("cpu", "cuda"), dtypes=FLOATING, auto_devices=("cpu", "cuda"),
-    auto_when=_auto, capturable=_captures, implementation=DenseKernels(),
+    auto_when=_auto, capturable=_capturable, implementation=DenseKernels(),
 )
