@@ -40,7 +40,7 @@ def test_without_triton_the_cpu_paths_run():
         assert torch.equal(fullgraph.knn(q, r, 5)[1], want)
         print(fullgraph.fps(torch.randn(300, 3), 0.1).shape[0], fullgraph.ddpm_step.__name__)
         try:
-            fullgraph.knn(q, r, 5, backend="triton")
+            fullgraph.knn(*(t.cuda() if torch.cuda.is_available() else t for t in (q, r)), 5, backend="triton")
         except ImportError as error:
             print("refused:", error)
     """)

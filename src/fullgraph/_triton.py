@@ -55,22 +55,20 @@ def lazy(name: str) -> types.ModuleType:
     return _Lazy(name)
 
 
-@functools.lru_cache(maxsize=None)
 def _installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def available(device_type: str = "cuda") -> bool:
-    """Whether Triton is installed (its kernels are imported only when one first runs)."""
     try:
-        return _installed()
+        return importlib.util.find_spec("triton") is not None
     except ValueError:  # sys.modules["triton"] is None: treated as not installed
         return False
 
 
-def devices() -> tuple[str, ...]:
-    """The device types Triton kernels run on here."""
-    return ("cuda", "cpu") if INTERPRETED else ("cuda",)
+# Read once at import: ``available`` runs inside code torch.compile traces, which cannot call find_spec.
+INSTALLED = _installed()
+
+
+def available(device_type: str = "cuda") -> bool:
+    """Whether Triton is installed (its kernels are imported only when one first runs)."""
+    return INSTALLED
 
 
 @functools.lru_cache(maxsize=None)

@@ -688,15 +688,15 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
             error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
         return q, r, twice, error
 
-    def counted(frames, rows, ref_ok, k, radius, precision, needed=None, slack=dense.CHUNK_SLACK):
+    def counted(frames, rows, ref_ok, k, radius, precision, chunk, slack, needed=None):
         tiers.append((precision, None if needed is None else needed.tolist(), slack))
-        return proven(frames, rows, ref_ok, k, radius, precision, needed, slack)
+        return proven(frames, rows, ref_ok, k, radius, precision, chunk, slack, needed)
 
     proven = dense._proven_lists
     monkeypatch.setattr(dense, "_products", loose_first)
     monkeypatch.setattr(dense, "_proven_lists", counted)
     redone, redo = [], dense._redo
-    monkeypatch.setattr(dense, "_redo", lambda *args: redone.append(int(args[9].sum())) or redo(*args))
+    monkeypatch.setattr(dense, "_redo", lambda *args: redone.append(int(args[8].sum())) or redo(*args))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
