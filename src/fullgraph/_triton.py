@@ -71,6 +71,11 @@ def available(device_type: str = "cuda") -> bool:
     return INSTALLED
 
 
+def devices() -> tuple[str, ...]:
+    """The device types Triton kernels run on here."""
+    return ("cuda", "cpu") if INTERPRETED else ("cuda",)
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device: how many programs run at once, one per SM."""
