@@ -155,7 +155,7 @@ def test_the_triton_search_on_a_one_cell_grid_from_the_frames(generator):
     query[0, 4, 2], ref[1, 7, 0], ref[0, 11, 5] = math.nan, math.inf, math.nan
     query, ref = query.to(device), ref.to(device)
     query_lengths, ref_lengths = torch.tensor([30, 21], device=device), torch.tensor([90, 64], device=device)
-    frames = dense._Frames(query, ref, query_lengths, ref_lengths, torch.float32)
+    frames = dense.Frames(query, ref, query_lengths, ref_lengths, torch.float32)
     query_ok, ref_ok = frames.query_ok, frames.ref_ok
     assert torch.equal(query_ok, pairs.valid_points(query, query_lengths))
     assert frames.scale.min().item() > 1  # far out: the clouds are scaled
@@ -564,7 +564,7 @@ def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
     query, ref = query.to(device) * magnitude, ref.to(device) * magnitude
     lengths = (torch.tensor([70, 70], device=device), torch.tensor([521, 521], device=device))
     got = triton_dense.frames(query, ref, *lengths, halves=True)
-    frames = dense._Frames(query, ref, None, None, torch.float32)
+    frames = dense.Frames(query, ref, None, None, torch.float32)
     qh, rh, q_lo, r_lo, twice = frames.halves()
     unit = frames.unit[:, None, None]
     for half, exact in ((qh, frames.qc), (rh, frames.rc)):
@@ -827,7 +827,7 @@ def test_frames_in_triton_equal_torchs(dtype, dim, generator):
     ref_lengths = torch.tensor([70, 70, 33, 70], device=device)
     got = triton_dense.frames(query, ref, query_lengths, ref_lengths)
     query_ok, ref_ok = pairs.valid_points(query, query_lengths), pairs.valid_points(ref, ref_lengths)
-    want = dense._Frames(query, ref, query_lengths, ref_lengths, torch.float32)
+    want = dense.Frames(query, ref, query_lengths, ref_lengths, torch.float32)
     assert torch.equal(want.query_ok, query_ok) and torch.equal(want.ref_ok, ref_ok)
     assert torch.equal(got["query_ok"], query_ok) and torch.equal(got["ref_ok"], ref_ok)
     assert torch.equal(got["scale"], want.scale) and want.scale[1].item() > 1 and 0 < want.scale[3].item() < 2**-30

@@ -124,10 +124,13 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
         batch_query, batch_ref: instead, PyG batch vectors: [M] / [N] sorted int64 item ids
             of flat clouds [M, D] / [N, D] (either may be None: one item). Indices are then
             rows of the flat ``ref``. One host read of the item sizes (not capturable).
-        backend: "auto" (the fastest available for the device), "torch", "cpu" (scipy),
-            "triton" (CUDA), "cuml" (CUDA, RAPIDS cuML candidates re-ranked exactly; knn
-            and knn_aggregate) or "warp" (CUDA, float32, D = 3, NVIDIA Warp HashGrid;
-            radius and radius_aggregate).
+        backend: "auto" (the fastest exact backend for the device and shape: on CUDA
+            "dense" for D >= 4 and "triton" below; on CPUs "cpu" for few dimensions and
+            "dense" from D = 10 or for small items), "torch" (the reference), "cpu" (scipy's
+            k-d tree and C++), "dense" (matrix products with an exactness certificate; tensor
+            cores on CUDA), "triton" (CUDA grid search), "cuml" (CUDA, RAPIDS cuML candidates
+            re-ranked exactly; knn and knn_aggregate) or "warp" (CUDA, float32, D = 3, NVIDIA
+            Warp HashGrid; radius and radius_aggregate).
 
     Returns:
         dists: [..., M, k] Euclidean distances, ascending, in the input dtype, +inf where

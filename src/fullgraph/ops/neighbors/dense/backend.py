@@ -59,7 +59,7 @@ above, from its own key) lies above a ceiling over the k-th chunk's nearest memb
 left hold none of the k nearest, and that key is the floor the certificate takes. On wide points
 (the stored minima from D = HALF_FIRST_MIN_DIM, the fused lists from
 FUSED_HALF_FIRST_MIN_DIM) the products run first on both clouds rounded to float16
-beforehand (times a power of two per item that keeps them in range, ``_Frames.halves``):
+beforehand (times a power of two per item that keeps them in range, ``Frames.halves``):
 each product of rounded operands q', r' is exact (11 bits by 11), and q.r - q'.r' =
 q_lo.r + q'.r_lo, at most |q_lo| R + |q'| max |r_lo| by Cauchy-Schwarz with the norms of
 what the rounding left out (``_products``), ~2^-11 of |q| R where one TF32 product's input
@@ -85,12 +85,14 @@ import math
 import torch
 
 from .... import _triton
+from ...._triton import lazy
 from ....backends import FLOATING, Backend
 from .. import pairs, reference
 from ..cpu import native as select
 from ..triton import backend as triton_grid
 from ..triton import grid
-from ...._triton import lazy
+from .certificate import beyond_expansion, roundoff
+from .frames import Frames
 
 triton_dense = lazy(f"{__package__}.kernels")
 log = logging.getLogger(__name__)
@@ -130,14 +132,6 @@ REDO_MAX_DIM = 128
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
 # measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
-
-
-def _roundoff(dtype: torch.dtype) -> float:
-    """Unit roundoff of the product: float32 products may run in TF32 or bf16 when the user
-    allowed it (torch.set_float32_matmul_precision), and the bound must hold then too."""
-    if dtype == torch.float64:
-        return 2.0**-53
-    return {"highest": 2.0**-24, "high": 2.0**-11}.get(torch.get_float32_matmul_precision(), 2.0**-8)
 
 
 def _gather_rows(points, rows, out=None):
@@ -185,67 +179,6 @@ def _remeasure(q, r, candidates):
     return out.sqrt_()
 
 
-class _Frames:
-    """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
-    the reference measures them (``q``, ``r``), and centred on the mean valid reference with
-    invalid rows zeroed (``qc``, ``rc``, the operands of the products; their squared norms
-    ``q_norms``, ``r_norms``, +inf at invalid references). Built by torch here;
-    on GPUs by ``triton_dense.frames`` (``_Frames.of``: the same scaled clouds, the centre
-    summed in another order). Each cloud's valid rows: ``query_ok`` [B, M], ``ref_ok`` [B, N]."""
-
-    def __init__(self, query, ref, query_lengths, ref_lengths, acc):
-        self.query_ok, query_largest = pairs.valid_points_and_largest(query, query_lengths)
-        self.ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
-        query_ok, ref_ok = self.query_ok, self.ref_ok
-        self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
-        self.largest = torch.maximum(query_largest, ref_largest).to(acc) / self.scale[:, 0]  # [B]
-        # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic: no
-        # copies where every scale is one and every point valid, which a CPU reads for free.
-        on_host = not query.is_cuda
-        if on_host and bool((self.scale == 1).all()):
-            self.q, self.r = query.to(acc), ref.to(acc)  # (x / 1 == x)
-        else:
-            self.q, self.r = query.to(acc) / self.scale[..., None], ref.to(acc) / self.scale[..., None]
-        if on_host and bool(query_ok.all()) and bool(ref_ok.all()):
-            centre = self.r.mean(1, keepdim=True)
-            self.qc, self.rc = self.q - centre, self.r - centre
-        else:
-            valid_r = torch.where(ref_ok[..., None], self.r, 0)
-            centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
-            self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
-            self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
-        self.q_norms = (self.qc * self.qc).sum(-1)
-        r_norms = (self.rc * self.rc).sum(-1)
-        self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
-        # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
-        self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
-
-    @classmethod
-    def of(cls, parts: dict) -> _Frames:
-        """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
-        frames = object.__new__(cls)
-        frames.__dict__.update(parts)
-        return frames
-
-    def halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The products' operands in float16 (``triton_dense.half_operands``): ``qc`` and ``rc``
-        times the item's power of two ``unit`` [B], the norms of what they left out per query
-        [B, M] and the largest per item [B, 1], and 2 / unit^2 [B]."""
-        if "qh" not in vars(self):  # (the GPU frames may hold them)
-            self.unit = triton_dense.half_unit(self.largest)
-            self.qh, self.q_lo = triton_dense.half_operands(self.qc, self.unit)
-            self.rh, r_lo = triton_dense.half_operands(self.rc, self.unit)
-            self.r_lo = r_lo.amax(-1, keepdim=True) if r_lo.numel() else torch.zeros_like(self.reach)
-            self.twice = 2 / self.unit**2
-        return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
-
-    def items(self, chosen: slice) -> _Frames:
-        """The frames of the batch items ``chosen`` (views)."""
-        part = object.__new__(_Frames)
-        part.__dict__.update({name: value[chosen] for name, value in vars(self).items()})
-        return part
-
-
 def _in_torch_sqrt(q, r, d, i):
     """Lists d, i [B, m, c] that a Triton kernel measured: on CPU tensors (Triton's
     interpreter, whose sqrt is numpy's, correctly rounded, where torch's CPU sqrt may differ by
@@ -264,7 +197,7 @@ def _within(d, i, scale, radius):
     return d.masked_fill(~keep, math.inf), i.masked_fill(~keep, -1)
 
 
-def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None, needed=None):
+def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, needed=None):
     """The ``candidates`` [B, m, c] (reference positions; ``inside`` [B, m, c] marks the real
     ones) of the queries q [B, m, D] re-measured in the reference's arithmetic, the valid
     references within ``radius`` kept, ordered by (distance, index): distances [B, m, c] in
@@ -284,16 +217,7 @@ def _exact_lists(q, frames: _Frames, candidates, ref_ok, radius, inside=None, ne
     return pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
 
 
-def beyond_expansion(value, q_abs, reach, dim: int, u: float):
-    """A floor under the squared distances, as the reference measures them, of the references
-    whose expanded value ``|q|^2 + |r|^2 - 2 q.r`` (D coordinates, unit roundoff u) came out
-    at least ``value`` [B, m], for queries of norm ``q_abs`` [B, m] among references of norm
-    at most ``reach`` (broadcasting): the expansion's error bound of the module docstring,
-    then the reference's own rounding. A list whose k-th squared distance lies below it is exact."""
-    return (value - 2 * (dim + 4) * u * (q_abs + reach) ** 2) * (1 - 2 * (dim + 2) * u)
-
-
-def _block(frames: _Frames, rows, ref_ok, k, radius, take):
+def _block(frames: Frames, rows, ref_ok, k, radius, take):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
     certificate leaves unproven [B, m]."""
     qc = frames.qc[:, rows]
@@ -304,7 +228,7 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
-    u = _roundoff(qc.dtype)
+    u = roundoff(qc.dtype)
     q_norms = frames.q_norms[:, rows]
     outside = beyond_expansion(values[..., -1] + q_norms, q_norms.sqrt(), frames.reach, dim, u)
     # A last candidate at +inf: every valid reference is a candidate already.
@@ -312,9 +236,9 @@ def _block(frames: _Frames, rows, ref_ok, k, radius, take):
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
-def _operands(frames: _Frames, rows: slice, precision: str):
+def _operands(frames: Frames, rows: slice, precision: str):
     """The products' operands in ``precision`` (the queries ``rows``, a view; the references)
-    and the factor of their products per item [B] (None: 2): "fp16", ``_Frames.halves``;
+    and the factor of their products per item [B] (None: 2): "fp16", ``Frames.halves``;
     otherwise the centred clouds."""
     if precision == "fp16":
         qh, rh, _, _, twice = frames.halves()
@@ -322,12 +246,12 @@ def _operands(frames: _Frames, rows: slice, precision: str):
     return frames.qc[:, rows], frames.rc, None
 
 
-def _products(frames: _Frames, rows: slice, precision: str, q_abs):
+def _products(frames: Frames, rows: slice, precision: str, q_abs):
     """The operands of the products in ``precision`` (the queries ``rows``, the references),
     the factor of their products per item [B] (None: 2) and a bound [B, m] on each query's
     |q.r - the product| over the references, before the float32 sums (step 3 bounds those),
     for queries of norm ``q_abs`` [B, m]. "fp16": the operands rounded to float16 beforehand
-    (``_Frames.halves``), so that every product is exact and q.r - q'.r' = q_lo.r + q'.r_lo
+    (``Frames.halves``), so that every product is exact and q.r - q'.r' = q_lo.r + q'.r_lo
     (Cauchy-Schwarz on the norms left out; a margin of 2^-10 for their float32 sums).
     Otherwise each product's input rounding, ε |q_d r_d| (``triton_dense.product_error``),
     summed: ε |q| |r|."""
@@ -341,7 +265,7 @@ def _products(frames: _Frames, rows: slice, precision: str, q_abs):
     return q.contiguous(), r, twice, error
 
 
-def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, chunk: int, slack: int, needed=None):
+def _chosen_chunks(frames: Frames, rows: slice, k, precision: str, chunk: int, slack: int, needed=None):
     """Step 1 on GPUs (module docstring, "On GPUs"), never storing the block's M x N products:
     per query the k + ``slack`` chunks with the least minima on tensor cores in
     ``precision`` (chunk numbers [B, m, c]), the chunk size, and ``beyond`` [B, m]: a floor
@@ -369,7 +293,7 @@ def _chosen_chunks(frames: _Frames, rows: slice, k, precision: str, chunk: int, 
     return chosen[..., :n_chosen], chunk, beyond
 
 
-def _tensor_core_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
+def _tensor_core_lists(frames: Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
     """Steps 1-3 on GPUs, the products in ``precision``: the chosen chunks' members measured
     from differences (relative error below (D + 2) u, no cancellation), the k + CANDIDATE_SLACK nearest
     by that re-measured in the reference's arithmetic (in one kernel,
@@ -404,7 +328,7 @@ def _measured(members: int, k: int) -> int:
     return members if members <= MEASURED_ALL_MAX else min(k + CANDIDATE_SLACK, members)
 
 
-def _proven_lists(frames: _Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
+def _proven_lists(frames: Frames, rows: slice, ref_ok, k, radius, precision, chunk, slack, needed=None):
     """``_tensor_core_lists`` [B, m, <= k] and the rows the certificate leaves unproven."""
     d, i, limit = _tensor_core_lists(frames, rows, ref_ok, k, radius, precision, chunk, slack, needed)
     kth = d[..., min(k, d.shape[-1]) - 1]
@@ -501,7 +425,7 @@ def plan(query, ref, k) -> Plan:
         triton_frames=dim <= triton_dense.FRAMES_MAX_DIM)
 
 
-def _fused_lists(plan: Plan, frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
+def _fused_lists(plan: Plan, frames: Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
     """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
     a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
     write the block's lists, in the frames' scale and within ``radius``, and its unproven
@@ -534,7 +458,7 @@ def _fused_lists(plan: Plan, frames: _Frames, rows: slice, query_ok, ref_ok, k, 
         dists[:, rows], idx[:, rows] = d * scale, i
 
 
-def _block_on_tensor_cores(plan: Plan, frames: _Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx,
+def _block_on_tensor_cores(plan: Plan, frames: Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx,
                            unproven):
     """``_block`` on GPUs, into dists / idx [B, M, k] and unproven [B, M] at ``rows``:
     ``_fused_lists`` where the plan takes them; else products in ``plan.first``, and the
@@ -573,7 +497,7 @@ def _lists_in_capture(plan: Plan, query, ref, frames, k, radius, query_lengths, 
     _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, unproven, dists, idx)
 
 
-def _grid(frames: _Frames):
+def _grid(frames: Frames):
     """The Triton search's one-cell grid (points of D > 3) from the frames, or None (D <= 3:
     the search builds its grid)."""
     if frames.q.shape[-1] <= 3 or frames.q.dtype != torch.float32:
@@ -589,7 +513,7 @@ def _on_tensor_cores(query) -> bool:
     return query.is_cuda and query.dtype != torch.float64 and _triton.available()
 
 
-def _every_pair(frames: _Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
+def _every_pair(frames: Frames, ref_ok, k, radius, dists, idx, needed=None) -> None:
     """Every pair measured (``triton_dense.brute_force``): the lists into dists / idx (only
     the rows ``needed`` [B, M] marks, when given), on GPUs by the kernel itself."""
     sort_from = triton_grid.SEARCH_SORT_FROM if frames.q.is_cuda else triton_grid.INTERPRETER_SORT_FROM
@@ -695,9 +619,9 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
                                                                                    device=device)
     idx = torch.empty(shape, dtype=torch.int64, device=device) if whole else torch.full(shape, -1, device=device)
     if chosen.triton_frames:
-        frames = _Frames.of(triton_dense.frames(query, ref, query_lengths, ref_lengths, halves=chosen.first == "fp16"))
+        frames = Frames.of(triton_dense.frames(query, ref, query_lengths, ref_lengths, halves=chosen.first == "fp16"))
     else:
-        frames = _Frames(query, ref, query_lengths, ref_lengths, acc)
+        frames = Frames(query, ref, query_lengths, ref_lengths, acc)
     if chosen.path == "every pair":
         _every_pair(frames, frames.ref_ok, k, radius, dists, idx)
     elif chosen.capture:

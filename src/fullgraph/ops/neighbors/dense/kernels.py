@@ -18,7 +18,7 @@ chosen for it, summed from the differences (no cancellation: within (D + 2) u of
 relatively). ``smallest``: the least values of each row with their positions, ties to the
 smaller position (a sort of packed (value, position) keys in registers; beyond SORT_MAX
 columns, a threshold from the minima of classes of positions and a sort of the values under
-it, ``_wide_smallest_kernel``, or ``torch.topk``). ``dense.py`` says why the k nearest lie in the chosen chunks and
+it, ``_wide_smallest_kernel``, or ``torch.topk``). ``backend.py`` says why the k nearest lie in the chosen chunks and
 how that is certified.
 """
 
@@ -607,7 +607,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
                             NEEDED: tl.constexpr):
     """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
     members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
-    (``_measured_members``), the certificate of ``dense.py`` (the floor under every
+    (``_measured_members``), the certificate of ``backend.py`` (the floor under every
     unchosen chunk from the next key, the products' ``error`` per unit of |q| R, the
     last first measure) and the ``count`` nearest, times the item's scale, within
     ``radius``, stored into the lists [B, total_rows, count] with the row's flag
@@ -1143,7 +1143,7 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     to float32 [B, M, count], and the chunks [B, M, count] (int64). ``count`` is at most the
     number of chunks. On the fused path (``least_chunk_keys``) the sums (and the order) are
     rounded down to 32 - log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which
-    is all the certificate in ``dense.py`` needs of them. ``needed`` [B, M] (bool): the other
+    is all the certificate in ``backend.py`` needs of them. ``needed`` [B, M] (bool): the other
     rows' lists are unspecified (only tiles of queries holding a needed one are multiplied)."""
     if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
         values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count, needed=needed)
@@ -1302,7 +1302,7 @@ def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, quer
     (``product_error``; for float16 operands the norms they left out, q_lo [B, m] and r_lo
     [B, 1]) -> into dists / idx [B, M, k] (float32, int64; columns past the members keep what
     they held) the k nearest, times the scale, within ``radius``, and into unproven [B, M]
-    (bool) the valid queries the certificate of ``dense.py`` leaves unproven (``again``: only
+    (bool) the valid queries the certificate of ``backend.py`` leaves unproven (``again``: only
     the rows unproven already are done). No host read; nothing but these outputs is written."""
     batch, rows, dim = q.shape
     n_keys, count = keys.shape[-1], dists.shape[-1]
@@ -1330,7 +1330,7 @@ def _frame_shares(rows: int, block: int, batch: int) -> tuple[int, int]:
 
 def frames(query: torch.Tensor, ref: torch.Tensor, query_lengths: torch.Tensor | None,
            ref_lengths: torch.Tensor | None, halves: bool = False) -> dict:
-    """The dense backend's frames (``dense._Frames``) in three kernels instead of torch's two
+    """The dense backend's frames (``frames.Frames``) in three kernels instead of torch's two
     dozen: query [B, M, D], ref [B, N, D] (float32, float16 or bfloat16, D <= FRAMES_MAX_DIM),
     lengths [B] int64 (or None: every row) -> valid rows (``query_ok``, ``ref_ok``), the item's power-of-two
     ``scale`` [B, 1], both clouds divided by it (``q``, ``r``, float32), centred on the mean

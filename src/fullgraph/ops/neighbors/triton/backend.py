@@ -54,7 +54,7 @@ kernels = lazy(f"{__package__}.kernels")
 MAX_K = 64
 # (BLOCK_M, BLOCK_N, num_warps) of the search kernel. Few rows per program win: the
 # insertion loop runs as long as the row with the most candidates needs.
-SEARCH_BLOCKS = (2, 32, 1)  # swept (benchmarks/tune_search.py, H100): 13.4 ms vs 17.8 ms for (4, 32, 1), 1M normal
+SEARCH_BLOCKS = (2, 32, 1)  # swept on the H100: 13.4 ms against 17.8 for (4, 32, 1), 1M normal
 # Radius searches (cap 32): one query a program.
 RADIUS_SEARCH_BLOCKS = (1, 32, 1)
 # Radius searches' cells: about this many references in a query's cell.

@@ -1,0 +1,74 @@
+"""Both clouds of every batch item in the frame the dense backend measures them in: scaled
+by the item's power of two, and centred on the mean valid reference for the products."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...._triton import lazy
+from .. import pairs, reference
+
+triton_dense = lazy(f"{__package__}.kernels")
+
+
+class Frames:
+    """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
+    the reference measures them (``q``, ``r``), and centred on the mean valid reference with
+    invalid rows zeroed (``qc``, ``rc``, the operands of the products; their squared norms
+    ``q_norms``, ``r_norms``, +inf at invalid references). Built by torch here;
+    on GPUs by ``triton_dense.frames`` (``Frames.of``: the same scaled clouds, the centre
+    summed in another order). Each cloud's valid rows: ``query_ok`` [B, M], ``ref_ok`` [B, N]."""
+
+    def __init__(self, query, ref, query_lengths, ref_lengths, acc):
+        self.query_ok, query_largest = pairs.valid_points_and_largest(query, query_lengths)
+        self.ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
+        query_ok, ref_ok = self.query_ok, self.ref_ok
+        self.scale = reference.item_scales(query_largest, ref_largest, acc)[..., 0]
+        self.largest = torch.maximum(query_largest, ref_largest).to(acc) / self.scale[:, 0]  # [B]
+        # Each fresh tensor of a few MiB costs its page faults on CPUs, more than its arithmetic: no
+        # copies where every scale is one and every point valid, which a CPU reads for free.
+        on_host = not query.is_cuda
+        if on_host and bool((self.scale == 1).all()):
+            self.q, self.r = query.to(acc), ref.to(acc)  # (x / 1 == x)
+        else:
+            self.q, self.r = query.to(acc) / self.scale[..., None], ref.to(acc) / self.scale[..., None]
+        if on_host and bool(query_ok.all()) and bool(ref_ok.all()):
+            centre = self.r.mean(1, keepdim=True)
+            self.qc, self.rc = self.q - centre, self.r - centre
+        else:
+            valid_r = torch.where(ref_ok[..., None], self.r, 0)
+            centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
+            self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
+            self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
+        self.q_norms = (self.qc * self.qc).sum(-1)
+        r_norms = (self.rc * self.rc).sum(-1)
+        self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
+        # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
+        self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
+
+    @classmethod
+    def of(cls, parts: dict) -> Frames:
+        """Frames from their fields computed elsewhere (``triton_dense.frames``)."""
+        frames = object.__new__(cls)
+        frames.__dict__.update(parts)
+        return frames
+
+    def halves(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The products' operands in float16 (``triton_dense.half_operands``): ``qc`` and ``rc``
+        times the item's power of two ``unit`` [B], the norms of what they left out per query
+        [B, M] and the largest per item [B, 1], and 2 / unit^2 [B]."""
+        if "qh" not in vars(self):  # (the GPU frames may hold them)
+            self.unit = triton_dense.half_unit(self.largest)
+            self.qh, self.q_lo = triton_dense.half_operands(self.qc, self.unit)
+            self.rh, r_lo = triton_dense.half_operands(self.rc, self.unit)
+            self.r_lo = r_lo.amax(-1, keepdim=True) if r_lo.numel() else torch.zeros_like(self.reach)
+            self.twice = 2 / self.unit**2
+        return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
+
+    def items(self, chosen: slice) -> Frames:
+        """The frames of the batch items ``chosen`` (views)."""
+        part = object.__new__(Frames)
+        part.__dict__.update({name: value[chosen] for name, value in vars(self).items()})
+        return part
