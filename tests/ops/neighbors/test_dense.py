@@ -47,7 +47,7 @@ def path(request, monkeypatch):
     if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
         from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
-        monkeypatch.setattr(dense, "SMALL_ITEM_MAX_DIM", triton_dense.BRUTE_FORCE_MAX_DIM)
+        monkeypatch.setattr(dense, "SMALL_ITEM_MAX_DIM", triton_dense.every_pair.BRUTE_FORCE_MAX_DIM)
     if torch.cuda.is_available():
         return "cuda"
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
@@ -359,7 +359,7 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch
     found, position = triton_dense.smallest(values, count, in_registers=True)
     want, want_position = torch.sort(values, dim=-1, stable=True)
     assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
-    monkeypatch.setattr(triton_dense, "SORT_KEYS", 1)  # a row a program: the rows not needed are skipped
+    monkeypatch.setattr(triton_dense.selection, "SORT_KEYS", 1)  # a row a program: the rows not needed are skipped
     needed = torch.zeros(3, 2, dtype=torch.bool, device=device)
     needed[1, 0] = True
     some, some_position = triton_dense.smallest(values, count, in_registers=True, needed=needed)
@@ -377,7 +377,7 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
     least values crowd one class; with ``needed``, those rows alike and the others skipped."""
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
-    monkeypatch.setattr(triton_dense, "WIDE_BLOCK", 256)  # (several blocks a row in the interpreter)
+    monkeypatch.setattr(triton_dense.selection, "WIDE_BLOCK", 256)  # (several blocks a row in the interpreter)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     width = 1000
     values = torch.randn(8, width, generator=generator)
@@ -389,12 +389,12 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
     values[5, ::64] = -10.0 - torch.rand(16, generator=generator)  # the least all in one class
     values[6, -70:] = -5.0  # near the end, tied
     values = values.to(device)
-    found, position = triton_dense._wide_smallest(values, count, None)
+    found, position = triton_dense.selection._wide_smallest(values, count, None)
     want, want_position = torch.sort(values, dim=-1, stable=True)
     assert torch.equal(found, want[..., :count]) and torch.equal(position, want_position[..., :count])
     needed = torch.zeros(8, dtype=torch.bool, device=device)
     needed[[1, 5]] = True
-    some, some_position = triton_dense._wide_smallest(values, count, needed)
+    some, some_position = triton_dense.selection._wide_smallest(values, count, needed)
     assert torch.equal(some[needed], found[needed]) and torch.equal(some_position[needed], position[needed])
     assert torch.isinf(some[~needed]).all() and (some_position[~needed] == torch.arange(count, device=device)).all()
 
@@ -410,7 +410,7 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
     references (+inf norms) end the cloud."""
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
-    monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
+    monkeypatch.setattr(triton_dense.products, "FUSED_PROGRAMS_PER_SM", 10**6)  # as many shares as there can be
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, rows, 5, generator=generator) * 2).to(device)
     r = torch.round(torch.randn(2, columns, 5, generator=generator) * 2).to(device)
@@ -434,7 +434,7 @@ def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns
 if HAVE_TRITON:
     import triton
     import triton.language as tl
-    from fullgraph.ops.neighbors.dense.kernels import _key_ceiling, _key_floor
+    from fullgraph.ops.neighbors.dense.kernels.members import _key_ceiling, _key_floor
 
     @triton.jit
     def _key_bounds_kernel(keys_ptr, q_abs_ptr, reach_ptr, bound_ptr, floor_ptr, ceiling_ptr, n, DIM: tl.constexpr,
@@ -470,7 +470,7 @@ def test_a_chunk_key_s_floor_and_ceiling_hold_its_members(dim, generator):
     q, r = q.to(device), r.to(device)
     norms, q_norms = (r * r).sum(-1), (q * q).sum(-1)
     keys, bits = triton_dense.least_chunk_keys(q, q_norms, r, norms, 27, "tf32x3")
-    chunk = triton_dense.FUSED_CHUNK
+    chunk = triton_dense.products.FUSED_CHUNK
     members = ((keys & ((1 << bits) - 1)).long()[..., None] * chunk + torch.arange(chunk, device=device)).flatten(2)
     measured = triton_dense.squared_distances(q, r, members).view(*keys.shape, chunk)
     q_abs = q_norms.sqrt()[..., None].expand(keys.shape).contiguous()
@@ -495,8 +495,8 @@ def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, m
     many (their floors merged)."""
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
-    monkeypatch.setattr(triton_dense, "FUSED_PROGRAMS_PER_SM", shares)
-    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)
+    monkeypatch.setattr(triton_dense.products, "FUSED_PROGRAMS_PER_SM", shares)
+    monkeypatch.setattr(triton_dense.products, "FUSED_TILE_HALF", True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q = torch.round(torch.randn(2, 70, 5, generator=generator) * 2)
     r = torch.round(torch.randn(2, 1500, 5, generator=generator) * 2)
@@ -507,8 +507,8 @@ def test_a_floor_key_lies_under_every_chunk_the_halved_tiles_leave_out(shares, m
     count = 27
     keys, bits = triton_dense.least_chunk_keys(q, q_norms, r, norms, count, "ieee", floor=True)
     chosen = (keys & ((1 << bits) - 1)).long()
-    values = triton_dense._ordered_floats(keys & -(1 << bits))
-    stored = triton_dense.chunk_minima(q, r, norms, triton_dense.FUSED_CHUNK, "ieee") + q_norms[..., None]
+    values = triton_dense.ordering._ordered_floats(keys & -(1 << bits))
+    stored = triton_dense.chunk_minima(q, r, norms, triton_dense.products.FUSED_CHUNK, "ieee") + q_norms[..., None]
     mine = stored.gather(2, chosen[..., :-1])
     assert (values[..., :-1] <= mine).all() and (mine - values[..., :-1] <= mine.abs() * 2.0**-12).all()
     assert (values[..., 1:-1] >= values[..., :-2]).all()
@@ -626,9 +626,10 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
     norms = (r * r).sum(-1)
     needed = torch.zeros(2, 300, dtype=torch.bool, device=device)
     needed[0, 5] = needed[1, 299] = True
-    for held, tile in ((0, triton_dense.MINIMA_TILES["tf32x3"][0]), (128, triton_dense.MINIMA_HELD_TILES[16][0])):
-        held_max = dict.fromkeys(triton_dense.MINIMA_HELD_MAX_DIM, held)
-        monkeypatch.setattr(triton_dense, "MINIMA_HELD_MAX_DIM", held_max)
+    products = triton_dense.products
+    for held, tile in ((0, products.MINIMA_TILES["tf32x3"][0]), (128, products.MINIMA_HELD_TILES[16][0])):
+        held_max = dict.fromkeys(triton_dense.products.MINIMA_HELD_MAX_DIM, held)
+        monkeypatch.setattr(triton_dense.products, "MINIMA_HELD_MAX_DIM", held_max)
         whole = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3")
         some = triton_dense.chunk_minima(q, r, norms, 16, "tf32x3", needed)
         for b, rows in ((0, slice(0, tile)), (1, slice(300 // tile * tile, 300))):
@@ -648,8 +649,8 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF", True)  # (halved tiles first here too)
-    monkeypatch.setattr(triton_dense, "FUSED_TILE_HALF_MIN_COLUMNS", 0)
+    monkeypatch.setattr(triton_dense.products, "FUSED_TILE_HALF", True)  # (halved tiles first here too)
+    monkeypatch.setattr(triton_dense.products, "FUSED_TILE_HALF_MIN_COLUMNS", 0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=40, columns=500))
     query, ref = torch.stack([query, query * 1e-3 + 1000]), torch.stack([ref, ref * 1e-3 + 1000])
@@ -677,7 +678,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     (every third query) are proven by the second products, theirs only: the reference's
     lists, and no row left for the redo."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    monkeypatch.setattr(dense.triton_dense, "FUSED_MAX_KEYS", 0)
+    monkeypatch.setattr(dense.triton_dense.products, "FUSED_MAX_KEYS", 0)
     monkeypatch.setattr(dense, "HALF_FIRST_MIN_DIM", 16)
     monkeypatch.setattr(dense, "WIDE_SLACK_MIN_DIM", 16)
     products, tiers = dense._products, []
@@ -701,7 +702,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
     assert [(precision, slack) for precision, _, slack in tiers] == [
-        ("fp16", dense.CHUNK_SLACK), (dense.TENSOR_CORE_PRECISION, dense.triton_dense.WIDE_GROUPS - 1 - 7)]
+        ("fp16", dense.CHUNK_SLACK), (dense.TENSOR_CORE_PRECISION, dense.triton_dense.selection.WIDE_GROUPS - 1 - 7)]
     assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
     assert redone == [0]
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")

@@ -100,7 +100,7 @@ log = logging.getLogger(__name__)
 # Candidates beyond k re-measured in the reference's arithmetic: a margin for the certificate.
 CANDIDATE_SLACK = 8
 # Chunks chosen beyond k on GPUs (see "On GPUs"): a margin for the certificate (with
-# triton_dense.FUSED_CHUNK 2: see there).
+# triton_dense.products.FUSED_CHUNK 2: see there).
 CHUNK_SLACK = 6
 # The GPU path's products: three TF32 products carry float32's significand. One TF32 product (u =
 # 2^-10) fails the certificate on 0.5-2 % of normal rows (D = 16-128, measured; with operands
@@ -336,7 +336,7 @@ def _proven_lists(frames: Frames, rows: slice, ref_ok, k, radius, precision, chu
 
 
 # From this many coordinates the second pass chooses as many chunks a row as the wide rows'
-# selection takes (``triton_dense.WIDE_GROUPS`` least, one of them the floor): its rows are those
+# selection takes (``triton_dense.selection.WIDE_GROUPS`` least, one of them the floor): its rows are those
 # the first bound left unproven, a clustered cloud's nearly all, and at D = 128 tf32x3 with k +
 # CHUNK_SLACK chunks left some of them unproven still (near-ties), which the capture sends to the
 # Triton search over every reference.
@@ -406,27 +406,28 @@ def plan(query, ref, k) -> Plan:
         return Plan("products", False, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns)
     if (not capturing and dim <= SMALL_ITEM_MAX_DIM and triton_dense.brute_force_takes(dim, k)
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
-        return Plan("every pair", False, redo, take=k, width=columns, triton_frames=dim <= triton_dense.FRAMES_MAX_DIM)
+        return Plan("every pair", False, redo, take=k, width=columns,
+                    triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     chosen = min(k + CHUNK_SLACK, chunks)
     take = _measured(chosen * chunk, k)
-    stored = chunk != triton_dense.FUSED_CHUNK
+    stored = chunk != triton_dense.products.FUSED_CHUNK
     fused = not stored and triton_dense.ranks_members(chosen * chunk, take, dim)
-    second_slack = (max(CHUNK_SLACK, triton_dense.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM
+    second_slack = (max(CHUNK_SLACK, triton_dense.selection.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM
                     else CHUNK_SLACK)
     first = "fp16" if dim >= (HALF_FIRST_MIN_DIM if stored else FUSED_HALF_FIRST_MIN_DIM) else TENSOR_CORE_PRECISION
     return Plan(
         "tensor cores", capture, redo, take=take, width=max(chunks, (k + second_slack) * chunk), first=first,
         chunk=chunk, chunks=chunks, chosen=chosen, fused=fused, whole=fused and k <= columns,
-        halved=(fused and triton_dense.FUSED_TILE_HALF and columns >= triton_dense.FUSED_TILE_HALF_MIN_COLUMNS
-                and chunks > chosen),
+        halved=(fused and triton_dense.products.FUSED_TILE_HALF and chunks > chosen
+                and columns >= triton_dense.products.FUSED_TILE_HALF_MIN_COLUMNS),
         second_chunk=triton_dense.chunk_size(columns, k + second_slack + 1), second_slack=second_slack,
-        triton_frames=dim <= triton_dense.FRAMES_MAX_DIM)
+        triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
 
 
 def _fused_lists(plan: Plan, frames: Frames, rows: slice, query_ok, ref_ok, k, radius, dists, idx, unproven):
-    """Steps 1-3 on the fused lists (chunks of ``triton_dense.FUSED_CHUNK``) where one kernel
+    """Steps 1-3 on the fused lists (chunks of ``triton_dense.products.FUSED_CHUNK``) where one kernel
     a query measures every member: two kernels (``least_chunk_keys``, ``certified_lists``)
     write the block's lists, in the frames' scale and within ``radius``, and its unproven
     valid rows straight into dists / idx [B, M, k] and unproven [B, M]; products in
