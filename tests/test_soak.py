@@ -1,7 +1,7 @@
 """Soak: many calls of each neighbour op (forward and backward) leave memory where it was.
 
 CI makes 1,000 calls per op (a CPU call with its backward takes ~10 ms here); the recorded
-soak sets FULLGRAPH_SOAK_CALLS=10000 (notes/device.md).
+soak sets FULLGRAPH_SOAK_CALLS=10000 (docs/contributing.md).
 """
 
 from __future__ import annotations

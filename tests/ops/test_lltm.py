@@ -197,7 +197,7 @@ def test_bad_input(change, message, generator):
 
 
 def test_auto_takes_the_extension_on_cuda_only(recwarn):
-    """On CPUs plain PyTorch measured faster at every size (lltm-threads.log), and saying a
+    """On CPUs plain PyTorch measured faster at every size (ops/NOTES.md), and saying a
     compiler is missing there would be beside the point."""
     assert api.BACKENDS.resolve("auto", "lltm", torch.device("cpu"), torch.float32).name == "torch"
     assert api._backend("auto", "cpu", torch.float32) == "torch"

@@ -263,7 +263,7 @@ class KMeans:
         random_state: an int seeding the restarts (None: random).
         backend: "auto" (default): scikit-learn's KMeans for data on the CPU where it is
             installed (its cache-blocked C Lloyd loop is 3-10x faster there than the
-            compiled NumPy step: benchmarks/results/cpu-2core-torch2.13/kmeans-vs-sklearn.log),
+            compiled NumPy step on a 2-core CPU),
             else fullgraph's ``kmeans`` (CUDA tensors: the compiled NumPy step on the GPU);
             "fullgraph" or "sklearn" to insist. ``backend_`` says which ran.
 
