@@ -2,8 +2,9 @@
 
 The first use compiles an extension's sources with ``torch.utils.cpp_extension.load`` into
 torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
-under a name that holds the sources' hash, so an edited source is rebuilt and later
-processes load the cached build. The extensions register their kernels as operators
+under a name that holds a hash of the sources, the flags and the torch and Python built for
+(``cache_key``), so an edited source is rebuilt, two environments keep two builds, and later
+processes load the cached build without a word. The extensions register their kernels as operators
 (``TORCH_LIBRARY``); nothing is imported as a Python module.
 """
 
@@ -56,10 +57,28 @@ def parallel_flags() -> list[str]:
     return ["-fopenmp"] if torch.backends.openmp.is_available() else []
 
 
+def cache_key(files: Sequence[Path], flags: Sequence[str]) -> str:
+    """The part of an extension's cache name that changes with anything in its binary: the
+    sources and headers, the flags, and the torch and Python it is built for (two environments
+    on one machine keep two builds instead of rebuilding each other's)."""
+    torch_build = f"{torch.__version__} {torch.version.cuda} {torch.version.git_version} {sys.version_info[:2]}"
+    digest = hashlib.sha1(b"".join(p.read_bytes() for p in files) + " ".join(flags).encode() + torch_build.encode())
+    return digest.hexdigest()[:10]
+
+
+def _built(full_name: str) -> bool:
+    """Whether torch's extension cache already holds this build (loading it compiles nothing)."""
+    from torch.utils import cpp_extension
+
+    folder = Path(cpp_extension._get_build_directory(full_name, verbose=False))
+    return any(folder.glob(f"{full_name}*.so"))
+
+
 def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
           cflags: Sequence[str] = (), cuda_flags: Sequence[str] = ()) -> None:
     """Compile ``sources`` (and the headers beside them, hashed too) into the extension
-    ``name`` + hash and load it into this process.
+    ``name`` + ``cache_key`` and load it into this process; a message on stderr says so only
+    when it compiles.
 
     what: how the messages name it ("fullgraph.lltm: the C++ extension"); instead: what a user
     can do without it ('use backend="torch"'). Raises ExtensionBuildError naming the missing
@@ -72,17 +91,15 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
         raise ExtensionBuildError(f"{what}: building it needs " + ", ".join(missing) + f". Or {instead}.")
     folders = sorted({Path(s).parent for s in sources})
     files = sorted(p for folder in folders for p in folder.iterdir() if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))
-    # The hash in the name: torch rebuilds on changes to the listed sources only, not to headers
-    # or flags.
-    flags = " ".join([*cflags, *cuda_flags]).encode()
-    digest = hashlib.sha1(b"".join(p.read_bytes() for p in files) + flags).hexdigest()
-    full_name = f"{name}_{digest[:10]}"
-    print(f"fullgraph: loading {full_name} ({what}; compiled on first use, ~1 min; cached afterwards)",
-          file=sys.stderr, flush=True)
+    cflags = ["-O3", *vector_flags(), *parallel_flags(), *cflags]
+    cuda_flags = ["-O3", *cuda_flags]
+    full_name = f"{name}_{cache_key(files, [*cflags, *cuda_flags])}"
+    if not _built(full_name):
+        print(f"fullgraph: building {full_name} ({what}; once, ~1 min; cached afterwards)", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(
-            name=full_name, sources=[str(s) for s in sources], extra_cflags=["-O3", *vector_flags(), *parallel_flags(), *cflags],
-            extra_cuda_cflags=["-O3", *cuda_flags], extra_include_paths=[str(f) for f in folders],
+            name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags,
+            extra_cuda_cflags=cuda_flags, extra_include_paths=[str(f) for f in folders],
             is_python_module=False, with_cuda=with_cuda,
             verbose=os.environ.get("FULLGRAPH_VERBOSE_BUILD") == "1",
         )

@@ -30,7 +30,7 @@ def _built() -> bool:
         # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise
         # kernels round them (the re-measure's bits), no fused multiply-adds from -mfma.
         build("fullgraph_cpu", SOURCES, with_cuda=False, cflags=["-ffp-contract=off"],
-              what="fullgraph.knn: the CPU candidate selection and re-measure",
+              what="the CPU neighbour extension: candidate selection, exact re-measure, weighted sums, knn_reduce",
               instead="nothing: torch.topk selects and torch measures instead (slower)")
     except ExtensionBuildError as error:
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
