@@ -31,7 +31,7 @@ def extension():
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: saturated sigmoids and tanh, ELU far in its tail
 def test_extension_matches_the_float64_reference(device, shape, scale, generator):
     tensors = _inputs(generator, *shape, device=device, scale=scale)
-    got = fullgraph.lltm(*tensors, backend="extension")
+    got = fullgraph.lltm(*tensors, backend=device)
     want = fullgraph.lltm(*tensors, backend="torch")
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
@@ -44,7 +44,7 @@ def test_low_precision_against_float64(device, dtype, generator):
         pytest.skip("float16 matrix products on CPU are not what users run")
     tensors = _inputs(generator, 16, 32, 128)
     want = fullgraph.lltm(*tensors, backend="torch")
-    got = fullgraph.lltm(*(t.to(device=device, dtype=dtype) for t in tensors), backend="extension")
+    got = fullgraph.lltm(*(t.to(device=device, dtype=dtype) for t in tensors), backend=device)
     rtol, atol = TOLERANCES[dtype]
     reduced = 40 if dtype != torch.float32 else 1  # the 160-term matrix product rounds in dtype
     for g, w in zip(got, want):
@@ -55,7 +55,7 @@ def test_low_precision_against_float64(device, dtype, generator):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck(device, generator):
     tensors = [t.requires_grad_() for t in _inputs(generator, 3, 4, 5, device=device)]
-    assert torch.autograd.gradcheck(lambda *a: fullgraph.lltm(*a, backend="extension"), tensors)
+    assert torch.autograd.gradcheck(lambda *a: fullgraph.lltm(*a, backend=device), tensors)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -63,13 +63,13 @@ def test_gradgradcheck(device, generator):
     """create_graph=True: the gradients are themselves differentiable (they were silently
     constants of the inputs before: the fused backward operator has no derivative)."""
     tensors = [t.requires_grad_() for t in _inputs(generator, 3, 4, 5, device=device)]
-    assert torch.autograd.gradgradcheck(lambda *a: fullgraph.lltm(*a, backend="extension"), tensors)
+    assert torch.autograd.gradgradcheck(lambda *a: fullgraph.lltm(*a, backend=device), tensors)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradients_of_one_output_only(device, generator):
     tensors = [t.requires_grad_() for t in _inputs(generator, device=device)]
-    fullgraph.lltm(*tensors, backend="extension")[0].sum().backward()
+    fullgraph.lltm(*tensors, backend=device)[0].sum().backward()
     got = [t.grad.clone() for t in tensors]
     for t in tensors:
         t.grad = None
@@ -82,11 +82,11 @@ def test_gradients_of_one_output_only(device, generator):
 def test_gradients_of_the_parameters_alone(device, generator):
     input, weights, bias, old_h, old_cell = _inputs(generator, device=device)
     grads = {}
-    for backend in ("extension", "torch"):
+    for backend in (device, "torch"):
         w, b = weights.clone().requires_grad_(), bias.clone().requires_grad_()
         new_h, new_cell = fullgraph.lltm(input, w, b, old_h, old_cell, backend=backend)
         grads[backend] = torch.autograd.grad((new_h * new_cell).sum(), [w, b])
-    for got, want in zip(grads["extension"], grads["torch"]):
+    for got, want in zip(grads[device], grads["torch"]):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
@@ -106,7 +106,7 @@ def test_compiled_training_step_is_one_graph_for_all_batch_sizes(device, generat
     from torch._dynamo.testing import CompileCounter
 
     torch.manual_seed(0)
-    cell = fullgraph.models.LLTM(8, 16, backend="extension").to(device)
+    cell = fullgraph.models.LLTM(8, 16, backend=device).to(device)
     optimizer = torch.optim.SGD(cell.parameters(), lr=0.1)
     counter = CompileCounter()
 
@@ -134,7 +134,7 @@ def test_compiled_training_step_is_one_graph_for_all_batch_sizes(device, generat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_reduce_overhead_training_step_replays_cuda_graphs(generator):
     torch.manual_seed(0)
-    cell = fullgraph.models.LLTM(32, 128, backend="extension").cuda()
+    cell = fullgraph.models.LLTM(32, 128, backend="cuda").cuda()
     reference = fullgraph.models.LLTM(32, 128, backend="torch").cuda()
     reference.load_state_dict(cell.state_dict())
     compiled = torch.compile(cell, mode="reduce-overhead", fullgraph=True)
@@ -150,7 +150,7 @@ def test_reduce_overhead_training_step_replays_cuda_graphs(generator):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_step_and_backward_capture_in_one_cuda_graph(generator):
-    cell = fullgraph.models.LLTM(32, 128, backend="extension").cuda()
+    cell = fullgraph.models.LLTM(32, 128, backend="cuda").cuda()
     x, h, c = (torch.randn(16, n, generator=generator).cuda() for n in (32, 128, 128))
 
     def gradients():
@@ -186,7 +186,8 @@ def test_model_has_the_document_layout():
     (lambda a: {**a, "old_cell": a["old_cell"][:2]}, "old_cell: expected [B, S] = [5, 6]"),
     (lambda a: {**a, "old_h": a["old_h"].float()}, "old_h: expected torch.float64 like input"),
     (lambda a: {**a, "input": a["input"][0]}, "input: expected shape [B, F]"),
-    (lambda a: {**a, "backend": "cuda"}, "backend: expected one of"),
+    (lambda a: {**a, "backend": "extension"}, "backend: expected one of"),
+    (lambda a: {**a, "backend": "cuda"}, 'backend: "cuda" needs CUDA tensors, got tensors on cpu'),
 ])
 def test_bad_input(change, message, generator):
     names = ("input", "weights", "bias", "old_h", "old_cell")
@@ -203,7 +204,7 @@ def test_auto_takes_the_extension_on_cuda_only(recwarn):
     assert api._backend("auto", "cpu", torch.float32) == "torch"
     assert not [w for w in recwarn if "fullgraph.lltm" in str(w.message)]
     if api._buildable("cuda"):
-        assert api.BACKENDS.resolve("auto", "lltm", torch.device("cuda"), torch.float32).name == "extension"
+        assert api.BACKENDS.resolve("auto", "lltm", torch.device("cuda"), torch.float32).name == "cuda"
 
 
 def test_the_backend_choice_carries_the_compilers_constant_mark():

@@ -19,12 +19,13 @@ def _lltm(params, device):
     x, h, c = (torch.randn(batch, n, generator=generator).to(device) for n in (features, state, state))
     torch.manual_seed(42)
     reference = LLTM(features, state, backend="torch").to(device)
+    native = device.type  # the extension's backend for this device ("cpu" or "cuda")
     variants = [("document eager", "torch", None), ("document compiled", "torch", {}),
-                ("extension eager", "extension", None), ("extension compiled", "extension", {"fullgraph": True})]
+                ("extension eager", native, None), ("extension compiled", native, {"fullgraph": True})]
     if device.type == "cuda":
         variants += [("document compiled+graphs", "torch", {"mode": "reduce-overhead"}),
-                     ("extension compiled+graphs", "extension", {"fullgraph": True, "mode": "reduce-overhead"}),
-                     ("document graphed", "torch", "graphed"), ("extension graphed", "extension", "graphed")]
+                     ("extension compiled+graphs", native, {"fullgraph": True, "mode": "reduce-overhead"}),
+                     ("document graphed", "torch", "graphed"), ("extension graphed", native, "graphed")]
     cases = []
     for name, backend, options in variants:
         cell = copy.deepcopy(reference)

@@ -7,7 +7,8 @@ loaded on first use: see build.py). The checks are in Python, before the extensi
 entered, so a bad call raises the same TypeError/ValueError everywhere (a C++ exception out
 of a JIT-built extension crashed the process on the test GPU's toolchain). Fakes and
 autograd (the backward is the ``lltm_backward`` operator) are registered here. Backends:
-"extension" (those operators) and "torch" (``reference``).
+"cpu" and "cuda" (those operators on the extension's C++ and CUDA kernels; C++/CUDA backends
+are named by the device they run on in every family) and "torch" (``reference``).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def _extension_for(device: torch.device) -> None:
         raise ValueError(f"input: the LLTM extension has kernels for cpu and cuda tensors, got {device}")
     has_cuda = load()
     if device.type == "cuda" and not has_cuda:
-        raise ValueError('backend: "extension" has kernels for CPU tensors, got tensors on cuda (it was built '
-                         "without CUDA: no GPU or no nvcc at build time)")
+        raise ValueError('backend: "cuda" needs the extension\'s CUDA kernels, and it was built without them '
+                         "(no GPU or no nvcc at build time)")
 
 
 @torch.library.custom_op("fullgraph::lltm_forward", mutates_args=())
@@ -113,25 +114,26 @@ def _extension(input, weights, bias, old_h, old_cell):
     return new_h, new_cell
 
 
+_INSTALL = 'a C++ compiler and ninja (pip install "fullgraph[ext]"){}, to build it; or use backend="torch"'
 BACKENDS = backends.family(
     "lltm",
-    # "auto" takes it on CUDA only: on CPUs plain PyTorch was faster at every size measured.
-    backends.Backend("extension", ops=("lltm",), devices=("cpu", "cuda"), auto_devices=("cuda",),
-                     available=_buildable, implementation=_extension,
-                     install='a C++ compiler and ninja (pip install "fullgraph[ext]"), and nvcc for CUDA tensors, '
-                             'to build it; or use backend="torch"'),
+    backends.Backend("cuda", ops=("lltm",), devices=("cuda",), auto_devices=("cuda",), available=_buildable,
+                     implementation=_extension, install=_INSTALL.format(", and nvcc")),
+    # "auto" leaves CPUs to plain PyTorch: it was faster there at every size measured.
+    backends.Backend("cpu", ops=("lltm",), devices=("cpu",), available=_buildable, implementation=_extension,
+                     install=_INSTALL.format("")),
     backends.Backend("torch", ops=("lltm",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
                      implementation=reference.lltm),
 )
 
 
 def _backend(choice: str, device_type: str, dtype: torch.dtype) -> str:
-    """"torch" or "extension" for tensors on ``device_type``, the extension loaded."""
+    """"torch", "cpu" or "cuda" for tensors on ``device_type``, the extension loaded for the latter."""
     backend = BACKENDS.resolve(choice, "lltm", torch.device(device_type), dtype, argument="input")
-    if choice == "auto" and backend.name == "torch" and device_type in BACKENDS.get("extension").auto_devices:
+    if choice == "auto" and backend.name == "torch" and device_type in BACKENDS.get("cuda").auto_devices:
         missing = ", ".join(missing_tools(with_cuda=device_type == "cuda"))
         warnings.warn(f"fullgraph.lltm: using plain PyTorch; the extension needs {missing}", stacklevel=4)
-    if backend.name == "extension":
+    if backend.name != "torch":
         _extension_for(torch.device(device_type))
     return backend.name
 
@@ -184,16 +186,17 @@ def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):
             candidate; columns: old_h, then input). bias: [3 S]. old_h, old_cell: [B, S].
             All one floating dtype (float32/float64; float16/bfloat16 compute in float32)
             and one device.
-        backend: "extension" (the C++ kernel on CPU tensors, the CUDA kernel on CUDA
-            tensors; built on first use), "torch" (plain PyTorch) or "auto" (the extension
-            where it can be built, else plain PyTorch with a warning).
+        backend: "cuda" (the extension's CUDA kernel; CUDA tensors), "cpu" (its C++ kernel;
+            CPU tensors), both built on first use, "torch" (plain PyTorch) or "auto" (on CUDA
+            the extension where it can be built, else plain PyTorch with a warning; on CPUs
+            plain PyTorch, measured faster there).
 
     Returns:
         (new_h, new_cell), each [B, S]; differentiable in every input.
 
     Raises:
         TypeError/ValueError: bad dtypes, devices or shapes (naming the argument).
-        ExtensionBuildError: backend="extension" and the extension cannot be built.
+        ExtensionBuildError: backend="cpu" or "cuda" and the extension cannot be built.
 
     Example:
         >>> import torch, fullgraph
