@@ -170,8 +170,6 @@ def _kernels(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and _triton.available()
 
 
-
-
 # Query rows merged (or tested against a shard's box) at a time: the merge sorts [rows, 2 k] lists
 # (a few int64 copies).
 MERGE_ROWS = 1 << 22

@@ -26,7 +26,6 @@ from .switchable import IMPLEMENTATIONS, Switchable
 from ..ops.neighbors import knn, knn_gather, knn_reduce
 
 
-
 def plain_knn(x: torch.Tensor, k: int) -> torch.Tensor:
     """[B, N, k] neighbour indices as DGCNN computes them (x [B, N, C]; the point itself included)."""
     inner = -2 * torch.matmul(x, x.transpose(1, 2))

@@ -20,7 +20,6 @@ from ..ops.neighbors import ball_query, knn_gather
 from ..ops.sampling import fps
 
 
-
 def plain_fps(xyz: torch.Tensor, count: int) -> torch.Tensor:
     """[B, count] indices: the usual PyTorch loop (first sample: index 0)."""
     batch, size, _ = xyz.shape

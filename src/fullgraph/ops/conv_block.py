@@ -56,7 +56,6 @@ PDL = True
 _COUNTERS: dict[torch.device, list] = {}
 
 
-
 def epilogue(result, scale, shift, residual, residual_weight=None, residual_bias=None):
     """result * scale[:, :, None] + shift[:, :, None] + residual, for the ones given; with
     ``residual_weight`` [C_out, C_res], the residual [B, C_res, T] through that 1x1 convolution."""

@@ -98,8 +98,6 @@ def ddim_reference(model_output, sample, timestep, prev_timestep, alphas_cumprod
     return torch.where(valid, prev, torch.full_like(prev, math.nan)).to(sample.dtype)
 
 
-
-
 def _triton_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample: bool):
     out = torch.empty_like(sample)
     count = sample.numel()

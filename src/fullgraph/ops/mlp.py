@@ -50,7 +50,6 @@ SUM_CHUNK = 64
 Tensor = torch.Tensor
 
 
-
 def reference(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor]) -> Tensor:
     """The MLP in PyTorch: F.linear and ReLU, in x's dtype."""
     for layer, (weight, bias) in enumerate(zip(weights, biases)):

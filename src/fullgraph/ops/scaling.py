@@ -4,15 +4,13 @@ The squares of float32 differences overflow beyond ~1.8e19 and lose precision be
 Coordinates are divided by a power of two near their magnitude first; that is exact, so a
 scaled distance times the scale equals the unscaled one wherever neither overflows or
 underflows, and the usual range (``SCALE_BELOW`` to ``SCALE_ABOVE``) is not scaled at all.
-The neighbour operators (``neighbors.pairs``; in Triton kernels ``scaling_kernels.kernel_safe_scale``, the
-grid's and the dense frames') and k-means use it.
+The neighbour operators (``neighbors.pairs``; in Triton kernels
+``scaling_kernels.kernel_safe_scale``, the grid's and the dense frames') and k-means use it.
 """
 
 from __future__ import annotations
 
 import torch
-
-
 
 Tensor = torch.Tensor
 

@@ -32,7 +32,6 @@ MAX_K = 2**15 - 1
 _BLOCK_M = 32
 
 
-
 def _flat(columns: int, idx: Tensor) -> Tensor:
     """Flat rows b * N + j of the lists idx [B, M, k] (-1 kept)."""
     offsets = (torch.arange(idx.shape[0], device=idx.device) * columns).view(-1, 1, 1)

@@ -96,7 +96,6 @@ POINTS_PER_WARP = 256  # a program's warps: its block over this, 1 to 16
 INTERPRETED_PROGRAMS = 8  # the "SM count" under the interpreter: small clouds take several parts in the tests
 
 
-
 def _programs(device: torch.device) -> int:
     """How many programs run at once: one per SM."""
     if _triton.INTERPRETED:

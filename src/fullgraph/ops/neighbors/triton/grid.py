@@ -89,8 +89,6 @@ class SortedPoints:
     within: torch.Tensor
 
 
-
-
 def cell_budget(refs: int, grid_dims: int) -> int:
     """Static number of buckets per item for ``refs`` references: room for cells
     ``BUDGET / 2^grid_dims`` times finer than a uniform cloud needs, one a bucket. (Integer

@@ -560,7 +560,6 @@ def radius_grad_kernel(
             LANES, PRECISION)
 
 
-
 @triton.jit
 def _knn_weights(dists, offs, count, slots, inv_sigma, K: tl.constexpr):
     """Normalized weights p [BM, KP] = softmax_j(-d_ij / sigma) of flat query rows offs;
