@@ -22,11 +22,11 @@ def test_docstring_examples(module, examples):
     assert result.attempted >= examples and result.failed == 0
 
 
-def test_readme_wrap_your_own_kernel_is_the_tested_example():
-    """The README's Warp block is examples/wrap_a_warp_kernel.py's, which the GPU tests run."""
+def test_the_toolkit_page_s_warp_block_is_the_tested_example():
+    """docs/toolkit.md's Warp block is examples/wrap_a_warp_kernel.py's, which the GPU tests run."""
     from pathlib import Path
 
     root = Path(__file__).parents[1]
     block = (root / "examples" / "wrap_a_warp_kernel.py").read_text().split("# --- README ---")[1].strip()
-    assert f"```python\n{block}\n```" in (root / "README.md").read_text()
+    assert f"```python\n{block}\n```" in (root / "docs" / "toolkit.md").read_text()
     assert len([line for line in block.splitlines() if line.strip()]) < 20
