@@ -279,6 +279,11 @@ def _case(row: dict) -> str:
     return f"{row['workload']} {head}" if rest else row["workload"]
 
 
+def _ms(value: float) -> str:
+    """Milliseconds in three significant digits, thousands in full (3,770 rather than 3.77e+03)."""
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+
+
 def _short(variant: str) -> str:
     return variant.rpartition(": ")[2].removeprefix("DDIM 10 steps, ")
 
@@ -305,8 +310,8 @@ def summary(tables: list[list[dict]]) -> str:
             best_ours = min(ours, key=lambda r: r["median_ms"])
             devices.add(best_ours["device"])
             lines.append(f"| {case} ({size}) | {phase} | {_short(best_theirs['variant'])} | "
-                         f"{best_theirs['median_ms']:.3g} | {_short(best_ours['variant'])} | "
-                         f"{best_ours['median_ms']:.3g} | {best_theirs['median_ms'] / best_ours['median_ms']:.1f}x |")
+                         f"{_ms(best_theirs['median_ms'])} | {_short(best_ours['variant'])} | "
+                         f"{_ms(best_ours['median_ms'])} | {best_theirs['median_ms'] / best_ours['median_ms']:,.1f}x |")
     return f"Medians on {', '.join(sorted(devices))}, from `benchmarks/results/`:\n\n" + "\n".join(lines)
 
 
