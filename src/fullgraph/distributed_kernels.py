@@ -1,4 +1,4 @@
-"""The Triton kernels of distributed's pruning passes (distributed launches them)."""
+"""The Triton kernels of ``distributed``'s pruning passes (``distributed`` launches them)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""The Triton kernels of conv_groupnorm_mish (conv_block launches them)."""
+"""The Triton kernels of ``conv_groupnorm_mish`` (``conv_block`` launches them)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
-
-from .conv_block import BLOCK_C, PDL
-
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 

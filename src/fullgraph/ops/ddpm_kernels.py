@@ -1,11 +1,10 @@
-"""The Triton kernels of the fused DDPM and DDIM steps (ddpm launches them)."""
+"""The Triton kernels of the fused DDPM and DDIM steps (``ddpm`` launches them)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .ddpm import BLOCK
 
 @triton.jit
 def _ddim_kernel(out_ptr_model, x_ptr, t_ptr, prev_ptr, alphas_ptr, noise_ptr, out_ptr, count, steps, eta,

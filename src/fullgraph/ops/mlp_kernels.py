@@ -1,11 +1,10 @@
-"""The Triton kernels of narrow_mlp (mlp launches them)."""
+"""The Triton kernels of ``narrow_mlp`` (``mlp`` launches them)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .mlp import BLOCK, PRECISION
 
 @triton.jit
 def _weights(w, fan_in, fan_out, cols):

@@ -1,4 +1,4 @@
-"""The Triton twins of scaling's powers of two, for kernels that scale coordinates themselves."""
+"""The Triton twins of ``scaling``'s powers of two, for kernels that scale coordinates themselves."""
 
 from __future__ import annotations
 

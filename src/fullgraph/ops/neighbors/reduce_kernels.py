@@ -1,4 +1,4 @@
-"""The Triton kernels of knn_reduce (reduce launches them)."""
+"""The Triton kernels of ``knn_reduce`` (``reduce`` launches them)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Triton kernels of farthest point sampling (api launches them)."""
+"""The Triton kernels of farthest point sampling (``api`` launches them)."""
 
 from __future__ import annotations
 

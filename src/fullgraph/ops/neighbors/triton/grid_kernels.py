@@ -1,4 +1,4 @@
-"""The Triton kernels that build the grid of cells (grid launches them)."""
+"""The Triton kernels that build the grid of cells (``grid`` launches them)."""
 
 from __future__ import annotations
 
