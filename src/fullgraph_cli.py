@@ -84,6 +84,8 @@ def parser() -> argparse.ArgumentParser:
     explain.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     explain.add_argument("--no-code", action="store_true", help="skip the Inductor compilation that locates "
                                                                  "the generated code")
+    commands.add_parser("doctor", help="which native parts are built, buildable or missing here, the optional "
+                                       "libraries installed, and what \"auto\" takes because of it")
     prof = commands.add_parser("profile", help="where one call of each variant of a workload spends its time "
                                                "(torch.profiler: kernels and operators by self time)")
     prof.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (see bench)")

@@ -74,6 +74,28 @@ def _built(full_name: str) -> bool:
     return any(folder.glob(f"{full_name}*.so"))
 
 
+def _planned(name: str, sources: Sequence[Path], cflags: Sequence[str], cuda_flags: Sequence[str]):
+    """(cache name, C++ flags, CUDA flags, include folders) of a build of ``sources``."""
+    folders = sorted({Path(s).parent for s in sources})
+    files = sorted(p for folder in folders for p in folder.iterdir() if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))
+    cflags = ["-O3", *vector_flags(), *parallel_flags(), *cflags]
+    cuda_flags = ["-O3", *cuda_flags]
+    return f"{name}_{cache_key(files, [*cflags, *cuda_flags])}", cflags, cuda_flags, folders
+
+
+def state(name: str, sources: Sequence[Path], *, with_cuda: bool, cflags: Sequence[str] = (),
+          cuda_flags: Sequence[str] = ()) -> str:
+    """Whether ``build`` would load this extension from the cache, compile it, or cannot: a
+    line for ``fullgraph doctor``; builds nothing."""
+    full_name = _planned(name, sources, cflags, cuda_flags)[0]
+    if _built(full_name):
+        return f"built ({full_name}, cached: loads without compiling)"
+    missing = missing_tools(with_cuda)
+    if missing:
+        return "cannot be built here: needs " + ", ".join(missing)
+    return "not built yet: compiled on first use (~1 min), then cached"
+
+
 def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
           cflags: Sequence[str] = (), cuda_flags: Sequence[str] = ()) -> None:
     """Compile ``sources`` (and the headers beside them, hashed too) into the extension
@@ -89,11 +111,7 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
     missing = missing_tools(with_cuda)
     if missing:
         raise ExtensionBuildError(f"{what}: building it needs " + ", ".join(missing) + f". Or {instead}.")
-    folders = sorted({Path(s).parent for s in sources})
-    files = sorted(p for folder in folders for p in folder.iterdir() if p.is_file() and p.suffix in (".cpp", ".cu", ".h"))
-    cflags = ["-O3", *vector_flags(), *parallel_flags(), *cflags]
-    cuda_flags = ["-O3", *cuda_flags]
-    full_name = f"{name}_{cache_key(files, [*cflags, *cuda_flags])}"
+    full_name, cflags, cuda_flags, folders = _planned(name, sources, cflags, cuda_flags)
     if not _built(full_name):
         print(f"fullgraph: building {full_name} ({what}; once, ~1 min; cached afterwards)", file=sys.stderr, flush=True)
     try:

@@ -188,6 +188,11 @@ def run(args) -> int:
         return _explain(args)
     if args.command == "profile":
         return _profile(args)
+    if args.command == "doctor":
+        from .doctor import report
+
+        print(report())
+        return 0
     if args.command == "report":
         from .bench import report
 

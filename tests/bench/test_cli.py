@@ -267,3 +267,12 @@ def test_report_summary_draws_one_table_from_a_folder(tmp_path, capsys):
     (tmp_path / "w.json").write_text(json.dumps(rows))
     assert main(["report", "--summary", str(tmp_path)]) == 0
     assert "| w (seed) | forward | plain compiled | 2 | fullgraph compiled | 0.5 | 4.0x |" in capsys.readouterr().out
+
+
+def test_doctor_reports_native_parts_libraries_and_auto_without_building(capsys):
+    assert main(["doctor"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "native parts:" in out and "CPU neighbour extension: " in out and "LLTM" in out
+    assert "optional libraries: " in out and '"auto" on cpu:' in out and "knn, float32, D = 64: dense" in out
+    assert "fullgraph: building" not in captured.err

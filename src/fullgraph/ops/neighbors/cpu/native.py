@@ -20,6 +20,10 @@ import torch
 
 from ...._extension import ExtensionBuildError, build
 
+NAME = "fullgraph_cpu"
+# -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise kernels
+# round them (the re-measure's bits), no fused multiply-adds from -mfma.
+CFLAGS = ["-ffp-contract=off"]
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp", "knn_reduce.cpp")]
 
@@ -27,9 +31,7 @@ SOURCES = [Path(__file__).parent / "csrc" / name
 @functools.cache
 def _built() -> bool:
     try:
-        # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise
-        # kernels round them (the re-measure's bits), no fused multiply-adds from -mfma.
-        build("fullgraph_cpu", SOURCES, with_cuda=False, cflags=["-ffp-contract=off"],
+        build(NAME, SOURCES, with_cuda=False, cflags=CFLAGS,
               what="the CPU neighbour extension: candidate selection, exact re-measure, weighted sums, knn_reduce",
               instead="nothing: torch.topk selects and torch measures instead (slower)")
     except ExtensionBuildError as error:
