@@ -66,12 +66,12 @@ def cache_key(files: Sequence[Path], flags: Sequence[str]) -> str:
     return digest.hexdigest()[:10]
 
 
-def _built(full_name: str) -> bool:
-    """Whether torch's extension cache already holds this build (loading it compiles nothing)."""
+def _built(full_name: str) -> Path | None:
+    """The library of this build in torch's extension cache, or None (loading it compiles nothing)."""
     from torch.utils import cpp_extension
 
-    folder = Path(cpp_extension._get_build_directory(full_name, verbose=False))
-    return any(folder.glob(f"{full_name}*.so"))
+    library = Path(cpp_extension._get_build_directory(full_name, verbose=False)) / f"{full_name}.so"
+    return library if library.is_file() else None
 
 
 def _planned(name: str, sources: Sequence[Path], cflags: Sequence[str], cuda_flags: Sequence[str]):
@@ -108,12 +108,15 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
     """
     from torch.utils import cpp_extension
 
+    full_name, cflags, cuda_flags, folders = _planned(name, sources, cflags, cuda_flags)
+    cached = _built(full_name)
+    if cached:  # loads without a compiler or ninja, and without running the build tool
+        torch.ops.load_library(str(cached))
+        return
     missing = missing_tools(with_cuda)
     if missing:
         raise ExtensionBuildError(f"{what}: building it needs " + ", ".join(missing) + f". Or {instead}.")
-    full_name, cflags, cuda_flags, folders = _planned(name, sources, cflags, cuda_flags)
-    if not _built(full_name):
-        print(f"fullgraph: building {full_name} ({what}; once, ~1 min; cached afterwards)", file=sys.stderr, flush=True)
+    print(f"fullgraph: building {full_name} ({what}; once, ~1 min; cached afterwards)", file=sys.stderr, flush=True)
     try:
         cpp_extension.load(
             name=full_name, sources=[str(s) for s in sources], extra_cflags=cflags,

@@ -217,9 +217,11 @@ def test_the_backend_choice_carries_the_compilers_constant_mark():
     assert vars(probe) and all(getattr(api._backend, key, None) == value for key, value in vars(probe).items())
 
 
-def test_a_missing_compiler_is_named(monkeypatch):
+def test_a_missing_compiler_is_named_where_no_build_is_cached(monkeypatch, tmp_path, extension):
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert any("no-such-compiler" in tool for tool in build.missing_tools(with_cuda=False))
+    build._compile(with_cuda=False)  # the build in the cache loads without a compiler
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty cache: it would have to compile
     with pytest.raises(build.ExtensionBuildError, match="a C\\+\\+ compiler .*backend=\"torch\""):
         build._compile(with_cuda=False)
 
