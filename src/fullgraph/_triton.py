@@ -36,18 +36,24 @@ class _Lazy(types.ModuleType):
 
     def __init__(self, name: str):
         super().__init__(name)
+        object.__getattribute__(self, "__dict__")["_loaded"] = None
 
     def _module(self) -> types.ModuleType:
-        return importlib.import_module(self.__name__)
+        # Cached after the first import: launchers read kernels and constants on every call,
+        # so every read goes straight to the module (no failed lookup first, as __getattr__ has).
+        state = object.__getattribute__(self, "__dict__")
+        if state["_loaded"] is None:
+            state["_loaded"] = importlib.import_module(state["__name__"])
+        return state["_loaded"]
 
-    def __getattr__(self, attr: str):
-        return getattr(self._module(), attr)
+    def __getattribute__(self, attr: str):
+        return getattr(_Lazy._module(self), attr)
 
     def __setattr__(self, attr: str, value) -> None:
-        setattr(self._module(), attr, value)
+        setattr(_Lazy._module(self), attr, value)
 
     def __delattr__(self, attr: str) -> None:
-        delattr(self._module(), attr)
+        delattr(_Lazy._module(self), attr)
 
 
 def lazy(name: str) -> types.ModuleType:
