@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..keys import KEY_NONE, insert_keys, smallest_keys
+from ..keys import KEY_NONE, insert_keys
 from .grid_kernels import INV_SIDE, SCALE, SHIFT, SIDE, SLACK, VALUES
 
 # A sorted position beyond every array (masked lanes of a packed tile).
