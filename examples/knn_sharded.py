@@ -1,7 +1,7 @@
 """kNN over a point cloud sharded across processes (README: "More than one GPU").
 
 Run: torchrun --nproc-per-node 2 examples/knn_sharded.py
-(NCCL with a GPU per process where CUDA is; gloo on CPUs otherwise.)
+(NCCL where every process has a GPU of its own; gloo on the CPU otherwise.)
 """
 
 import torch
@@ -10,10 +10,11 @@ import torch.distributed as dist
 import fullgraph
 from fullgraph import distributed
 
-dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+backend = distributed.process_group_backend()
+dist.init_process_group(backend)
 rank, world = dist.get_rank(), dist.get_world_size()
 device = torch.device("cpu")
-if torch.cuda.is_available():
+if backend == "nccl":
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
 

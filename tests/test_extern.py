@@ -48,6 +48,28 @@ def passthrough(x):
     return x
 
 
+@extern.op("fgtest::flipped", "(Tensor x) -> Tensor", outputs=lambda x: [(x.shape, x.dtype)])
+def flipped(x):
+    return np.flip(x * 2, 0)  # negative strides: torch.from_dlpack aborts the process on them
+
+
+@extern.op("fgtest::transposed", "(Tensor x) -> Tensor", outputs=lambda x: [(x.shape[::-1], x.dtype)])
+def transposed(x):
+    return np.asfortranarray(x * 2).T  # a view with the strides LAPACK results have
+
+
+def test_negative_strided_and_transposed_outputs_come_back_as_contiguous_tensors():
+    x = torch.rand(4, 3, dtype=torch.float64)
+    compiled_flip = torch.compile(flipped, fullgraph=True, backend="aot_eager")
+    compiled_transpose = torch.compile(transposed, fullgraph=True, backend="aot_eager")
+    for got in (flipped(x), compiled_flip(x)):
+        torch.testing.assert_close(got, (x * 2).flip(0))
+        assert got.is_contiguous()
+    for got in (transposed(x), compiled_transpose(x)):
+        torch.testing.assert_close(got, (x * 2).T)
+        assert got.is_contiguous()
+
+
 def test_numpy_function_as_an_operator():
     x = torch.rand(6, 3, dtype=torch.float64)
     torch.testing.assert_close(scaled_norms(x, 2.0), torch.linalg.norm(x, dim=1) * 2)

@@ -3,7 +3,7 @@
 Importing the package registers its operators under ``torch.ops.fullgraph``.
 """
 
-from . import diffusion, extern, graphs, memory, models, numpy  # distributed: `from fullgraph import distributed`
+from . import diffusion, extern, graphs, memory, models, numpy
 from .explain import explain
 from .ops.conv_block import conv_groupnorm_mish
 from .ops.ddpm import ddim_step, ddpm_step
@@ -18,8 +18,18 @@ from .ops.sampling import fps, voxel_grid
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``fullgraph.distributed`` on first use (it imports torch.distributed)."""
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "diffusion", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
+    "diffusion", "distributed", "explain", "extern", "graphs", "memory", "models", "numpy", "ddpm_step", "ddim_step",
     "conv_groupnorm_mish",
     "knn", "knn_aggregate",
     "knn_gather", "knn_reduce", "radius", "radius_aggregate", "knn_edges", "knn_graph", "radius_edges", "radius_graph", "fps",

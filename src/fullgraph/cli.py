@@ -38,18 +38,26 @@ def _size(workload: str, size: str) -> str:
     return size
 
 
-def _join_torchrun() -> int:
-    """Under torchrun (WORLD_SIZE set): join its process group (NCCL with CUDA, else gloo) and
-    use this rank's GPU; returns the rank (0 without torchrun)."""
+def _join_torchrun() -> torch.device | None:
+    """Under torchrun (WORLD_SIZE set): join its process group (NCCL with a GPU per rank, else
+    gloo on the CPU) and return this rank's device (None without torchrun)."""
     if "WORLD_SIZE" not in os.environ:
-        return 0
+        return None
     import torch.distributed as dist
 
+    from .distributed import process_group_backend
+
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT", "RANK") if name not in os.environ]
+    if missing:
+        _usage(f"WORLD_SIZE is set but {', '.join(missing)} not: launch with torchrun "
+               "(torchrun --nproc-per-node N -m fullgraph.cli bench ...) or unset WORLD_SIZE")
+    backend = process_group_backend()
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-    return dist.get_rank()
+        dist.init_process_group(backend)
+    if backend != "nccl":
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _device(name: str | None) -> torch.device:
@@ -87,8 +95,9 @@ def _bench(args) -> int:
     from . import bench
     from .bench import report
 
-    rank = _join_torchrun()
-    device = _device(args.device)
+    ranked = _join_torchrun()
+    rank = torch.distributed.get_rank() if ranked is not None else 0
+    device = _device(args.device) if args.device is not None or ranked is None else ranked
     gpu = device.type == "cuda"
     size = _size(args.workload, args.size or ("seed" if gpu else "small"))
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)

@@ -35,6 +35,7 @@ Only torch.distributed collectives are used: NCCL on GPUs, gloo on CPUs.
 from __future__ import annotations
 
 import math
+import os
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,14 @@ kernels = lazy(f"{__package__}.distributed_kernels")
 
 _INDEX_LAST = torch.iinfo(torch.int64).max
 _PACKED_NONE = (1 << 32) - 1  # "no index" in a merge key's low 32 bits
+
+
+def process_group_backend() -> str:
+    """The torch.distributed backend for this host's ranks (torchrun's ``LOCAL_WORLD_SIZE``):
+    "nccl" where CUDA gives every local rank a GPU of its own (NCCL refuses two ranks on one
+    GPU), else "gloo", with the shards on the CPU."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local else "gloo"
 
 
 def _ranks(group) -> tuple[int, int]:

@@ -154,7 +154,7 @@ class ExternOp:
             if tensor.device.type != device.type:
                 raise ExternError(f"{self.name}: output {i} came back on {tensor.device}, expected {device.type} "
                                   "like the inputs")
-            tensors.append(tensor)
+            tensors.append(tensor.contiguous())  # the fake outputs are contiguous: compiled code relies on it
         # A custom op's outputs must not alias its inputs (or each other): copy any that the
         # function passed through, as a whole or as a view into an input's memory.
         inputs = [a for a in args if isinstance(a, torch.Tensor)]

@@ -58,6 +58,11 @@ class Library:
     def from_array(self, module, value) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value
+        if any(step < 0 for step in getattr(value, "strides", None) or ()):
+            # DLPack and torch describe no negative strides (torch.from_dlpack aborts on them).
+            if not hasattr(module, "ascontiguousarray"):
+                raise ValueError(f"its strides {value.strides} are negative: return a contiguous copy")
+            value = module.ascontiguousarray(value)
         if hasattr(value, "__dlpack__"):
             return torch.from_dlpack(value)
         if hasattr(value, "__cuda_array_interface__"):
@@ -225,7 +230,10 @@ class _Jax(Library):
     def to_array(self, module, tensor):
         import jax.dlpack
 
-        return jax.dlpack.from_dlpack(tensor.detach().contiguous())
+        # A copy: JAX frees the arrays it imports whenever its own streams are done with them, so
+        # a shared tensor would die at a different point on each call, which torch.compile's
+        # CUDA graphs (recorded once, replayed after) refuse.
+        return jax.dlpack.from_dlpack(tensor.detach().clone(memory_format=torch.contiguous_format))
 
 
 LIBRARIES: dict[str, Library] = {library.name: library for library in (

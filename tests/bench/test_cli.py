@@ -76,6 +76,14 @@ def test_bad_arguments(capsys, tmp_path):
     assert "is a folder" in _usage_error(["bench", "knn-projector", "--device", "cpu", "--plot", str(tmp_path)], capsys)
 
 
+def test_a_world_size_without_torchrun_is_a_usage_error(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    line = _usage_error(["bench", "knn-projector", "--device", "cpu"], capsys)
+    assert "MASTER_ADDR, MASTER_PORT, RANK not: launch with torchrun" in line
+
+
 def test_report_names_the_bad_file(tmp_path, capsys):
     good = tmp_path / "good.json"
     row = {key: "x" for key in ("workload", "size", "params", "variant", "phase", "device", "torch", "triton",

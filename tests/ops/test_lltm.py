@@ -218,6 +218,7 @@ def test_the_backend_choice_carries_the_compilers_constant_mark():
 
 
 def test_a_missing_compiler_is_named_where_no_build_is_cached(monkeypatch, tmp_path, extension):
+    build._compile(with_cuda=False)  # built (or found) with the compiler, into the cache
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert any("no-such-compiler" in tool for tool in build.missing_tools(with_cuda=False))
     build._compile(with_cuda=False)  # the build in the cache loads without a compiler
