@@ -122,6 +122,42 @@ def _check_bad_shards(rank, world):
         assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def _check_one_rank_refusing(rank, world):
+    """A bad argument on one rank only (the last): every rank raises the same error within a
+    second, and the next valid call works (nothing left pending)."""
+    import time
+
+    query, ref, features = torch.rand(10, 3), torch.rand(12, 3), torch.rand(12, 2)
+    last = rank == world - 1
+
+    def bad(value, good):
+        return value if last else good
+
+    calls = [
+        (ValueError, lambda: distributed.knn(query, ref, bad(0, 2))),
+        (TypeError, lambda: distributed.knn(bad(query.int(), query), ref, 2)),
+        (ValueError, lambda: distributed.knn(bad(query[None], query), ref, 2)),
+        (ValueError, lambda: distributed.radius(query, ref, bad(-1.0, 0.5), 4)),
+        (ValueError, lambda: distributed.knn_aggregate(query, ref, features, 2, sigma=bad(-0.1, 0.1))),
+        (ValueError, lambda: distributed.knn_aggregate(query, ref, bad(features[:5], features), 2)),
+        (TypeError, lambda: distributed.radius_aggregate(query, ref, bad(features.double(), features), 0.5)),
+        (TypeError, lambda: distributed.partition(bad(ref.int(), ref))),
+        (ValueError, lambda: distributed.knn(query, ref, 2, backend=bad("no-such-backend", "auto"))),
+        (ValueError, lambda: distributed.knn(query[:, :0], ref[:, :0], 2)),  # D = 0 on every rank
+    ]
+    for error, call in calls:
+        dist.barrier()
+        began = time.monotonic()
+        with pytest.raises(error) as raised:
+            call()
+        assert time.monotonic() - began < 1.0
+        messages = [None] * world
+        dist.all_gather_object(messages, str(raised.value))
+        assert len(set(messages)) == 1, messages
+        dists, idx = distributed.knn(query, ref, 3)  # the next call works
+        assert idx.shape == (10, 3)
+
+
 def _check_dtensors(rank, world):
     """DTensors sharded on the points (torch.chunk's uneven shards) in, DTensors out, gradients too."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -178,17 +214,21 @@ def _check_partition(rank, world):
     want_d, want_i = fullgraph.knn(cloud, cloud, 5, backend="cpu")
     assert torch.equal(torch.where(idx >= 0, origins[idx.clamp(min=0)], -1), want_i[part.origin])
     assert torch.equal(dists, want_d[part.origin])
-    with pytest.raises(ValueError, match=r"values\[0\]: expected a tensor with one row per point|rank\(s\) \[1\]"):
+    with pytest.raises(ValueError, match=r"values\[0\]: expected a tensor with one row per point .* \(rank 1 of"):
         distributed.partition(part.points, part.origin[:1] if rank == 1 else part.origin)
 
 
 def _worker(rank, world, port, scenario):
     torch.set_num_threads(1)
+    # Ranks compile at different speeds under load; a refusal must not rely on the timeout at all.
+    timeout = 20 if scenario == "refusing" else 240
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+                            timeout=datetime.timedelta(seconds=timeout))
     try:
         if scenario == "bad":
             _check_bad_shards(rank, world)
+        elif scenario == "refusing":
+            _check_one_rank_refusing(rank, world)
         elif scenario == "dtensor":
             _check_dtensors(rank, world)
         elif scenario == "partition":
@@ -207,7 +247,7 @@ def _free_port() -> int:
 
 
 @pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (3, "cpu-spatial"), (2, "bad"),
-                                             (2, "dtensor"), (3, "partition")])
+                                             (2, "refusing"), (3, "refusing"), (2, "dtensor"), (3, "partition")])
 def test_sharded_operators_equal_the_whole_cloud(world, scenario):
     mp.spawn(_worker, args=(world, _free_port(), scenario), nprocs=world, join=True)
 

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from . import _triton, _validate
 from ._triton import cdiv, lazy
 from .ops.neighbors import api
+from .ops.neighbors import registration
 from .ops.neighbors.registration import MAX_PADDED_K
 
 kernels = lazy(f"{__package__}.distributed_kernels")
@@ -76,48 +77,81 @@ def _all_gather(values: torch.Tensor, group) -> torch.Tensor:
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# The refusals one rank's check may raise, raised again on every rank.
+_REFUSALS = {error.__name__: error for error in (TypeError, ValueError, ImportError)}
 
 
-def _agree(group, device: torch.device, **shard) -> list[int]:
-    """Check that every rank holds shards of one cloud and return the reference shard sizes.
-
-    ``shard``: name -> the local tensor (or an int that must agree). Every rank gathers every
-    rank's description and raises the same error, so a bad shard never leaves a rank waiting.
-    """
-    query, ref = shard.pop("query"), shard.pop("ref")
-    features = shard.pop("features", None)
+def _shard_numbers(query, ref, features) -> list[int]:
+    """Check one rank's shards (raises TypeError / ValueError); returns [query D, ref D,
+    dtype code, ref rows, feature channels or -1]."""
     for name, value in (("query", query), ("ref", ref)) + ((("features", features),) if features is not None else ()):
         _validate.floating(name, value)
         _validate.rank(name, value, (2,), "[points, D] (this rank's shard)")
     _validate.same_dtype_and_device("ref", ref, "query", query)
+    if query.shape[1] == 0:
+        raise ValueError(f"query: expected at least one coordinate (D >= 1), got shape {tuple(query.shape)}")
     if features is not None:
         _validate.same_dtype_and_device("features", features, "ref", ref)
         if features.shape[0] != ref.shape[0]:
             raise ValueError(f"features: expected one row per reference of this rank's shard ({ref.shape[0]}), "
                              f"got {features.shape[0]}")
-    numbers = [query.shape[1], ref.shape[1], _DTYPES.index(query.dtype), ref.shape[0],
-               -1 if features is None else features.shape[1], *shard.values()]
-    table = _all_gather(torch.tensor(numbers, dtype=torch.int64, device=device), group).tolist()
-    names = ["query D", "ref D", "dtype", None, "feature channels", *shard]
+    return [query.shape[1], ref.shape[1], _DTYPES.index(query.dtype), ref.shape[0],
+            -1 if features is None else features.shape[1]]
+
+
+def _agree(group, check, **tensors):
+    """Every check of one call, agreed by every rank before any traffic of the call.
+
+    ``check(local)`` checks this rank's other arguments (``local``: the tensors, DTensors
+    unwrapped, shards already checked) and returns {name: int} that must be equal on every rank. One gather of every rank's
+    outcome; a refusal on any rank is raised on every rank (same type and message, naming
+    the rank), so no rank is left waiting in a collective. Returns (local tensors, mesh or
+    None, group, the reference shard sizes rank by rank).
+    """
+    world, _ = _ranks(group)
+    unwrapped = None
+    try:
+        unwrapped = _unwrap(group, **tensors)
+        local = unwrapped[0]
+        numbers = _shard_numbers(local["query"], local["ref"], local.get("features"))
+        agreed = check(local)
+        outcome = (None, None, numbers + list(agreed.values()))
+    except tuple(_REFUSALS.values()) as error:
+        outcome = (type(error).__name__, str(error), None)
+    if unwrapped is not None:
+        group = unwrapped[2]
+    table = [None] * world
+    dist.all_gather_object(table, outcome, group=group)
+    for rank, (kind, message, _) in enumerate(table):
+        if kind is not None:
+            raise _REFUSALS[kind](f"{message} (rank {rank} of {world})")
+    names = ["query D", "ref D", "dtype", None, "feature channels", *agreed]
     for column, name in enumerate(names):
-        seen = [row[column] for row in table]
+        seen = [numbers[column] for *_, numbers in table]
         if name is not None and len(set(seen)) > 1:
             if name == "dtype":
                 seen = [str(_DTYPES[code]).removeprefix("torch.") for code in seen]
             raise ValueError(f"{name}: expected the same on every rank of the group, got {seen} (rank by rank)")
-    if table[0][0] != table[0][1]:
-        raise ValueError(f"ref: expected the queries' D = {table[0][0]}, got D = {table[0][1]}")
-    return [row[3] for row in table]
+    if table[0][2][0] != table[0][2][1]:
+        raise ValueError(f"ref: expected the queries' D = {table[0][2][0]}, got D = {table[0][2][1]}")
+    local, mesh, group = unwrapped
+    return local, mesh, group, [numbers[3] for *_, numbers in table]
 
 
-def _raise_on_every_rank(problem: str | None, group, device) -> None:
-    """Raise ValueError on every rank when any rank found a ``problem`` in its own arguments
-    (one all-gather), so that none is left waiting in a collective."""
-    flags = _all_gather(torch.tensor([problem is not None], dtype=torch.int64, device=device), group)[:, 0]
-    if bool(flags.any()):
-        ranks = flags.nonzero()[:, 0].tolist()
-        raise ValueError(problem or f"rank(s) {ranks} passed arguments that do not fit their shards (see the error "
-                                    "there)")
+def _search_checks(op: str, backend, count_name: str, count, **reals):
+    """check for ``_agree``: the list length ``count`` (an int >= 1), the ``reals`` (name:
+    (value, strict): finite, > 0 when strict else >= 0) and that ``backend`` runs ``op`` on
+    this rank's shards."""
+    def check(local):
+        agreed = {count_name: _validate.integer(count_name, count, minimum=1)} if count_name else {}
+        for name, (value, strict) in reals.items():
+            number = _validate.real(name, value, minimum=0.0, strict=strict)
+            agreed[name] = int(torch.tensor(number, dtype=torch.float64).view(torch.int64))  # its bits
+        query = local["query"]
+        registration.BACKENDS.resolve(backend, op, query.device, query.dtype, query.shape[1],
+                                      agreed.get(count_name, 1), k_argument=count_name or "k")
+        return agreed
+    return check
 
 
 def _dtensor_type():
@@ -580,10 +614,6 @@ def _differentiable(dists, idx, query, ref, sizes, group):
     return torch.where(idx >= 0, dists + (measured - measured.detach()), dists)
 
 
-def _device(tensor) -> torch.device:
-    return tensor.device if isinstance(tensor, torch.Tensor) else torch.device("cpu")
-
-
 def _within(q, r, lengths, radius, cap, backend):
     """The nearest ``cap`` references within ``radius`` (at most what the operator allows
     for the shard: all of its points when cap exceeds them)."""
@@ -627,13 +657,13 @@ def knn(query, ref, k, *, group=None, backend="auto"):
         dists [M_r, k] ascending, +inf padded, differentiable w.r.t. query and every rank's
         ref; idx [M_r, k] int64 global reference indices (rank order), -1 padded.
 
-    Every rank must call it (a collective). Errors in one rank's shard (D, dtype, k) are
-    raised on every rank.
+    Every rank must call it (a collective). Every argument is checked on every rank before
+    any traffic: a refusal on one rank (a bad k, shard, dtype or backend) is raised on all
+    of them, the same error naming that rank.
     """
-    k = _validate.integer("k", k, minimum=1)
-    (local, mesh, group), like = _unwrap(group, query=query, ref=ref), query
+    like = query
+    local, mesh, group, sizes = _agree(group, _search_checks("knn", backend, "k", k), query=query, ref=ref)
     query, ref = local["query"], local["ref"]
-    sizes = _agree(group, _device(query), query=query, ref=ref, k=k)
     dists, idx, _ = _ring(query.detach(), ref.detach(), sizes, k, _knn_search(k, backend), group)
     return _wrap(mesh, like, _differentiable(dists, idx, query, ref, sizes, group), idx)
 
@@ -643,12 +673,10 @@ def radius(query, ref, radius, max_neighbors, *, group=None, backend="auto"):
     """The nearest ``max_neighbors`` references within ``radius`` of this rank's queries,
     among every rank's references; arguments and returns as :func:`knn` and
     :func:`fullgraph.radius` (counts [M_r]: all references within the radius, every rank's)."""
-    max_neighbors = _validate.integer("max_neighbors", max_neighbors, minimum=1)
-    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
-    (local, mesh, group), like = _unwrap(group, query=query, ref=ref), query
+    like = query
+    local, mesh, group, sizes = _agree(group, _search_checks("radius", backend, "max_neighbors", max_neighbors,
+                                                             radius=(radius, False)), query=query, ref=ref)
     query, ref = local["query"], local["ref"]
-    sizes = _agree(group, _device(query), query=query, ref=ref, max_neighbors=max_neighbors,
-                   radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
 
     dists, idx, counts = _ring(query.detach(), ref.detach(), sizes, max_neighbors,
                                _radius_search(radius, max_neighbors, backend), group, radius)
@@ -660,11 +688,10 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, group=None, backend="au
     """:func:`fullgraph.knn_aggregate` over the sharded cloud: [M_r, C], the k nearest
     references' features (sharded with ref: [N_r, C]) softmax-weighted by -distance / sigma;
     differentiable w.r.t. query and every rank's ref and features. DTensors as in :func:`knn`."""
-    k = _validate.integer("k", k, minimum=1)
-    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    (local, mesh, group), like = _unwrap(group, query=query, ref=ref, features=features), query
+    like = query
+    local, mesh, group, sizes = _agree(group, _search_checks("knn", backend, "k", k, sigma=(sigma, True)),
+                                       query=query, ref=ref, features=features)
     query, ref, features = local["query"], local["ref"], local["features"]
-    sizes = _agree(group, _device(query), query=query, ref=ref, features=features, k=k)
     _, idx, _ = _ring(query.detach(), ref.detach(), sizes, k, _knn_search(k, backend), group)
     rows = _neighbour_rows(torch.cat([ref, features], -1), idx, sizes, group)
     neighbours, values = rows[..., :ref.shape[1]], rows[..., ref.shape[1]:]
@@ -688,12 +715,11 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, group=None, bac
     M_r x that count); the rows of the pairs (query, neighbour) come by ``all_to_all_single``
     and are summed query by query (``torch.segment_reduce``: memory ~ the pairs' count).
     """
-    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
-    sigma = _validate.real("sigma", sigma, minimum=0.0, strict=True)
-    (local, mesh, group), like = _unwrap(group, query=query, ref=ref, features=features), query
+    like = query
+    local, mesh, group, sizes = _agree(group, _search_checks("radius", backend, None, None, radius=(radius, False),
+                                                             sigma=(sigma, True)),
+                                       query=query, ref=ref, features=features)
     query, ref, features = local["query"], local["ref"], local["features"]
-    sizes = _agree(group, _device(query), query=query, ref=ref, features=features,
-                   radius_bits=int(torch.tensor(radius, dtype=torch.float64).view(torch.int64)))
     _, _, counts = _ring(query.detach(), ref.detach(), sizes, 1, _radius_search(radius, 1, backend), group, radius)
     cap = max(1, int(counts.max()) if counts.numel() else 0)
     _, idx, _ = _ring(query.detach(), ref.detach(), sizes, cap, _radius_search(radius, cap, backend), group, radius)
@@ -777,17 +803,18 @@ def partition(points, *values, group=None) -> Partitioned:
         coordinates go to the last slab. Communication: one ``all_to_all_single`` per tensor
         (each point moves at most once) and small all-gathers (sizes, a sample of coordinates).
     """
+    def check(local):
+        for position, value in enumerate(values):
+            if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != points.shape[0] \
+                    or value.device != points.device:
+                shape = f"shape {list(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else \
+                    type(value).__name__
+                raise ValueError(f"values[{position}]: expected a tensor with one row per point "
+                                 f"({points.shape[0]}) on {points.device}, got {shape}")
+        return {}
+
     world, rank = _ranks(group)
-    sizes = _agree(group, _device(points), query=points, ref=points)
-    problem = None
-    for position, value in enumerate(values):
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != points.shape[0] \
-                or value.device != points.device:
-            shape = f"shape {list(value.shape)} on {value.device}" if isinstance(value, torch.Tensor) else \
-                type(value).__name__
-            problem = problem or (f"values[{position}]: expected a tensor with one row per point "
-                                  f"({points.shape[0]}) on {points.device}, got {shape}")
-    _raise_on_every_rank(problem, group, points.device)
+    _, _, group, sizes = _agree(group, check, query=points, ref=points)
     box = _boxes(points, group)  # [W, 2, D]
     extent = (box[:, 1].amax(0) - box[:, 0].amin(0)).nan_to_num(nan=-1.0)  # -inf - inf: every shard empty
     axis = int(extent.argmax())
