@@ -39,6 +39,19 @@ def test_default_float_sets_the_dtype_of_created_arrays():
     assert fullgraph.numpy.jit(lambda x: x + np.ones(3), default_float="float32")(x).dtype == torch.float32
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_jitted_functions_inside_an_enclosing_compiled_graph(dynamic):
+    """Called from code that torch.compile traces, a jitted function becomes part of that one
+    graph (its own compile and its lock stay out of the way)."""
+    x, w = torch.rand(5, 3, dtype=torch.float64), torch.rand(5, dtype=torch.float64)
+    compiled = torch.compile(lambda x, w: _weighted_rows(x, w)[0] * 2, fullgraph=True, dynamic=dynamic)
+    torch.testing.assert_close(compiled(x, w), _weighted_rows(x, w)[0] * 2)
+    single = fullgraph.numpy.jit(lambda x: x + np.ones(3), default_float="float32")
+    with pytest.raises(Exception, match="default_float='float32' cannot be switched inside an enclosing"):
+        torch.compile(lambda x: single(x), fullgraph=True)(x.float())
+
+
 def _branchy(x):
     if x.sum() > 0:  # a branch on array values: not one graph
         return x

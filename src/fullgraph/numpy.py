@@ -88,6 +88,7 @@ class NumpyFunction:
         functools.update_wrapper(self, fn)
         self.fn, self.default_float, self.eager, self.dynamic = fn, default_float, eager, dynamic
         self._static = collections.OrderedDict()
+        self._inline = _traced(fn)  # what an enclosing torch.compile traces (code.replace is not traceable)
 
     @functools.cached_property
     def _compiled(self):
@@ -140,6 +141,19 @@ class NumpyFunction:
         args, kwargs, device = self._tensors(args, kwargs)
         if self.eager:
             out = self._run_eagerly(args, kwargs, device)
+        elif torch.compiler.is_compiling():
+            # Inside an enclosing torch.compile: the function becomes part of that graph.
+            from torch._numpy import _dtypes_impl
+
+            current = _dtypes_impl._default_dtypes  # default_dtypes() itself is not traceable
+            float_dtype = current.float_dtype if current is not None else \
+                getattr(torch, torch._dynamo.config.numpy_default_float)
+            if float_dtype != getattr(torch, self.default_float):
+                raise NumpyCompileError(
+                    f"{self.__name__}: default_float={self.default_float!r} cannot be switched inside an enclosing "
+                    "torch.compile (the compiler reads NumPy's default float once, from "
+                    "torch._dynamo.config.numpy_default_float); jit it with that default_float")
+            out = self._inline(*args, **kwargs)
         else:
             try:
                 with _default_float(self.default_float):

@@ -30,6 +30,14 @@ def test_assign_is_the_document_step(device, dtype):
     np.testing.assert_array_equal(labels.cpu().numpy(), want)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_assign_inside_a_compiled_graph(dynamic):
+    x, centroids = torch.rand(50, 3), torch.rand(4, 3)
+    compiled = torch.compile(lambda x: fullgraph.kmeans_assign(x, centroids), fullgraph=True, dynamic=dynamic)
+    assert torch.equal(compiled(x), fullgraph.kmeans_assign(x, centroids))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_kmeans_matches_scikit_learn_from_the_same_init(device):
     sklearn = pytest.importorskip("sklearn.cluster")

@@ -212,3 +212,32 @@ def test_voxel_grid_numbers_voxels_like_pyg(device, generator):
         fullgraph.voxel_grid(pos, 0.0)
     with pytest.raises(ValueError, match="size: expected a float or 3 of them"):
         fullgraph.voxel_grid(pos, [0.1, 0.2])
+
+
+@pytest.mark.slow
+def test_voxel_grid_refuses_the_same_compiled_or_not():
+    pos = torch.rand(10, 3)
+    far = pos.clone()
+    far[0, 0] = float("nan")
+    compiled = torch.compile(fullgraph.voxel_grid, fullgraph=True, dynamic=True)
+    for args, error, message in [((pos, -1.0), ValueError, "size: expected voxel edges > 0"),
+                                 ((far, 0.1), ValueError, "pos: expected finite coordinates"),
+                                 ((pos, 0.1, None, 1.0, 0.0), ValueError, "end: expected >= start")]:
+        for run in (fullgraph.voxel_grid, compiled):
+            with pytest.raises(error, match=message):
+                run(*args)
+    for size in ("a", None, [0.1, "b", 0.2]):
+        with pytest.raises(TypeError, match="size: expected a float, a sequence of 3 floats or a tensor"):
+            fullgraph.voxel_grid(pos, size)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_voxel_grid_keeps_items_apart_in_low_precision(dtype, generator):
+    """The item id is an integer coordinate: in bfloat16 it rounded from 256 on (float16: 2048)."""
+    items = 3000
+    pos = torch.rand(items, 2, generator=generator).to(dtype)
+    batch = torch.arange(items)
+    ids = fullgraph.voxel_grid(pos, 10.0, batch)  # one voxel per item
+    assert ids.unique().numel() == items
+    np.testing.assert_array_equal(ids.numpy(), _voxel_oracle(pos.double().numpy(), np.asarray(10.0),
+                                                             batch.numpy()))

@@ -169,6 +169,21 @@ def test_ball_query_first_and_nearest(device, generator):
     assert torch.equal(near_idx.cpu(), want_idx)
 
 
+def test_ball_query_with_no_points_to_search():
+    dists, idx, nn = fullgraph.ball_query(torch.rand(1, 5, 3), torch.rand(1, 0, 3), K=4)
+    assert bool((idx == -1).all()) and bool((dists == 0).all()) and nn.shape == (1, 5, 4, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["first", "nearest"])
+def test_ball_query_compiles_with_a_symbolic_radius(order, generator):
+    p1, p2 = torch.rand(1, 5, 3, generator=generator), torch.rand(1, 40, 3, generator=generator)
+    compiled = torch.compile(lambda a, b, r: fullgraph.ball_query(a, b, K=4, radius=r, order=order)[1],
+                             fullgraph=True, dynamic=True)
+    for radius in (0.3, 0.5):
+        assert torch.equal(compiled(p1, p2, radius), fullgraph.ball_query(p1, p2, K=4, radius=radius, order=order)[1])
+
+
 def test_ball_query_gradients_and_errors(generator):
     p1 = torch.rand(1, 6, 3, generator=generator, dtype=torch.float64, requires_grad=True)
     p2 = torch.rand(1, 15, 3, generator=generator, dtype=torch.float64, requires_grad=True)

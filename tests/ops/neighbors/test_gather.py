@@ -23,6 +23,14 @@ def test_matches_indexing_and_fills_padding(generator):
         (idx[0] < 0)[..., None], 0.0))
 
 
+@pytest.mark.parametrize("values, idx", [(torch.rand(0, 4), torch.full((5, 3), -1)),
+                                         (torch.rand(2, 0, 4), torch.full((2, 5, 3), -1))])
+def test_no_rows_to_gather_from(values, idx):
+    """N = 0 references (an empty cloud): every slot is padding."""
+    out = fullgraph.knn_gather(values, idx, fill=2.5)
+    assert out.shape == (*idx.shape, 4) and bool((out == 2.5).all())
+
+
 def test_gradient_flows_to_the_gathered_rows_only(generator):
     values = torch.randn(9, 2, generator=generator, dtype=torch.float64, requires_grad=True)
     idx = torch.tensor([[0, 3, -1], [8, -1, -1]])

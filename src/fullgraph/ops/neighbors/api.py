@@ -317,10 +317,13 @@ def knn_gather(values, idx, *, fill: float = 0.0):
             raise ValueError(f"idx: expected indices in [-1, {values.shape[-2]}), got {int(idx.max())}")
     unbatched = values.dim() == 2
     values, idx = (values[None], idx[None]) if unbatched else (values, idx)
-    batch, rows = values.shape[:2]
+    batch, rows, channels = values.shape
+    if rows == 0:  # nothing to gather: every slot is padding
+        out = values.new_full((*idx.shape, channels), fill)
+        return out[0] if unbatched else out
     offsets = (torch.arange(batch, device=idx.device) * rows).view(batch, 1, 1)
-    out = values.reshape(batch * rows, -1)[(idx.clamp(min=0) + offsets).reshape(-1)]
-    out = out.reshape(*idx.shape, values.shape[-1]).masked_fill((idx < 0)[..., None], fill)
+    out = values.reshape(batch * rows, channels)[(idx.clamp(min=0) + offsets).reshape(-1)]
+    out = out.reshape(*idx.shape, channels).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
 
 

@@ -77,7 +77,9 @@ def item_scales(query_largest, ref_largest, dtype: torch.dtype) -> torch.Tensor:
 def radius_in_units(radius: float, scale: torch.Tensor) -> torch.Tensor | None:
     """radius / scale [B, 1, 1] (None for an infinite radius): d * scale <= radius exactly
     when d <= radius / scale (both rounded to the accumulation dtype like d)."""
-    return torch.tensor(radius, dtype=scale.dtype, device=scale.device) / scale if math.isfinite(radius) else None
+    # Comparisons and a scalar operand rather than math.isfinite / torch.tensor: under
+    # dynamic=True the radius may be symbolic.
+    return None if radius == math.inf else radius / scale
 
 
 def distance_blocks(query, ref, radius, query_lengths, ref_lengths):

@@ -16,6 +16,7 @@ output length depends on them), like torch_cluster.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -275,8 +276,9 @@ def voxel_grid(pos, size, batch=None, start=None, end=None):
         cluster [N] int64: sum_d floor((pos_d - start_d) / size_d) * prod_{e < d} n_e, with
         n_e = floor((end_e - start_e) / size_e) + 1 voxels along dimension e (the batch
         item is one more dimension of size 1), as torch_cluster numbers them. Ids are not
-        consecutive: ``torch.unique(cluster, return_inverse=True)`` relabels them. No host
-        read: capture-safe.
+        consecutive: ``torch.unique(cluster, return_inverse=True)`` relabels them. The
+        values are checked where they can be read (eagerly and in compiled code: one host
+        read); inside a CUDA graph capture nothing is read back.
 
     Example:
         >>> pos = torch.tensor([[0.0, 0.0], [0.4, 0.1], [1.2, 0.0]])
@@ -286,31 +288,63 @@ def voxel_grid(pos, size, batch=None, start=None, end=None):
     _validate.floating("pos", pos)
     _validate.rank("pos", pos, (2,), "[N, D]")
     dim = pos.shape[1]
-    readable = _validate.values_readable(pos.device)
 
     def per_dim(name, value):
-        tensor = torch.as_tensor(value, dtype=pos.dtype, device=pos.device).reshape(-1)
+        if isinstance(value, torch.Tensor):
+            if not (value.dtype.is_floating_point or value.dtype in _INTEGERS) or value.device != pos.device:
+                raise TypeError(f"{name}: expected a real tensor on {pos.device}, got {_validate._describe(value)}")
+        elif not (isinstance(value, numbers.Real) and not isinstance(value, bool)) and not (
+                isinstance(value, (list, tuple)) and all(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                                         for v in value)):
+            raise TypeError(f"{name}: expected a float, a sequence of {dim} floats or a tensor, got "
+                            f"{_validate._describe(value)}")
+        tensor = torch.as_tensor(value, device=pos.device).to(pos.dtype).reshape(-1)
         if tensor.numel() not in (1, dim):
             raise ValueError(f"{name}: expected a float or {dim} of them (one per dimension), got {value!r}")
-        if readable and not bool(torch.isfinite(tensor).all()):
-            raise ValueError(f"{name}: expected finite values, got {value!r}")
         return tensor.expand(dim)
 
     size = per_dim("size", size)
-    if readable and not bool((size > 0).all()):
-        raise ValueError(f"size: expected voxel edges > 0, got {size.tolist()}")
-    if readable and pos.shape[0] and not bool(torch.isfinite(pos).all()):
-        raise ValueError("pos: expected finite coordinates (a voxel of NaN has no meaning)")
+    start = per_dim("start", start) if start is not None else None
+    end = per_dim("end", end) if end is not None else None
     if batch is not None:
         check_batch("batch", batch, pos)
-    # PyG's layout: the item id is one more coordinate, with voxels of size 1.
-    items = batch if batch is not None else torch.zeros(pos.shape[0], dtype=torch.int64, device=pos.device)
-    pos = torch.cat([pos, items[:, None].to(pos.dtype)], 1)
-    size = torch.cat([size, size.new_ones(1)])
-    zero, empty = pos.new_zeros(1), pos.new_zeros(dim + 1)
-    last_item = items.amax()[None].to(pos.dtype) if items.numel() else zero
-    start = torch.cat([per_dim("start", start), zero]) if start is not None else (pos.amin(0) if pos.shape[0] else empty)
-    end = torch.cat([per_dim("end", end), last_item]) if end is not None else (pos.amax(0) if pos.shape[0] else empty)
-    counts = torch.floor((end - start) / size).to(torch.int64) + 1
-    strides = torch.cat([counts.new_ones(1), torch.cumprod(counts, 0)[:-1]])
-    return (torch.floor((pos - start) / size).to(torch.int64) * strides).sum(1)
+    return torch.ops.fullgraph.voxel_grid(pos, size, batch, start, end)
+
+
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+@torch.library.custom_op("fullgraph::voxel_grid", mutates_args=())
+def voxel_grid_op(pos: torch.Tensor, size: torch.Tensor, batch: torch.Tensor | None, start: torch.Tensor | None,
+                  end: torch.Tensor | None) -> torch.Tensor:
+    """cluster [N] int64 (see ``voxel_grid``); the value checks run here, where the values
+    are readable (eagerly and in compiled code, not inside a CUDA graph capture)."""
+    if _validate.values_readable(pos.device):
+        for name, value in (("size", size), ("start", start), ("end", end)):
+            if value is not None and not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{name}: expected finite values, got {value.tolist()}")
+        if not bool((size > 0).all()):
+            raise ValueError(f"size: expected voxel edges > 0, got {size.tolist()}")
+        if start is not None and end is not None and not bool((end >= start).all()):
+            raise ValueError(f"end: expected >= start in every dimension, got start {start.tolist()}, "
+                             f"end {end.tolist()}")
+        if pos.shape[0] and not bool(torch.isfinite(pos).all()):
+            raise ValueError("pos: expected finite coordinates (a voxel of NaN has no meaning)")
+    if pos.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=pos.device)
+    low = start if start is not None else pos.amin(0)
+    high = end if end is not None else pos.amax(0)
+    counts = torch.floor((high - low) / size).to(torch.int64) + 1
+    strides = torch.cat([counts.new_ones(1), torch.cumprod(counts, 0)])
+    cluster = (torch.floor((pos - low) / size).to(torch.int64) * strides[:-1]).sum(1)
+    if batch is None:
+        return cluster
+    # The item is one more coordinate with voxels of size 1 (PyG's layout), in integers: in the
+    # points' dtype a bfloat16 item id would round from 256 on.
+    first = batch.new_zeros(()) if start is not None else batch.amin()
+    return cluster + (batch - first) * strides[-1]
+
+
+@voxel_grid_op.register_fake
+def _(pos, size, batch, start, end):
+    return pos.new_empty(pos.shape[:1], dtype=torch.int64)
