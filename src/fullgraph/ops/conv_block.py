@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import _triton, _validate, backends
+from .. import _contract, _triton, _validate, backends
 from .._triton import cdiv, lazy, next_power_of_2
 
 kernels = lazy(f"{__package__}.conv_block_kernels")
@@ -285,6 +285,13 @@ def _backward(ctx, grad):
 conv_groupnorm_mish_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _check_block(x, weight, bias, gamma, beta, groups, *, eps=1e-5, scale=None, shift=None, residual=None,
+                 residual_weight=None, residual_bias=None, backend="auto") -> None:
+    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual, residual_weight, residual_bias)
+    BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2], argument="x")
+
+
+@_contract.checked(_check_block)
 def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float = 1e-5, scale=None, shift=None,
                         residual=None, residual_weight=None, residual_bias=None, backend: str = "auto"):
     """Conv1d ("same" padding) -> GroupNorm(groups) -> Mish in one operator, then the
@@ -314,7 +321,6 @@ def conv_groupnorm_mish(x, weight, bias, gamma, beta, groups: int, *, eps: float
         >>> fullgraph.conv_groupnorm_mish(x, w, zeros, ones, zeros, groups=2, scale=torch.rand(2, 8)).shape
         torch.Size([2, 8, 16])
     """
-    _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual, residual_weight, residual_bias)
     backend = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
                                argument="x").name
     return torch.ops.fullgraph.conv_groupnorm_mish(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift,

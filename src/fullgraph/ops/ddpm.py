@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from .. import _triton, _validate, backends
+from .. import _contract, _triton, _validate, backends
 from .._triton import cdiv, lazy
 
 kernels = lazy(f"{__package__}.ddpm_kernels")
@@ -90,8 +90,9 @@ def ddim_reference(model_output, sample, timestep, prev_timestep, alphas_cumprod
         x0, eps = (x - beta_t.sqrt() * out) / alpha_t.sqrt(), out
     if clip_sample:
         x0 = x0.clamp(-1, 1)
-    std = eta * ((1 - alpha_prev) / beta_t * (1 - alpha_t / alpha_prev)).sqrt()
-    prev = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std * std).sqrt() * eps
+    # Clamped at 0 as in the kernel: prev_timestep > timestep (DDIM inversion) has no variance.
+    std = eta * ((1 - alpha_prev) / beta_t * (1 - alpha_t / alpha_prev)).clamp(min=0).sqrt()
+    prev = alpha_prev.sqrt() * x0 + (1 - alpha_prev - std * std).clamp(min=0).sqrt() * eps
     if noise is not None:
         prev = prev + std * noise.to(compute)
     valid = (timestep >= 0) & (timestep < steps) & (prev_timestep < steps)
@@ -137,10 +138,11 @@ BACKENDS = _step_family("ddpm_step", _triton_step, reference)
 DDIM_BACKENDS = _step_family("ddim_step", _triton_ddim, ddim_reference)
 
 
-def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep=None) -> None:
-    """The contract both steps share (noise may be None only where the caller allows it)."""
+def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep=None, *,
+           ddim: bool = False) -> None:
+    """The contract both steps share (DDIM: a prev_timestep, and noise may be None)."""
     for name, value in (("sample", sample), ("model_output", model_output), ("noise", noise)):
-        if value is None and name == "noise":
+        if value is None and name == "noise" and ddim:
             continue
         _validate.floating(name, value)
         if name != "sample":
@@ -148,7 +150,7 @@ def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, p
             if value.shape != sample.shape:
                 raise ValueError(f"{name}: expected the shape of sample {tuple(sample.shape)}, got {tuple(value.shape)}")
     for name, value in (("timestep", timestep), ("prev_timestep", prev_timestep)):
-        if value is None and name == "prev_timestep":
+        if name == "prev_timestep" and not ddim:
             continue
         _validate.tensor(name, value)
         if value.dtype != torch.int64 or value.dim() != 0:
@@ -167,7 +169,7 @@ def _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, p
 
 def _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
                 predict_sample, set_alpha_to_one) -> None:
-    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep)
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, prev_timestep, ddim=True)
     eta = _validate.real("eta", eta, minimum=0.0, strict=False)
     if eta > 0 and noise is None:
         raise ValueError(f"noise: expected a tensor shaped like sample when eta > 0, got None (eta = {eta})")
@@ -191,6 +193,12 @@ def _(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backen
     return torch.empty_like(sample)
 
 
+def _check_ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sample=True, backend="auto"):
+    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
+    BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample")
+
+
+@_contract.checked(_check_ddpm_step)
 def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sample: bool = True,
               backend: str = "auto"):
     """One DDPM denoising step x_t -> x_{t-1} for an epsilon-predicting model.
@@ -216,7 +224,6 @@ def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sam
         >>> out.shape
         torch.Size([1, 16, 2])
     """
-    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
     backend = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample").name
     return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend)
 
@@ -243,6 +250,16 @@ def _(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta,
 PREDICTION_TYPES = ("epsilon", "sample")
 
 
+def _check_ddim_step(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise=None, *, eta=0.0,
+                     clip_sample=True, prediction_type="epsilon", set_alpha_to_one=True, backend="auto"):
+    if prediction_type not in PREDICTION_TYPES:
+        raise ValueError(f"prediction_type: expected one of {PREDICTION_TYPES}, got {prediction_type!r}")
+    _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
+                prediction_type == "sample", set_alpha_to_one)
+    DDIM_BACKENDS.resolve(backend, "ddim_step", sample.device, sample.dtype, argument="sample")
+
+
+@_contract.checked(_check_ddim_step)
 def ddim_step(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise=None, *, eta: float = 0.0,
               clip_sample: bool = True, prediction_type: str = "epsilon", set_alpha_to_one: bool = True,
               backend: str = "auto"):
@@ -262,6 +279,7 @@ def ddim_step(model_output, sample, timestep, prev_timestep, alphas_cumprod, noi
     Returns:
         x_prev, shaped like sample, in its dtype (computed in float32, or float64). A
         timestep outside [0, T) or a prev_timestep >= T gives NaN (on the device, no sync).
+        prev_timestep > timestep steps towards noise (DDIM inversion, with no variance).
 
     Example:
         >>> import torch, fullgraph
@@ -273,10 +291,7 @@ def ddim_step(model_output, sample, timestep, prev_timestep, alphas_cumprod, noi
         >>> fullgraph.ddim_step(torch.randn_like(x), x, steps[0], steps[1], alphas).shape
         torch.Size([1, 16, 2])
     """
-    if prediction_type not in PREDICTION_TYPES:
-        raise ValueError(f"prediction_type: expected one of {PREDICTION_TYPES}, got {prediction_type!r}")
     args = (model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
             prediction_type == "sample", set_alpha_to_one)
-    _check_ddim(*args)
     backend = DDIM_BACKENDS.resolve(backend, "ddim_step", sample.device, sample.dtype, argument="sample").name
     return torch.ops.fullgraph.ddim_step(*args[:6], float(eta), *args[7:], backend)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .. import _validate
+from .. import _contract, _validate
 from ..numpy import jit
 from .scaling import safe_scale
 
@@ -98,6 +98,16 @@ def _scale(name: str, *tensors: torch.Tensor) -> float:
     return float(safe_scale(largest))
 
 
+def _check_assign(x, centroids) -> None:
+    _points(x)
+    _validate.tensor("centroids", centroids)
+    _validate.rank("centroids", centroids, (2,), "[k, d]")
+    _validate.same_dtype_and_device("centroids", centroids, "x", x)
+    if centroids.shape[1] != x.shape[1] or centroids.shape[0] < 1:
+        raise ValueError(f"centroids: expected [k >= 1, {x.shape[1]}] like x [n, d], got {tuple(centroids.shape)}")
+
+
+@_contract.checked(_check_assign)
 def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """The nearest centroid of every point (the tutorial's k-means step).
 
@@ -113,11 +123,6 @@ def kmeans_assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
         >>> fullgraph.kmeans_assign(points, centroids).tolist()
         [1, 0]
     """
-    _points(x)
-    _validate.rank("centroids", centroids, (2,), "[k, d]")
-    _validate.same_dtype_and_device("centroids", centroids, "x", x)
-    if centroids.shape[1] != x.shape[1] or centroids.shape[0] < 1:
-        raise ValueError(f"centroids: expected [k >= 1, {x.shape[1]}] like x [n, d], got {tuple(centroids.shape)}")
     scale = _scale("x, centroids", x, centroids)
     if scale != 1.0:
         x, centroids = x / scale, centroids / scale

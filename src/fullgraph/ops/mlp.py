@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _triton, _validate, backends
+from .. import _contract, _triton, _validate, backends
 from .._triton import cdiv, lazy, next_power_of_2
 
 kernels = lazy(f"{__package__}.mlp_kernels")
@@ -238,6 +238,12 @@ def _backward(ctx, grad):
 narrow_mlp_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _check_mlp(x, weights, biases, *, backend="auto") -> None:
+    _check(x, weights, biases)
+    _resolve(backend, x, weights, running=False)  # an explicit backend's refusal, before anything runs
+
+
+@_contract.checked(_check_mlp)
 def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *, backend: str = "auto") -> Tensor:
     """``Linear(weights[0], biases[0]) -> ReLU -> ... -> Linear(weights[-1], biases[-1])`` on
     every row of x, each pass (forward, backward) one kernel on the "triton" backend.
@@ -268,8 +274,6 @@ def narrow_mlp(x: Tensor, weights: Sequence[Tensor], biases: Sequence[Tensor], *
         >>> fullgraph.narrow_mlp(x, [l.weight for l in layers], [l.bias for l in layers]).shape
         torch.Size([1000, 8])
     """
-    _check(x, weights, biases)
-    _resolve(backend, x, weights, running=False)  # an explicit backend's refusal, before anything runs
     if backend == "auto" and not (x.is_cuda and (torch.compiler.is_compiling() or _capturing(x))):
         # As called, or compiled for a device without the kernels: PyTorch's own layers (which
         # the compiler fuses and differentiates), without an operator's dispatch.

@@ -43,7 +43,7 @@ def test_gradient_flows_to_the_gathered_rows_only(generator):
     (torch.rand(9, 2), torch.zeros(3, 2, dtype=torch.int32), TypeError, "idx: expected int64"),
     (torch.rand(9, 2), torch.zeros(3, 2, 1, dtype=torch.int64), ValueError, "idx: expected shape [M, k]"),
     (torch.rand(2, 9, 2), torch.zeros(3, 4, 1, dtype=torch.int64), ValueError, "idx: expected batch size 2"),
-    (torch.rand(9, 2), torch.full((3, 2), 9), ValueError, "idx: expected indices in [-1, 9), got 9"),
+    (torch.rand(9, 2), torch.full((3, 2), 9), ValueError, "idx: expected indices in [-1, 9), got values in [9, 9]"),
     ([1.0], torch.zeros(3, 2, dtype=torch.int64), TypeError, "values: expected a torch.Tensor"),
 ])
 def test_bad_input(values, idx, error, message):

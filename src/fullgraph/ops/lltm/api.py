@@ -19,7 +19,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ... import _validate, backends
+from ... import _contract, _validate, backends
 from . import reference
 from .build import load, missing_tools, prebuilt_library
 
@@ -177,6 +177,12 @@ def _check_backward(grad_h, grad_cell, gates, new_cell) -> None:
                              f"{list(new_cell.shape)}, got {list(value.shape)}")
 
 
+def _check_lltm(input, weights, bias, old_h, old_cell, *, backend="auto") -> None:
+    _check(input, weights, bias, old_h, old_cell)
+    _validate.choice("backend", backend, BACKENDS.names)
+
+
+@_contract.checked(_check_lltm, outputs=2)
 def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):
     """One step of the LLTM cell (PyTorch's LLTM extension tutorial): gates from [old_h, input] in one matrix product,
     sigmoid input and output gates, an ELU candidate cell and no forget gate.
@@ -206,7 +212,5 @@ def lltm(input, weights, bias, old_h, old_cell, *, backend: str = "auto"):
         >>> tuple(new_h.shape), tuple(new_cell.shape)
         ((4, 128), (4, 128))
     """
-    _check(input, weights, bias, old_h, old_cell)
-    _validate.choice("backend", backend, BACKENDS.names)
     return BACKENDS.get(_backend(backend, input.device.type, input.dtype)).implementation(
         input, weights, bias, old_h, old_cell)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _validate
+from ... import _contract, _validate
 from .batching import Padded, check_batch
 from . import registration
 from .registration import check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
@@ -207,6 +207,16 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     return _unbatch(result, unbatched)
 
 
+def _check_aggregate(query, ref, features, *args, query_lengths=None, ref_lengths=None, batch_query=None,
+                     batch_ref=None, **options) -> None:
+    """The aggregations' cloud and feature checks, on the tensors as given (the operators
+    see them batched: their messages would name other shapes)."""
+    if batch_query is None and batch_ref is None:
+        check_clouds(query, ref, query_lengths, ref_lengths, batched_only=False)
+        check_features(features, ref)
+
+
+@_contract.checked(_check_aggregate)
 def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref_lengths=None, batch_query=None,
                   batch_ref=None, backend="auto"):
     """Features of the k nearest references, softmax-weighted by distance.
@@ -241,6 +251,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
     return out[0] if unbatched else out
 
 
+@_contract.checked(_check_aggregate)
 def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=None, ref_lengths=None,
                      batch_query=None, batch_ref=None, backend="auto"):
     """Features of **all** references within ``radius``, weighted by exp(-d / sigma).
@@ -276,6 +287,39 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
     return out[0] if unbatched else out
 
 
+def _check_gather(values, idx, *, fill=0.0) -> None:
+    _validate.tensor("values", values)
+    _validate.tensor("idx", idx)
+    if idx.dtype != torch.int64:
+        raise TypeError(f"idx: expected int64 neighbour lists, got {idx.dtype}")
+    _validate.rank("values", values, (2, 3), "[N, C] or [B, N, C]")
+    _validate.rank("idx", idx, (values.dim(),), "[M, k] like values [N, C]" if values.dim() == 2 else
+                   "[B, M, k] like values [B, N, C]")
+    if idx.device != values.device:
+        raise ValueError(f"idx: expected a tensor on {values.device} like values, got {idx.device}")
+    if values.dim() == 3 and idx.shape[0] != values.shape[0]:
+        raise ValueError(f"idx: expected batch size {values.shape[0]} like values, got shape {tuple(idx.shape)}")
+    if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+        raise TypeError(f"fill: expected a float, got {_validate._describe(fill)}")
+
+
+@torch.library.custom_op("fullgraph::gather_rows", mutates_args=())
+def gather_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """idx with padding (-1) as row 0, after checking (where values are readable: eagerly and
+    in compiled code, not in a CUDA graph capture) that every index is in [-1, rows)."""
+    if idx.numel() and _validate.values_readable(idx.device):
+        low, high = int(idx.min()), int(idx.max())
+        if low < -1 or high >= rows:
+            raise ValueError(f"idx: expected indices in [-1, {rows}), got values in [{low}, {high}]")
+    return idx.clamp(min=0)
+
+
+@gather_rows.register_fake
+def _(idx, rows):
+    return torch.empty_like(idx)
+
+
+@_contract.checked(_check_gather)
 def knn_gather(values, idx, *, fill: float = 0.0):
     """Rows of ``values`` at neighbour lists ``idx``, with padded slots (-1) set to ``fill``.
 
@@ -301,20 +345,6 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         >>> fullgraph.knn_gather(feats, idx).shape
         torch.Size([6, 8, 4])
     """
-    if _checking():
-        _validate.tensor("values", values)
-        _validate.tensor("idx", idx)
-        if idx.dtype != torch.int64:
-            raise TypeError(f"idx: expected int64 neighbour lists, got {idx.dtype}")
-        _validate.rank("values", values, (2, 3), "[N, C] or [B, N, C]")
-        _validate.rank("idx", idx, (values.dim(),), "[M, k] like values [N, C]" if values.dim() == 2 else
-                       "[B, M, k] like values [B, N, C]")
-        if idx.device != values.device:
-            raise ValueError(f"idx: expected a tensor on {values.device} like values, got {idx.device}")
-        if values.dim() == 3 and idx.shape[0] != values.shape[0]:
-            raise ValueError(f"idx: expected batch size {values.shape[0]} like values, got shape {tuple(idx.shape)}")
-        if idx.numel() and _validate.values_readable(idx.device) and int(idx.max()) >= values.shape[-2]:
-            raise ValueError(f"idx: expected indices in [-1, {values.shape[-2]}), got {int(idx.max())}")
     unbatched = values.dim() == 2
     values, idx = (values[None], idx[None]) if unbatched else (values, idx)
     batch, rows, channels = values.shape
@@ -322,7 +352,7 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         out = values.new_full((*idx.shape, channels), fill)
         return out[0] if unbatched else out
     offsets = (torch.arange(batch, device=idx.device) * rows).view(batch, 1, 1)
-    out = values.reshape(batch * rows, channels)[(idx.clamp(min=0) + offsets).reshape(-1)]
+    out = values.reshape(batch * rows, channels)[(torch.ops.fullgraph.gather_rows(idx, rows) + offsets).reshape(-1)]
     out = out.reshape(*idx.shape, channels).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ... import _validate
-from . import api, reference
+from ... import _contract, _validate
+from . import api, reference, registration
 from .registration import check_clouds
 
 
@@ -30,6 +30,19 @@ def _first_within(p1, p2, K, radius, lengths1, lengths2) -> torch.Tensor:
     return idx
 
 
+def _check_ball_query(p1, p2, lengths1=None, lengths2=None, K=500, radius=0.2, return_nn=True, *, order="first",
+                      backend="auto") -> None:
+    check_clouds(p1, p2, lengths1, lengths2)
+    _validate.integer("K", K, minimum=1)
+    _validate.real("radius", radius, minimum=0.0, strict=False)
+    _validate.choice("order", order, ("first", "nearest"))
+    if not isinstance(return_nn, bool):
+        raise TypeError(f"return_nn: expected a bool, got {_validate._describe(return_nn)}")
+    if order == "nearest":
+        registration.BACKENDS.resolve(backend, "radius", p1.device, p1.dtype, p1.shape[-1], K, "p1", "K")
+
+
+@_contract.checked(_check_ball_query, outputs=3)
 def ball_query(p1, p2, lengths1=None, lengths2=None, K=500, radius=0.2, return_nn=True, *, order="first",
                backend="auto"):
     """Neighbours within ``radius``: PyTorch3D's ``ball_query`` arguments and outputs.
@@ -45,10 +58,6 @@ def ball_query(p1, p2, lengths1=None, lengths2=None, K=500, radius=0.2, return_n
         dists [B, P1, K] squared distances (0 padded; differentiable w.r.t. p1 and p2),
         idx [B, P1, K] int64 (-1 padded), nn [B, P1, K, D] (zeros padded) or None.
     """
-    check_clouds(p1, p2, lengths1, lengths2)
-    K = _validate.integer("K", K, minimum=1)
-    radius = _validate.real("radius", radius, minimum=0.0, strict=False)
-    _validate.choice("order", order, ("first", "nearest"))
     if order == "nearest":
         _, idx, _ = api.radius(p1, p2, radius, K, query_lengths=lengths1, ref_lengths=lengths2, backend=backend)
     else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import _validate
+from ... import _contract, _validate
 from . import api
 from .batching import check_batch
 from .registration import check_list_width, kernels
@@ -123,6 +123,23 @@ def _oriented(edge_index: Tensor, flow: str) -> Tensor:
     return edge_index.flip(0) if flow == "source_to_target" else edge_index
 
 
+def _check_graph(count_name: str, count, loop, flow) -> None:
+    _validate.integer(count_name, count, minimum=1)
+    _validate.choice("flow", flow, FLOWS)
+    if not isinstance(loop, bool):
+        raise TypeError(f"loop: expected a bool, got {_validate._describe(loop)}")
+
+
+def _check_knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend="auto") -> None:
+    _check_graph("k", k, loop, flow)
+
+
+def _check_radius_graph(x, r, batch=None, loop=False, max_num_neighbors=32, flow="source_to_target", *,
+                        backend="auto") -> None:
+    _check_graph("max_num_neighbors", max_num_neighbors, loop, flow)
+
+
+@_contract.checked(_check_knn_graph)
 def knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend="auto"):
     """``torch_cluster.knn_graph``: the k-nearest-neighbour graph of the points x [N, D].
 
@@ -131,8 +148,6 @@ def knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend=
     ``flow="source_to_target"`` returns edges (neighbour j, point i), the message-passing
     direction PyG uses; "target_to_source" returns (i, j). Returns edge_index [2, E].
     """
-    _validate.integer("k", k, minimum=1)
-    _validate.choice("flow", flow, FLOWS)
     if loop:
         edges = torch.ops.fullgraph.knn_edges(x, x, k, batch, batch, False, backend)
     else:
@@ -140,11 +155,10 @@ def knn_graph(x, k, batch=None, loop=False, flow="source_to_target", *, backend=
     return _oriented(edges, flow)
 
 
+@_contract.checked(_check_radius_graph)
 def radius_graph(x, r, batch=None, loop=False, max_num_neighbors=32, flow="source_to_target", *, backend="auto"):
     """``torch_cluster.radius_graph``: edges between points of x [N, D] within ``r``, at most
     ``max_num_neighbors`` per point (the nearest; without ``loop`` one more is searched and
     the point itself dropped). ``flow`` as in :func:`knn_graph`. Returns edge_index [2, E]."""
-    _validate.integer("max_num_neighbors", max_num_neighbors, minimum=1)
-    _validate.choice("flow", flow, FLOWS)
     cap = max_num_neighbors if loop else max_num_neighbors + 1
     return _oriented(torch.ops.fullgraph.radius_edges(x, x, r, batch, batch, cap, not loop, backend), flow)

@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from ... import _triton, _validate, backends
+from ... import _contract, _triton, _validate, backends
 from ..._triton import cdiv, lazy, next_power_of_2
 from ..neighbors.batching import Padded, check_batch
 from ..neighbors.pairs import accumulation_dtype, valid_points, valid_points_and_largest
@@ -193,6 +193,41 @@ def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, r
     return torch.ops.fullgraph.farthest_points(x, lengths, start, count, chosen)
 
 
+def _check_fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start=True, generator=None,
+               backend="auto") -> None:
+    _validate.floating("x", x)
+    _validate.rank("x", x, (2, 3), "[N, D] (with a batch vector) or [B, N, D] (with lengths)")
+    if (ratio is None) == (n_samples is None):
+        raise ValueError(f"ratio, n_samples: expected exactly one of them, got ratio={ratio!r}, "
+                         f"n_samples={n_samples!r}")
+    if ratio is not None:
+        ratio = _validate.real("ratio", ratio, minimum=0.0, strict=True)
+        if ratio > 1:
+            raise ValueError(f"ratio: expected a fraction in (0, 1], got {ratio}")
+    if n_samples is not None:
+        _validate.integer("n_samples", n_samples, minimum=1)
+    if not isinstance(random_start, bool):
+        raise TypeError(f"random_start: expected a bool, got {_validate._describe(random_start)}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
+    BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[-1], x.shape[-2], "x")
+    if x.dim() == 3:
+        if batch is not None:
+            raise ValueError("batch: only for flat clouds [N, D]; padded clouds [B, N, D] take lengths")
+        size = x.shape[1]
+        count = n_samples if n_samples is not None else max(1, math.ceil(ratio * size))
+        if count > max(size, 1):
+            raise ValueError(f"n_samples: expected at most N = {size} points per cloud, got {count}")
+        if lengths is not None:
+            _validate.lengths("lengths", lengths, x.shape[0], size, x.device)
+        return
+    if lengths is not None:
+        raise ValueError("lengths: only for padded clouds [B, N, D]; flat clouds [N, D] take a batch vector")
+    if batch is not None:
+        check_batch("batch", batch, x)
+
+
+@_contract.checked(_check_fps)
 def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start=True, generator=None,
         backend: str = "auto"):
     """Farthest-point sampling of one or many point clouds.
@@ -224,34 +259,9 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
         >>> fullgraph.fps(x, 0.25, random_start=False).shape
         torch.Size([250])
     """
-    _validate.floating("x", x)
-    _validate.rank("x", x, (2, 3), "[N, D] (with a batch vector) or [B, N, D] (with lengths)")
-    if (ratio is None) == (n_samples is None):
-        raise ValueError(f"ratio, n_samples: expected exactly one of them, got ratio={ratio!r}, "
-                         f"n_samples={n_samples!r}")
-    if ratio is not None:
-        ratio = _validate.real("ratio", ratio, minimum=0.0, strict=True)
-        if ratio > 1:
-            raise ValueError(f"ratio: expected a fraction in (0, 1], got {ratio}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator: expected a torch.Generator, got {type(generator).__name__}")
     if x.dim() == 3:
-        if batch is not None:
-            raise ValueError("batch: only for flat clouds [N, D]; padded clouds [B, N, D] take lengths")
-        size = x.shape[1]
-        count = _validate.integer("n_samples", n_samples, minimum=1) if n_samples is not None else max(
-            1, math.ceil(ratio * size))
-        if count > max(size, 1):
-            raise ValueError(f"n_samples: expected at most N = {size} points per cloud, got {count}")
-        if lengths is not None:
-            _validate.lengths("lengths", lengths, x.shape[0], size, x.device)
+        count = n_samples if n_samples is not None else max(1, math.ceil(ratio * x.shape[1]))
         return farthest_points(x, lengths, count, random_start, generator, backend)
-    if lengths is not None:
-        raise ValueError("lengths: only for padded clouds [B, N, D]; flat clouds [N, D] take a batch vector")
-    if batch is not None:
-        check_batch("batch", batch, x)
-    if n_samples is not None:
-        _validate.integer("n_samples", n_samples, minimum=1)
     layout = Padded.of(batch, x.shape[0], x.device)
     sizes = layout.lengths.tolist()  # the one host read: the output length depends on it
     wanted = [min(n, n_samples) if n_samples is not None else math.ceil(ratio * n) for n in sizes]

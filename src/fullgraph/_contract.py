@@ -1,0 +1,121 @@
+"""One error contract, compiled or not: a public function refuses bad input with the same
+TypeError / ValueError (type and message) eagerly and under ``torch.compile(fullgraph=True)``.
+
+Eagerly a function's own checks raise. While torch.compile traces, an exception raised in the
+traced code would end the trace (torch._dynamo.exc.Unsupported), so ``checked`` runs the
+function's check outside the trace (``torch._dynamo.nonstrict_trace``: real Python on the
+traced values); where it refuses, the graph gets an operator that raises that error when the
+compiled code runs, and the function's body is not traced. Where it accepts, nothing is added
+to the graph: the guards the check placed on shapes recompile for inputs it would refuse.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+_REFUSALS = {error.__name__: error for error in (TypeError, ValueError)}
+_CHECKS: dict[str, Callable] = {}
+# Leaves nonstrict_trace cannot take travel as a marker string and come back as stand-ins.
+_MARKER = "\0fullgraph:"
+_PASSABLE = (torch.Tensor, bool, int, float, str, torch.dtype, torch.device, list, tuple)
+
+
+class Unknown:
+    """Stands in for an argument of a type the check cannot be shown while tracing."""
+
+    def __init__(self, type_name: str):
+        self.type_name = type_name
+
+    def __repr__(self):
+        return f"<{self.type_name}>"
+
+
+@torch.library.custom_op("fullgraph::refuse", mutates_args=())
+def refuse(kind: str, message: str, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Raise the refusal ``kind`` (TypeError or ValueError) with ``message``; its fake
+    returns tensors like ``like``, standing in for the refused call's outputs."""
+    raise _REFUSALS[kind](message)
+
+
+@refuse.register_fake
+def _(kind, message, like):
+    return [torch.empty_like(tensor) for tensor in like]
+
+
+def _marked(value):
+    """An argument as nonstrict_trace takes it (traced: runs under torch.compile)."""
+    if value is None:
+        return _MARKER + "None"
+    if isinstance(value, torch.Generator):
+        return _MARKER + "Generator"
+    if isinstance(value, (list, tuple)):
+        return type(value)(_marked(v) for v in value)
+    if isinstance(value, _PASSABLE):
+        return value
+    return _MARKER + type(value).__name__
+
+
+def _restored(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restored(v) for v in value)
+    if isinstance(value, str) and value.startswith(_MARKER):
+        name = value.removeprefix(_MARKER)
+        return None if name == "None" else torch.Generator() if name == "Generator" else Unknown(name)
+    return value
+
+
+def _concrete(value):
+    """``value`` with symbolic sizes and numbers made concrete (each a guard): messages then
+    name the values, as eagerly."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_concrete(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided([int(s) for s in value.shape], [int(s) for s in value.stride()],
+                                   dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
+    if isinstance(value, torch.SymInt):
+        return int(value)
+    if isinstance(value, torch.SymFloat):
+        return float(value)
+    if isinstance(value, torch.SymBool):
+        return bool(value)
+    return value
+
+
+@torch._dynamo.nonstrict_trace
+def _refusal(name: str, args, kwargs, outputs: int):
+    check = _CHECKS[name]
+    args, kwargs = _restored(args), _restored(kwargs)
+    try:
+        check(*args, **kwargs)
+    except tuple(_REFUSALS.values()) as error:
+        try:
+            check(*_concrete(args), **_concrete(kwargs))
+        except tuple(_REFUSALS.values()) as exact:
+            error = exact
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        like = first if first is not None else torch.empty(0)
+        return torch.ops.fullgraph.refuse(type(error).__name__, str(error), [like] * outputs)
+    return []
+
+
+def checked(check: Callable, outputs: int = 1):
+    """Decorator of a public function whose argument checks are ``check`` (same signature;
+    raises TypeError / ValueError, never reads tensor values while compiling), run before
+    the function's body; ``outputs``: how many tensors the function returns (1: one tensor,
+    not a tuple)."""
+    name = f"{check.__module__}.{check.__qualname__}"
+    _CHECKS[name] = check
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def public(*args, **kwargs):
+            if not torch.compiler.is_compiling():
+                check(*args, **kwargs)
+            elif refused := _refusal(name, _marked(args), {k: _marked(v) for k, v in kwargs.items()}, outputs):
+                return refused[0] if outputs == 1 else tuple(refused)
+            return fn(*args, **kwargs)
+        return public
+    return decorate
