@@ -62,3 +62,32 @@ def test_cli_explains_a_workload(capsys):
     assert main(["explain", "lltm", "--device", "cpu", "--no-code"]) == 0
     out = capsys.readouterr().out
     assert "lltm / document eager" in out and "graphs: 1, graph breaks: 0" in out
+
+
+@pytest.mark.slow
+def test_a_failing_code_generation_is_reported_not_raised(monkeypatch):
+    """Inductor's C++ compiler missing (or crashing, as GCC can on large kernels): the report
+    still has the graphs and says why there is no generated code."""
+    from torch._inductor import config
+
+    monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler",))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    report = fullgraph.explain(lambda x: (x.sin() * 2).sum(), torch.rand(64))
+    assert report.graphs == 1 and not report.generated and report.generated_error
+    assert "generated code: none, the compilation failed" in str(report)
+
+
+def test_the_explain_command_lists_the_workloads_that_explain():
+    import fullgraph_cli
+
+    from fullgraph.bench import WORKLOADS
+
+    declaring = set()
+    for name, workload in WORKLOADS.items():
+        try:
+            cases = workload.build(workload.sizes["tiny" if "tiny" in workload.sizes else "seed"], torch.device("cpu"))
+        except (ValueError, RuntimeError):  # needs CUDA or torchrun here: declares no explain either
+            continue
+        if any(case.explain is not None for case in cases):
+            declaring.add(name)
+    assert declaring == set(fullgraph_cli.EXPLAINABLE)

@@ -52,6 +52,19 @@ def test_jitted_functions_inside_an_enclosing_compiled_graph(dynamic):
         torch.compile(lambda x: single(x), fullgraph=True)(x.float())
 
 
+@fullgraph.numpy.jit
+def _needs_three_rows(x):
+    if x.shape[0] < 3:
+        raise ValueError(f"x: expected at least 3 rows, got {x.shape[0]}")
+    return x * 2
+
+
+def test_the_functions_own_errors_reach_the_caller():
+    with pytest.raises(ValueError, match="x: expected at least 3 rows, got 2"):
+        _needs_three_rows(torch.rand(2))
+    assert _needs_three_rows(torch.ones(3)).tolist() == [2.0, 2.0, 2.0]
+
+
 def _branchy(x):
     if x.sum() > 0:  # a branch on array values: not one graph
         return x

@@ -49,11 +49,16 @@ def same_dtype_and_device(name: str, value: torch.Tensor, other_name: str, other
         raise TypeError(f"{name}: expected {other.dtype} like {other_name}, got {value.dtype}")
 
 
+INT64_MAX = 2**63 - 1
+
+
 def integer(name: str, value, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {_describe(value)}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(f"{name}: expected an int below 2**63, got {value}")
     return int(value)
 
 

@@ -4,6 +4,7 @@ run here."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -18,6 +19,9 @@ def _usage(message: str):
     raise SystemExit(2)
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
 def _output(path: Path | None, flag: str) -> None:
     """Refuse an output path that cannot be written, before the run."""
     if path is None:
@@ -28,6 +32,20 @@ def _output(path: Path | None, flag: str) -> None:
     existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
     if not existing.is_dir() or not os.access(existing, os.W_OK):
         _usage(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
+    if existing != folder:
+        _usage(f"{flag} {path}: the folder {folder} does not exist (create it first)")
+    if flag.endswith("--plot"):
+        if path.suffix.lower() not in PLOT_FORMATS:
+            _usage(f"{flag} {path}: expected an image file name ending in {', '.join(PLOT_FORMATS)}")
+        if importlib.util.find_spec("matplotlib") is None:
+            _usage(f"{flag}: plots need matplotlib (pip install matplotlib, or \"fullgraph[bench]\")")
+
+
+def _default_size(workload: str, gpu: bool) -> str:
+    """seed on CUDA; small on CPUs where the workload has it, else its seed size."""
+    from .bench import WORKLOADS
+
+    return "small" if not gpu and "small" in WORKLOADS[workload].sizes else "seed"
 
 
 def _size(workload: str, size: str) -> str:
@@ -99,7 +117,7 @@ def _bench(args) -> int:
     rank = torch.distributed.get_rank() if ranked is not None else 0
     device = _device(args.device) if args.device is not None or ranked is None else ranked
     gpu = device.type == "cuda"
-    size = _size(args.workload, args.size or ("seed" if gpu else "small"))
+    size = _size(args.workload, args.size or _default_size(args.workload, gpu))
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:
@@ -170,7 +188,7 @@ def _profile(args) -> int:
     from .bench.profile import profile_workload
 
     device = _device(args.device)
-    size = _size(args.workload, args.size or ("seed" if device.type == "cuda" else "small"))
+    size = _size(args.workload, args.size or _default_size(args.workload, device.type == "cuda"))
     if args.rows < 1:
         _usage(f"--rows must be >= 1, got {args.rows}")
     try:

@@ -37,6 +37,7 @@ class Explanation:
     breaks: list[Break]
     ops_per_graph: list[int]  # operator, method and module calls in each graph
     generated: list[str] = field(default_factory=list)  # files Inductor wrote for this function
+    generated_error: str | None = None  # why there is no generated code (the compilation failed)
     recompiles: list[Recompile] = field(default_factory=list)  # over the calls given
 
     def __str__(self) -> str:
@@ -45,6 +46,8 @@ class Explanation:
         lines += [f"  break at {b.where}: {b.reason}" for b in self.breaks]
         lines += [f"  recompiled {r.function} at call {r.call}: {'; '.join(r.guards)}" for r in self.recompiles]
         lines += [f"  generated code: {path}" for path in self.generated]
+        if self.generated_error:
+            lines.append(f"  generated code: none, the compilation failed ({self.generated_error})")
         return "\n".join(lines)
 
 
@@ -117,5 +120,9 @@ def explain(fn, *args, calls=(), generated_code: bool = True, **kwargs) -> Expla
         report.recompiles = _recompiles(fn, [args, *calls], kwargs)
     if generated_code:
         torch._dynamo.reset()
-        report.generated = _generated(fn, args, kwargs)
+        try:
+            report.generated = _generated(fn, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - the C++ or CUDA compiler failing is part of the report
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            report.generated_error = f"{type(error).__name__}: {first}"
     return report

@@ -160,6 +160,9 @@ class NumpyFunction:
                     out = self._compiled_for(args, kwargs)(*args, **kwargs)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
                     torch._dynamo.exc.TorchRuntimeError) as error:
+                if isinstance(error.__cause__, torch._dynamo.exc.ObservedException):
+                    # The function raised an exception of its own: run it in NumPy to raise that.
+                    self._run_eagerly(args, kwargs, device)
                 raise NumpyCompileError(
                     f"{self.__name__}: torch.compile cannot trace this NumPy code as one graph.\n{error}\n"
                     "Rewrite that construct without it (e.g. np.where instead of an `if` on array values, no "

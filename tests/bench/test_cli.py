@@ -74,6 +74,13 @@ def test_bad_arguments(capsys, tmp_path):
     assert "cannot write there" in _usage_error(
         ["bench", "knn-projector", "--device", "cpu", "--json", str(blocked / "rows.json")], capsys)
     assert "is a folder" in _usage_error(["bench", "knn-projector", "--device", "cpu", "--plot", str(tmp_path)], capsys)
+    assert "expected an image file name ending in .png" in _usage_error(
+        ["bench", "knn-projector", "--device", "cpu", "--plot", str(tmp_path / "out.txt")], capsys)
+    assert "does not exist (create it first)" in _usage_error(
+        ["bench", "knn-projector", "--device", "cpu", "--json", str(tmp_path / "no" / "such" / "rows.json")], capsys)
+    assert "--variants: no variant contains 'zzzz'" in _usage_error(
+        ["bench", "knn-projector", "--device", "cpu", "--variants", "zzzz", "--json", str(tmp_path / "v.json")], capsys)
+    assert not (tmp_path / "v.json").exists()  # refused before any row was timed
 
 
 def test_a_world_size_without_torchrun_is_a_usage_error(capsys, monkeypatch):
@@ -86,15 +93,17 @@ def test_a_world_size_without_torchrun_is_a_usage_error(capsys, monkeypatch):
 
 def test_report_names_the_bad_file(tmp_path, capsys):
     good = tmp_path / "good.json"
-    row = {key: "x" for key in ("workload", "size", "params", "variant", "phase", "device", "torch", "triton",
-                                "commit")}
+    row = {key: "x" for key in ("workload", "size", "variant", "phase", "device", "torch", "triton", "commit")}
+    row["params"] = {}
     good.write_text(json.dumps([{**row, "error": "RuntimeError: boom"}]))
+    timed = {**row, "median_ms": "fast", "speedup_vs_eager": 1.0, "peak_memory_bytes": 0, "first_call_s": 0.1}
     cases = {
         "missing.json": (None, "no such file"),
         "empty.json": ("", "the file is empty"),
         "broken.json": ("[{", "not JSON"),
         "object.json": ('{"a": 1}', "expected a non-empty list of benchmark rows"),
         "rows.json": ('[{"variant": "v"}]', "row 0 lacks workload"),
+        "types.json": (json.dumps([timed]), "row 0: median_ms is str 'fast', expected a number"),
     }
     for name, (text, message) in cases.items():
         path = tmp_path / name

@@ -76,10 +76,25 @@ def test_kmeans_plus_plus_finds_separated_blobs():
     (lambda x: fullgraph.kmeans(x, 3, max_iter=0), "max_iter: expected an int"),
     (lambda x: fullgraph.kmeans(x.long(), 3), "x: expected a floating-point tensor"),
     (lambda x: fullgraph.kmeans_assign(x, torch.zeros(3, 5, dtype=x.dtype)), r"centroids: expected \[k >= 1, 2\]"),
+    (lambda x: fullgraph.kmeans(x[:, :0], 3), r"x: expected at least one coordinate \(d >= 1\)"),
+    (lambda x: fullgraph.kmeans(x.bfloat16(), 3), "x: expected float32 or float64 points"),
+    (lambda x: fullgraph.kmeans_assign(x.bfloat16(), x[:3].bfloat16()), "x: expected float32 or float64 points"),
+    (lambda x: fullgraph.kmeans(x, 3, seed="abc"), "seed: expected an int or None, got str 'abc'"),
+    (lambda x: fullgraph.kmeans(x, 3, max_iter=True), "max_iter: expected an int >= 1, got True"),
+    (lambda x: fullgraph.KMeans(3, max_iter=True).fit(x), "max_iter: expected an int >= 1, got True"),
 ])
 def test_bad_input(call, message):
     with pytest.raises((ValueError, TypeError), match=message):
         call(_blobs(10))
+
+
+def test_the_estimator_takes_what_scikit_learn_takes():
+    """Integer arrays (converted to float64) and NumPy integers for n_clusters."""
+    x = np.concatenate([np.zeros((20, 2), dtype=np.int64), np.full((20, 2), 9, dtype=np.int64)])
+    model = fullgraph.KMeans(np.int64(2), random_state=0, backend="fullgraph").fit(x)
+    assert sorted(np.bincount(model.labels_).tolist()) == [20, 20]
+    assert model.cluster_centers_.dtype == np.float64
+    assert fullgraph.kmeans(torch.from_numpy(x).double(), np.int32(2), seed=0).centroids.shape == (2, 2)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -119,7 +119,20 @@ def read_json(path: Path) -> list[dict]:
         missing = [key for key in ROW_KEYS + (() if "error" in row else TIMED_KEYS) if key not in row]
         if missing:
             raise ReportError(f"{path}: row {i} lacks {', '.join(missing)}: not a fullgraph bench row")
+        for key, value in row.items():
+            expected = _FIELD_TYPES.get(key)
+            if expected is not None and (isinstance(value, bool) or not isinstance(value, expected[0])):
+                raise ReportError(f"{path}: row {i}: {key} is {type(value).__name__} {value!r:.40}, expected "
+                                  f"{expected[1]}")
     return rows
+
+
+_TEXT, _NUMBER = ((str,), "a string"), ((int, float), "a number")
+# The types of the fields the tables and plots read (others are shown as they are).
+_FIELD_TYPES = {**{key: _TEXT for key in ("workload", "size", "variant", "phase", "device", "torch", "commit")},
+                "triton": ((str, type(None)), "a string or null"), "params": ((dict,), "an object"),
+                **{key: _NUMBER for key in ("median_ms", "p10_ms", "p90_ms", "peak_memory_bytes", "first_call_s")},
+                "speedup_vs_eager": ((int, float, type(None)), "a number or null")}
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -71,9 +71,13 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
     # Every variant compiles the same forward code on its own module: a cache entry each.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     env = environment(device)
-    rows, names = [], []
-    for case in workload.build(params, device):
-        names.append(case.variant)
+    rows = []
+    cases = workload.build(params, device)
+    names = [case.variant for case in cases]
+    if variants and not any(selected(n, variants, "") for n in names):  # before anything runs
+        raise ValueError(f"--variants: no variant contains {' or '.join(map(repr, variants))}; "
+                         f"its variants are {', '.join(map(repr, names))}")
+    for case in cases:
         if not selected(case.variant, variants, workload.baseline):
             continue
         # torch.compile caches per code object: variants that run the same model code
@@ -105,9 +109,6 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                 on_row(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if variants and not any(selected(n, variants, "") for n in names):
-        raise ValueError(f"--variants: no variant contains {' or '.join(map(repr, variants))}; "
-                         f"its variants are {', '.join(map(repr, names))}")
     _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
 

@@ -188,6 +188,9 @@ def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, re
         raise ValueError(f"x: expected at least one time step, got shape {list(x.shape)}")
     _validate.rank("weight", weight, (3,), "[C_out, C_in, kernel]")
     c_out, c_in, kernel = weight.shape
+    if x.shape[1] < 1 or c_out < 1:
+        raise ValueError(f"x, weight: expected at least one input and one output channel, got x {list(x.shape)}, "
+                         f"weight {list(weight.shape)}")
     if c_in != x.shape[1]:
         raise ValueError(f"weight: expected [C_out, C_in = {x.shape[1]}, kernel] for x {list(x.shape)}, got "
                          f"{list(weight.shape)}")

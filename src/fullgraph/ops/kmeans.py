@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import numbers
 from typing import NamedTuple
 
 import numpy as np
@@ -80,7 +81,11 @@ class KMeansResult(NamedTuple):
 
 def _points(x: torch.Tensor) -> None:
     _validate.floating("x", x)
+    if x.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"x: expected float32 or float64 points (k-means computes in their dtype), got {x.dtype}")
     _validate.rank("x", x, (2,), "[n, d]")
+    if x.shape[1] < 1:
+        raise ValueError(f"x: expected at least one coordinate (d >= 1), got shape {tuple(x.shape)}")
 
 
 def _scale(name: str, *tensors: torch.Tensor) -> float:
@@ -178,21 +183,25 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int 
         >>> sorted(result.labels.bincount().tolist())
         [50, 50]
     """
-    x, init, scale = _checked(x, n_clusters, init, max_iter, tol)
-    return _rescaled(_lloyd(x, n_clusters, init, max_iter, tol, seed), scale)
+    x, init, scale = _checked(x, n_clusters, init, max_iter, tol, seed)
+    return _rescaled(_lloyd(x, int(n_clusters), init, int(max_iter), float(tol), seed), scale)
 
 
-def _checked(x, n_clusters, init, max_iter, tol):
+def _checked(x, n_clusters, init, max_iter, tol, seed=None):
     """(x, init, scale): the arguments checked, x and a tensor init made contiguous and
     divided by ``scale``, the power of two of ``_scale``."""
     _points(x)
     n = x.shape[0]
-    if isinstance(n_clusters, bool) or not isinstance(n_clusters, int) or not 1 <= n_clusters <= n:
+    if isinstance(n_clusters, bool) or not isinstance(n_clusters, numbers.Integral) or not 1 <= n_clusters <= n:
         raise ValueError(f"n_clusters: expected an int in [1, {n}] (at most the number of points), got {n_clusters!r}")
-    if not isinstance(max_iter, int) or max_iter < 1:
+    if isinstance(max_iter, bool) or not isinstance(max_iter, numbers.Integral) or max_iter < 1:
         raise ValueError(f"max_iter: expected an int >= 1, got {max_iter!r}")
-    if not (isinstance(tol, (int, float)) and math.isfinite(tol) and tol >= 0):
+    if isinstance(tol, bool) or not (isinstance(tol, numbers.Real) and math.isfinite(tol) and tol >= 0):
         raise ValueError(f"tol: expected a finite number >= 0, got {tol!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+        raise TypeError(f"seed: expected an int or None, got {_validate._describe(seed)}")
+    if isinstance(init, str) and init != "k-means++":
+        raise ValueError(f"init: expected 'k-means++' or a [{n_clusters}, {x.shape[1]}] tensor, got {init!r}")
     x = x.contiguous()
     if isinstance(init, torch.Tensor):
         _validate.same_dtype_and_device("init", init, "x", x)
@@ -298,9 +307,19 @@ class KMeans:
 
     @staticmethod
     def _tensor(name: str, x):
+        """(tensor, whether it came as an array): arrays of other numbers (ints, bools, lists)
+        become float64, as scikit-learn converts them."""
+        if isinstance(x, (list, tuple)):
+            x = np.asarray(x)
         if isinstance(x, np.ndarray):
+            if x.dtype not in (np.float32, np.float64):
+                if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
+                    raise TypeError(f"{name}: expected an array of numbers, got dtype {x.dtype}")
+                x = x.astype(np.float64)
             return torch.from_numpy(np.ascontiguousarray(x)), True
         _validate.tensor(name, x)
+        if not x.dtype.is_floating_point:
+            x = x.to(torch.float64)
         return x, False
 
     def _chosen_backend(self, x: torch.Tensor) -> str:

@@ -33,7 +33,7 @@ def _first_within(p1, p2, K, radius, lengths1, lengths2) -> torch.Tensor:
 def _check_ball_query(p1, p2, lengths1=None, lengths2=None, K=500, radius=0.2, return_nn=True, *, order="first",
                       backend="auto") -> None:
     check_clouds(p1, p2, lengths1, lengths2)
-    _validate.integer("K", K, minimum=1)
+    registration.check_list_width("K", _validate.integer("K", K, minimum=1), p2.shape[1])
     _validate.real("radius", radius, minimum=0.0, strict=False)
     _validate.choice("order", order, ("first", "nearest"))
     if not isinstance(return_nn, bool):
