@@ -12,6 +12,9 @@ to the graph: the guards the check placed on shapes recompile for inputs it woul
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.util
+import sys
 from collections.abc import Callable
 
 import torch
@@ -84,7 +87,6 @@ def _concrete(value):
     return value
 
 
-@torch._dynamo.nonstrict_trace
 def _refusal(name: str, args, kwargs, outputs: int):
     check = _CHECKS[name]
     args, kwargs = _restored(args), _restored(kwargs)
@@ -101,6 +103,39 @@ def _refusal(name: str, args, kwargs, outputs: int):
     return []
 
 
+# torch.compile calls _refusal as one opaque call (nonstrict_trace). That registration lives in
+# torch._dynamo, seconds to import: it is made when torch._dynamo is (see _on_dynamo_import).
+_TRACED_REFUSAL: list[Callable] = [_refusal]
+
+
+def _register() -> None:
+    _TRACED_REFUSAL[0] = torch._dynamo.nonstrict_trace(_refusal)
+
+
+class _OnDynamoImport(importlib.abc.MetaPathFinder):
+    """Registers ``_refusal`` right after torch._dynamo is imported (by torch.compile's first call)."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "torch._dynamo":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        load = spec.loader.exec_module
+
+        def exec_module(module):
+            load(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if "torch._dynamo" in sys.modules:
+    _register()
+else:
+    sys.meta_path.insert(0, _OnDynamoImport())
+
+
 def checked(check: Callable, outputs: int = 1):
     """Decorator of a public function whose argument checks are ``check`` (same signature;
     raises TypeError / ValueError, never reads tensor values while compiling), run before
@@ -114,7 +149,7 @@ def checked(check: Callable, outputs: int = 1):
         def public(*args, **kwargs):
             if not torch.compiler.is_compiling():
                 check(*args, **kwargs)
-            elif refused := _refusal(name, _marked(args), {k: _marked(v) for k, v in kwargs.items()}, outputs):
+            elif refused := _TRACED_REFUSAL[0](name, _marked(args), {k: _marked(v) for k, v in kwargs.items()}, outputs):
                 return refused[0] if outputs == 1 else tuple(refused)
             return fn(*args, **kwargs)
         return public

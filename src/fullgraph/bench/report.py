@@ -127,12 +127,12 @@ def read_json(path: Path) -> list[dict]:
     return rows
 
 
-_TEXT, _NUMBER = ((str,), "a string"), ((int, float), "a number")
+_TEXT, _NUMBER, _OPTIONAL = ((str,), "a string"), ((int, float), "a number"), ((int, float, type(None)), "a number or null")
 # The types of the fields the tables and plots read (others are shown as they are).
 _FIELD_TYPES = {**{key: _TEXT for key in ("workload", "size", "variant", "phase", "device", "torch", "commit")},
                 "triton": ((str, type(None)), "a string or null"), "params": ((dict,), "an object"),
-                **{key: _NUMBER for key in ("median_ms", "p10_ms", "p90_ms", "peak_memory_bytes", "first_call_s")},
-                "speedup_vs_eager": ((int, float, type(None)), "a number or null")}
+                **{key: _NUMBER for key in ("median_ms", "p10_ms", "p90_ms")},
+                **{key: _OPTIONAL for key in ("speedup_vs_eager", "peak_memory_bytes", "first_call_s")}}
 
 
 def plot(rows: list[dict], path: Path) -> None:
