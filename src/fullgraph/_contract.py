@@ -23,7 +23,8 @@ _REFUSALS = {error.__name__: error for error in (TypeError, ValueError)}
 _CHECKS: dict[str, Callable] = {}
 # Leaves nonstrict_trace cannot take travel as a marker string and come back as stand-ins.
 _MARKER = "\0fullgraph:"
-_PASSABLE = (torch.Tensor, bool, int, float, str, torch.dtype, torch.device, list, tuple)
+_PASSABLE = (torch.Tensor, bool, int, float, str, torch.dtype, torch.device, list, tuple, torch.SymInt,
+             torch.SymFloat, torch.SymBool)
 
 
 class Unknown:
@@ -99,8 +100,8 @@ def _refusal(name: str, args, kwargs, outputs: int):
             error = exact
         first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
         like = first if first is not None else torch.empty(0)
-        return torch.ops.fullgraph.refuse(type(error).__name__, str(error), [like] * outputs)
-    return []
+        return [torch.empty(1), *torch.ops.fullgraph.refuse(type(error).__name__, str(error), [like] * outputs)]
+    return [torch.empty(0)]  # [flag]: refused calls return [flag of one element, *stand-ins]
 
 
 # torch.compile calls _refusal as one opaque call (nonstrict_trace). That registration lives in
@@ -149,8 +150,11 @@ def checked(check: Callable, outputs: int = 1):
         def public(*args, **kwargs):
             if not torch.compiler.is_compiling():
                 check(*args, **kwargs)
-            elif refused := _TRACED_REFUSAL[0](name, _marked(args), {k: _marked(v) for k, v in kwargs.items()}, outputs):
-                return refused[0] if outputs == 1 else tuple(refused)
+            else:
+                flag, *refused = _TRACED_REFUSAL[0](name, _marked(args), {k: _marked(v) for k, v in kwargs.items()},
+                                                    outputs)
+                if flag.shape[0]:
+                    return refused[0] if outputs == 1 else tuple(refused)
             return fn(*args, **kwargs)
         return public
     return decorate

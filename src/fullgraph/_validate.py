@@ -53,7 +53,9 @@ INT64_MAX = 2**63 - 1
 
 
 def integer(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """An int >= minimum, as a Python int (a symbolic one, under torch.compile(dynamic=True),
+    is specialized: the operators take ints)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise TypeError(f"{name}: expected an int, got {_describe(value)}")
     if value < minimum:
         raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
@@ -64,7 +66,7 @@ def integer(name: str, value, minimum: int) -> int:
 
 def real(name: str, value, *, minimum: float, strict: bool) -> float:
     """A finite Python number, > minimum when ``strict`` else >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, torch.SymFloat, torch.SymInt)):
         raise TypeError(f"{name}: expected a float, got {_describe(value)}")
     value = float(value)
     below = value <= minimum if strict else value < minimum

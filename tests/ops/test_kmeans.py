@@ -142,8 +142,9 @@ def test_scikit_learn_estimator_interface(backend):
     assert isinstance(restarts.labels_, torch.Tensor)
     with pytest.raises(RuntimeError, match="call fit before predict"):
         fullgraph.KMeans(3).predict(x)
-    with pytest.raises(TypeError, match=r"X: expected a torch.Tensor, got list \["):
-        fullgraph.KMeans(3).fit([[0.0, 1.0]] * 1000)
+    assert fullgraph.KMeans(2, backend="fullgraph").fit([[0.0, 1.0], [5.0, 5.0]] * 10).labels_.shape == (20,)
+    with pytest.raises(TypeError, match="X: expected an array of numbers, got dtype <U1"):
+        fullgraph.KMeans(3).fit([["a", "b"]] * 10)
 
 
 def test_estimator_backends_refuse_alike():
