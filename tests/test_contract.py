@@ -74,3 +74,13 @@ def test_the_same_refusal_compiled_or_not(name):
     torch._dynamo.reset()
     compiled = _raised(torch.compile(call, fullgraph=True, dynamic=True), X)
     assert (type(compiled), str(compiled)) == (type(eager), str(eager))
+
+
+@pytest.mark.slow
+def test_valid_calls_with_keyword_arguments_compile_unchanged():
+    """Arguments given by keyword (None among them) reach the check as given: nothing is refused."""
+    x = torch.randn(2, 4, 16, generator=g)
+    shift = torch.rand(2, 8, generator=g)
+    call = lambda x: fullgraph.conv_groupnorm_mish(x, W, B, GAMMA, BETA, 2, eps=1e-5, scale=None, shift=shift)  # noqa: E731
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.compile(call, fullgraph=True, dynamic=True)(x), call(x))

@@ -63,6 +63,8 @@ def _marked(value):
 
 
 def _restored(value):
+    if isinstance(value, dict):
+        return {key: _restored(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_restored(v) for v in value)
     if isinstance(value, str) and value.startswith(_MARKER):
@@ -74,6 +76,8 @@ def _restored(value):
 def _concrete(value):
     """``value`` with symbolic sizes and numbers made concrete (each a guard): messages then
     name the values, as eagerly."""
+    if isinstance(value, dict):
+        return {key: _concrete(v) for key, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_concrete(v) for v in value)
     if isinstance(value, torch.Tensor):
