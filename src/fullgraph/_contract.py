@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from . import _validate
+
 _REFUSALS = {error.__name__: error for error in (TypeError, ValueError)}
 _CHECKS: dict[str, Callable] = {}
 # Leaves nonstrict_trace cannot take travel as a marker string and come back as stand-ins.
@@ -95,6 +97,10 @@ def _concrete(value):
 def _refusal(name: str, args, kwargs, outputs: int):
     check = _CHECKS[name]
     args, kwargs = _restored(args), _restored(kwargs)
+    # Outputs made from an argument: traced tensors like the inputs (a flag first).
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+    like = first if first is not None else torch.empty(0)
+    _validate.TRACED_CHECKS[0] += 1  # values are not there to read
     try:
         check(*args, **kwargs)
     except tuple(_REFUSALS.values()) as error:
@@ -102,10 +108,10 @@ def _refusal(name: str, args, kwargs, outputs: int):
             check(*_concrete(args), **_concrete(kwargs))
         except tuple(_REFUSALS.values()) as exact:
             error = exact
-        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        like = first if first is not None else torch.empty(0)
-        return [torch.empty(1), *torch.ops.fullgraph.refuse(type(error).__name__, str(error), [like] * outputs)]
-    return [torch.empty(0)]  # [flag]: refused calls return [flag of one element, *stand-ins]
+        return [like.new_empty(1), *torch.ops.fullgraph.refuse(type(error).__name__, str(error), [like] * outputs)]
+    finally:
+        _validate.TRACED_CHECKS[0] -= 1
+    return [like.new_empty(0)]  # refused calls return [a flag of one element, *stand-ins]
 
 
 # torch.compile calls _refusal as one opaque call (nonstrict_trace). That registration lives in

@@ -84,10 +84,15 @@ def choice(name: str, value, options) -> str:
     return value
 
 
+# Set while a check runs on traced values outside dynamo's own tracing (fullgraph._contract),
+# where torch.compiler.is_compiling() may not say so.
+TRACED_CHECKS = [0]
+
+
 def values_readable(device: torch.device) -> bool:
     """Whether reading a tensor's values on ``device`` is allowed here: not while
     torch.compile traces (a graph break) nor inside a CUDA graph capture (a failure)."""
-    if torch.compiler.is_compiling():
+    if TRACED_CHECKS[0] or torch.compiler.is_compiling():
         return False
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
