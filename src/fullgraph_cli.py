@@ -8,6 +8,8 @@ torch (seconds). The commands themselves run in ``fullgraph.cli``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -110,8 +112,49 @@ def parser() -> argparse.ArgumentParser:
     return out
 
 
+def usage(message: str):
+    """A usage error: one line on stderr, exit status 2, before any work starts."""
+    print(f"fullgraph: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def output_path(path: Path | None, flag: str) -> None:
+    """Refuse an output path that cannot be written, before the run."""
+    if path is None:
+        return
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        usage(f"{flag} {path}: is a folder, expected a file path")
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        usage(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
+    if existing != folder:
+        usage(f"{flag} {path}: the folder {folder} does not exist (create it first)")
+    if flag.endswith("--plot"):
+        if path.suffix.lower() not in PLOT_FORMATS:
+            usage(f"{flag} {path}: expected an image file name ending in {', '.join(PLOT_FORMATS)}")
+        if importlib.util.find_spec("matplotlib") is None:
+            usage(f"{flag}: plots need matplotlib (pip install matplotlib, or \"fullgraph[bench]\")")
+
+
+def _check_early(args) -> None:
+    """The usage errors found without torch (seconds to import): a size the workload lacks,
+    output paths, counts out of range."""
+    size = getattr(args, "size", None)
+    if size is not None and getattr(args, "workload", None) in WORKLOADS and size not in WORKLOADS[args.workload]:
+        usage(f"--size {size}: {args.workload} has sizes {', '.join(WORKLOADS[args.workload])}")
+    if getattr(args, "threads", None) is not None and args.threads < 1:
+        usage(f"--threads must be >= 1, got {args.threads}")
+    output_path(getattr(args, "json", None), "--json")
+    output_path(getattr(args, "plot", None), "--plot")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    _check_early(args)
     from fullgraph.cli import run
 
     return run(args)

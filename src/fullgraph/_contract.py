@@ -120,7 +120,9 @@ _TRACED_REFUSAL: list[Callable] = [_refusal]
 
 
 def _register() -> None:
-    _TRACED_REFUSAL[0] = torch._dynamo.nonstrict_trace(_refusal)
+    nonstrict_trace = getattr(torch._dynamo, "nonstrict_trace", None)  # torch >= 2.7
+    if nonstrict_trace is not None:  # older: the check is traced, a refusal ends the trace (Unsupported)
+        _TRACED_REFUSAL[0] = nonstrict_trace(_refusal)
 
 
 class _OnDynamoImport(importlib.abc.MetaPathFinder):

@@ -4,41 +4,13 @@ run here."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-
-def _usage(message: str):
-    """A usage error: one line on stderr, exit status 2, before any work starts."""
-    print(f"fullgraph: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
-
-
-def _output(path: Path | None, flag: str) -> None:
-    """Refuse an output path that cannot be written, before the run."""
-    if path is None:
-        return
-    folder = path.parent if str(path.parent) else Path(".")
-    if path.is_dir():
-        _usage(f"{flag} {path}: is a folder, expected a file path")
-    existing = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
-        _usage(f"{flag} {path}: cannot write there ({existing} is not a writable folder)")
-    if existing != folder:
-        _usage(f"{flag} {path}: the folder {folder} does not exist (create it first)")
-    if flag.endswith("--plot"):
-        if path.suffix.lower() not in PLOT_FORMATS:
-            _usage(f"{flag} {path}: expected an image file name ending in {', '.join(PLOT_FORMATS)}")
-        if importlib.util.find_spec("matplotlib") is None:
-            _usage(f"{flag}: plots need matplotlib (pip install matplotlib, or \"fullgraph[bench]\")")
+from fullgraph_cli import output_path as _output
+from fullgraph_cli import usage as _usage
 
 
 def _default_size(workload: str, gpu: bool) -> str:

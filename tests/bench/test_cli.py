@@ -293,3 +293,21 @@ def test_doctor_reports_native_parts_libraries_and_auto_without_building(capsys)
     assert "native parts:" in out and "CPU neighbour extension: " in out and "LLTM" in out
     assert "optional libraries: " in out and '"auto" on cpu:' in out and "knn, float32, D = 64: dense" in out
     assert "fullgraph: building" not in captured.err
+
+
+def test_usage_errors_answer_without_torch(tmp_path):
+    """A size the workload lacks and unwritable outputs are refused before torch is imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fullgraph_cli\n"
+            "try:\n"
+            f"    fullgraph_cli.main(sys.argv[1:])\n"
+            "except SystemExit as stop:\n"
+            "    assert 'torch' not in sys.modules, 'torch was imported'\n"
+            "    raise\n")
+    for argv, message in [(["bench", "lltm", "--size", "feature"], "--size feature: lltm has sizes seed"),
+                          (["bench", "lltm", "--json", str(tmp_path / "no" / "x.json")], "does not exist"),
+                          (["bench", "lltm", "--plot", str(tmp_path / "x.txt")], "expected an image file name")]:
+        out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr and "torch was imported" not in out.stderr, out.stderr
