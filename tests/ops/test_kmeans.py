@@ -88,6 +88,34 @@ def test_bad_input(call, message):
         call(_blobs(10))
 
 
+@pytest.mark.parametrize("backend", ["fullgraph", "sklearn"])
+def test_sample_weight_as_scikit_learn_weighs(backend):
+    from sklearn.cluster import KMeans as SKLearnKMeans
+
+    x = _blobs(100, torch.float64).numpy()
+    weights = np.random.default_rng(0).uniform(0.1, 5.0, len(x))
+    init = x[[0, 150, 250]]
+    ours = fullgraph.KMeans(3, init=init, max_iter=50, backend=backend).fit(x, sample_weight=weights)
+    theirs = SKLearnKMeans(3, init=init, n_init=1, max_iter=50).fit(x, sample_weight=weights)
+    np.testing.assert_array_equal(ours.labels_, theirs.labels_)
+    np.testing.assert_allclose(ours.cluster_centers_, theirs.cluster_centers_, rtol=1e-10)
+    assert ours.inertia_ == pytest.approx(theirs.inertia_, rel=1e-10) and ours.n_iter_ == theirs.n_iter_
+
+
+def test_integer_weights_count_points_again():
+    x = _blobs(60, torch.float64)
+    counts = torch.randint(0, 4, (len(x),), generator=torch.Generator().manual_seed(1))
+    init = x[[0, 70, 130]]
+    weighted = fullgraph.kmeans(x, 3, init=init, sample_weight=counts)
+    repeated = fullgraph.kmeans(x.repeat_interleave(counts, 0), 3, init=init)
+    torch.testing.assert_close(weighted.centroids, repeated.centroids)
+    torch.testing.assert_close(weighted.inertia, repeated.inertia)
+    with pytest.raises(ValueError, match="sample_weight: expected finite weights >= 0, not all 0"):
+        fullgraph.kmeans(x, 3, sample_weight=-torch.ones(len(x)))
+    with pytest.raises(ValueError, match=r"sample_weight: expected \[n\] = \[180\]"):
+        fullgraph.kmeans(x, 3, sample_weight=torch.ones(5))
+
+
 def test_the_estimator_takes_what_scikit_learn_takes():
     """Integer arrays (converted to float64) and NumPy integers for n_clusters."""
     x = np.concatenate([np.zeros((20, 2), dtype=np.int64), np.full((20, 2), 9, dtype=np.int64)])

@@ -29,12 +29,13 @@ def _nearest(x, centroids):
     return np.argmin((diff * diff).sum(2), axis=0)
 
 
-def _cluster_totals(x, labels, clusters):
-    """Per cluster, the float64 sum of its points [..., k, d] and their count [..., k], for
-    points [..., n, d] with labels [..., n]."""
+def _cluster_totals(x, labels, clusters, weights):
+    """Per cluster, the float64 weighted sum of its points [..., k, d] and their total weight
+    [..., k], for points [..., n, d] with labels [..., n] and weights [..., n] (float64)."""
     member = labels[..., None] == clusters  # [..., n, k]
-    sums = np.where(member[..., None], x[..., None, :].astype(np.float64), 0.0).sum(-3)
-    return sums, member.sum(-2)
+    weighted = x.astype(np.float64) * weights[..., None]
+    sums = np.where(member[..., None], weighted[..., None, :], 0.0).sum(-3)
+    return sums, np.where(member, weights[..., None], 0.0).sum(-2)
 
 
 @jit(dynamic=False)
@@ -43,9 +44,10 @@ def _assign(x, centroids):
 
 
 @jit(dynamic=False)
-def _lloyd_step(x, centroids, clusters, blocks):
-    """(labels [n], new centroids [k, d] float64, points per cluster [k] int64) after one
-    assignment and update; ``clusters`` is arange(k) on x's device. Rows are summed in
+def _lloyd_step(x, centroids, clusters, blocks, weights):
+    """(labels [n], new centroids [k, d] float64, weight per cluster [k] float64) after one
+    assignment and update (weighted means: ``weights`` [n] float64); ``clusters`` is arange(k)
+    on x's device. Rows are summed in
     ``blocks`` contiguous blocks, then the blocks: on a GPU a reduction of millions of rows
     into a few outputs otherwise runs on as few programs as outputs (256 there; 1 on CPUs).
     An empty cluster keeps its centroid (the caller re-seeds it)."""
@@ -53,23 +55,26 @@ def _lloyd_step(x, centroids, clusters, blocks):
     labels = _nearest(x, centroids)
     rows = n // blocks * blocks
     body_sums, body_counts = _cluster_totals(x[:rows].reshape(blocks, -1, d), labels[:rows].reshape(blocks, -1),
-                                             clusters)
-    tail_sums, tail_counts = _cluster_totals(x[rows:], labels[rows:], clusters)
+                                             clusters, weights[:rows].reshape(blocks, -1))
+    tail_sums, tail_counts = _cluster_totals(x[rows:], labels[rows:], clusters, weights[rows:])
     sums, counts = body_sums.sum(0) + tail_sums, body_counts.sum(0) + tail_counts
-    means = sums / np.maximum(counts, 1)[:, None]
+    means = sums / np.where(counts > 0, counts, 1.0)[:, None]
     return labels, np.where(counts[:, None] > 0, means, centroids), counts
 
 
-def lloyd_step(x: torch.Tensor, centroids: torch.Tensor):
-    """One Lloyd iteration on tensors: (labels [n], new centroids [k, d] in x's dtype, counts [k])."""
+def lloyd_step(x: torch.Tensor, centroids: torch.Tensor, weights: torch.Tensor | None = None):
+    """One Lloyd iteration on tensors: (labels [n], new centroids [k, d] in x's dtype, the
+    weight of each cluster [k] float64: its point count without ``weights`` [n])."""
     clusters = torch.arange(centroids.shape[0], device=x.device)
-    labels, new, counts = _lloyd_step(x, centroids, clusters, 256 if x.is_cuda else 1)
+    if weights is None:
+        weights = torch.ones(x.shape[0], dtype=torch.float64, device=x.device)
+    labels, new, counts = _lloyd_step(x, centroids, clusters, 256 if x.is_cuda else 1, weights)
     return labels, new.to(x.dtype), counts
 
 
 def lloyd_step_numpy(x: np.ndarray, centroids: np.ndarray):
     """The same iteration run by NumPy itself on arrays (what the compiled one is measured against)."""
-    return _lloyd_step.fn(x, centroids, np.arange(len(centroids)), 1)
+    return _lloyd_step.fn(x, centroids, np.arange(len(centroids)), 1, np.ones(len(x)))
 
 
 class KMeansResult(NamedTuple):
@@ -141,27 +146,33 @@ def _squared_distances(x: torch.Tensor, x_norms: torch.Tensor, points: torch.Ten
     return torch.addmm((points * points).sum(-1)[:, None] + x_norms[None], points, x.T, alpha=-2).clamp_min_(0)
 
 
-def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
-    """Greedy k-means++ (2 + log k candidates per step, the one lowering the potential most)."""
+def _kmeans_plus_plus(x: torch.Tensor, k: int, generator: torch.Generator,
+                      sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy k-means++ (2 + log k candidates per step, the one lowering the potential most);
+    with ``sample_weight`` [n], draws and potentials weighted as scikit-learn weighs them."""
     n = x.shape[0]
     trials = 2 + int(math.log(k))
     x_norms = (x * x).sum(-1)
-    first = torch.randint(n, (1,), generator=generator, device=x.device)
+    if sample_weight is None:
+        first = torch.randint(n, (1,), generator=generator, device=x.device)
+    else:
+        first = torch.multinomial(sample_weight, 1, generator=generator)
     centroids = [x[first]]
     closest = _squared_distances(x, x_norms, x[first])[0]
+    scale = 1 if sample_weight is None else sample_weight.to(x.dtype)
     for _ in range(1, k):
-        weights = torch.where(closest.sum() > 0, closest, torch.ones_like(closest))
+        weights = torch.where((closest * scale).sum() > 0, closest * scale, torch.ones_like(closest) * scale)
         candidates = torch.multinomial(weights, trials, replacement=True, generator=generator)
         d2 = _squared_distances(x, x_norms, x[candidates])  # [trials, n]
         potentials = torch.minimum(closest[None], d2)
-        best = potentials.sum(-1).argmin()
+        best = (potentials * scale).sum(-1).argmin()
         centroids.append(x[candidates[best]][None])
         closest = potentials[best]
     return torch.cat(centroids)
 
 
 def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int = 100, tol: float = 1e-4,
-           seed: int | None = None) -> KMeansResult:
+           seed: int | None = None, sample_weight: torch.Tensor | None = None) -> KMeansResult:
     """Lloyd's k-means on any device, its steps written in NumPy and compiled.
 
     Args:
@@ -171,6 +182,8 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int 
             tol * mean(var(x, axis=0)) in total squared distance (scikit-learn's rule), or
             when the labels no longer change.
         seed: seeds the k-means++ draw (None: a random seed).
+        sample_weight: [n] weights >= 0 of the points (None: 1 each), as scikit-learn's:
+            weighted means, k-means++ draws and inertia.
 
     Returns:
         KMeansResult(centroids [k, d], labels [n] int64, inertia [] tensor, n_iter).
@@ -184,7 +197,27 @@ def kmeans(x: torch.Tensor, n_clusters: int, *, init="k-means++", max_iter: int 
         [50, 50]
     """
     x, init, scale = _checked(x, n_clusters, init, max_iter, tol, seed)
-    return _rescaled(_lloyd(x, int(n_clusters), init, int(max_iter), float(tol), seed), scale)
+    weights = _weights(sample_weight, x)
+    return _rescaled(_lloyd(x, int(n_clusters), init, int(max_iter), float(tol), seed, weights), scale)
+
+
+def _weights(sample_weight, x: torch.Tensor) -> torch.Tensor | None:
+    """sample_weight checked, as float64 on x's device (None stays None)."""
+    if sample_weight is None:
+        return None
+    if isinstance(sample_weight, np.ndarray):
+        sample_weight = torch.from_numpy(sample_weight)
+    _validate.tensor("sample_weight", sample_weight)
+    if tuple(sample_weight.shape) != (x.shape[0],):
+        raise ValueError(f"sample_weight: expected [n] = [{x.shape[0]}] (one weight per point), got "
+                         f"{tuple(sample_weight.shape)}")
+    if sample_weight.dtype == torch.bool or sample_weight.is_complex():
+        raise TypeError(f"sample_weight: expected real weights, got {sample_weight.dtype}")
+    weights = sample_weight.to(x.device, torch.float64)
+    if _validate.values_readable(x.device) and not bool((torch.isfinite(weights) & (weights >= 0)).all()
+                                                         & (weights.sum() > 0)):
+        raise ValueError("sample_weight: expected finite weights >= 0, not all 0")
+    return weights
 
 
 def _checked(x, n_clusters, init, max_iter, tol, seed=None):
@@ -222,21 +255,21 @@ def _rescaled(result: KMeansResult, scale: float) -> KMeansResult:
     return result._replace(centroids=result.centroids * scale, inertia=inertia)
 
 
-def _lloyd(x, n_clusters, init, max_iter, tol, seed) -> KMeansResult:
-    """``kmeans`` on checked, scaled points."""
+def _lloyd(x, n_clusters, init, max_iter, tol, seed, weights=None) -> KMeansResult:
+    """``kmeans`` on checked, scaled points (``weights``: [n] float64 or None)."""
     if isinstance(init, torch.Tensor):
         centroids = init.clone()
     elif init == "k-means++":
         generator = torch.Generator(device=x.device)
         generator.manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
-        centroids = _kmeans_plus_plus(x, n_clusters, generator)
+        centroids = _kmeans_plus_plus(x, n_clusters, generator, weights)
     else:
         raise ValueError(f'init: expected "k-means++" or a [{n_clusters}, {x.shape[1]}] tensor, got {init!r}')
     tolerance = tol * x.var(0, unbiased=False).mean()
     previous = None
     converged = False
     for step in range(1, max_iter + 1):
-        labels, new, counts = lloyd_step(x, centroids)
+        labels, new, counts = lloyd_step(x, centroids, weights)
         same = (labels == previous).all() if previous is not None else x.new_zeros((), dtype=torch.bool)
         small = ((new - centroids) ** 2).sum() <= tolerance
         same, has_empty, small = torch.stack([same, (counts == 0).any(), small]).tolist()
@@ -252,7 +285,8 @@ def _lloyd(x, n_clusters, init, max_iter, tol, seed) -> KMeansResult:
         previous = labels
     if not converged:
         labels = _assign(x, centroids)
-    inertia = ((x - centroids[labels]) ** 2).sum()
+    squared = ((x - centroids[labels]) ** 2).sum(-1)
+    inertia = squared.sum() if weights is None else (squared * weights).sum().to(x.dtype)
     return KMeansResult(centroids, labels, inertia, step)
 
 
@@ -331,7 +365,7 @@ class KMeans:
             return "sklearn"
         return "fullgraph"
 
-    def _fit_with_sklearn(self, x: torch.Tensor, init) -> KMeansResult:
+    def _fit_with_sklearn(self, x: torch.Tensor, init, weights) -> KMeansResult:
         from sklearn.cluster import KMeans as SklearnKMeans
 
         # The same refusals and scaling whichever backend runs.
@@ -339,26 +373,33 @@ class KMeans:
         if isinstance(init, torch.Tensor):
             init = init.detach().numpy()
         model = SklearnKMeans(n_clusters=self.n_clusters, init=init, n_init=self.n_init, max_iter=self.max_iter,
-                              tol=self.tol, random_state=self.random_state).fit(x.detach().numpy())
+                              tol=self.tol, random_state=self.random_state)
+        model.fit(x.detach().numpy(), sample_weight=None if weights is None else weights.numpy())
         result = KMeansResult(torch.from_numpy(model.cluster_centers_).to(x.dtype),
                               torch.from_numpy(model.labels_.astype(np.int64)),
                               torch.tensor(model.inertia_, dtype=x.dtype), model.n_iter_)
         return _rescaled(result, scale)
 
-    def fit(self, X, y=None) -> KMeans:
-        """Cluster X [n, d]; ``y`` is ignored (scikit-learn's signature)."""
+    def fit(self, X, y=None, sample_weight=None) -> KMeans:
+        """Cluster X [n, d] (``sample_weight`` [n]: weights >= 0 of the points, None: 1 each);
+        ``y`` is ignored (scikit-learn's signature)."""
         x, from_numpy = self._tensor("X", X)
+        _points(x)
+        if isinstance(sample_weight, (list, tuple)):
+            sample_weight = np.asarray(sample_weight, dtype=np.float64)
+        weights = _weights(sample_weight, x)
         init = self.init
         if isinstance(init, np.ndarray):
             init = torch.from_numpy(init).to(x.device, x.dtype)
         self.backend_ = self._chosen_backend(x)
         if self.backend_ == "sklearn":
-            best = self._fit_with_sklearn(x, init)
+            best = self._fit_with_sklearn(x, init, weights)
         else:
             seeds = np.random.default_rng(self.random_state).integers(0, 2**62, size=self.n_init)
             runs = 1 if isinstance(init, torch.Tensor) else self.n_init
-            best = min((kmeans(x, self.n_clusters, init=init, max_iter=self.max_iter, tol=self.tol, seed=int(seed))
-                        for seed in seeds[:runs]), key=lambda result: float(result.inertia))
+            best = min((kmeans(x, self.n_clusters, init=init, max_iter=self.max_iter, tol=self.tol, seed=int(seed),
+                               sample_weight=weights) for seed in seeds[:runs]),
+                       key=lambda result: float(result.inertia))
         convert = (lambda t: t.cpu().numpy()) if from_numpy else (lambda t: t)
         self.cluster_centers_, self.labels_ = convert(best.centroids), convert(best.labels)
         self.inertia_, self.n_iter_ = float(best.inertia), best.n_iter
@@ -373,6 +414,6 @@ class KMeans:
         labels = kmeans_assign(x, self._centroids.to(x.device, x.dtype))
         return labels.cpu().numpy() if from_numpy else labels
 
-    def fit_predict(self, X, y=None):
-        return self.fit(X).labels_
+    def fit_predict(self, X, y=None, sample_weight=None):
+        return self.fit(X, sample_weight=sample_weight).labels_
 
