@@ -1,14 +1,20 @@
-"""Ahead-of-time build of the LLTM extension (optional; pyproject.toml holds the metadata).
+"""Ahead-of-time builds of the C++ extensions (optional; pyproject.toml holds the metadata).
 
-    FULLGRAPH_BUILD_EXT=1 pip install --no-build-isolation .
+    FULLGRAPH_BUILD_EXT=1 pip wheel --no-build-isolation --no-deps -w dist .
 
-compiles src/fullgraph/ops/lltm/csrc into fullgraph/ops/lltm/_C*.so against the torch that is
-installed (hence --no-build-isolation), with the CUDA kernels when nvcc is found
-(FULLGRAPH_BUILD_CUDA=0 leaves them out). Without FULLGRAPH_BUILD_EXT the package is pure
-Python and the extension is built just in time on first use.
+compiles, against the torch that is installed (hence --no-build-isolation), the CPU neighbour
+extension (fullgraph/ops/neighbors/cpu/_native.so) and the LLTM extension
+(fullgraph/ops/lltm/_lltm.so, with its CUDA kernels when nvcc is found; FULLGRAPH_BUILD_CUDA=0
+leaves them out). Beside each library its build info (<library>.json: the torch, CUDA, Python
+and CPU vector extension it was built for): an installation loads it only where they fit, and
+builds just in time otherwise. Without FULLGRAPH_BUILD_EXT the package is pure Python and the
+extensions are built just in time on first use.
 """
 
+import importlib.util
+import json
 import os
+from pathlib import Path
 
 from setuptools import setup
 
@@ -16,18 +22,38 @@ ext_modules, cmdclass = [], {}
 if os.environ.get("FULLGRAPH_BUILD_EXT") == "1":
     from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-    csrc = "src/fullgraph/ops/lltm/csrc"
-    with_cuda = CUDA_HOME is not None and os.environ.get("FULLGRAPH_BUILD_CUDA", "1") != "0"
-    import importlib.util
+    def _module(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
 
-    spec = importlib.util.spec_from_file_location("_extension", "src/fullgraph/_extension.py")
-    flags = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flags)
-    extension = CUDAExtension if with_cuda else CppExtension
-    sources = [f"{csrc}/lltm.cpp"] + ([f"{csrc}/lltm_cuda.cu"] if with_cuda else [])
-    compile_args = {"cxx": ["-O3", *flags.vector_flags()], "nvcc": ["-O3"]}
-    ext_modules = [extension("fullgraph.ops.lltm._C", sources, include_dirs=[os.path.abspath(csrc)],
-                             extra_compile_args=compile_args if with_cuda else compile_args["cxx"])]
-    cmdclass = {"build_ext": BuildExtension.with_options(no_python_abi_suffix=True)}
+    extension = _module("_extension", "src/fullgraph/_extension.py")
+    # The flags of the just-in-time builds, with the vector extension of other machines' CPUs.
+    cflags = ["-O3", *extension.portable_vector_flags(), *extension.parallel_flags()]
+    neighbours = "src/fullgraph/ops/neighbors/cpu/csrc"
+    native = [f"{neighbours}/{name}" for name in
+              ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp", "knn_reduce.cpp")]
+    ext_modules.append(CppExtension("fullgraph.ops.neighbors.cpu._native", native,
+                                    include_dirs=[os.path.abspath(neighbours)],
+                                    extra_compile_args=[*cflags, "-ffp-contract=off"],
+                                    extra_link_args=extension.parallel_flags()))
+    lltm = "src/fullgraph/ops/lltm/csrc"
+    with_cuda = CUDA_HOME is not None and os.environ.get("FULLGRAPH_BUILD_CUDA", "1") != "0"
+    sources = [f"{lltm}/lltm.cpp"] + ([f"{lltm}/lltm_cuda.cu"] if with_cuda else [])
+    kind = CUDAExtension if with_cuda else CppExtension
+    ext_modules.append(kind("fullgraph.ops.lltm._lltm", sources, include_dirs=[os.path.abspath(lltm)],
+                            extra_compile_args={"cxx": cflags, "nvcc": ["-O3"]} if with_cuda else cflags,
+                            extra_link_args=extension.parallel_flags()))
+
+    class BuildWithInfo(BuildExtension.with_options(no_python_abi_suffix=True)):
+        """Writes each library's build info beside it."""
+
+        def build_extension(self, ext):
+            super().build_extension(ext)
+            library = Path(self.get_ext_fullpath(ext.name))
+            library.with_suffix(".json").write_text(json.dumps(extension.build_info()) + "\n")
+
+    cmdclass = {"build_ext": BuildWithInfo}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

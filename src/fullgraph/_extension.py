@@ -1,6 +1,8 @@
 """Just-in-time builds of fullgraph's C++/CUDA extensions.
 
-The first use compiles an extension's sources with ``torch.utils.cpp_extension.load`` into
+A wheel built with ``FULLGRAPH_BUILD_EXT=1`` (setup.py) carries the libraries, each with its
+build info (``build_info``): they load where torch, Python and the CPU fit. Otherwise the
+first use compiles an extension's sources with ``torch.utils.cpp_extension.load`` into
 torch's extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)
 under a name that holds a hash of the sources, the flags and the torch and Python built for
 (``cache_key``), so an edited source is rebuilt, two environments keep two builds, and later
@@ -66,6 +68,58 @@ def cache_key(files: Sequence[Path], flags: Sequence[str]) -> str:
     return digest.hexdigest()[:10]
 
 
+def build_info() -> dict:
+    """What a binary built here depends on: the torch (version, CUDA, commit) and Python it is
+    built against, and the CPU vector extension its kernels may use."""
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "torch_commit": torch.version.git_version,
+            "python": list(sys.version_info[:2]), "cpu_capability": portable_capability()}
+
+
+def portable_capability() -> str:
+    """The vector extension a binary for other machines is compiled for: AVX2 where this CPU
+    has it (every x86-64 CPU of the last decade), else none."""
+    return "AVX2" if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else "DEFAULT"
+
+
+def portable_vector_flags() -> list[str]:
+    return ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"] \
+        if portable_capability() == "AVX2" else []
+
+
+def prebuilt_problem(library: Path) -> str | None:
+    """Why the library built into the package (``setup.py``, beside it its build info
+    ``<library>.json``) cannot be loaded in this process, or None where it can."""
+    import json
+
+    info_file = library.with_suffix(".json")
+    if not info_file.is_file():
+        return f"{library.name} has no build info ({info_file.name})"
+    built = json.loads(info_file.read_text())
+    here = build_info()
+    for key in ("torch", "cuda", "torch_commit", "python"):
+        if built.get(key) != here[key]:
+            return f"it was built for {key} {built.get(key)}, this is {here[key]}"
+    if built.get("cpu_capability") == "AVX2" and torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "it was built for CPUs with AVX2, this one has none"
+    return None
+
+
+def load_prebuilt(library: Path, what: str) -> bool:
+    """Load ``library`` if it is there and fits this torch, Python and CPU; where it is there
+    but does not fit, a warning says why (the caller then builds just in time)."""
+    if not library.is_file():
+        return False
+    problem = prebuilt_problem(library)
+    if problem is not None:
+        import warnings
+
+        warnings.warn(f"{what}: not loading the build in the package ({problem}); building just in time instead",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    torch.ops.load_library(str(library))
+    return True
+
+
 def _built(full_name: str) -> Path | None:
     """The library of this build in torch's extension cache, or None (loading it compiles nothing)."""
     from torch.utils import cpp_extension
@@ -84,9 +138,13 @@ def _planned(name: str, sources: Sequence[Path], cflags: Sequence[str], cuda_fla
 
 
 def state(name: str, sources: Sequence[Path], *, with_cuda: bool, cflags: Sequence[str] = (),
-          cuda_flags: Sequence[str] = ()) -> str:
+          cuda_flags: Sequence[str] = (), prebuilt: Path | None = None) -> str:
     """Whether ``build`` would load this extension from the cache, compile it, or cannot: a
     line for ``fullgraph doctor``; builds nothing."""
+    if prebuilt is not None and prebuilt.is_file():
+        problem = prebuilt_problem(prebuilt)
+        if problem is None:
+            return f"in the package ({prebuilt.name}, built for torch {torch.__version__}: loads without compiling)"
     full_name = _planned(name, sources, cflags, cuda_flags)[0]
     if _built(full_name):
         return f"built ({full_name}, cached: loads without compiling)"
@@ -97,10 +155,11 @@ def state(name: str, sources: Sequence[Path], *, with_cuda: bool, cflags: Sequen
 
 
 def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, instead: str,
-          cflags: Sequence[str] = (), cuda_flags: Sequence[str] = ()) -> None:
-    """Compile ``sources`` (and the headers beside them, hashed too) into the extension
-    ``name`` + ``cache_key`` and load it into this process; a message on stderr says so only
-    when it compiles.
+          cflags: Sequence[str] = (), cuda_flags: Sequence[str] = (), prebuilt: Path | None = None) -> None:
+    """Load the extension ``name``: the ``prebuilt`` library where the package carries one that
+    fits (``load_prebuilt``), else compile ``sources`` (and the headers beside them, hashed
+    too) into the extension ``name`` + ``cache_key`` and load it into this process; a message
+    on stderr says so only when it compiles.
 
     what: how the messages name it ("fullgraph.lltm: the C++ extension"); instead: what a user
     can do without it ('use backend="torch"'). Raises ExtensionBuildError naming the missing
@@ -108,6 +167,8 @@ def build(name: str, sources: Sequence[Path], *, with_cuda: bool, what: str, ins
     """
     from torch.utils import cpp_extension
 
+    if prebuilt is not None and load_prebuilt(prebuilt, what):
+        return
     full_name, cflags, cuda_flags, folders = _planned(name, sources, cflags, cuda_flags)
     cached = _built(full_name)
     if cached:  # loads without a compiler or ninja, and without running the build tool

@@ -20,10 +20,10 @@ def _native_parts(cuda: bool) -> list[tuple[str, str]]:
     from .ops.sampling.cuda import backend as fps
 
     parts = [("CPU neighbour extension", _extension.state(native.NAME, native.SOURCES, with_cuda=False,
-                                                          cflags=native.CFLAGS))]
+                                                          cflags=native.CFLAGS, prebuilt=native.PREBUILT))]
     prebuilt = lltm.prebuilt_library()
     if prebuilt is not None:
-        parts.append(("LLTM extension", f"prebuilt ({prebuilt.name})"))
+        parts.append(("LLTM extension", f"in the package ({prebuilt.name}: loads without compiling)"))
     else:
         parts.append(("LLTM C++ extension", _extension.state(lltm.NAME + "_cpu", [lltm.SOURCES / "lltm.cpp"],
                                                              with_cuda=False)))

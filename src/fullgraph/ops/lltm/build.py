@@ -1,7 +1,8 @@
 """Find or build the LLTM extension (csrc/) and load it into the process.
 
-Ahead of time: ``FULLGRAPH_BUILD_EXT=1 pip install --no-build-isolation .`` compiles it into
-the package (``fullgraph/ops/lltm/_C*.so``, with the CUDA kernels when nvcc is found). Just
+Ahead of time: ``FULLGRAPH_BUILD_EXT=1 pip wheel --no-build-isolation .`` compiles it into
+the package (``fullgraph/ops/lltm/_lltm.so``, with the CUDA kernels when nvcc is found),
+loaded where it fits the torch installed (``_extension.load_prebuilt``). Just
 in time: the first use compiles it with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and later
 processes load the cached build. Either way the library registers the kernels' operators
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..._extension import ExtensionBuildError, build, missing_tools, vector_flags
+from ..._extension import ExtensionBuildError, build, load_prebuilt, missing_tools, prebuilt_problem, vector_flags
 
 __all__ = ["ExtensionBuildError", "load", "missing_tools", "prebuilt_library", "vector_flags"]
 
@@ -24,9 +25,12 @@ SOURCES = Path(__file__).parent / "csrc"
 NAME = "fullgraph_lltm"
 
 
+PREBUILT = Path(__file__).parent / "_lltm.so"  # where a wheel carries it (setup.py), with or without CUDA
+
+
 def prebuilt_library() -> Path | None:
-    built = sorted(Path(__file__).parent.glob("_C*.so"))
-    return built[0] if built else None
+    """The build the package carries, where it fits this torch, Python and CPU."""
+    return PREBUILT if PREBUILT.is_file() and prebuilt_problem(PREBUILT) is None else None
 
 
 def _compile(with_cuda: bool) -> None:
@@ -40,9 +44,6 @@ def _compile(with_cuda: bool) -> None:
 def load() -> bool:
     """Load the extension once per process (building it if needed). Returns whether its
     CUDA kernels are in it. Raises ExtensionBuildError naming what is missing."""
-    prebuilt = prebuilt_library()
-    if prebuilt is not None:
-        torch.ops.load_library(str(prebuilt))
-    else:
+    if not load_prebuilt(PREBUILT, "fullgraph.lltm: the extension"):
         _compile(with_cuda=torch.cuda.is_available() and missing_tools(True) == [])
     return torch._C._dispatch_has_kernel_for_dispatch_key("fullgraph_lltm::forward", "CUDA")

@@ -26,12 +26,13 @@ NAME = "fullgraph_cpu"
 CFLAGS = ["-ffp-contract=off"]
 SOURCES = [Path(__file__).parent / "csrc" / name
            for name in ("smallest.cpp", "squared_distances.cpp", "weighted_sums.cpp", "knn_reduce.cpp")]
+PREBUILT = Path(__file__).parent / "_native.so"  # where a wheel carries it (setup.py)
 
 
 @functools.cache
 def _built() -> bool:
     try:
-        build(NAME, SOURCES, with_cuda=False, cflags=CFLAGS,
+        build(NAME, SOURCES, with_cuda=False, cflags=CFLAGS, prebuilt=PREBUILT,
               what="the CPU neighbour extension: candidate selection, exact re-measure, weighted sums, knn_reduce",
               instead="nothing: torch.topk selects and torch measures instead (slower)")
     except ExtensionBuildError as error:
