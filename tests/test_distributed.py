@@ -252,6 +252,18 @@ def test_sharded_operators_equal_the_whole_cloud(world, scenario):
     mp.spawn(_worker, args=(world, _free_port(), scenario), nprocs=world, join=True)
 
 
+def test_the_package_attribute_and_the_backend_for_this_host(monkeypatch):
+    """`fullgraph.distributed` without importing it first; NCCL only where every local rank has a GPU."""
+    import subprocess
+    import sys
+
+    code = "import fullgraph; print(fullgraph.distributed.knn.__module__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "fullgraph.distributed", out.stderr
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(torch.cuda.device_count() + 1))
+    assert distributed.process_group_backend() == "gloo"
+
+
 def test_needs_an_initialized_process_group():
     if dist.is_initialized():
         pytest.skip("a process group exists in this process")
