@@ -308,7 +308,7 @@ def gather_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
     """idx with padding (-1) as row 0, after checking (where values are readable: eagerly and
     in compiled code, not in a CUDA graph capture) that every index is in [-1, rows)."""
     if idx.numel() and _validate.values_readable(idx.device):
-        low, high = int(idx.min()), int(idx.max())
+        low, high = torch.stack([idx.min(), idx.max()]).tolist()  # one read back
         if low < -1 or high >= rows:
             raise ValueError(f"idx: expected indices in [-1, {rows}), got values in [{low}, {high}]")
     return idx.clamp(min=0)
