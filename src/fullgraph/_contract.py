@@ -5,8 +5,8 @@ Eagerly a function's own checks raise. While torch.compile traces, an exception 
 traced code would end the trace (torch._dynamo.exc.Unsupported), so ``checked`` runs the
 function's check outside the trace (``torch._dynamo.nonstrict_trace``: real Python on the
 traced values); where it refuses, the graph gets an operator that raises that error when the
-compiled code runs, and the function's body is not traced. Where it accepts, nothing is added
-to the graph: the guards the check placed on shapes recompile for inputs it would refuse.
+compiled code runs, and the function's body is not traced. Where it accepts, the compiled code
+runs nothing of it: the guards the check placed on shapes recompile for inputs it would refuse.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _refusal(name: str, args, kwargs, outputs: int):
 
 
 # torch.compile calls _refusal as one opaque call (nonstrict_trace). That registration lives in
-# torch._dynamo, seconds to import: it is made when torch._dynamo is (see _on_dynamo_import).
+# torch._dynamo, seconds to import: it is made when torch._dynamo is (_OnDynamoImport).
 _TRACED_REFUSAL: list[Callable] = [_refusal]
 
 
