@@ -304,10 +304,10 @@ def _check_gather(values, idx, *, fill=0.0) -> None:
 
 
 @torch.library.custom_op("fullgraph::gather_rows", mutates_args=())
-def gather_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
-    """idx with padding (-1) as row 0, after checking (where values are readable: eagerly and
-    in compiled code, not in a CUDA graph capture) that every index is in [-1, rows)."""
-    if idx.numel() and _validate.values_readable(idx.device):
+def gather_rows(idx: torch.Tensor, rows: int, check: bool) -> torch.Tensor:
+    """idx with padding (-1) as row 0, after checking, where ``check`` and the values are
+    readable (not in a CUDA graph capture), that every index is in [-1, rows)."""
+    if check and idx.numel() and _validate.values_readable(idx.device):
         low, high = torch.stack([idx.min(), idx.max()]).tolist()  # one read back
         if low < -1 or high >= rows:
             raise ValueError(f"idx: expected indices in [-1, {rows}), got values in [{low}, {high}]")
@@ -315,7 +315,7 @@ def gather_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 @gather_rows.register_fake
-def _(idx, rows):
+def _(idx, rows, check):
     return torch.empty_like(idx)
 
 
@@ -332,12 +332,13 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         fill: the value of padded slots.
 
     Returns:
-        [M, k, C] or [B, M, k, C]; differentiable w.r.t. ``values``; no host sync.
+        [M, k, C] or [B, M, k, C]; differentiable w.r.t. ``values``.
 
     Raises:
         TypeError: non-tensors, idx not int64.
-        ValueError: ranks or batch sizes that do not match, devices that differ, indices >= N
-            (checked eagerly).
+        ValueError: ranks or batch sizes that do not match, devices that differ, indices
+            outside [-1, N) (read back to check: eagerly, and compiled on CPUs; compiled CUDA
+            code and CUDA graphs do not read them back).
 
     Example:
         >>> ref, feats = torch.rand(50, 3), torch.randn(50, 4)
@@ -352,7 +353,11 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         out = values.new_full((*idx.shape, channels), fill)
         return out[0] if unbatched else out
     offsets = (torch.arange(batch, device=idx.device) * rows).view(batch, 1, 1)
-    out = values.reshape(batch * rows, channels)[(torch.ops.fullgraph.gather_rows(idx, rows) + offsets).reshape(-1)]
+    # The range check reads the indices back: eagerly (as ever), and compiled on CPUs, where
+    # that costs no synchronization; compiled CUDA code keeps its pipeline (no read).
+    check = not torch.compiler.is_compiling() or idx.device.type == "cpu"
+    out = values.reshape(batch * rows, channels)[(torch.ops.fullgraph.gather_rows(idx, rows, check) + offsets)
+                                                 .reshape(-1)]
     out = out.reshape(*idx.shape, channels).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
 
