@@ -15,8 +15,8 @@ def test_counts_agree_with_the_list_on_the_radius(backend, device, generator):
     """Inclusivity is one comparison (d <= radius, on the distances the backend returns) in
     the list and in the counts; radii are set to distances the backend's own kNN returns, so
     points lie exactly on them."""
-    # Triton's interpreter takes ~6 s a trial on the CPU: 4 trials there, 12 elsewhere.
-    for trial in range(4 if backend == "triton" and device == "cpu" else 12):
+    # Triton's interpreter takes ~20 s a trial on the 2-core CPU: 2 trials there, 12 elsewhere.
+    for trial in range(2 if backend == "triton" and device == "cpu" else 12):
         query = torch.rand(30, 3, generator=generator).to(device)
         ref = torch.rand(200, 3, generator=generator).to(device)
         d, _ = fullgraph.knn(query, ref, 64, backend=backend)
