@@ -160,7 +160,7 @@ def checked(check: Callable, outputs: int = 1):
     def decorate(fn):
         @functools.wraps(fn)
         def public(*args, **kwargs):
-            if not torch.compiler.is_compiling():
+            if not torch.compiler.is_dynamo_compiling():  # False when run, in any thread
                 check(*args, **kwargs)
             else:
                 flag, *refused = _TRACED_REFUSAL[0](name, _marked(args), {k: _marked(v) for k, v in kwargs.items()},

@@ -141,7 +141,7 @@ class NumpyFunction:
         args, kwargs, device = self._tensors(args, kwargs)
         if self.eager:
             out = self._run_eagerly(args, kwargs, device)
-        elif torch.compiler.is_compiling():
+        elif torch.compiler.is_dynamo_compiling():  # False when run: another thread's compile cannot take this
             # Inside an enclosing torch.compile: the function becomes part of that graph.
             from torch._numpy import _dtypes_impl
 
