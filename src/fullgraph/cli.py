@@ -9,7 +9,6 @@ import sys
 import time
 
 import torch
-from fullgraph_cli import output_path as _output
 from fullgraph_cli import usage as _usage
 
 
@@ -18,14 +17,6 @@ def _default_size(workload: str, gpu: bool) -> str:
     from .bench import WORKLOADS
 
     return "small" if not gpu and "small" in WORKLOADS[workload].sizes else "seed"
-
-
-def _size(workload: str, size: str) -> str:
-    from .bench import WORKLOADS
-
-    if size not in WORKLOADS[workload].sizes:
-        _usage(f"--size {size}: {workload} has sizes {', '.join(WORKLOADS[workload].sizes)}")
-    return size
 
 
 def _join_torchrun() -> torch.device | None:
@@ -89,17 +80,13 @@ def _bench(args) -> int:
     rank = torch.distributed.get_rank() if ranked is not None else 0
     device = _device(args.device) if args.device is not None or ranked is None else ranked
     gpu = device.type == "cuda"
-    size = _size(args.workload, args.size or _default_size(args.workload, gpu))
+    size = args.size or _default_size(args.workload, gpu)
     warmup = args.warmup if args.warmup is not None else (5 if gpu else 2)
     runs = args.runs if args.runs is not None else (30 if gpu else 10)
     if warmup < 0 or runs < 1:
         _usage(f"--warmup must be >= 0 and --runs >= 1, got --warmup {warmup} --runs {runs}")
-    if args.threads is not None:
-        if args.threads < 1:
-            _usage(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:  # checked with the other arguments (fullgraph_cli)
         torch.set_num_threads(args.threads)
-    _output(args.json, "--json")
-    _output(args.plot, "--plot")
     # Under torchrun every rank runs the variants; rank 0 reports.
     console = Console(width=None if sys.stdout.isatty() else 132, quiet=rank != 0)
     log = _progress_log() if rank == 0 else (lambda line: None)
@@ -143,7 +130,7 @@ def _explain(args) -> int:
     device = _device(args.device)
     workload = bench.WORKLOADS[args.workload]
     try:
-        cases = [c for c in workload.build(workload.sizes[_size(args.workload, args.size)], device)
+        cases = [c for c in workload.build(workload.sizes[args.size], device)
                  if c.explain is not None]
     except ValueError as error:
         _usage(f"{args.workload}: {error}")
@@ -160,7 +147,7 @@ def _profile(args) -> int:
     from .bench.profile import profile_workload
 
     device = _device(args.device)
-    size = _size(args.workload, args.size or _default_size(args.workload, device.type == "cuda"))
+    size = args.size or _default_size(args.workload, device.type == "cuda")
     if args.rows < 1:
         _usage(f"--rows must be >= 1, got {args.rows}")
     try:
@@ -173,10 +160,10 @@ def _profile(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``fullgraph ...``: parse (``fullgraph_cli.parser``) and run."""
-    from fullgraph_cli import parser
+    """``fullgraph ...``: parse and check the arguments (``fullgraph_cli``), then run."""
+    import fullgraph_cli
 
-    return run(parser().parse_args(argv))
+    return fullgraph_cli.main(argv)
 
 
 def run(args) -> int:
@@ -195,8 +182,7 @@ def run(args) -> int:
     if args.command == "report":
         from .bench import report
 
-        plot = args.plot
-        _output(plot, "--plot")
+        plot = args.plot  # its path checked with the other arguments (fullgraph_cli)
         files = [file for path in args.files for file in (report.result_files(path) if path.is_dir() else [path])]
         try:
             tables = [report.read_json(path) for path in files]  # every file checked before printing

@@ -303,19 +303,24 @@ def _check_gather(values, idx, *, fill=0.0) -> None:
         raise TypeError(f"fill: expected a float, got {_validate._describe(fill)}")
 
 
-@torch.library.custom_op("fullgraph::gather_rows", mutates_args=())
-def gather_rows(idx: torch.Tensor, rows: int, check: bool) -> torch.Tensor:
-    """idx with padding (-1) as row 0, after checking, where ``check`` and the values are
-    readable (not in a CUDA graph capture), that every index is in [-1, rows)."""
-    if check and idx.numel() and _validate.values_readable(idx.device):
-        low, high = torch.stack([idx.min(), idx.max()]).tolist()  # one read back
+def _rows_at(idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """idx with padding (-1) as row 0, after checking, where the values are readable, that
+    every index is in [-1, rows) (one read back)."""
+    if idx.numel() and _validate.values_readable(idx.device):
+        low, high = torch.stack([idx.min(), idx.max()]).tolist()
         if low < -1 or high >= rows:
             raise ValueError(f"idx: expected indices in [-1, {rows}), got values in [{low}, {high}]")
     return idx.clamp(min=0)
 
 
+@torch.library.custom_op("fullgraph::gather_rows", mutates_args=())
+def gather_rows(idx: torch.Tensor, rows: int) -> torch.Tensor:
+    """``_rows_at`` as an operator: compiled CPU code checks the indices when it runs."""
+    return _rows_at(idx, rows)
+
+
 @gather_rows.register_fake
-def _(idx, rows, check):
+def _(idx, rows):
     return torch.empty_like(idx)
 
 
@@ -353,11 +358,13 @@ def knn_gather(values, idx, *, fill: float = 0.0):
         out = values.new_full((*idx.shape, channels), fill)
         return out[0] if unbatched else out
     offsets = (torch.arange(batch, device=idx.device) * rows).view(batch, 1, 1)
-    # The range check reads the indices back: eagerly (as ever), and compiled on CPUs, where
-    # that costs no synchronization; compiled CUDA code keeps its pipeline (no read).
-    check = not torch.compiler.is_compiling() or idx.device.type == "cpu"
-    out = values.reshape(batch * rows, channels)[(torch.ops.fullgraph.gather_rows(idx, rows, check) + offsets)
-                                                 .reshape(-1)]
+    if not torch.compiler.is_dynamo_compiling():
+        at = _rows_at(idx, rows)
+    elif idx.device.type == "cpu":  # compiled: checked when it runs (no synchronization on a CPU)
+        at = torch.ops.fullgraph.gather_rows(idx, rows)
+    else:  # compiled CUDA code: fused by Inductor, nothing read back
+        at = idx.clamp(min=0)
+    out = values.reshape(batch * rows, channels)[(at + offsets).reshape(-1)]
     out = out.reshape(*idx.shape, channels).masked_fill((idx < 0)[..., None], fill)
     return out[0] if unbatched else out
 
