@@ -35,19 +35,27 @@ FLOWS = ("source_to_target", "target_to_source")
 
 def _edges(idx: Tensor, queries: int, drop_self: bool) -> Tensor:
     """edge_index [2, E] (query row, neighbour) of the found slots of lists idx [M, k],
-    without the edges (i, i) when ``drop_self``."""
+    without the edges (i, i) when ``drop_self``: then lists were searched one wider and keep
+    at most k - 1 others (the extra slot holds the point itself only when it is among the
+    tied nearest)."""
     rows = torch.arange(queries, device=idx.device)[:, None]
-    found = (idx >= 0) & (idx != rows) if drop_self else idx >= 0
+    found = idx >= 0
+    if drop_self:
+        found = found & (idx != rows)
+        found = found & (found.cumsum(1) < max(idx.shape[1], 1))
     slots = found.flatten().nonzero().squeeze(1)  # the one host read: E depends on the data
     return torch.stack([slots.div(max(idx.shape[1], 1), rounding_mode="floor"), idx.flatten()[slots]])
 
 
-def _lists(x, y, k, r, batch_x, batch_y, backend) -> Tensor:
-    """Neighbour lists [len(y), k] into x (global rows), kNN when r is None."""
+def _lists(x, y, k, r, batch_x, batch_y, backend, name="k") -> Tensor:
+    """Neighbour lists [len(y), min(k, N)] into x (global rows), kNN when r is None: no
+    list holds more than the N points of x, so a larger k (torch_cluster's "no cap") gives
+    the same edges."""
     _validate.floating("x", x)
     _validate.rank("x", x, (2,), "[N, D]")
     _validate.floating("y", y)
     _validate.rank("y", y, (2,), "[M, D]")
+    k = min(_validate.integer(name, k, minimum=1), max(x.shape[0], 1))
     if (batch_x is None) != (batch_y is None) and x.shape[0] and y.shape[0]:
         raise ValueError("batch_x, batch_y: pass both batch vectors or neither")
     batches = dict(batch_query=batch_y, batch_ref=batch_x) if batch_x is not None else {}
@@ -69,7 +77,8 @@ def _knn_edges(x: Tensor, y: Tensor, k: int, batch_x: OptionalTensor, batch_y: O
 @torch.library.custom_op("fullgraph::radius_edges", mutates_args=())
 def _radius_edges(x: Tensor, y: Tensor, r: float, batch_x: OptionalTensor, batch_y: OptionalTensor,
                   max_num_neighbors: int, drop_self: bool, backend: str) -> Tensor:
-    return _edges(_lists(x, y, max_num_neighbors, r, batch_x, batch_y, backend), y.shape[0], drop_self)
+    lists = _lists(x, y, max_num_neighbors, r, batch_x, batch_y, backend, "max_num_neighbors")
+    return _edges(lists, y.shape[0], drop_self)
 
 
 @torch.library.custom_op("fullgraph::knn_graph_edges", mutates_args=())
@@ -79,7 +88,7 @@ def _knn_graph_edges(x: Tensor, k: int, batch: OptionalTensor, backend: str) -> 
     while searching (the Triton grid searches k, not k + 1)."""
     _validate.floating("x", x)
     _validate.rank("x", x, (2,), "[N, D]")
-    _validate.integer("k", k, minimum=1)
+    k = min(_validate.integer("k", k, minimum=1), max(x.shape[0] - 1, 1))  # no point has more than N - 1 others
     if batch is not None:
         check_batch("batch", batch, x)
         points, _, layout, _ = api.batch_vectors(x, x, batch, batch, None, None)
@@ -160,5 +169,5 @@ def radius_graph(x, r, batch=None, loop=False, max_num_neighbors=32, flow="sourc
     """``torch_cluster.radius_graph``: edges between points of x [N, D] within ``r``, at most
     ``max_num_neighbors`` per point (the nearest; without ``loop`` one more is searched and
     the point itself dropped). ``flow`` as in :func:`knn_graph`. Returns edge_index [2, E]."""
-    cap = max_num_neighbors if loop else max_num_neighbors + 1
+    cap = max_num_neighbors if loop else min(max_num_neighbors, _validate.INT64_MAX - 1) + 1
     return _oriented(torch.ops.fullgraph.radius_edges(x, x, r, batch, batch, cap, not loop, backend), flow)
