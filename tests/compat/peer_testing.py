@@ -116,3 +116,51 @@ def withPackage(*names: str):
 def onlyFullTest(function):
     """PyG runs these only in its full test run; here they always run."""
     return function
+
+
+# pyg-lib's operators and test decorator.
+
+
+def withCUDA(func):
+    import pytest
+
+    return pytest.mark.parametrize("device", devices, ids=str)(func)
+
+
+class _PygLibOps:
+    """``pyg_lib.ops``' functions (their argument order) over ``torch.ops.pyg`` as
+    ``fullgraph.compat.pyg.install()`` defines it."""
+
+    def __init__(self):
+        from fullgraph.compat import pyg
+
+        pyg.install()
+
+    @staticmethod
+    def knn(x, y, k=1, ptr_x=None, ptr_y=None, cosine=False, num_workers=1):
+        return torch.ops.pyg.knn(x, y, ptr_x, ptr_y, k, cosine, num_workers)
+
+    @staticmethod
+    def radius(x, y, r=1.0, ptr_x=None, ptr_y=None, max_num_neighbors=32, num_workers=1, ignore_same_index=False):
+        return torch.ops.pyg.radius(x, y, ptr_x, ptr_y, r, max_num_neighbors, num_workers, ignore_same_index)
+
+    @staticmethod
+    def fps(src, ptr, ratio=0.5, random_start=True):
+        return torch.ops.pyg.fps(src, ptr, ratio, random_start)
+
+    @staticmethod
+    def nearest(x, y, ptr_x=None, ptr_y=None):
+        return torch.ops.pyg.nearest(x, y, ptr_x, ptr_y)
+
+    @staticmethod
+    def grid_cluster(pos, size, start=None, end=None):
+        return torch.ops.pyg.grid_cluster(pos, size, start, end)
+
+
+class _PygLib:
+    @property
+    def ops(self):
+        return _PygLibOps()
+
+
+pyg_lib = _PygLib()

@@ -18,6 +18,7 @@ and idx with 0 beyond an item's points, ``ball_query`` pads idx with -1 and dist
 
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
 import torch
@@ -109,9 +110,11 @@ def knn_gather(x, idx, lengths=None):
 
 def ball_query(p1, p2, lengths1=None, lengths2=None, K: int = 500, radius: float = 0.2,
                return_nn: bool = True) -> KNN:
-    """The first K points of p2 within ``radius`` (inclusive) of each point of p1, in index
+    """The first K points of p2 closer than ``radius`` to each point of p1, in index
     order: ``KNN(dists, idx, knn)`` with squared distances (0 padded), idx (-1 padded) and
     the neighbours (zeros padded; None without ``return_nn``). See ``fullgraph.ball_query``."""
+    if isinstance(radius, (int, float)) and not isinstance(radius, bool) and radius > 0:
+        radius = math.nextafter(float(radius), 0.0)  # PyTorch3D's d < radius (fullgraph's: d <= radius)
     dists, idx, nn = _fullgraph_ball_query(p1, p2, lengths1, lengths2, K, radius, return_nn)
     return KNN(dists=dists, idx=idx, knn=nn)
 

@@ -4,6 +4,8 @@ import knn, radius_graph, ...`` in place of ``from torch_cluster import ...``.
 Same signatures, defaults and return types, and like torch_cluster's they compile with
 ``torch.jit.script``. Differences (each follows torch_cluster's own tests):
 
+- radius keeps points closer than ``r`` (d < r, as torch_cluster and pyg-lib; fullgraph's own
+  operators include d = r).
 - lists hold the *nearest* neighbours (ties to the smaller index); torch_cluster's radius
   keeps ``max_num_neighbors`` picked in search order. Without ``loop`` a point has at most
   ``k`` / ``max_num_neighbors`` others (torch_cluster 1.6.3 may return one more).
@@ -81,14 +83,18 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
            max_num_neighbors: int = 32, num_workers: int = 1, batch_size: Optional[int] = None,
            ignore_same_index: bool = False) -> Tensor:
     """For each point of ``y``, the (at most ``max_num_neighbors`` nearest) points of ``x``
-    within ``r`` (inclusive); ``ignore_same_index`` leaves out x[i] for y[i]. Returns
+    closer than ``r``; ``ignore_same_index`` leaves out x[i] for y[i]. Returns
     edge_index [2, E]: row 0 into y, row 1 into x."""
     if x.numel() == 0 or y.numel() == 0:
         return _empty(x)
     x, y = _as_2d(x), _as_2d(y)
     batch_x, batch_y = _pair(x, y, batch_x, batch_y)
     cap = max_num_neighbors + 1 if ignore_same_index and max_num_neighbors > 0 else max_num_neighbors
-    return torch.ops.fullgraph.radius_edges(x, y, float(r), batch_x, batch_y, cap, ignore_same_index, "auto")
+    edges = torch.ops.fullgraph.radius_edges(x, y, float(r), batch_x, batch_y, cap, ignore_same_index, "auto")
+    # The peers' rule is d < r (fullgraph's, d <= r): the lists hold the nearest first, so
+    # leaving out the points at exactly r keeps every nearer one.
+    gap = (x[edges[1]].to(torch.float64) - y[edges[0]].to(torch.float64)).square().sum(-1)
+    return edges[:, gap < float(r) * float(r)]
 
 
 def radius_graph(x: Tensor, r: float, batch: Optional[Tensor] = None, loop: bool = False,
