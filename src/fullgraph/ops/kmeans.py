@@ -216,7 +216,7 @@ def _weights(sample_weight, x: torch.Tensor) -> torch.Tensor | None:
     weights = sample_weight.to(x.device, torch.float64)
     if _validate.values_readable(x.device) and not bool((torch.isfinite(weights) & (weights >= 0)).all()
                                                          & (weights.sum() > 0)):
-        raise ValueError("sample_weight: expected finite weights >= 0, not all 0")
+        raise ValueError("sample_weight: expected finite weights >= 0, not all zero")
     return weights
 
 
@@ -301,22 +301,42 @@ def _reseed_empty(x, previous, centroids, counts):
     return centroids
 
 
+class NotFittedError(ValueError, AttributeError):
+    """``predict``, ``transform`` or ``score`` before ``fit`` (scikit-learn's
+    ``sklearn.exceptions.NotFittedError`` where scikit-learn is installed)."""
+
+
+def _not_fitted(message: str) -> Exception:
+    try:
+        from sklearn.exceptions import NotFittedError as SklearnNotFittedError
+    except ImportError:
+        return NotFittedError(message)
+    return SklearnNotFittedError(message)
+
+
 class KMeans:
-    """scikit-learn's ``KMeans`` interface over ``kmeans``: NumPy arrays or tensors, any device.
+    """scikit-learn's ``KMeans`` estimator over ``kmeans``: NumPy arrays or tensors, any device.
+
+    A scikit-learn estimator (``get_params`` / ``set_params``, ``clone``, pipelines, its
+    ``check_estimator`` suite) without depending on scikit-learn.
 
     Args:
-        n_clusters: k. init: "k-means++" or initial centroids [k, d] (array or tensor).
-        n_init: k-means++ restarts; the fit with the lowest inertia is kept (1 with explicit
-            centroids). max_iter, tol: as in :func:`kmeans` (scikit-learn's stopping rule).
-        random_state: an int seeding the restarts (None: random).
+        n_clusters: k. init: "k-means++", "random" (k distinct rows) or initial centroids
+            [k, d] (array or tensor).
+        n_init: restarts, the fit with the lowest inertia kept; "auto": 1 for "k-means++"
+            and explicit centroids, 10 for "random" (scikit-learn's rule).
+        max_iter, tol: as in :func:`kmeans` (scikit-learn's stopping rule).
+        random_state: an int, a ``numpy.random.RandomState`` or None (random).
         backend: "auto" (default): scikit-learn's KMeans for data on the CPU where it is
             installed (its cache-blocked C Lloyd loop is 3-10x faster there than the
             compiled NumPy step on a 2-core CPU),
             else fullgraph's ``kmeans`` (CUDA tensors: the compiled NumPy step on the GPU);
             "fullgraph" or "sklearn" to insist. ``backend_`` says which ran.
 
-    Attributes after ``fit``: ``cluster_centers_`` [k, d], ``labels_`` [n], ``inertia_``
-    (float), ``n_iter_`` (int); arrays are NumPy arrays when ``fit`` got one, else tensors.
+    Attributes after ``fit``: ``cluster_centers_`` [k, d], ``labels_`` [n] (int32, as
+    scikit-learn's), ``inertia_`` (float), ``n_iter_`` (int), ``n_features_in_`` (and
+    ``feature_names_in_`` for data frames); arrays are NumPy arrays when ``fit`` got one,
+    else tensors. Parameters are checked by ``fit``, as scikit-learn's are.
 
     Example:
         >>> import numpy as np
@@ -327,36 +347,90 @@ class KMeans:
     """
 
     BACKENDS = ("auto", "fullgraph", "sklearn")
+    _PARAMETERS = ("n_clusters", "init", "n_init", "max_iter", "tol", "random_state", "backend")
 
-    def __init__(self, n_clusters: int = 8, *, init="k-means++", n_init: int = 1, max_iter: int = 300,
-                 tol: float = 1e-4, random_state: int | None = None, backend: str = "auto"):
-        if backend not in self.BACKENDS:
-            raise ValueError(f"backend: expected one of {self.BACKENDS}, got {backend!r}")
-        if isinstance(n_init, bool) or not isinstance(n_init, int) or n_init < 1:
-            raise ValueError(f"n_init: expected an int >= 1, got {n_init!r}")
-        if random_state is not None and (isinstance(random_state, bool) or not isinstance(random_state, int)):
-            raise TypeError(f"random_state: expected an int or None, got {type(random_state).__name__}")
+    def __init__(self, n_clusters: int = 8, *, init="k-means++", n_init="auto", max_iter: int = 300,
+                 tol: float = 1e-4, random_state=None, backend: str = "auto"):
         self.n_clusters, self.init, self.n_init = n_clusters, init, n_init
         self.max_iter, self.tol, self.random_state, self.backend = max_iter, tol, random_state, backend
 
-    @staticmethod
-    def _tensor(name: str, x):
-        """(tensor, whether it came as an array): arrays of other numbers (ints, bools, lists)
-        become float64, as scikit-learn converts them."""
-        if isinstance(x, (list, tuple)):
-            x = np.asarray(x)
-        if isinstance(x, np.ndarray):
-            if x.dtype not in (np.float32, np.float64):
-                if not (np.issubdtype(x.dtype, np.number) or x.dtype == np.bool_):
-                    raise TypeError(f"{name}: expected an array of numbers, got dtype {x.dtype}")
-                x = x.astype(np.float64)
-            return torch.from_numpy(np.ascontiguousarray(x)), True
-        _validate.tensor(name, x)
-        if not x.dtype.is_floating_point:
-            x = x.to(torch.float64)
-        return x, False
+    # scikit-learn's estimator protocol
+
+    def get_params(self, deep: bool = True) -> dict:
+        return {name: getattr(self, name) for name in self._PARAMETERS}
+
+    def set_params(self, **params) -> KMeans:
+        for name, value in params.items():
+            if name not in self._PARAMETERS:
+                raise ValueError(f"Invalid parameter {name!r} for estimator {type(self).__name__}. Valid parameters "
+                                 f"are: {sorted(self._PARAMETERS)!r}.")
+            setattr(self, name, value)
+        return self
+
+    def __repr__(self) -> str:
+        changed = ", ".join(f"{name}={value!r}" for name, value in self.get_params().items()
+                            if not isinstance(value, (np.ndarray, torch.Tensor)) and value != _DEFAULTS[name])
+        return f"KMeans({changed})"
+
+    def __sklearn_tags__(self):
+        from sklearn.utils import Tags, TargetTags, TransformerTags
+
+        return Tags(estimator_type="clusterer", target_tags=TargetTags(required=False),
+                    transformer_tags=TransformerTags(), requires_fit=True)
+
+    def __sklearn_is_fitted__(self) -> bool:
+        return hasattr(self, "_centroids")
+
+    # data
+
+    def _tensor(self, name: str, x, reset: bool):
+        """(tensor, whether it came as an array): tensors as they are (non-floating ones as
+        float64); anything else through scikit-learn's ``check_array`` where it is installed
+        (its messages, feature names and counts), else ``numpy.asarray`` to float64."""
+        if isinstance(x, torch.Tensor):
+            tensor = x if x.dtype.is_floating_point else x.to(torch.float64)
+            if reset:
+                self.n_features_in_ = tensor.shape[1] if tensor.dim() == 2 else None
+            return tensor, False
+        try:
+            from sklearn.utils.validation import validate_data
+        except ImportError:
+            array = np.asarray(x)
+            if array.dtype not in (np.float32, np.float64):
+                if not (np.issubdtype(array.dtype, np.number) or array.dtype == np.bool_):
+                    raise TypeError(f"{name}: expected an array of numbers, got dtype {array.dtype}")
+                array = array.astype(np.float64)
+            if reset and array.ndim == 2:
+                self.n_features_in_ = array.shape[1]
+        else:
+            array = validate_data(self, x, reset=reset, dtype=[np.float64, np.float32], ensure_all_finite=False,
+                                  order="C", copy=False)
+        if not reset and getattr(self, "n_features_in_", None) is not None and array.ndim == 2 \
+                and array.shape[1] != self.n_features_in_:
+            raise ValueError(f"X has {array.shape[1]} features, but KMeans is expecting {self.n_features_in_} "
+                             "features as input.")
+        return torch.from_numpy(np.array(array, copy=not array.flags.writeable or not array.flags.c_contiguous)), True
+
+    def _restarts(self) -> int:
+        if self.n_init == "auto":
+            return 10 if isinstance(self.init, str) and self.init == "random" else 1
+        if isinstance(self.n_init, bool) or not isinstance(self.n_init, numbers.Integral) or self.n_init < 1:
+            raise ValueError(f"n_init: expected 'auto' or an int >= 1, got {self.n_init!r}")
+        return int(self.n_init)
+
+    def _seeds(self, count: int) -> list[int]:
+        state = self.random_state
+        if isinstance(state, np.random.RandomState):
+            return [int(v) for v in state.randint(0, 2**31 - 1, size=count)]
+        if state is not None and (isinstance(state, bool) or not isinstance(state, numbers.Integral)):
+            raise TypeError(f"random_state: expected an int, a numpy.random.RandomState or None, got "
+                            f"{_validate._describe(state)}")
+        return [int(v) for v in np.random.default_rng(None if state is None else int(state)).integers(0, 2**62,
+                                                                                                        size=count)]
 
     def _chosen_backend(self, x: torch.Tensor) -> str:
+        if self.backend not in self.BACKENDS:
+            raise ValueError(f"backend: expected one of {self.BACKENDS}, got {self.backend!r}")
         if self.backend == "sklearn" and x.device.type != "cpu":
             raise ValueError(f'backend: "sklearn" clusters data on the CPU, got X on {x.device}')
         if self.backend != "auto":
@@ -365,55 +439,107 @@ class KMeans:
             return "sklearn"
         return "fullgraph"
 
-    def _fit_with_sklearn(self, x: torch.Tensor, init, weights) -> KMeansResult:
+    def _fit_with_sklearn(self, x: torch.Tensor, init, weights, restarts: int, seed: int) -> KMeansResult:
         from sklearn.cluster import KMeans as SklearnKMeans
 
         # The same refusals and scaling whichever backend runs.
         x, init, scale = _checked(x, self.n_clusters, init, self.max_iter, self.tol)
         if isinstance(init, torch.Tensor):
             init = init.detach().numpy()
-        model = SklearnKMeans(n_clusters=self.n_clusters, init=init, n_init=self.n_init, max_iter=self.max_iter,
-                              tol=self.tol, random_state=self.random_state)
+        model = SklearnKMeans(n_clusters=int(self.n_clusters), init=init, n_init=restarts, max_iter=int(self.max_iter),
+                              tol=self.tol, random_state=seed % 2**31)
         model.fit(x.detach().numpy(), sample_weight=None if weights is None else weights.numpy())
         result = KMeansResult(torch.from_numpy(model.cluster_centers_).to(x.dtype),
                               torch.from_numpy(model.labels_.astype(np.int64)),
                               torch.tensor(model.inertia_, dtype=x.dtype), model.n_iter_)
         return _rescaled(result, scale)
 
+    def _fit_with_fullgraph(self, x: torch.Tensor, init, weights, seeds: list[int]) -> KMeansResult:
+        runs = []
+        for seed in seeds:
+            start = init
+            if isinstance(init, str) and init == "random":
+                generator = torch.Generator().manual_seed(seed)
+                if isinstance(self.n_clusters, numbers.Integral) and 1 <= self.n_clusters <= x.shape[0]:
+                    rows = torch.randperm(x.shape[0], generator=generator)[:int(self.n_clusters)].to(x.device)
+                    start = x[rows].contiguous()
+            runs.append(kmeans(x, self.n_clusters, init=start, max_iter=self.max_iter, tol=self.tol, seed=seed,
+                               sample_weight=weights))
+        return min(runs, key=lambda result: float(result.inertia))
+
+    # fitting and using
+
     def fit(self, X, y=None, sample_weight=None) -> KMeans:
         """Cluster X [n, d] (``sample_weight`` [n]: weights >= 0 of the points, None: 1 each);
         ``y`` is ignored (scikit-learn's signature)."""
-        x, from_numpy = self._tensor("X", X)
+        x, from_numpy = self._tensor("X", X, reset=True)
         _points(x)
-        if isinstance(sample_weight, (list, tuple)):
+        if sample_weight is not None and not isinstance(sample_weight, (np.ndarray, torch.Tensor)):
             sample_weight = np.asarray(sample_weight, dtype=np.float64)
+            if sample_weight.ndim == 0:
+                sample_weight = np.full(x.shape[0], float(sample_weight))
         weights = _weights(sample_weight, x)
         init = self.init
         if isinstance(init, np.ndarray):
-            init = torch.from_numpy(init).to(x.device, x.dtype)
+            init = torch.from_numpy(np.asarray(init, dtype=np.float64)).to(x.device, x.dtype)
+        elif isinstance(init, str) and init not in ("k-means++", "random"):
+            raise ValueError(f"init: expected 'k-means++', 'random' or a [{self.n_clusters}, {x.shape[1]}] array, "
+                             f"got {init!r}")
+        elif not isinstance(init, (str, torch.Tensor)):
+            raise TypeError(f"init: expected 'k-means++', 'random' or an array of centroids, got "
+                            f"{_validate._describe(init)}")
+        restarts = 1 if isinstance(init, torch.Tensor) else self._restarts()
+        seeds = self._seeds(restarts)
         self.backend_ = self._chosen_backend(x)
         if self.backend_ == "sklearn":
-            best = self._fit_with_sklearn(x, init, weights)
+            best = self._fit_with_sklearn(x, init, weights, restarts, seeds[0])
         else:
-            seeds = np.random.default_rng(self.random_state).integers(0, 2**62, size=self.n_init)
-            runs = 1 if isinstance(init, torch.Tensor) else self.n_init
-            best = min((kmeans(x, self.n_clusters, init=init, max_iter=self.max_iter, tol=self.tol, seed=int(seed),
-                               sample_weight=weights) for seed in seeds[:runs]),
-                       key=lambda result: float(result.inertia))
+            best = self._fit_with_fullgraph(x, init, weights, seeds)
+        labels = best.labels.to(torch.int32)
         convert = (lambda t: t.cpu().numpy()) if from_numpy else (lambda t: t)
-        self.cluster_centers_, self.labels_ = convert(best.centroids), convert(best.labels)
+        self.cluster_centers_, self.labels_ = convert(best.centroids), convert(labels)
         self.inertia_, self.n_iter_ = float(best.inertia), best.n_iter
         self._centroids = best.centroids
         return self
 
-    def predict(self, X):
-        """The nearest fitted centroid of each row of X [n, d]: labels [n] (int64)."""
+    def _fitted(self, X):
         if not hasattr(self, "_centroids"):
-            raise RuntimeError("KMeans: call fit before predict")
-        x, from_numpy = self._tensor("X", X)
-        labels = kmeans_assign(x, self._centroids.to(x.device, x.dtype))
+            raise _not_fitted("This KMeans instance is not fitted yet. Call 'fit' with appropriate arguments "
+                              "before using this estimator.")
+        x, from_numpy = self._tensor("X", X, reset=False)
+        _points(x)
+        _scale("X", x)  # refuses NaN and inf
+        if x.shape[1] != self._centroids.shape[1]:
+            raise ValueError(f"X has {x.shape[1]} features, but KMeans is expecting {self._centroids.shape[1]} "
+                             "features as input.")
+        return x, self._centroids.to(x.device, x.dtype), from_numpy
+
+    def predict(self, X):
+        """The nearest fitted centroid of each row of X [n, d]: labels [n] int32."""
+        x, centroids, from_numpy = self._fitted(X)
+        labels = kmeans_assign(x, centroids).to(torch.int32)
         return labels.cpu().numpy() if from_numpy else labels
 
     def fit_predict(self, X, y=None, sample_weight=None):
         return self.fit(X, sample_weight=sample_weight).labels_
 
+    def transform(self, X):
+        """Distances [n, k] from each row of X to the fitted centroids."""
+        x, centroids, from_numpy = self._fitted(X)
+        distances = torch.cdist(x, centroids)
+        return distances.cpu().numpy() if from_numpy else distances
+
+    def fit_transform(self, X, y=None, sample_weight=None):
+        return self.fit(X, sample_weight=sample_weight).transform(X)
+
+    def score(self, X, y=None, sample_weight=None) -> float:
+        """Minus the inertia of X [n, d] on the fitted centroids (larger is better)."""
+        x, centroids, _ = self._fitted(X)
+        squared = ((x - centroids[kmeans_assign(x, centroids)]) ** 2).sum(-1).double()
+        weights = _weights(np.asarray(sample_weight, dtype=np.float64) if isinstance(sample_weight, (list, tuple))
+                           else sample_weight, x)
+        return -float(squared.sum() if weights is None else (squared * weights).sum())
+
+
+_DEFAULTS = {"n_clusters": 8, "init": "k-means++", "n_init": "auto", "max_iter": 300, "tol": 1e-4,
+             "random_state": None, "backend": "auto"}
