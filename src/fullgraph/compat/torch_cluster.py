@@ -113,82 +113,64 @@ def _ratio(src: Tensor, ratio: Optional[Union[Tensor, float]]) -> Tensor:
     elif isinstance(ratio, float):
         r = torch.tensor(ratio, dtype=src.dtype, device=src.device)
     else:
-        r = ratio
+        r = ratio.to(src.device)
     if not r.is_floating_point():
         raise TypeError("ratio: expected a float or a floating tensor, got a {} tensor".format(r.dtype))
-    if bool(((r <= 0) | (r > 1)).any()):
-        raise ValueError("ratio: expected values in (0, 1], got {}".format(r))
     return r
-
-
-def _fps_items(src: Tensor, ptr: Tensor, r: Tensor, random_start: bool) -> Tensor:
-    """fps of the items src[ptr[b]:ptr[b + 1]], ceil(r * n_b) samples each, item after item."""
-    items = ptr.numel() - 1
-    deg = ptr[1:] - ptr[:-1]
-    counts = (deg.to(r.dtype) * r).ceil().to(torch.long)
-    longest = int(deg.max()) if items > 0 else 0
-    count = int(counts.max()) if items > 0 else 0
-    if count == 0:
-        return torch.empty(0, dtype=torch.long, device=src.device)
-    item = torch.repeat_interleave(torch.arange(items, device=src.device), deg)
-    slot = torch.arange(src.shape[0], device=src.device) - ptr[:-1][item]
-    padded = src.new_zeros((items, max(longest, 1), src.shape[1]))
-    padded[item, slot] = src
-    start: Optional[Tensor] = None
-    if random_start:
-        start = (torch.rand(items, device=src.device) * deg).to(torch.long).clamp(min=0)
-        start = torch.minimum(start, (deg - 1).clamp(min=0))
-    idx = torch.ops.fullgraph.farthest_points(padded, deg, start, count, "auto")
-    keep = (torch.arange(count, device=src.device)[None, :] < counts[:, None]) & (idx >= 0)
-    return (idx + ptr[:-1, None])[keep]
 
 
 def fps(src: Tensor, batch: Optional[Tensor] = None, ratio: Optional[Union[Tensor, float]] = None,
         random_start: bool = True, batch_size: Optional[int] = None,
         ptr: Optional[Union[Tensor, List[int]]] = None) -> Tensor:
     """Farthest-point sampling: ceil(ratio * n) samples of each item (``ratio`` a float, a
-    0-d tensor or one value per item; default 0.5), items given by a sorted ``batch``
-    vector or by CSR boundaries ``ptr``. Returns the 1-D int64 indices into src, item
-    after item; the first sample is random with ``random_start``, else the item's first."""
+    0-d tensor or one value per item; default 0.5; computed in src's dtype, as torch_cluster
+    does), items given by a sorted ``batch`` vector or by CSR boundaries ``ptr``. Returns the
+    1-D int64 indices into src, item after item; the first sample is random with
+    ``random_start``, else the item's first."""
     src = _as_2d(src)
     r = _ratio(src, ratio)
+    bounds: Optional[Tensor] = None
     if ptr is not None:
         if isinstance(ptr, Tensor):
-            bounds = ptr.to(device=src.device, dtype=torch.long)
+            bounds = ptr
         else:
             bounds = torch.tensor(ptr, dtype=torch.long, device=src.device)
-    elif batch is not None:
-        if batch.numel() != src.shape[0]:
-            raise ValueError("batch: expected {} item ids (one per point), got {}".format(src.shape[0], batch.numel()))
-        items = int(batch.max()) + 1 if batch_size is None and batch.numel() > 0 else batch_size
-        if items is None:
-            items = 0
-        deg = torch.zeros(items, dtype=torch.long, device=src.device).scatter_add_(0, batch, torch.ones_like(batch))
-        bounds = torch.cat([deg.new_zeros(1), deg.cumsum(0)])
-    else:
-        bounds = torch.tensor([0, src.shape[0]], dtype=torch.long, device=src.device)
-    if r.numel() > 1 and r.numel() != bounds.numel() - 1:
-        raise ValueError("ratio: expected one value or one per item ({}), got {}".format(bounds.numel() - 1, r.numel()))
-    return _fps_items(src, bounds, r.reshape(-1), random_start)
+        batch = None
+    draw: Optional[Tensor] = None
+    if random_start:
+        draw = torch.rand(src.shape[0], device=src.device)
+    return torch.ops.fullgraph.fps_flat(src, batch, bounds, r, None, draw, "auto")
 
 
 def nearest(x: Tensor, y: Tensor, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None) -> Tensor:
     """For each point of x [N, F], the index of its nearest point in y [M, F] (of the same
     item). Raises ValueError for unsorted batch vectors or items present on one side only."""
     x, y = _as_2d(x), _as_2d(y)
-    if x.shape[1] != y.shape[1]:
-        raise ValueError("y: expected {} features like x, got {}".format(x.shape[1], y.shape[1]))
-    if batch_x is not None and bool((batch_x[1:] < batch_x[:-1]).any()):
-        raise ValueError("'batch_x' is not sorted")
-    if batch_y is not None and bool((batch_y[1:] < batch_y[:-1]).any()):
-        raise ValueError("'batch_y' is not sorted")
     batch_x, batch_y = _pair(x, y, batch_x, batch_y)
+    return torch.ops.fullgraph.nearest(x, y, batch_x, batch_y)
+
+
+@torch.library.custom_op("fullgraph::nearest", mutates_args=())
+def _nearest(x: Tensor, y: Tensor, batch_x: Optional[Tensor], batch_y: Optional[Tensor]) -> Tensor:
+    """[N] int64: the nearest point of y of the same item for each point of x."""
+    if x.shape[1] != y.shape[1]:
+        raise ValueError(f"y: expected {x.shape[1]} features like x, got {y.shape[1]}")
+    for name, batch in (("batch_x", batch_x), ("batch_y", batch_y)):
+        if batch is not None and bool((batch[1:] < batch[:-1]).any()):
+            raise ValueError(f"'{name}' is not sorted")
     if batch_x is not None and batch_y is not None:
         if not torch.equal(_items(batch_x), _items(batch_y)):
             raise ValueError("Some batch indices occur in 'batch_x' that do not occur in 'batch_y'")
     if x.shape[0] == 0:
         return torch.empty(0, dtype=torch.long, device=x.device)
-    return torch.ops.fullgraph.knn_edges(y, x, 1, batch_y, batch_x, False, "auto")[1]
+    if y.shape[0] == 0:
+        raise ValueError("y: expected at least one point to be nearest to, got none")
+    return torch.ops.fullgraph.knn_flat(x, y, 1, batch_x, batch_y, "auto")[1][:, 0].clone()
+
+
+@_nearest.register_fake
+def _(x, y, batch_x, batch_y):
+    return x.new_empty(x.shape[:1], dtype=torch.long)
 
 
 def _items(batch: Tensor) -> Tensor:

@@ -194,3 +194,60 @@ def test_ball_query_gradients_and_errors(generator):
         fullgraph.ball_query(p1, p2, order="random")
     with pytest.raises(ValueError, match="radius: expected a finite float >= 0"):
         fullgraph.ball_query(p1, p2, radius=-1.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["knn", "radius", "knn_aggregate", "radius_aggregate", "fps_ratio", "fps_batch",
+                                  "fps_random"])
+def test_batch_vector_forms_compile_once_for_all_sizes(form, generator):
+    from torch._dynamo.testing import CompileCounter
+
+    calls = {
+        "knn": lambda x, f, b: fullgraph.knn(x, x, 3, batch_query=b, batch_ref=b),
+        "radius": lambda x, f, b: fullgraph.radius(x, x, 0.4, 5, batch_query=b, batch_ref=b),
+        "knn_aggregate": lambda x, f, b: fullgraph.knn_aggregate(x, x, f, 3, batch_query=b, batch_ref=b),
+        "radius_aggregate": lambda x, f, b: fullgraph.radius_aggregate(x, x, f, 0.4, batch_query=b, batch_ref=b),
+        "fps_ratio": lambda x, f, b: fullgraph.fps(x, 0.5, random_start=False),
+        "fps_batch": lambda x, f, b: fullgraph.fps(x, 0.3, batch=b, random_start=False),
+        "fps_random": lambda x, f, b: fullgraph.fps(x, 0.3, batch=b)[:0],  # random starts: compiled RNG differs
+    }
+    call = calls[form]
+    counter = CompileCounter()
+    compiled = torch.compile(call, backend=counter, fullgraph=True, dynamic=True)
+    for sizes in ((7, 9), (20, 3, 11), (5, 6, 8, 2)):
+        x, batch = _flat_clouds(generator, sizes)
+        features = torch.randn(x.shape[0], 2, generator=generator, dtype=torch.float64)
+        got, want = compiled(x, features, batch), call(x, features, batch)
+        for a, b in zip(*(t if isinstance(t, tuple) else (t,) for t in (got, want))):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
+def test_batch_vector_forms_have_gradients(generator):
+    x, batch = _flat_clouds(generator, (5, 0, 6))
+    y, batch_y = _flat_clouds(generator, (3, 2, 4))
+    features = torch.randn(x.shape[0], 2, generator=generator, dtype=torch.float64)
+    kw = dict(batch_query=batch_y, batch_ref=batch)
+    for call in (lambda q, r, f: fullgraph.knn(q, r, 3, **kw)[0].nan_to_num(posinf=0.0),
+                 lambda q, r, f: fullgraph.knn_aggregate(q, r, f, 3, sigma=0.3, **kw),
+                 lambda q, r, f: fullgraph.radius_aggregate(q, r, f, 0.6, sigma=0.3, **kw)):
+        inputs = [t.clone().requires_grad_() for t in (y, x, features)]
+        assert torch.autograd.gradcheck(call, inputs)
+
+
+def test_radius_graph_caps_the_others_of_tied_points():
+    x = torch.full((4, 2), -1.0)  # four identical points: the point itself need not be among the tied nearest
+    edges = fullgraph.radius_graph(x, r=100.0, max_num_neighbors=1)
+    assert torch.unique(edges[1], return_counts=True)[1].tolist() == [1, 1, 1, 1]
+    assert bool((edges[0] != edges[1]).all())
+
+
+@pytest.mark.parametrize("loop", [False, True])
+def test_a_cap_beyond_the_points_means_no_cap(loop, generator):
+    x = torch.rand(300, 3, generator=generator)
+    want = fullgraph.radius_graph(x, 0.3, loop=loop, max_num_neighbors=300)
+    for cap in (1024, 5000, 2**62):
+        assert torch.equal(fullgraph.radius_graph(x, 0.3, loop=loop, max_num_neighbors=cap), want)
+    small = x[:10]
+    assert fullgraph.radius_graph(small, 10.0, loop=loop, max_num_neighbors=1024).shape[1] == (100 if loop else 90)
+    assert torch.equal(fullgraph.knn_graph(x, 5000, loop=loop), fullgraph.knn_graph(x, 300 if loop else 299, loop=loop))

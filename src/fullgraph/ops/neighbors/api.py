@@ -94,16 +94,26 @@ def batch_vectors(query, ref, batch_query, batch_ref, query_lengths, ref_lengths
     return queries.pad(query), refs.pad(ref), queries, refs
 
 
-def _aggregate_batch_vectors(aggregate, query, ref, features, size, sigma, batch_query, batch_ref, query_lengths,
+def _flat_inputs(query, ref, query_lengths, ref_lengths):
+    """Checks of the batch-vector form that need no values (the operator checks the rest)."""
+    if query_lengths is not None or ref_lengths is not None:
+        raise ValueError("batch_query, batch_ref: pass batch vectors or lengths, not both")
+    _validate.floating("query", query)
+    _validate.rank("query", query, (2,), "[M, D] (batch vectors mark the items of flat clouds)")
+    _validate.floating("ref", ref)
+    _validate.rank("ref", ref, (2,), "[N, D] (batch vectors mark the items of flat clouds)")
+
+
+def _aggregate_batch_vectors(op, query, ref, features, size, sigma, batch_query, batch_ref, query_lengths,
                              ref_lengths, backend):
-    """``aggregate`` (knn_aggregate or radius_aggregate, ``size`` its k or radius) of flat
-    clouds with batch vectors, through the padded layout."""
-    padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
-                                                              ref_lengths)
+    """``op`` ("knn_aggregate" or "radius_aggregate", ``size`` its k or radius) of flat clouds
+    with batch vectors: one operator (``flat.aggregate_flat``)."""
+    _flat_inputs(query, ref, query_lengths, ref_lengths)
     check_features(features, ref)
-    out = aggregate(padded_query, padded_ref, refs.pad(features), size, sigma=sigma, query_lengths=queries.lengths,
-                    ref_lengths=refs.lengths, backend=backend)
-    return queries.unpad(out)
+    size = (_integer("k", size), None) if op == "knn_aggregate" else _scalar("radius", size, strict=False)
+    sigma = _scalar("sigma", sigma, strict=True)
+    return torch.ops.fullgraph.aggregate_flat(op, query, ref, features, float(size[0]), sigma[0], batch_query,
+                                              batch_ref, backend, size[1], sigma[1])
 
 
 def _query_items(batch_query, queries: Padded):
@@ -153,11 +163,8 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
         (torch.Size([10, 4]), torch.Size([10, 4]))
     """
     if batch_query is not None or batch_ref is not None:
-        padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
-                                                                  ref_lengths)
-        dists, idx = knn(padded_query, padded_ref, k, query_lengths=queries.lengths, ref_lengths=refs.lengths,
-                         backend=backend)
-        return queries.unpad(dists), refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
+        _flat_inputs(query, ref, query_lengths, ref_lengths)
+        return torch.ops.fullgraph.knn_flat(query, ref, _integer("k", k), batch_query, batch_ref, backend)
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _integer("k", k)
     backend = _backend(backend, query, ref, "knn", k)
@@ -240,7 +247,7 @@ def knn_aggregate(query, ref, features, k, *, sigma=0.1, query_lengths=None, ref
         torch.Size([20, 8])
     """
     if batch_query is not None or batch_ref is not None:
-        return _aggregate_batch_vectors(knn_aggregate, query, ref, features, k, sigma, batch_query, batch_ref,
+        return _aggregate_batch_vectors("knn_aggregate", query, ref, features, k, sigma, batch_query, batch_ref,
                                         query_lengths, ref_lengths, backend)
     k = _integer("k", k)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
@@ -276,7 +283,7 @@ def radius_aggregate(query, ref, features, radius, *, sigma=0.1, query_lengths=N
         torch.Size([20, 8])
     """
     if batch_query is not None or batch_ref is not None:
-        return _aggregate_batch_vectors(radius_aggregate, query, ref, features, radius, sigma, batch_query,
+        return _aggregate_batch_vectors("radius_aggregate", query, ref, features, radius, sigma, batch_query,
                                         batch_ref, query_lengths, ref_lengths, backend)
     query, ref, features, sigma, backend, unbatched = _aggregate_inputs(
         query, ref, features, sigma, query_lengths, ref_lengths, backend, "radius_aggregate")
@@ -370,10 +377,8 @@ def knn_gather(values, idx, *, fill: float = 0.0):
 
 
 def _radiusbatch_vectors(query, ref, r, max_neighbors, batch_query, batch_ref, query_lengths, ref_lengths, backend):
-    """``radius`` of flat clouds with batch vectors, through the padded layout."""
-    padded_query, padded_ref, queries, refs = batch_vectors(query, ref, batch_query, batch_ref, query_lengths,
-                                                              ref_lengths)
-    dists, idx, counts = radius(padded_query, padded_ref, r, max_neighbors, query_lengths=queries.lengths,
-                                ref_lengths=refs.lengths, backend=backend)
-    idx = refs.global_index(queries.unpad(idx), _query_items(batch_query, queries))
-    return queries.unpad(dists), idx, queries.unpad(counts)
+    """``radius`` of flat clouds with batch vectors: one operator (``flat.radius_flat``)."""
+    _flat_inputs(query, ref, query_lengths, ref_lengths)
+    r, r_tensor = _scalar("radius", r, strict=False)
+    return torch.ops.fullgraph.radius_flat(query, ref, r, _integer("max_neighbors", max_neighbors), batch_query,
+                                           batch_ref, backend, r_tensor)

@@ -36,7 +36,8 @@ def _starts(x, valid, random_start: bool, generator) -> torch.Tensor:
     if size == 0:
         return torch.zeros(batch, dtype=torch.int64, device=x.device)
     if random_start:
-        draw = torch.rand((batch, size), generator=generator, device=x.device)
+        draw = (torch.rand((batch, size), device=x.device) if generator is None  # (no symbolic sizes with one)
+                else torch.rand((batch, size), generator=generator, device=x.device))
         return torch.where(valid, draw, -1.0).argmax(1)
     return valid.to(torch.int8).argmax(1)
 
@@ -262,15 +263,59 @@ def fps(x, ratio=None, *, n_samples=None, batch=None, lengths=None, random_start
     if x.dim() == 3:
         count = n_samples if n_samples is not None else max(1, math.ceil(ratio * x.shape[1]))
         return farthest_points(x, lengths, count, random_start, generator, backend)
+    draw = None
+    if random_start:  # (rand's generator overload takes no symbolic size)
+        draw = (torch.rand(x.shape[0], device=x.device) if generator is None
+                else torch.rand(x.shape[0], generator=generator, device=x.device))
+    rate = None if ratio is None else torch.tensor(float(ratio), dtype=torch.float64, device=x.device)
+    return torch.ops.fullgraph.fps_flat(x, batch, None, rate, n_samples, draw, backend)
+
+
+@torch.library.custom_op("fullgraph::fps_flat", mutates_args=())
+def fps_flat(x: torch.Tensor, batch: torch.Tensor | None, ptr: torch.Tensor | None, ratio: torch.Tensor | None,
+             n_samples: int | None, draw: torch.Tensor | None, backend: str) -> torch.Tensor:
+    """Indices [S] into the flat cloud x [N, D] of the samples of each item (items from a
+    sorted ``batch`` vector [N] or CSR boundaries ``ptr`` [B + 1]; neither: one item), item
+    after item: ceil(n_b * ratio) of item b (``ratio`` [] or [B], computed in its dtype) or
+    min(n_b, n_samples). ``draw`` [N] (None: each item's first valid point) picks each
+    item's start, its largest value among the item's valid points. An operator: S depends on
+    the item sizes (its fake declares a data-dependent size), so compiled code holds one call."""
+    if ptr is not None:
+        if ptr.dim() != 1 or ptr.numel() < 1:
+            raise ValueError(f"ptr: expected [B + 1] item boundaries, got shape {tuple(ptr.shape)}")
+        ptr = ptr.to(device=x.device, dtype=torch.int64)
+        if int(ptr[0]) != 0 or int(ptr[-1]) != x.shape[0] or bool((ptr[1:] < ptr[:-1]).any()):
+            raise ValueError(f"ptr: expected ascending boundaries from 0 to N = {x.shape[0]}, got {ptr.tolist()}")
+        batch = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=x.device), ptr[1:] - ptr[:-1])
+    elif batch is not None:
+        check_batch("batch", batch, x)
     layout = Padded.of(batch, x.shape[0], x.device)
-    sizes = layout.lengths.tolist()  # the one host read: the output length depends on it
-    wanted = [min(n, n_samples) if n_samples is not None else math.ceil(ratio * n) for n in sizes]
-    if not sizes or max(wanted) == 0:
+    if ratio is not None:
+        if ratio.numel() not in (1, layout.items):
+            raise ValueError(f"ratio: expected one value or one per item ({layout.items}), got {ratio.numel()}")
+        if not ratio.dtype.is_floating_point or bool(((ratio <= 0) | (ratio > 1) | ratio.isnan()).any()):
+            raise ValueError(f"ratio: expected fractions in (0, 1], got {ratio.tolist()}")
+        wanted = (layout.lengths.to(ratio.dtype) * ratio.reshape(-1)).ceil().to(torch.int64)
+    else:
+        wanted = layout.lengths.clamp(max=n_samples)
+    count = int(wanted.max()) if layout.items else 0  # the one host read: the output length depends on it
+    if count == 0:
         return torch.zeros(0, dtype=torch.int64, device=x.device)
-    idx = farthest_points(layout.pad(x), layout.lengths, max(wanted), random_start, generator, backend)
-    keep = torch.arange(idx.shape[1], device=x.device)[None, :] < torch.tensor(wanted, device=x.device)[:, None]
+    padded = layout.pad(x)
+    start = None
+    if draw is not None:
+        valid = valid_points(padded, layout.lengths)
+        start = torch.where(valid, layout.pad(draw[:, None].to(torch.float32))[..., 0], -1.0).argmax(1)
+    chosen = BACKENDS.resolve(backend, "farthest_points", x.device, x.dtype, x.shape[1], layout.width, "x").name
+    idx = torch.ops.fullgraph.farthest_points(padded, layout.lengths, start, count, chosen)
+    keep = torch.arange(count, device=x.device)[None, :] < wanted[:, None]
     rows = layout.global_index(idx, torch.arange(layout.items, device=x.device))
     return rows[keep & (rows >= 0)]
+
+
+@fps_flat.register_fake
+def _(x, batch, ptr, ratio, n_samples, draw, backend):
+    return x.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=torch.int64)
 
 
 def voxel_grid(pos, size, batch=None, start=None, end=None):
