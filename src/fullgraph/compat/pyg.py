@@ -14,6 +14,7 @@ kept, ties to the smaller index).
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional, Union
 
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from . import torch_cluster as _tc
 
-__all__ = ["fps", "install", "knn", "knn_graph", "knn_interpolate", "nearest", "radius", "radius_graph",
+__all__ = ["fps", "index2ptr", "install", "knn", "knn_graph", "knn_interpolate", "nearest", "radius", "radius_graph",
            "voxel_grid"]
 
 knn = _tc.knn
@@ -149,6 +150,33 @@ _SCHEMAS = {
 _LIBRARIES: list = []
 
 
+@torch.library.custom_op("fullgraph::index2ptr", mutates_args=())
+def _index2ptr(index: Tensor) -> Tensor:
+    """CSR boundaries [B + 1] of a sorted batch vector, B = max + 1 (PyG's ``index2ptr``)."""
+    size = int(index.max()) + 1 if index.numel() > 0 else 0
+    # (the conversion reads a strided index as if it were contiguous)
+    return torch._convert_indices_from_coo_to_csr(index.contiguous(), size, out_int32=index.dtype != torch.int64)
+
+
+@_index2ptr.register_fake
+def _(index):
+    dtype = torch.int64 if index.dtype == torch.int64 else torch.int32
+    return index.new_empty((torch.library.get_ctx().new_dynamic_size(),), dtype=dtype)
+
+
+def _batch_to_ptr(batch: Optional[Tensor], batch_size: Optional[int] = None) -> Optional[Tensor]:
+    """PyG's pool functions' batch-to-boundaries step, without reading the item count back."""
+    return None if batch is None else index2ptr(batch, batch_size)
+
+
+def index2ptr(index: Tensor, size: Optional[int] = None) -> Tensor:
+    """PyG's ``torch_geometric.index.index2ptr``; without ``size`` one operator, whose output
+    length compiled code need not know (PyG's reads the item count back as an int)."""
+    if size is not None:
+        return torch._convert_indices_from_coo_to_csr(index.contiguous(), size, out_int32=index.dtype != torch.int64)
+    return torch.ops.fullgraph.index2ptr(index)
+
+
 def _has_op(name: str) -> bool:
     try:
         torch._C._dispatch_find_schema_or_throw(f"pyg::{name}", "")
@@ -177,9 +205,21 @@ def install() -> list[str]:
                 fresh.impl(name, kernel, "CompositeExplicitAutograd")
                 torch.library.register_fake(f"pyg::{name}", fake, lib=fresh)
     try:
+        import torch_geometric.index
         import torch_geometric.typing as pyg_typing
     except ImportError:
         return list(_PYG_OPS)
     for flag in ("WITH_KNN", "WITH_RADIUS", "WITH_FPS", "WITH_NEAREST", "WITH_GRID_CLUSTER"):
         setattr(pyg_typing, flag, True)
+    # PyG's batch-to-boundaries conversion reads the item count back as an int, which
+    # compiled code cannot: every module that bound it gets the operator's form.
+    original = torch_geometric.index.index2ptr
+    if original is not index2ptr:
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torch_geometric") and getattr(module, "index2ptr", None) is original:
+                module.index2ptr = index2ptr
+    import torch_geometric.nn.pool as pool
+
+    if hasattr(pool, "_batch_to_ptr"):
+        pool._batch_to_ptr = _batch_to_ptr
     return list(_PYG_OPS)

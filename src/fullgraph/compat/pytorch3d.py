@@ -130,27 +130,24 @@ def sample_farthest_points(points, lengths=None, K=50, random_start_point: bool 
     if not isinstance(points, torch.Tensor) or points.dim() != 3:
         raise ValueError("points: expected a [N, P, D] tensor")
     batch, size, _ = points.shape
-    if lengths is not None:
+    if lengths is not None:  # (its values are checked by the operator)
         if not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (batch,):
             raise ValueError("points and lengths must have same batch dimension.")
-        if batch and int(lengths.max()) > size:
-            raise ValueError("A value in lengths was too large.")
         lengths = lengths.to(device=points.device, dtype=torch.int64)
+    counts = None
     if isinstance(K, int) and not isinstance(K, bool):
-        counts = torch.full((batch,), K, dtype=torch.int64, device=points.device)
+        count = K
     elif isinstance(K, (list, tuple, torch.Tensor)):
         counts = torch.as_tensor(K, dtype=torch.int64, device=points.device).reshape(-1)
+        if counts.shape[0] != batch:
+            raise ValueError("K and points must have the same batch dimension")
+        count = max(K) if isinstance(K, (list, tuple)) else int(counts.max())  # a tensor K: one host read
     else:
         raise TypeError(f"K: expected an int, a list or a tensor, got {type(K).__name__}")
-    if counts.shape[0] != batch:
-        raise ValueError("K and points must have the same batch dimension")
-    if batch == 0:
-        return points.new_zeros((0, 0, points.shape[2])), torch.empty((0, 0), dtype=torch.int64)
-    count = int(counts.max())
     if count < 1:
-        raise ValueError(f"K: expected at least one sample, got {counts.tolist()}")
+        raise ValueError(f"K: expected at least one sample, got {K!r}")
     idx = _sampling.farthest_points(points.detach(), lengths, count, random_start_point, None)
-    slots = torch.arange(count, device=points.device)[None, :]
-    idx = torch.where(slots < counts[:, None], idx, -1)
+    if counts is not None:
+        idx = torch.where(torch.arange(count, device=points.device)[None, :] < counts[:, None], idx, -1)
     selected = _gathered(points, idx[:, :, None])[:, :, 0]
     return selected.masked_fill((idx < 0)[..., None], 0.0), idx

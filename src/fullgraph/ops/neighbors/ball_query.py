@@ -16,8 +16,11 @@ from . import api, reference, registration
 from .registration import check_clouds
 
 
-def _first_within(p1, p2, K, radius, lengths1, lengths2) -> torch.Tensor:
-    """idx [B, P1, K]: the K smallest indices of p2 within the radius (-1 padded), no host read."""
+@torch.library.custom_op("fullgraph::first_within", mutates_args=())
+def _first_within(p1: torch.Tensor, p2: torch.Tensor, K: int, radius: float, lengths1: torch.Tensor | None,
+                  lengths2: torch.Tensor | None) -> torch.Tensor:
+    """idx [B, P1, K]: the K smallest indices of p2 within the radius (-1 padded), no host
+    read. An operator: its blocks follow the sizes, which compiled code need not see."""
     batch, rows, _ = p1.shape
     columns = p2.shape[1]
     idx = torch.full((batch, rows, K), -1, dtype=torch.int64, device=p1.device)
@@ -28,6 +31,11 @@ def _first_within(p1, p2, K, radius, lengths1, lengths2) -> torch.Tensor:
             _, order = torch.topk(torch.where(ok, column, column + columns), take, dim=-1, largest=False, sorted=True)
             idx[items, chunk, :take] = order.masked_fill(~ok.gather(-1, order), -1)
     return idx
+
+
+@_first_within.register_fake
+def _(p1, p2, K, radius, lengths1, lengths2):
+    return p1.new_empty((*p1.shape[:2], K), dtype=torch.int64)
 
 
 def _check_ball_query(p1, p2, lengths1=None, lengths2=None, K=500, radius=0.2, return_nn=True, *, order="first",
