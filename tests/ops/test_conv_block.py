@@ -248,6 +248,7 @@ def test_gradients_equal_the_reference_autograd(backend, device, generator):
 
 
 @pytest.mark.parametrize("backend, device", _cases())
+@pytest.mark.interpreted(keep=0)
 def test_opcheck(backend, device, generator):
     dtype = torch.float64 if backend == "torch" else torch.float32
     tensors = [t.to(dtype=dtype, device=device).requires_grad_() for t in _block(generator, 2, 4, 8, 6, 3)]

@@ -40,6 +40,7 @@ def test_padded_form_matches_the_float64_loop(backend, device, distribution, dim
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
 @pytest.mark.parametrize("path", ["resident", "streamed", "parts", "streamed parts"])
+@pytest.mark.interpreted(keep=1)
 def test_the_triton_kernel_equals_the_loop(backend, device, path, generator, monkeypatch):
     """The kernel's four forms (a cloud in one program's registers or streamed by it in
     chunks; cut into parts that exchange candidates, each part resident or streamed), on

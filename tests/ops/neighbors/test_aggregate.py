@@ -27,6 +27,7 @@ def _knn_mask(d: np.ndarray, k: int) -> np.ndarray:
 @pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", ["uniform", "normal", "clustered", "far", "planar"])
 @pytest.mark.parametrize("dim", [1, 3, 8])
+@pytest.mark.interpreted(keep=2)
 def test_aggregates_match_oracle(backend, device, distribution, dim, generator):
     skip_interpreted_extras(backend, device, distribution, dim)
     cloud = points(distribution, 250, dim, generator).float().to(device)
@@ -181,6 +182,7 @@ def test_triton_gradients_match_the_reference(backend, device, generator):
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
 @pytest.mark.parametrize("distribution", ["uniform", "clustered"])
+@pytest.mark.interpreted(keep=1)
 def test_triton_radius_tiles_crossing_rows_of_cells_match_the_reference(backend, device, distribution, generator):
     """Radius walks take tiles of consecutive sorted positions across the ranges of a box's
     rows of cells (what lies between two ranges is outside the box): a cloud of many cells

@@ -61,6 +61,7 @@ def _clouds(distribution, dim, generator, rows=120, columns=700):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [4, 16, 64, 128, 300])
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
+@pytest.mark.interpreted(keep=3)
 def test_matches_the_oracle(distribution, dim, device, path, generator):
     if device != path:
         pytest.skip("the path runs on the other device")
@@ -96,6 +97,7 @@ def test_long_lists_on_wide_clouds_match_the_reference(distribution, k, generato
 
 @pytest.mark.parametrize("offset", [1e3, 1e5])
 @pytest.mark.parametrize("precision", ["highest", "high"])  # "high": TF32 products on GPUs that have them
+@pytest.mark.interpreted(keep=1)
 def test_far_from_the_origin(offset, precision, path, generator):
     """|q|^2 dwarfs the differences: centring and the certificate keep the lists exact."""
     previous = torch.get_float32_matmul_precision()
@@ -192,6 +194,7 @@ def _count_searched_rows(monkeypatch) -> list[int]:
 @pytest.mark.parametrize("redo", ["brute force", "search"])
 @pytest.mark.parametrize("k", [6, pytest.param(60, marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="interpreted Triton: k = 6 covers the path"))])
+@pytest.mark.interpreted(keep=1)
 def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo, generator):
     """Inside a capture (forced here; on a CPU through Triton's interpreter): rows proven from
     the measured members, the rest (ties wider than the slack, and normal queries beside
@@ -226,6 +229,7 @@ def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
     torch.testing.assert_close(dists, want_dists, **tolerance(torch.float32))
 
 
+@pytest.mark.interpreted(keep=0)
 def test_ragged_batches_non_finite_points_and_small_sets(path, generator):
     query = torch.stack([points("uniform", 30, 16, generator) for _ in range(3)]).float()
     ref = torch.stack([points("uniform", 50, 16, generator) for _ in range(3)]).float()
@@ -242,6 +246,7 @@ def test_ragged_batches_non_finite_points_and_small_sets(path, generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.interpreted(keep=1)
 def test_dtypes(dtype, path, generator):
     query, ref = (t.to(dtype=dtype, device=path) for t in _clouds("normal", 24, generator))
     dists, idx = fullgraph.knn(query, ref, 4, backend="dense")
@@ -373,6 +378,7 @@ def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("count", [1, 17, 64])
+@pytest.mark.interpreted(keep=1)
 def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
     """The selection of wide rows (a threshold from the minima of classes of positions, the
     values at or below it gathered and sorted): a stable sort's first ``count`` on normal
@@ -405,6 +411,7 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3), (40, 5000, 40)])
+@pytest.mark.interpreted(keep=1)
 def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):
     """The fused chunk selection (a running list per query, merged a tile at a time, shares of
     the references merged at the end) against every chunk minimum stored and sorted, plus
@@ -642,6 +649,7 @@ def test_only_the_needed_queries_tiles_are_multiplied(monkeypatch, generator):
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim, radius", [(16, math.inf), (64, math.inf), (64, 2.5)])
+@pytest.mark.interpreted(keep=1)
 def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius, monkeypatch, generator):
     """``_fused_lists`` (every member measured, the certificate, the scale and the radius in one
     kernel a query; first products of halved tiles, at D = 64 of float16 operands, and the rows
@@ -677,6 +685,7 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.interpreted(keep=0)
 def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator):
     """The stored minima's first products of float16 operands: rows whose first bound is made useless
     (every third query) are proven by the second products, theirs only: the reference's
@@ -717,6 +726,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
 @pytest.mark.parametrize("dim", [3, 4, 5, 40, 64, 300])
 @pytest.mark.parametrize("chunk, n_chosen, take, count", [(4, 24, 28, 20), (1, 10, 10, 10), (4, 3, 28, 20),
                                                           (16, 5, 12, 7)])
+@pytest.mark.interpreted(keep=1)
 def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chosen, take, count, generator):
     """``triton_dense.nearest_members`` (one kernel a query: the chosen chunks' members
     measured by summed differences, the ``take`` least re-measured in the reference's

@@ -152,6 +152,7 @@ def test_cells_follow_the_density_the_queries_see():
 
 @pytest.mark.parametrize("side, expected", [(0.04, 0.04), (0.1, (8 / 20_000) ** (1 / 3)),
                                             (0.005, (1 / 20_000) ** (1 / 3))])
+@pytest.mark.interpreted(keep=1)
 def test_cells_of_a_side_hold_between_one_and_cell_points_references(side, expected):
     """``side``: cells of that side (the radius aggregation's, from its radius) where a query's
     cell then holds 1 to ``cell_points`` references; else the side that holds the nearer bound."""
@@ -215,6 +216,7 @@ def test_clustered_clouds_get_cells_finer_than_their_buckets():
     assert torch.equal(got_refs.within, refs.within) and torch.equal(got_queries.within, queries.within)
 
 
+@pytest.mark.interpreted(keep=0)
 def test_search_and_aggregation_are_exact_on_sparse_cells():
     """Through buckets of many cells: kNN, radius search and radius_aggregate (forward and
     gradients) equal the torch reference on tightly clustered clouds."""

@@ -18,6 +18,7 @@ def _inputs(generator, batch=2, rows=9, columns=20, dim=3, channels=4, dtype=tor
 
 
 @pytest.mark.parametrize("backend, device", backend_cases())
+@pytest.mark.interpreted(keep=0)
 def test_opcheck(backend, device, generator):
     dtype = torch.float32 if backend == "triton" else torch.float64
     tensors = _inputs(generator, dtype=dtype)

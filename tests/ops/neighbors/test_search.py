@@ -23,6 +23,7 @@ def _cloud(distribution, count, dim, generator, dtype, device):
 @pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", DISTRIBUTIONS)
 @pytest.mark.parametrize("dim", [1, 2, 3, 8])
+@pytest.mark.interpreted(keep=2)
 def test_knn_matches_oracle(backend, device, distribution, dim, generator):
     skip_interpreted_extras(backend, device, distribution, dim)
     cloud = _cloud(distribution, 264, dim, generator, torch.float32, device)
@@ -76,6 +77,7 @@ def test_knn_dtypes(device, dtype, generator):
 @pytest.mark.parametrize("backend, device", backend_cases())
 @pytest.mark.parametrize("distribution", ["uniform", "duplicates", "grid", "clustered"])
 @pytest.mark.parametrize("dim", [2, 3])
+@pytest.mark.interpreted(keep=2)
 def test_radius_matches_oracle(backend, device, distribution, dim, generator):
     skip_interpreted_extras(backend, device, distribution, dim)
     cloud = _cloud(distribution, 370, dim, generator, torch.float32, device)
