@@ -29,6 +29,8 @@ WORKLOADS = {
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
     "neighbor-ops": ("seed", "large", "feature", "feature-small", "crossover"),
     "pointnet2": ("seed", "small", "tiny"),
+    "pyg-dgcnn": ("seed", "small", "tiny"),
+    "pyg-pointnet2": ("seed", "small", "tiny"),
     "radius-graph": ("seed", "small", "tiny"),
     "radius-projector": ("seed", "small", "tiny"),
 }

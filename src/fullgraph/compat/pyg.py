@@ -109,17 +109,21 @@ def _batch_of(ptr: Optional[Tensor], rows: int, device) -> Optional[Tensor]:
                                    output_size=rows)
 
 
+_BACKEND = ["auto"]  # the fullgraph backend install() gave PyG's operators
+
+
 def _pyg_knn(x, y, ptr_x=None, ptr_y=None, k=1, cosine=False, num_workers=1):
-    return _tc.knn(x, y, k, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device), cosine)
+    return _tc.knn(x, y, k, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device), cosine,
+                   backend=_BACKEND[0])
 
 
 def _pyg_radius(x, y, ptr_x=None, ptr_y=None, r=1.0, max_num_neighbors=32, num_workers=1, ignore_same_index=False):
     return _tc.radius(x, y, r, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device),
-                      max_num_neighbors, 1, None, ignore_same_index)
+                      max_num_neighbors, 1, None, ignore_same_index, backend=_BACKEND[0])
 
 
 def _pyg_fps(src, ptr, ratio=0.5, random_start=True):
-    return _tc.fps(src, None, float(ratio), random_start, None, ptr)
+    return _tc.fps(src, None, float(ratio), random_start, None, ptr, backend=_BACKEND[0])
 
 
 def _pyg_nearest(x, y, ptr_x=None, ptr_y=None):
@@ -185,13 +189,15 @@ def _has_op(name: str) -> bool:
         return False
 
 
-def install() -> list[str]:
-    """Give PyG fullgraph's operators: define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
+def install(backend: str = "auto") -> list[str]:
+    """Give PyG fullgraph's operators (``backend``: the fullgraph backend its knn, radius and
+    fps take, "torch" for the plain-PyTorch reference): define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
     ``fps`` / ``nearest`` / ``grid_cluster`` on them (where pyg-lib is installed, replace its
     CPU and CUDA kernels) and tell ``torch_geometric.typing`` they exist, so that
     ``torch_geometric.nn``'s pool functions, ``knn_interpolate``, ``DynamicEdgeConv``,
     ``XConv``, ``GravNetConv`` and the models built on them run on fullgraph. Idempotent;
     returns the operators it defined or replaced."""
+    _BACKEND[0] = backend
     if not _LIBRARIES:
         fresh = torch.library.Library("pyg", "FRAGMENT")
         replaced = torch.library.Library("pyg", "IMPL")

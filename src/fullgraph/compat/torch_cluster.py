@@ -48,9 +48,10 @@ def _empty(x: Tensor) -> Tensor:
 
 
 def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None,
-        cosine: bool = False, num_workers: int = 1, batch_size: Optional[int] = None) -> Tensor:
+        cosine: bool = False, num_workers: int = 1, batch_size: Optional[int] = None, backend: str = "auto") -> Tensor:
     """For each point of ``y`` [M, F], its ``k`` nearest points in ``x`` [N, F] (cosine
-    distance with ``cosine``). Returns edge_index [2, E] int64: row 0 into y, row 1 into x."""
+    distance with ``cosine``). Returns edge_index [2, E] int64: row 0 into y, row 1 into x.
+    ``backend``: fullgraph's (see ``fullgraph.knn``; not a torch_cluster argument)."""
     if x.numel() == 0 or y.numel() == 0:
         return _empty(x)
     x, y = _as_2d(x), _as_2d(y)
@@ -58,7 +59,7 @@ def knn(x: Tensor, y: Tensor, k: int, batch_x: Optional[Tensor] = None, batch_y:
         x = torch.nn.functional.normalize(x, dim=-1)
         y = torch.nn.functional.normalize(y, dim=-1)
     batch_x, batch_y = _pair(x, y, batch_x, batch_y)
-    return torch.ops.fullgraph.knn_edges(x, y, k, batch_x, batch_y, False, "auto")
+    return torch.ops.fullgraph.knn_edges(x, y, k, batch_x, batch_y, False, backend)
 
 
 def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = False,
@@ -81,7 +82,7 @@ def knn_graph(x: Tensor, k: int, batch: Optional[Tensor] = None, loop: bool = Fa
 
 def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None,
            max_num_neighbors: int = 32, num_workers: int = 1, batch_size: Optional[int] = None,
-           ignore_same_index: bool = False) -> Tensor:
+           ignore_same_index: bool = False, backend: str = "auto") -> Tensor:
     """For each point of ``y``, the (at most ``max_num_neighbors`` nearest) points of ``x``
     closer than ``r``; ``ignore_same_index`` leaves out x[i] for y[i]. Returns
     edge_index [2, E]: row 0 into y, row 1 into x."""
@@ -90,7 +91,7 @@ def radius(x: Tensor, y: Tensor, r: float, batch_x: Optional[Tensor] = None, bat
     x, y = _as_2d(x), _as_2d(y)
     batch_x, batch_y = _pair(x, y, batch_x, batch_y)
     cap = max_num_neighbors + 1 if ignore_same_index and max_num_neighbors > 0 else max_num_neighbors
-    edges = torch.ops.fullgraph.radius_edges(x, y, float(r), batch_x, batch_y, cap, ignore_same_index, "auto")
+    edges = torch.ops.fullgraph.radius_edges(x, y, float(r), batch_x, batch_y, cap, ignore_same_index, backend)
     # The peers' rule is d < r (fullgraph's, d <= r): the lists hold the nearest first, so
     # leaving out the points at exactly r keeps every nearer one.
     gap = (x[edges[1]].to(torch.float64) - y[edges[0]].to(torch.float64)).square().sum(-1)
@@ -121,7 +122,7 @@ def _ratio(src: Tensor, ratio: Optional[Union[Tensor, float]]) -> Tensor:
 
 def fps(src: Tensor, batch: Optional[Tensor] = None, ratio: Optional[Union[Tensor, float]] = None,
         random_start: bool = True, batch_size: Optional[int] = None,
-        ptr: Optional[Union[Tensor, List[int]]] = None) -> Tensor:
+        ptr: Optional[Union[Tensor, List[int]]] = None, backend: str = "auto") -> Tensor:
     """Farthest-point sampling: ceil(ratio * n) samples of each item (``ratio`` a float, a
     0-d tensor or one value per item; default 0.5; computed in src's dtype, as torch_cluster
     does), items given by a sorted ``batch`` vector or by CSR boundaries ``ptr``. Returns the
@@ -139,7 +140,7 @@ def fps(src: Tensor, batch: Optional[Tensor] = None, ratio: Optional[Union[Tenso
     draw: Optional[Tensor] = None
     if random_start:
         draw = torch.rand(src.shape[0], device=src.device)
-    return torch.ops.fullgraph.fps_flat(src, batch, bounds, r, None, draw, "auto")
+    return torch.ops.fullgraph.fps_flat(src, batch, bounds, r, None, draw, backend)
 
 
 def nearest(x: Tensor, y: Tensor, batch_x: Optional[Tensor] = None, batch_y: Optional[Tensor] = None) -> Tensor:
