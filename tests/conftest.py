@@ -246,3 +246,24 @@ def pytest_collection_modifyitems(config, items):
         for item in cases[group[0][1].kwargs.get("keep", 1):]:
             item.add_marker(pytest.mark.skip(reason="interpreted Triton on a CPU: the GPU runs every case "
                                                     "(FULLGRAPH_INTERPRETER_ALL=1 runs them here)"))
+
+
+# Under pytest-xdist every worker is a process with its own thread pools: on a 16-core machine
+# 16 workers of 16 threads each spent most of their time waiting for a core (compiles and CPU
+# kernels ran 5-10x slower). Each worker gets its share of the cores, and so do the
+# processes it starts.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _SHARE = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+    os.environ.setdefault("OMP_NUM_THREADS", _SHARE)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+@pytest.fixture(autouse=True)
+def _return_gpu_memory():
+    """Give the GPU memory a test's tensors held back to the device after it (workers share
+    one GPU: a test that used tens of GiB left them reserved in its worker's cache, and
+    the others ran out of memory)."""
+    yield
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_reserved() > 2**30:
+        torch.cuda.empty_cache()
