@@ -18,6 +18,10 @@ from .ops.sampling import fps, voxel_grid
 
 __version__ = "0.1.0"
 
+from ._first_call import defer_dynamo_import as _defer_dynamo_import  # noqa: E402
+
+_defer_dynamo_import("fullgraph")
+
 
 def __getattr__(name: str):
     """``fullgraph.distributed`` on first use (it imports torch.distributed)."""
