@@ -1,10 +1,10 @@
 # Ported from pyg-lib test/ops/test_knn.py (MIT License, Copyright (c) 2022 PyG Team) at
-# commit 764e3a492eb0d1ed9616808ec9fec2416f8d6b7d: inputs, expected values and assertions unchanged; pyg_lib.ops is PyG's operators
-# as fullgraph.compat.pyg.install() defines them.
+# commit 764e3a492eb0d1ed9616808ec9fec2416f8d6b7d: inputs, expected values and assertions unchanged; pyg_lib is
+# fullgraph.compat.pyg_lib.
 import pytest
 import torch
 
-from compat.peer_testing import pyg_lib
+from fullgraph.compat import pyg_lib
 from compat.peer_testing import withCUDA
 
 
