@@ -27,7 +27,7 @@ WORKLOADS = {
     "knn-projector": ("seed", "small", "tiny"),
     "knn-sharded": ("seed", "weak", "weak-h100", "medium", "small", "tiny"),
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
-    "neighbor-ops": ("seed", "large", "feature", "feature-small", "crossover"),
+    "neighbor-ops": ("seed", "large", "feature", "feature-small", "small", "crossover"),
     "pointnet2": ("seed", "small", "tiny"),
     "pyg-dgcnn": ("seed", "small", "tiny"),
     "pyg-pointnet2": ("seed", "small", "tiny"),

@@ -12,7 +12,7 @@ import fullgraph_cli
 
 pytestmark = pytest.mark.workloads
 
-SMALLEST = {"neighbor-ops": "feature-small", "knn-sharded": "tiny"}
+SMALLEST = {"neighbor-ops": "small", "knn-sharded": "tiny"}
 NEEDS = {"extern-pool": ("cuda", "run it with --device cuda"), "knn-sharded": ("torchrun", "launch it with torchrun")}
 
 

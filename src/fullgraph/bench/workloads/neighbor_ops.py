@@ -118,7 +118,7 @@ def _neighbor_ops(params, device):
     if "features" in params:
         return list(_feature_cases(params["features"], generator, device))
     if device.type != "cuda":
-        raise ValueError("neighbor-ops times the GPU kernels: run it with --device cuda (or --size feature-small)")
+        raise ValueError("neighbor-ops times the GPU kernels: run it with --device cuda (or --size small or feature-small)")
     return [*_search_cases(params["searches"], generator), *_aggregate_cases(device)]
 
 
@@ -136,6 +136,8 @@ register(Workload(
                                     (1, 10_000, 1_000_000, 128, 10)]},
            "feature-small": {"features": [(8, 2048, 2048, 64, 20), (1, 5000, 50_000, 16, 10),
                                           (1, 2000, 100_000, 128, 10)]},
+           # what a CPU runs by default: feature-space kNN at sizes of seconds there
+           "small": {"features": [(2, 1024, 1024, 32, 8), (1, 2000, 20_000, 16, 10)]},
            # where "auto" should take dense over the search (ops/neighbors/dense/backend.py cites it)
            "crossover": {"features": [(8, 4096, 4096, 64, 20), (32, 1024, 1024, 64, 20), (8, 4096, 4096, 32, 20),
                                       (8, 4096, 4096, 16, 20), (8, 4096, 4096, 8, 20), (16, 256, 256, 64, 20),
