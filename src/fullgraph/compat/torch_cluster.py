@@ -21,7 +21,6 @@ from typing import List, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import ops as _ops  # noqa: F401  (registers torch.ops.fullgraph)
 
 __all__ = ["fps", "grid_cluster", "knn", "knn_graph", "nearest", "radius", "radius_graph"]
 

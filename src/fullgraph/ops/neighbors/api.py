@@ -78,12 +78,7 @@ def _unbatch(tensors, unbatched: bool):
 def batch_vectors(query, ref, batch_query, batch_ref, query_lengths, ref_lengths):
     """For flat clouds with PyG batch vectors: (padded query, padded ref, query layout,
     ref layout); see ``batching``."""
-    if query_lengths is not None or ref_lengths is not None:
-        raise ValueError("batch_query, batch_ref: pass batch vectors or lengths, not both")
-    _validate.floating("query", query)
-    _validate.rank("query", query, (2,), "[M, D] (batch vectors mark the items of flat clouds)")
-    _validate.floating("ref", ref)
-    _validate.rank("ref", ref, (2,), "[N, D] (batch vectors mark the items of flat clouds)")
+    _flat_inputs(query, ref, query_lengths, ref_lengths)
     for name, batch, points in (("batch_query", batch_query, query), ("batch_ref", batch_ref, ref)):
         if batch is not None:
             check_batch(name, batch, points)

@@ -61,31 +61,18 @@ def _(query, ref, radius, max_neighbors, batch_query, batch_ref, backend, radius
             query.new_empty(query.shape[:1], dtype=torch.int64))
 
 
-def _one_item(*tensors):
-    return [t[None] for t in tensors]
-
-
-def _save_search(ctx, inputs, output):
-    ctx.backend = inputs[6]
-    ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
-
-
 def _search_backward(input_count: int):
+    """The padded search's backward on one item of N rows (the lists hold rows of ref)."""
     def backward(ctx, grad_dists, *unused):
         query, ref, idx, dists = ctx.saved_tensors
-        grad_query, grad_ref = registration.distances_backward_op(*_one_item(grad_dists, query, ref, idx, dists),
-                                                                  ctx.backend)
+        grad_query, grad_ref = registration.distances_backward_op(
+            grad_dists[None], query[None], ref[None], idx[None], dists[None], ctx.backend)
         return (grad_query[0], grad_ref[0], *(None,) * (input_count - 2))
     return backward
 
 
-def _save_knn(ctx, inputs, output):
-    ctx.backend = inputs[5]
-    ctx.save_for_backward(inputs[0], inputs[1], output[1], output[0])
-
-
-knn_flat.register_autograd(_search_backward(6), setup_context=_save_knn)
-radius_flat.register_autograd(_search_backward(8), setup_context=_save_search)
+knn_flat.register_autograd(_search_backward(6), setup_context=registration._save_search(5))
+radius_flat.register_autograd(_search_backward(8), setup_context=registration._save_search(6))
 
 
 def _aggregated(op: str, query, ref, features, size, sigma, batch_query, batch_ref, backend):
