@@ -25,6 +25,7 @@ WORKLOADS = {
     "knn-graph": ("seed", "small", "tiny"),
     "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),
+    "knn-sweep": ("quick", "small", "tiny", "full"),
     "knn-sharded": ("seed", "weak", "weak-h100", "medium", "small", "tiny"),
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
     "neighbor-ops": ("seed", "large", "feature", "feature-small", "small", "crossover"),
@@ -69,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument("workload", choices=sorted(WORKLOADS), help="which workload (README: Benchmarks)")
     sizes = sorted({size for names in WORKLOADS.values() for size in names})
     bench.add_argument("--size", choices=sizes, default=None,
-                       help="problem size: seed (the tutorial's own size) is the default on CUDA, small on CPU "
-                            "(seed where a workload has no small); tiny is a smoke test")
+                       help="problem size: seed (the tutorial's own size; a workload without one: its first) is "
+                            "the default on CUDA, small on CPU (as on CUDA where a workload has no small); tiny is "
+                            "a smoke test")
     bench.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     bench.add_argument("--threads", type=int, default=None,
                        help="CPU threads for the run (torch.set_num_threads; default: torch's own)")

@@ -13,10 +13,14 @@ from fullgraph_cli import usage as _usage
 
 
 def _default_size(workload: str, gpu: bool) -> str:
-    """seed on CUDA; small on CPUs where the workload has it, else its seed size."""
+    """seed on CUDA (a workload without one: its first size); small on CPUs where the workload
+    has it, else as on CUDA."""
     from .bench import WORKLOADS
 
-    return "small" if not gpu and "small" in WORKLOADS[workload].sizes else "seed"
+    sizes = WORKLOADS[workload].sizes
+    if not gpu and "small" in sizes:
+        return "small"
+    return "seed" if "seed" in sizes else next(iter(sizes))
 
 
 def _join_torchrun() -> torch.device | None:

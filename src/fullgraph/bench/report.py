@@ -135,13 +135,59 @@ _FIELD_TYPES = {**{key: _TEXT for key in ("workload", "size", "variant", "phase"
                 **{key: _OPTIONAL for key in ("speedup_vs_eager", "peak_memory_bytes", "first_call_s")}}
 
 
+def sweep_ratios(rows: list[dict], baseline: str = "cdist + topk", ours: str = "fullgraph auto"
+                 ) -> dict[str, dict[str, float]]:
+    """{cell: {mode: baseline median / ours}} of rows whose variants read "CELL: IMPL, MODE"
+    (``fullgraph bench knn-sweep``); > 1: ours is faster."""
+    times: dict[tuple[str, str], dict[str, float]] = {}
+    for r in rows:
+        head, sep, rest = r["variant"].partition(": ")
+        impl, sep2, mode = rest.rpartition(", ")
+        if sep and sep2 and "error" not in r and r["phase"] == "forward":
+            times.setdefault((head, mode), {})[impl] = r["median_ms"]
+    ratios: dict[str, dict[str, float]] = {}
+    for (cell, mode), by_impl in times.items():
+        if baseline in by_impl and ours in by_impl:
+            ratios.setdefault(cell, {})[mode] = by_impl[baseline] / by_impl[ours]
+    return ratios
+
+
+def _heat_map(rows: list[dict], path: Path, plt) -> None:
+    """Cells (rows) by modes (columns), coloured by cdist + topk's time over fullgraph's on a
+    log scale centred on 1, each ratio written in its square."""
+    from matplotlib.colors import LogNorm
+
+    ratios = sweep_ratios(rows)
+    cells = list(ratios)
+    modes = list(dict.fromkeys(mode for by_mode in ratios.values() for mode in by_mode))
+    grid = [[ratios[c].get(m, float("nan")) for m in modes] for c in cells]
+    fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(modes), 0.28 * len(cells) + 1.6))
+    image = ax.imshow(grid, cmap="RdYlGn", norm=LogNorm(vmin=0.1, vmax=10), aspect="auto")
+    for i, line in enumerate(grid):
+        for j, value in enumerate(line):
+            if value == value:
+                ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(modes)), modes, fontsize=8)
+    ax.set_yticks(range(len(cells)), cells, fontsize=7)
+    fig.colorbar(image, ax=ax, label="cdist + topk / fullgraph (time)")
+    ax.set_title(_title(rows[0]), fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Horizontal bars of the median time per variant, forward and train, log scale, with
-    p10-p90 whiskers and the median written beside each bar."""
+    p10-p90 whiskers and the median written beside each bar; for a sweep (rows of
+    ``sweep_ratios``), the heat map of its ratios."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if sweep_ratios(rows):
+        return _heat_map(rows, Path(path), plt)
 
     ok = [r for r in rows if "error" not in r]
     variants = list(dict.fromkeys(r["variant"] for r in ok))

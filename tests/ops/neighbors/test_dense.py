@@ -44,6 +44,7 @@ def path(request, monkeypatch):
         pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests and the gradient "
                     "case; every case on the GPU")
     monkeypatch.setattr(dense, "SMALL_ITEM_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
+    monkeypatch.setattr(dense, "TENSOR_CORE_MAX_DIM", 2**20)  # (wide points' own path: its tests below)
     if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
         from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
@@ -315,28 +316,70 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="the GPU path needs Triton")
-def test_auto_on_cuda_takes_it_beyond_the_capture_limits_outside_a_capture(monkeypatch):
-    """Above REDO_MAX_DIM "auto" takes dense on CUDA unless a capture is running (there the
-    capturable Triton search gives the same lists)."""
-    beyond = dense.REDO_MAX_DIM + 1
-    assert dense._auto("cuda", torch.float32, beyond, 10) and dense._auto("cuda", torch.float32, 64, 10)
-    assert not dense._auto("cuda", torch.float64, beyond, 10)
+def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outside_a_capture(monkeypatch):
+    """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D, graphed or not; beyond
+    REDO_MAX_K only outside a capture (there the capturable Triton search gives the same lists)."""
+    longer = dense.REDO_MAX_K + 1
+    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, dense.TENSOR_CORE_MAX_DIM + 1, 2048):
+        assert dense._auto("cuda", torch.float32, dim, 10) and dense._auto("cuda", torch.float32, dim, longer)
+    assert not dense._auto("cuda", torch.float64, 300, 10)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not dense._auto("cuda", torch.float32, beyond, 10) and dense._auto("cuda", torch.float32, 64, 10)
+    assert not dense._auto("cuda", torch.float32, 64, longer)
+    assert dense._auto("cuda", torch.float32, 64, 10) and dense._auto("cuda", torch.float32, 2048, 10)
+
+
+def _wide_products(monkeypatch):
+    """Runs "dense" on the wide points' path (on CPUs by the same code, in float32 products);
+    returns the plans it made."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
+    plans = []
+    original = dense.plan
+    monkeypatch.setattr(dense, "plan", lambda *args: plans.append(original(*args)) or plans[-1])
+    return plans
+
+
+@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
+@pytest.mark.parametrize("dim", [dense.TENSOR_CORE_MAX_DIM + 1, 300])
+def test_wide_points_take_tf32_products_and_equal_the_reference(distribution, dim, monkeypatch, generator):
+    """Beyond TENSOR_CORE_MAX_DIM the GPU path is cuBLAS's TF32 products, torch.topk and the
+    certificate with TF32's error: the lists are the reference's, bit for bit, with k near N."""
+    plans = _wide_products(monkeypatch)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator, rows=64, columns=700))
+    for k in (1, 9, 40, 700):
+        got = fullgraph.knn(query, ref, k, backend="dense")
+        want = fullgraph.knn(query, ref, k, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert plans and all((p.path, p.first) == ("products", "tf32") for p in plans)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_auto_on_cuda_beyond_the_capture_limits_equals_the_reference(monkeypatch, generator):
-    calls = []
-    kernels = dense.BACKEND.implementation
-    original = kernels.nearest
-    monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append(a[0].shape[-1]) or original(*a))
-    query, ref = (t.float().cuda() for t in _clouds("clustered", dense.REDO_MAX_DIM + 72, generator, rows=64,
-                                                         columns=700))
-    got = fullgraph.knn(query, ref, 9)
-    want = fullgraph.knn(query, ref, 9, backend="torch")
-    assert calls and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+@pytest.mark.parametrize("distribution", ["normal", "duplicates"])
+def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, monkeypatch, generator):
+    """Graphed, the wide path's unproven rows (ties wider than the slack) go to the Triton
+    search restricted to them: the same lists as the reference, replayed on new points."""
+    plans = _wide_products(monkeypatch)
+    dim = dense.TENSOR_CORE_MAX_DIM + 72
+    if distribution == "duplicates":
+        query, ref = _tied(generator, "cuda", dim=dim)
+    else:
+        query, ref = (t.float().cuda() for t in _clouds("normal", dim, generator, rows=64, columns=700))
+    graphed = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 9, backend="dense"))
+    for scale in (1.0, 3.0):
+        got = graphed(query * scale, ref * scale)
+        want = fullgraph.knn(query * scale, ref * scale, 9, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert any(p.capture and p.path == "products" for p in plans)
+
+
+def test_tf32_products_restore_the_callers_precision():
+    """The TF32 block leaves the caller's matmul settings as they were, legacy or per backend."""
+    before = torch.get_float32_matmul_precision()
+    with dense._tf32_products():
+        pass
+    assert torch.get_float32_matmul_precision() == before
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ A workload registers under its CLI name with its sizes; ``build(size, device)`` 
 """
 
 from . import (  # noqa: F401
-    diffusion_policy, edgeconv, extern_pool, fps, graph_builders, kmeans, kmeans_fit, knn_sharded, lltm, neighbor_ops,
+    diffusion_policy, edgeconv, extern_pool, fps, graph_builders, kmeans, kmeans_fit, knn_sharded, knn_sweep, lltm, neighbor_ops,
     pointnet2, projectors, pyg_models,
 )
 from .base import BASELINE, WORKLOADS, Case, Workload, register, seed_point_clouds

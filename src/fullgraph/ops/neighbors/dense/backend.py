@@ -67,17 +67,24 @@ rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
-Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K,
-D <= REDO_MAX_DIM) the rows not proven take the brute force restricted to them on small
+Wide points on GPUs. Beyond TENSOR_CORE_MAX_DIM coordinates steps 1-3 run as on CPUs, the
+products by cuBLAS in TF32 (each operand rounded to 10 bits: TF32_PRODUCT_ERROR |q| R
+subtracted twice from the certificate's floor, as the chunks' bound does), torch.topk for
+the candidates: no kernel specialised on D, so the first call compiles nothing wide.
+
+Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K)
+the rows not proven take the brute force restricted to them on small
 items (``Plan.redo``), else the Triton search restricted to them, for k + CANDIDATE_SLACK
 neighbours re-measured in the reference's arithmetic (the programs of either without such a
-row return at once; ``_lists_in_capture``), and no host read. Otherwise one host read: on
-GPUs the stored products of steps 1-3 redo them first, then the Triton search (CUDA) or
-the reference (CPUs, float64) what still fails.
+row return at once; ``_lists_in_capture``, and the products path's ``_in_blocks``), and no
+host read. Otherwise one host read: on GPUs the stored products of steps 1-3 (float32
+products after TF32 ones) redo them first, then the Triton search (CUDA) or the reference
+(CPUs, float64, wide points) what still fails.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -127,8 +134,13 @@ CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
-# ... and the widest points (H100: D = 128 redone in the tests; D = 300 did not finish in 100 s).
-REDO_MAX_DIM = 128
+# On GPUs points of more than this many coordinates take the products path (cuBLAS in TF32,
+# torch.topk): the tensor-core kernels specialise on D (a compile of 30-110 s a width on the H100)
+# and their capture had no fast redo there (NOTES.md).
+TENSOR_CORE_MAX_DIM = 128
+# The error of one cuBLAS TF32 product relative to |q_d r_d|: each operand rounded or truncated
+# to 10 explicit bits (2^-10), twice, and their product.
+TF32_PRODUCT_ERROR = 2 * 2.0**-10 + 2.0**-20
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
 # measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
@@ -217,20 +229,41 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
     return pairs.order_by_distance(exact.masked_fill(~keep, math.inf), candidates.masked_fill(~keep, -1))
 
 
-def _block(frames: Frames, rows, ref_ok, k, radius, take):
+@contextlib.contextmanager
+def _tf32_products():
+    """cuBLAS's float32 products in TF32 within the block, the caller's setting restored after
+    (torch's per-backend setting where it has one: the legacy flag beside it would make
+    ``torch.get_float32_matmul_precision`` refuse to answer)."""
+    matmul = torch.backends.cuda.matmul
+    name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    previous = getattr(matmul, name)
+    setattr(matmul, name, "tf32" if name == "fp32_precision" else True)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, previous)
+
+
+def _block(frames: Frames, rows, ref_ok, k, radius, take, tf32: bool = False):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
-    certificate leaves unproven [B, m]."""
+    certificate leaves unproven [B, m]. ``tf32``: the products in TF32 (CUDA), bounded by
+    TF32_PRODUCT_ERROR."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
-    approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
+    with _tf32_products() if tf32 else contextlib.nullcontext():
+        approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
     values, candidates = select.smallest(approx, take)
     d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
-    u = roundoff(qc.dtype)
     q_norms = frames.q_norms[:, rows]
-    outside = beyond_expansion(values[..., -1] + q_norms, q_norms.sqrt(), frames.reach, dim, u)
+    q_abs = q_norms.sqrt()
+    if tf32:  # the operands' rounding, then float32's sums and norms (``_chosen_chunks`` alike)
+        least = values[..., -1] + q_norms - 2 * TF32_PRODUCT_ERROR * q_abs * frames.reach
+        outside = beyond_expansion(least, q_abs, frames.reach, dim, 2.0**-24)
+    else:
+        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, roundoff(qc.dtype))
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
@@ -362,8 +395,9 @@ class Plan:
 
     path: "every pair" (small items on GPUs outside a capture: one kernel measures every
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
-    (CPUs and float64: BLAS products, candidates, certificate). capture: the tensor-core
-    path inside a capture, which redoes unproven rows with no host read. redo: what searches
+    (CPUs, float64 and GPU points beyond TENSOR_CORE_MAX_DIM: BLAS products, candidates,
+    certificate; first "tf32" on GPUs). capture: the path runs inside a capture and redoes
+    unproven rows with no host read. redo: what searches
     the rows the certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
     The tensor-core fields (0 / "" / False elsewhere): first, the first products' precision;
@@ -404,6 +438,9 @@ def plan(query, ref, k) -> Plan:
         redo = "search" if query.is_cuda and _capturable("knn", query.dtype, dim, k) else "reference"
     if not tensor_cores:
         return Plan("products", False, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns)
+    if dim > TENSOR_CORE_MAX_DIM:
+        return Plan("products", capture, "search" if capture else "reference", take=min(k + CANDIDATE_SLACK, columns),
+                    width=columns, first="tf32")
     if (not capturing and dim <= SMALL_ITEM_MAX_DIM and triton_dense.brute_force_takes(dim, k)
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
         return Plan("every pair", False, redo, take=k, width=columns,
@@ -535,11 +572,11 @@ def _every_pair(frames: Frames, ref_ok, k, radius, dists, idx, needed=None) -> N
 
 def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
-    takes ``_lists_in_capture``): on tensor cores by the stored products when the chunks
-    missed, and what still fails by ``plan.redo``."""
+    takes ``_lists_in_capture``): on tensor cores or after TF32 products by float32 products
+    when the chunks or TF32 missed, and what still fails by ``plan.redo``."""
     if not bool(failed.any()):
         return
-    if plan.path == "tensor cores":
+    if plan.path == "tensor cores" or plan.first == "tf32":
         take = min(k + CANDIDATE_SLACK, ref.shape[1])
         budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * frames.q.element_size())
         for b, rows in enumerate(failed):
@@ -575,7 +612,8 @@ def _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed
 
 
 def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx):
-    """Steps 1-3 a block of queries at a time, then the failed rows redone (``_redo``)."""
+    """Steps 1-3 a block of queries at a time, then the failed rows redone (``_redo``; inside a
+    capture, ``_by_search``)."""
     batch, rows, _ = query.shape
     query_ok, ref_ok = frames.query_ok, frames.ref_ok
     columns = ref.shape[1]
@@ -599,8 +637,11 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
                 _block_on_tensor_cores(plan, part, block, query_ok[items], ref_ok[items], k, radius, dists[items],
                                        idx[items], failed[items])
                 continue
-            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take)
+            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take,
+                                                tf32=plan.first == "tf32")
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
+    if plan.capture:  # (the products path: the search's programs without a failed row return at once)
+        return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
     _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
 
 
@@ -625,7 +666,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         frames = Frames(query, ref, query_lengths, ref_lengths, acc)
     if chosen.path == "every pair":
         _every_pair(frames, frames.ref_ok, k, radius, dists, idx)
-    elif chosen.capture:
+    elif chosen.capture and chosen.path == "tensor cores":
         _lists_in_capture(chosen, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx)
     else:
         _in_blocks(chosen, query, ref, frames, k, radius, query_lengths, ref_lengths, dists, idx)
@@ -672,8 +713,8 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         return False
     if device_type == "cuda":
         wanted = dim >= CUDA_AUTO_MIN_DIM
-        # Beyond REDO_MAX_DIM / REDO_MAX_K only outside a capture (failed rows are then redone by the
-        # stored products, a host read): the Triton search there is a scalar brute force, and the op
+        # Beyond REDO_MAX_K only outside a capture (failed rows are then redone by the stored
+        # products, a host read): the Triton search there is a scalar brute force, and the op
         # resolves "auto" when it runs, so a capture of the same call takes the capturable backend.
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
@@ -686,9 +727,8 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
 
 def _capturable(op, dtype, dim, k) -> bool:
     """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 up to
-    REDO_MAX_K and REDO_MAX_DIM (see the module docstring)."""
-    return (dtype != torch.float64 and k <= REDO_MAX_K and (dim is None or dim <= REDO_MAX_DIM)
-            and _triton.available())
+    REDO_MAX_K (see the module docstring)."""
+    return dtype != torch.float64 and k <= REDO_MAX_K and _triton.available()
 
 
 BACKEND = Backend(
