@@ -377,8 +377,9 @@ def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribut
 def test_tf32_products_restore_the_callers_precision():
     """The TF32 block leaves the caller's matmul settings as they were, legacy or per backend."""
     before = torch.get_float32_matmul_precision()
-    with dense._tf32_products():
-        pass
+    for precision in ("tf32", "ieee"):
+        with dense._cublas_products(precision):
+            pass
     assert torch.get_float32_matmul_precision() == before
 
 

@@ -230,28 +230,28 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
 
 
 @contextlib.contextmanager
-def _tf32_products():
-    """cuBLAS's float32 products in TF32 within the block, the caller's setting restored after
-    (torch's per-backend setting where it has one: the legacy flag beside it would make
-    ``torch.get_float32_matmul_precision`` refuse to answer)."""
+def _cublas_products(precision: str):
+    """cuBLAS's float32 products in ``precision`` ("tf32" or "ieee") within the block, the
+    caller's setting restored after (torch's per-backend setting where it has one: the legacy
+    flag beside it would make ``torch.get_float32_matmul_precision`` refuse to answer)."""
     matmul = torch.backends.cuda.matmul
     name = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
     previous = getattr(matmul, name)
-    setattr(matmul, name, "tf32" if name == "fp32_precision" else True)
+    setattr(matmul, name, precision if name == "fp32_precision" else precision == "tf32")
     try:
         yield
     finally:
         setattr(matmul, name, previous)
 
 
-def _block(frames: Frames, rows, ref_ok, k, radius, take, tf32: bool = False):
+def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
-    certificate leaves unproven [B, m]. ``tf32``: the products in TF32 (CUDA), bounded by
-    TF32_PRODUCT_ERROR."""
+    certificate leaves unproven [B, m]. ``precision``: the products' on CUDA, "tf32" (bounded by
+    TF32_PRODUCT_ERROR) or "ieee"; "": as torch is set."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
-    with _tf32_products() if tf32 else contextlib.nullcontext():
+    with _cublas_products(precision) if precision else contextlib.nullcontext():
         approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
     values, candidates = select.smallest(approx, take)
     d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
@@ -259,11 +259,12 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, tf32: bool = False):
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
-    if tf32:  # the operands' rounding, then float32's sums and norms (``_chosen_chunks`` alike)
+    if precision == "tf32":  # the operands' rounding, then float32's sums and norms (``_chosen_chunks`` alike)
         least = values[..., -1] + q_norms - 2 * TF32_PRODUCT_ERROR * q_abs * frames.reach
         outside = beyond_expansion(least, q_abs, frames.reach, dim, 2.0**-24)
     else:
-        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, roundoff(qc.dtype))
+        u = 2.0**-24 if precision == "ieee" and qc.dtype == torch.float32 else roundoff(qc.dtype)
+        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
@@ -583,7 +584,8 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             rows = rows.nonzero()[:, 0]
             for start in range(0, rows.numel(), budget):
                 some = rows[start:start + budget]
-                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take)
+                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take,
+                                     "ieee" if plan.first == "tf32" else "")
                 dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
         if not bool(failed.any()):
             return
@@ -595,6 +597,37 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             lengths = None if ref_lengths is None else ref_lengths[b:b + 1]
             d, i, _ = reference.nearest(query[b:b + 1, rows], ref[b:b + 1], k, radius, None, lengths)
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
+
+
+# Inside a capture, rows the TF32 products leave unproven are measured again in float32 products,
+# up to this share of an item's queries (the first failed ones; at least CAPTURE_AGAIN_MIN_ROWS): one
+# failed row costs the Triton search over D = 256 about as much as a whole call (NOTES.md).
+CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 16, 64
+
+
+def _first_failed_again(frames: Frames, k, radius, failed, dists, idx) -> None:
+    """Inside a capture, no host read: the first ``failed`` [B, M] rows of each item (a fixed
+    number, CAPTURE_AGAIN_SHARE of M) go through ``_block`` again in float32 products; those
+    it proves are written into dists / idx and cleared in ``failed``."""
+    batch, rows = failed.shape
+    count = min(rows, max(CAPTURE_AGAIN_MIN_ROWS, math.ceil(rows * CAPTURE_AGAIN_SHARE)))
+    # the failed rows first, in order (a stable sort of the flags)
+    chosen = torch.sort(failed.to(torch.uint8), dim=1, descending=True, stable=True)[1][:, :count]
+    taken = Frames.of({**vars(frames), **{name: getattr(frames, name).gather(1, _expand(chosen, getattr(frames, name)))
+                                          for name in ("q", "qc", "q_norms")}})
+    d, i, still = _block(taken, slice(None), frames.ref_ok, k, radius, min(k + CANDIDATE_SLACK, frames.r.shape[1]),
+                         "ieee")
+    proven = failed.gather(1, chosen) & ~still
+    width = d.shape[-1]
+    at = chosen[..., None].expand(-1, -1, width)
+    dists[..., :width].scatter_(1, at, torch.where(proven[..., None], d, dists[..., :width].gather(1, at)))
+    idx[..., :width].scatter_(1, at, torch.where(proven[..., None], i, idx[..., :width].gather(1, at)))
+    failed.scatter_(1, chosen, failed.gather(1, chosen) & ~proven)
+
+
+def _expand(positions, like):
+    """positions [B, m] as a gather index for ``like`` [B, M, ...]."""
+    return positions.reshape(*positions.shape, *[1] * (like.dim() - 2)).expand(-1, -1, *like.shape[2:])
 
 
 def _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
@@ -637,11 +670,14 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
                 _block_on_tensor_cores(plan, part, block, query_ok[items], ref_ok[items], k, radius, dists[items],
                                        idx[items], failed[items])
                 continue
-            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take,
-                                                tf32=plan.first == "tf32")
+            d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take, plan.first)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
-    if plan.capture:  # (the products path: the search's programs without a failed row return at once)
-        return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    if plan.capture:  # the products path
+        failed &= query_ok
+        if plan.first == "tf32":
+            _first_failed_again(frames, k, radius, failed, dists, idx)
+        # (the search's programs without a failed row return at once)
+        return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
 
 
