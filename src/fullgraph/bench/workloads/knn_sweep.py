@@ -139,6 +139,11 @@ register(Workload(
                   + _grid(((4, 3000, 3000),), (64,), (1, 64, 256)) + [[1, 2000, 50_000, 128, 1024, "float32"]]
                   + [[16, 256, 256, 64, 20, "bfloat16"], [4, 3000, 3000, 256, 16, "bfloat16"]],
                   "first": _FIRST + [[1, 10_000, 200_000, 256, 10, "float32"]]},
+        # the widths beyond the tensor-core kernels' (D > 128), a couple of minutes on a GPU
+        "wide": {"cells": [c for c in _REPORTED if c[3] > 128]
+                 + _grid(((16, 256, 256), (4, 3000, 3000), (1, 10_000, 200_000)), (256, 768), (16,))
+                 + [[4, 3000, 3000, 2048, 16, "float32"], [4, 3000, 3000, 256, 16, "bfloat16"]],
+                 "first": _FIRST},
         # what a CPU runs in minutes
         "small": {"cells": _grid(((16, 256, 256), (2, 1024, 1024), (1, 2000, 20_000)), (8, 64, 256), (16,)),
                   "first": [[1, 2000, 20_000, 256, 16, "float32"]]},

@@ -217,7 +217,9 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
     (``triton_dense.nearest_members``) where it takes them, which skips the rows ``needed``
     [B, m] leaves out (unspecified then)."""
     take, dim = candidates.shape[-1], q.shape[-1]
-    if q.is_cuda and q.dtype == torch.float32 and triton_dense.ranks_members(take, take, dim):
+    # (wide points: the re-measure below, whose kernel compiles once per power of two of D)
+    if (q.is_cuda and q.dtype == torch.float32 and dim <= TENSOR_CORE_MAX_DIM
+            and triton_dense.ranks_members(take, take, dim)):
         chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
@@ -599,16 +601,18 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-# Inside a capture, rows the TF32 products leave unproven are measured again in float32 products,
-# up to this share of an item's queries (the first failed ones; at least CAPTURE_AGAIN_MIN_ROWS): one
-# failed row costs the Triton search over D = 256 about as much as a whole call (NOTES.md).
+# Rows the TF32 products leave unproven (0.1-1.7 % of normal clouds' rows at D = 256-768 on the
+# H200) are measured again in float32 products, up to this share of an item's queries (the first
+# failed ones; at least CAPTURE_AGAIN_MIN_ROWS), with no host read: inside a capture one failed row
+# cost the Triton search over D = 256 about as much as a whole call; eagerly the per-item redo's
+# host reads cost 4x the call on 4 x 3000^2 points.
 CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 16, 64
 
 
 def _first_failed_again(frames: Frames, k, radius, failed, dists, idx) -> None:
-    """Inside a capture, no host read: the first ``failed`` [B, M] rows of each item (a fixed
-    number, CAPTURE_AGAIN_SHARE of M) go through ``_block`` again in float32 products; those
-    it proves are written into dists / idx and cleared in ``failed``."""
+    """With no host read, the first ``failed`` [B, M] rows of each item (a fixed number,
+    CAPTURE_AGAIN_SHARE of M) go through ``_block`` again in float32 products; those it
+    proves are written into dists / idx and cleared in ``failed``."""
     batch, rows = failed.shape
     count = min(rows, max(CAPTURE_AGAIN_MIN_ROWS, math.ceil(rows * CAPTURE_AGAIN_SHARE)))
     # the failed rows first, in order (a stable sort of the flags)
@@ -672,13 +676,12 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
                 continue
             d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take, plan.first)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
-    if plan.capture:  # the products path
-        failed &= query_ok
-        if plan.first == "tf32":
-            _first_failed_again(frames, k, radius, failed, dists, idx)
-        # (the search's programs without a failed row return at once)
+    failed &= query_ok
+    if plan.first == "tf32":  # (no host read: a capture's way, and eagerly one read fewer a batch item)
+        _first_failed_again(frames, k, radius, failed, dists, idx)
+    if plan.capture:  # (the search's programs without a failed row return at once)
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
-    _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed & query_ok, dists, idx)
+    _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
