@@ -44,7 +44,6 @@ def path(request, monkeypatch):
         pytest.skip("interpreted Triton is slow here: the brute force runs in its own tests and the gradient "
                     "case; every case on the GPU")
     monkeypatch.setattr(dense, "SMALL_ITEM_MAX_PAIRS", 0 if request.param == "tensor cores" else 2**62)
-    monkeypatch.setattr(dense, "TENSOR_CORE_MAX_DIM", 2**20)  # (wide points' own path: its tests below)
     if request.param == "brute force":  # every D the kernel takes, not only where "auto" sends it
         from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
@@ -320,7 +319,7 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
     """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D, graphed or not; beyond
     REDO_MAX_K only outside a capture (there the capturable Triton search gives the same lists)."""
     longer = dense.REDO_MAX_K + 1
-    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, dense.TENSOR_CORE_MAX_DIM + 1, 2048):
+    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, dense.CAPTURE_TENSOR_CORE_MAX_DIM + 1, 2048):
         assert dense._auto("cuda", torch.float32, dim, 10) and dense._auto("cuda", torch.float32, dim, longer)
     assert not dense._auto("cuda", torch.float64, 300, 10)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -330,21 +329,32 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
 
 
 def _wide_products(monkeypatch):
-    """Runs "dense" on the wide points' path (on CPUs by the same code, in float32 products);
-    returns the plans it made."""
+    """Runs "dense" the way a capture takes wide points (the products in TF32, the unproven
+    rows again in float32 products), outside a capture too, with the host's redo after; on
+    CPUs by the same code in float32 products. Returns the plans it made."""
     if not torch.cuda.is_available():
         monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     plans = []
     original = dense.plan
-    monkeypatch.setattr(dense, "plan", lambda *args: plans.append(original(*args)) or plans[-1])
+
+    def wide(query, ref, k):
+        made = original(query, ref, k)
+        if query.shape[-1] > dense.CAPTURE_TENSOR_CORE_MAX_DIM and not made.capture:
+            made = dense.Plan("products", False, "reference", take=min(k + dense.CANDIDATE_SLACK, ref.shape[1]),
+                              width=ref.shape[1], first="tf32")
+        plans.append(made)
+        return made
+
+    monkeypatch.setattr(dense, "plan", wide)
     return plans
 
 
 @pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
-@pytest.mark.parametrize("dim", [dense.TENSOR_CORE_MAX_DIM + 1, 300])
-def test_wide_points_take_tf32_products_and_equal_the_reference(distribution, dim, monkeypatch, generator):
-    """Beyond TENSOR_CORE_MAX_DIM the GPU path is cuBLAS's TF32 products, torch.topk and the
-    certificate with TF32's error: the lists are the reference's, bit for bit, with k near N."""
+@pytest.mark.parametrize("dim", [dense.CAPTURE_TENSOR_CORE_MAX_DIM + 1, 300])
+def test_wide_points_by_tf32_products_equal_the_reference(distribution, dim, monkeypatch, generator):
+    """The wide points' products path (cuBLAS's TF32 products, torch.topk, the certificate with
+    TF32's error, the unproven rows again in float32): the reference's lists, bit for bit, with
+    k up to N."""
     plans = _wide_products(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator, rows=64, columns=700))
@@ -355,13 +365,33 @@ def test_wide_points_take_tf32_products_and_equal_the_reference(distribution, di
     assert plans and all((p.path, p.first) == ("products", "tf32") for p in plans)
 
 
+def test_rows_tf32_leaves_unproven_go_again_in_float32_with_no_host_read(monkeypatch, generator):
+    """``_first_failed_again`` proves the first failed rows of each item in float32 products and
+    clears them; rows beyond its share stay failed."""
+    monkeypatch.setattr(dense, "CAPTURE_AGAIN_MIN_ROWS", 3)
+    query, ref = (t.float() for t in _clouds("normal", 40, generator, rows=10, columns=200))
+    query, ref = query.expand(2, -1, -1).contiguous(), ref.expand(2, -1, -1).contiguous()
+    frames = dense.Frames(query, ref, None, None, torch.float32)
+    want_d, want_i = fullgraph.knn(query, ref, 5, backend="torch")
+    dists, idx = torch.full_like(want_d, math.inf), torch.full_like(want_i, -1)
+    failed = torch.zeros(2, 10, dtype=torch.bool)
+    failed[0, [1, 4, 7, 9]] = True
+    failed[1, [0]] = True
+    dense._first_failed_again(frames, 5, math.inf, failed, dists, idx)
+    assert failed.nonzero().tolist() == [[0, 9]]
+    redone = torch.zeros(2, 10, dtype=torch.bool)
+    redone[0, [1, 4, 7]] = redone[1, 0] = True
+    assert torch.equal(idx[redone], want_i[redone]) and torch.equal(dists[redone], want_d[redone])
+    assert (idx[~redone] == -1).all()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("distribution", ["normal", "duplicates"])
 def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, monkeypatch, generator):
     """Graphed, the wide path's unproven rows (ties wider than the slack) go to the Triton
     search restricted to them: the same lists as the reference, replayed on new points."""
     plans = _wide_products(monkeypatch)
-    dim = dense.TENSOR_CORE_MAX_DIM + 72
+    dim = dense.CAPTURE_TENSOR_CORE_MAX_DIM + 72
     if distribution == "duplicates":
         query, ref = _tied(generator, "cuda", dim=dim)
     else:

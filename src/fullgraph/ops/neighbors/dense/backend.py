@@ -67,10 +67,10 @@ rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
-Wide points on GPUs. Beyond TENSOR_CORE_MAX_DIM coordinates steps 1-3 run as on CPUs, the
-products by cuBLAS in TF32 (each operand rounded to 10 bits: TF32_PRODUCT_ERROR |q| R
-subtracted twice from the certificate's floor, as the chunks' bound does), torch.topk for
-the candidates: no kernel specialised on D, so the first call compiles nothing wide.
+Wide points in a capture. Beyond CAPTURE_TENSOR_CORE_MAX_DIM coordinates steps 1-3 run as on
+CPUs, the products by cuBLAS in TF32 (each operand rounded to 10 bits: TF32_PRODUCT_ERROR |q| R
+subtracted twice from the certificate's floor, as the chunks' bound does), torch.topk for the
+candidates; the rows TF32 leaves unproven go again in float32 products (``_first_failed_again``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K)
 the rows not proven take the brute force restricted to them on small
@@ -134,10 +134,10 @@ CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
-# On GPUs points of more than this many coordinates take the products path (cuBLAS in TF32,
-# torch.topk): the tensor-core kernels specialise on D (a compile of 30-110 s a width on the H100)
-# and their capture had no fast redo there (NOTES.md).
-TENSOR_CORE_MAX_DIM = 128
+# Inside a CUDA graph capture, points of more than this many coordinates take the products path
+# (cuBLAS in TF32, torch.topk): the tensor-core path's redo there, the Triton search, is a scalar
+# brute force (graphed 25-44x slower than cdist + topk at D = 256-768; NOTES.md).
+CAPTURE_TENSOR_CORE_MAX_DIM = 128
 # The error of one cuBLAS TF32 product relative to |q_d r_d|: each operand rounded or truncated
 # to 10 explicit bits (2^-10), twice, and their product.
 TF32_PRODUCT_ERROR = 2 * 2.0**-10 + 2.0**-20
@@ -217,9 +217,7 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
     (``triton_dense.nearest_members``) where it takes them, which skips the rows ``needed``
     [B, m] leaves out (unspecified then)."""
     take, dim = candidates.shape[-1], q.shape[-1]
-    # (wide points: the re-measure below, whose kernel compiles once per power of two of D)
-    if (q.is_cuda and q.dtype == torch.float32 and dim <= TENSOR_CORE_MAX_DIM
-            and triton_dense.ranks_members(take, take, dim)):
+    if q.is_cuda and q.dtype == torch.float32 and triton_dense.ranks_members(take, take, dim):
         chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
@@ -398,8 +396,9 @@ class Plan:
 
     path: "every pair" (small items on GPUs outside a capture: one kernel measures every
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
-    (CPUs, float64 and GPU points beyond TENSOR_CORE_MAX_DIM: BLAS products, candidates,
-    certificate; first "tf32" on GPUs). capture: the path runs inside a capture and redoes
+    (CPUs, float64 and, inside a capture, GPU points beyond CAPTURE_TENSOR_CORE_MAX_DIM: BLAS
+    products, candidates, certificate; first "tf32" there). capture: the path runs inside a
+    capture and redoes
     unproven rows with no host read. redo: what searches
     the rows the certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
@@ -441,9 +440,8 @@ def plan(query, ref, k) -> Plan:
         redo = "search" if query.is_cuda and _capturable("knn", query.dtype, dim, k) else "reference"
     if not tensor_cores:
         return Plan("products", False, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns)
-    if dim > TENSOR_CORE_MAX_DIM:
-        return Plan("products", capture, "search" if capture else "reference", take=min(k + CANDIDATE_SLACK, columns),
-                    width=columns, first="tf32")
+    if capture and dim > CAPTURE_TENSOR_CORE_MAX_DIM:
+        return Plan("products", True, "search", take=min(k + CANDIDATE_SLACK, columns), width=columns, first="tf32")
     if (not capturing and dim <= SMALL_ITEM_MAX_DIM and triton_dense.brute_force_takes(dim, k)
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
         return Plan("every pair", False, redo, take=k, width=columns,
@@ -601,11 +599,10 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-# Rows the TF32 products leave unproven (0.1-1.7 % of normal clouds' rows at D = 256-768 on the
-# H200) are measured again in float32 products, up to this share of an item's queries (the first
-# failed ones; at least CAPTURE_AGAIN_MIN_ROWS), with no host read: inside a capture one failed row
-# cost the Triton search over D = 256 about as much as a whole call; eagerly the per-item redo's
-# host reads cost 4x the call on 4 x 3000^2 points.
+# Rows the TF32 products leave unproven (0.1-1.7 % of normal clouds' rows at D = 256-768, k = 10,
+# on the H200) are measured again in float32 products, up to this share of an item's queries (the
+# first failed ones; at least CAPTURE_AGAIN_MIN_ROWS), with no host read: one failed row cost the
+# Triton search over D = 256 about as much as a whole call.
 CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 16, 64
 
 
