@@ -52,41 +52,53 @@ def test_a_build_for_another_torch_is_not_loaded(tmp_path):
     assert "has no build info" in _extension.prebuilt_problem(library)
 
 
-@pytest.mark.wheel
-def test_a_wheel_carries_its_native_code(tmp_path):
-    """`FULLGRAPH_BUILD_EXT=1 pip wheel` builds the C++ extensions into the wheel; installed
-    where no compiler is found and nothing is cached, the operators load them, build nothing,
-    warn of nothing, and answer their first call within 2 s (after torch._dynamo's import,
-    which torch.library's dispatch of any custom operator makes on its first call)."""
+# The operators whose first call compiles by design, and the most seconds it may take:
+# kmeans' Lloyd steps are NumPy compiled by torch.compile (its import and trace).
+COMPILED_FIRST_CALLS = {"kmeans": 10.0}
+
+
+def _wheel(tmp_path) -> Path:
+    """The CPU wheel: FULLGRAPH_WHEEL's (CI builds it once, .ci/run), else built here."""
     import os
 
+    if os.environ.get("FULLGRAPH_WHEEL"):
+        return Path(os.environ["FULLGRAPH_WHEEL"])
     if _extension.missing_tools(with_cuda=False):
         pytest.skip("no C++ compiler here to build the wheel with")
-    root = Path(__file__).parents[1]
     env = {**os.environ, "FULLGRAPH_BUILD_EXT": "1", "FULLGRAPH_BUILD_CUDA": "0"}
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
-                            str(tmp_path / "dist"), str(root)], env=env, capture_output=True, text=True, timeout=1500)
+                            str(tmp_path / "dist"), str(Path(__file__).parents[1])], env=env, capture_output=True,
+                           text=True, timeout=1500)
     assert built.returncode == 0, built.stderr[-3000:]
-    wheel = next((tmp_path / "dist").glob("fullgraph-*.whl"))
-    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                                str(tmp_path / "site"), str(wheel)], capture_output=True, text=True, timeout=600)
+    return next((tmp_path / "dist").glob("fullgraph-*.whl"))
+
+
+@pytest.mark.wheel
+def test_a_wheel_carries_its_native_code(tmp_path):
+    """`FULLGRAPH_BUILD_EXT=1 pip wheel` builds the C++ extensions into the wheel; installed in a
+    fresh virtual environment (torch from the system's packages) with no compiler on PATH and
+    nothing cached, every public operator's first call (tests/wheel/smoke.py) builds nothing,
+    raises and warns nothing, and returns within 2 s (COMPILED_FIRST_CALLS apart)."""
+    import json
+    import os
+
+    wheel = _wheel(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True,
+                   timeout=120)
+    site = next((venv / "lib").glob("python*/site-packages"))
+    installed = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                                str(wheel)], capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
-    code = (
-        "import time, warnings, torch\n"
-        "warnings.simplefilter('error')\n"
-        "import fullgraph, torch._dynamo\n"
-        "from fullgraph.ops.neighbors.cpu import native\n"
-        "assert fullgraph.__file__.startswith(%r), fullgraph.__file__\n"
-        "x, f = torch.rand(2000, 3), torch.rand(2000, 8)\n"
-        "for name, call in [('knn', lambda: fullgraph.knn(x, x, 8, backend='cpu')),\n"
-        "                   ('knn_reduce', lambda: fullgraph.knn_reduce(f, fullgraph.knn(x, x, 8)[1])),\n"
-        "                   ('lltm', lambda: fullgraph.lltm(torch.rand(4, 5), torch.rand(18, 11), torch.rand(18),\n"
-        "                                                   torch.rand(4, 6), torch.rand(4, 6), backend='cpu'))]:\n"
-        "    began = time.perf_counter(); call(); took = time.perf_counter() - began\n"
-        "    print(name, round(took, 3)); assert took <= 2.0, (name, took)\n"
-        "assert native.available()\n"
-    ) % str(tmp_path / "site")
-    run_env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "CXX": "no-such-compiler",
-               "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty-cache")}
-    out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True, text=True, timeout=300)
+    env = {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": str(venv / "bin"), "CXX": "no-such-compiler",
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor-cache")}
+    out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "wheel" / "smoke.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "fullgraph: building" not in out.stderr, out.stdout + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["fullgraph"].startswith(str(site)), report["fullgraph"]
+    assert report["problems"] == {} and report["native"]
+    slow = {name: took for name, took in report["seconds"].items() if took > COMPILED_FIRST_CALLS.get(name, 2.0)}
+    assert not slow, report["seconds"]
+    assert "fullgraph:" not in out.stderr, out.stderr[-3000:]

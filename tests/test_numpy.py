@@ -178,3 +178,19 @@ def test_np_random_follows_torch_manual_seed_compiled_and_numpy_seed_eagerly():
     want = x.numpy() + np.random.rand(4)
     np.random.seed(5)
     np.testing.assert_array_equal(eager(x).numpy(), want)
+
+
+def test_without_a_cpp_compiler_cpu_tensors_run_the_traced_operators(monkeypatch):
+    """Inductor's CPU code is C++: where no compiler is found, a jitted function on CPU tensors
+    runs its traced torch operators ("eager" backend) instead of failing."""
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert fullgraph.numpy._backend(torch.device("cpu")) == "eager"
+
+    @fullgraph.numpy.jit
+    def nearest(x, centroids):
+        return np.argmin(((x[:, None] - centroids[None]) ** 2).sum(-1), axis=1)
+
+    x, c = torch.rand(50, 3, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
+    want = np.argmin(((x.numpy()[:, None] - c.numpy()[None]) ** 2).sum(-1), axis=1)
+    assert np.array_equal(nearest(x, c).numpy(), want)
+    assert set(nearest._by_backend) == {"eager"}

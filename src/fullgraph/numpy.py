@@ -18,6 +18,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
+import shutil
 import threading
 
 import numpy as np
@@ -81,30 +83,44 @@ def _traced(fn):
     return traced
 
 
+def _backend(device: torch.device) -> str:
+    """torch.compile's backend for tensors on ``device``: Inductor, except on CPUs where no C++
+    compiler is found (Inductor's CPU code is C++): there the traced torch operators run as
+    they are ("eager"), on the tensors' device all the same."""
+    if device.type == "cpu":
+        named = os.environ.get("CXX")
+        if not any(shutil.which(c) for c in ([named] if named else ["c++", "g++", "clang++"])):
+            return "eager"
+    return "inductor"
+
+
 class NumpyFunction:
     """A NumPy function that takes and returns torch tensors (or NumPy arrays); see ``jit``."""
 
     def __init__(self, fn, default_float: str, dynamic: bool | None, eager: bool):
         functools.update_wrapper(self, fn)
         self.fn, self.default_float, self.eager, self.dynamic = fn, default_float, eager, dynamic
-        self._static = collections.OrderedDict()
+        self._static, self._by_backend = collections.OrderedDict(), {}
         self._inline = _traced(fn)  # what an enclosing torch.compile traces (code.replace is not traceable)
 
-    @functools.cached_property
-    def _compiled(self):
+    def _compiled(self, backend: str):
         """Made on first use: importing a module of jitted functions loads no compiler."""
-        return torch.compile(_traced(self.fn), fullgraph=True, dynamic=self.dynamic)
+        if backend not in self._by_backend:
+            self._by_backend[backend] = torch.compile(_traced(self.fn), fullgraph=True, dynamic=self.dynamic,
+                                                      backend=backend)
+        return self._by_backend[backend]
 
-    def _compiled_for(self, args, kwargs):
+    def _compiled_for(self, args, kwargs, device):
         """The compiled function for these arguments. dynamic=False keeps one per signature,
         each with a code object (so a compile cache) of its own: the compiler's limit of 8
         variants per function never makes a static function fall back to running eagerly."""
+        backend = _backend(device)
         if self.dynamic is not False:
-            return self._compiled
+            return self._compiled(backend)
         key = tuple((a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else (type(a), a)
                     for a in (*args, *sorted(kwargs.items(), key=lambda item: item[0])))
         if key not in self._static:
-            self._static[key] = torch.compile(_traced(self.fn), fullgraph=True, dynamic=False)
+            self._static[key] = torch.compile(_traced(self.fn), fullgraph=True, dynamic=False, backend=backend)
             if len(self._static) > STATIC_VARIANTS:
                 self._static.popitem(last=False)
         self._static.move_to_end(key)
@@ -157,7 +173,7 @@ class NumpyFunction:
         else:
             try:
                 with _default_float(self.default_float):
-                    out = self._compiled_for(args, kwargs)(*args, **kwargs)
+                    out = self._compiled_for(args, kwargs, device)(*args, **kwargs)
             except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError,
                     torch._dynamo.exc.TorchRuntimeError) as error:
                 if isinstance(error.__cause__, torch._dynamo.exc.ObservedException):
