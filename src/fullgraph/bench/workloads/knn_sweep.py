@@ -75,8 +75,11 @@ def _calls(fn, device):
 
 
 def _cells(params, device, generator):
+    """(cell, whether its first call is probed, query, ref) of each cell, the probed cells
+    included where ``cells`` lacks them."""
     first = {tuple(cell) for cell in params.get("first", ())}
-    for cell in params["cells"]:
+    listed = [tuple(cell) for cell in params["cells"]]
+    for cell in listed + sorted(first - set(listed)):
         batch, m, n, dim, k, dtype = cell
         if k > n:
             continue
