@@ -64,6 +64,32 @@ def denoise_ddim(unet, x, global_cond, alphas_cumprod, timesteps, clip_sample: b
 LOOPS = {"ddpm": denoise, "ddim": denoise_ddim}
 
 
+class DDIMSampler(torch.nn.Module):
+    """The deterministic DDIM loop (``denoise_ddim``) as a module, for export: x [B, horizon,
+    action_dim] starting noise and global_cond [B, global_cond_dim] -> the actions, ``steps``
+    steps through ``train_steps`` (squaredcos_cap_v2's schedule); the schedule and timesteps
+    are buffers."""
+
+    def __init__(self, unet: torch.nn.Module, steps: int = 10, train_steps: int = 100, clip_sample: bool = True):
+        super().__init__()
+        self.unet, self.clip_sample = unet, clip_sample
+        self.register_buffer("alphas_cumprod", squaredcos_cap_v2(train_steps))
+        self.register_buffer("timesteps", ddim_timesteps(train_steps, steps))
+
+    def forward(self, x: torch.Tensor, global_cond: torch.Tensor) -> torch.Tensor:
+        return denoise_ddim(self.unet, x, global_cond, self.alphas_cumprod, self.timesteps, self.clip_sample)
+
+
+def decompositions() -> dict:
+    """{operator: its PyTorch form} for the denoise steps, for
+    ``ExportedProgram.run_decompositions``: a program without fullgraph's operators, whose
+    AOTInductor package runs in a process without Python (docs/deploy.md)."""
+    from .ops import ddpm
+
+    return {torch.ops.fullgraph.ddpm_step.default: lambda *args: ddpm.reference(*args[:-1]),
+            torch.ops.fullgraph.ddim_step.default: lambda *args: ddpm.ddim_reference(*args[:-1])}
+
+
 def _graphed_loop(unet, scheduler: str):
     loops = _GRAPHED_LOOPS.setdefault(unet, {})
     if scheduler not in loops:

@@ -41,8 +41,8 @@ def reference(model_output, sample, timestep, alphas_cumprod, noise, clip_sample
     steps = alphas_cumprod.shape[0]
     t = timestep.clamp(0, steps - 1)
     alphas = alphas_cumprod.to(compute)
-    alpha_t = alphas[t]
-    alpha_prev = torch.where(t > 0, alphas[(t - 1).clamp(min=0)], torch.ones_like(alpha_t))
+    alpha_t = _alpha_at(alphas, t)
+    alpha_prev = torch.where(t > 0, _alpha_at(alphas, t - 1), torch.ones_like(alpha_t))
     beta_t, beta_prev = 1 - alpha_t, 1 - alpha_prev
     current_alpha = alpha_t / alpha_prev
     current_beta = 1 - current_alpha
@@ -68,11 +68,16 @@ def ddim_timesteps(train_steps: int, steps: int, steps_offset: int = 0, device=N
 
 def _ddim_alphas(alphas, timestep, prev_timestep, set_alpha_to_one: bool):
     """alpha_t and alpha_prev (the final alpha for prev_timestep < 0), from [T] alphas."""
-    steps = alphas.shape[0]
-    alpha_t = alphas[timestep.clamp(0, steps - 1)]
+    alpha_t = _alpha_at(alphas, timestep)
     final = torch.ones_like(alpha_t) if set_alpha_to_one else alphas[0]
-    alpha_prev = torch.where(prev_timestep >= 0, alphas[prev_timestep.clamp(0, steps - 1)], final)
+    alpha_prev = torch.where(prev_timestep >= 0, _alpha_at(alphas, prev_timestep), final)
     return alpha_t, alpha_prev
+
+
+def _alpha_at(alphas, timestep):
+    """alphas [T] at ``timestep`` clamped into [0, T), by a gather: indexing by a 0-d tensor
+    reads its value on the host, which torch.export cannot trace."""
+    return alphas.gather(0, timestep.clamp(0, alphas.shape[0] - 1).reshape(-1)).reshape(timestep.shape)
 
 
 def ddim_reference(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta: float,

@@ -1,0 +1,60 @@
+// run_package PACKAGE.pt2 INPUTS.pt OUTPUT.pt [REPEATS]
+//
+// Loads an AOTInductor package (torch._inductor.aoti_compile_and_package), runs it on the
+// tensors of INPUTS.pt (a list saved by torch.save) and writes its outputs to OUTPUT.pt (a
+// tuple, for torch.load); with REPEATS, times that many further runs and prints the median
+// milliseconds. Nothing here needs Python: the package's kernels are its own.
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
+
+static std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+int main(int argc, char** argv) {
+  if (argc < 4) {
+    std::cerr << "usage: run_package PACKAGE.pt2 INPUTS.pt OUTPUT.pt [REPEATS]\n";
+    return 2;
+  }
+  try {
+    torch::inductor::AOTIModelPackageLoader loader(argv[1]);
+    std::vector<torch::Tensor> inputs;
+    for (const auto& value : torch::pickle_load(read_file(argv[2])).toList()) {
+      inputs.push_back(value.get().toTensor());
+    }
+    torch::NoGradGuard no_grad;
+    std::vector<torch::Tensor> outputs = loader.run(inputs);
+    int repeats = argc > 4 ? std::stoi(argv[4]) : 0;
+    if (repeats > 0) {
+      std::vector<double> times;
+      for (int i = 0; i < repeats; ++i) {
+        bool cuda = !outputs.empty() && outputs[0].is_cuda();
+        if (cuda) torch::cuda::synchronize();
+        auto start = std::chrono::steady_clock::now();
+        outputs = loader.run(inputs);
+        if (cuda) torch::cuda::synchronize();
+        times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      }
+      std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+      std::cout << "median_ms " << times[times.size() / 2] << "\n";
+    }
+    std::vector<c10::IValue> saved;
+    for (auto& t : outputs) saved.emplace_back(t.cpu());
+    std::vector<char> bytes = torch::pickle_save(c10::ivalue::Tuple::create(std::move(saved)));
+    std::ofstream(argv[3], std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  } catch (const std::exception& error) {
+    std::cerr << "run_package: " << error.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

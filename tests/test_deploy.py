@@ -1,0 +1,62 @@
+"""Deployment without Python: the denoise steps decompose into PyTorch's own operators, so an
+exported sampler's AOTInductor package runs from the C++ program in examples/deploy."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import fullgraph
+from fullgraph.models.unet1d import ConditionalUnet1D
+
+
+def _sampler(steps: int):
+    torch.manual_seed(0)
+    unet = ConditionalUnet1D(2, 32, down_dims=(16, 32, 64)).eval()
+    return fullgraph.diffusion.DDIMSampler(unet, steps=steps).eval(), (torch.randn(1, 16, 2), torch.randn(1, 32))
+
+
+def _without_fullgraph(sampler, args):
+    program = torch.export.export(sampler, args).run_decompositions(fullgraph.diffusion.decompositions())
+    found = [str(node.target) for node in program.graph.nodes if "fullgraph" in str(node.target)]
+    assert not found, found
+    return program
+
+
+def test_the_sampler_exports_without_fullgraph_operators():
+    sampler, args = _sampler(steps=2)
+    program = _without_fullgraph(sampler, args)
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(*args), sampler(*args), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.deploy
+def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path):
+    """The 10-step DDIM sampler exported, packaged by AOTInductor, built into nothing but the
+    package; examples/deploy's program (CMake against the torch wheel's libtorch) loads and
+    runs it in a process with no Python library and no Python environment: the same actions."""
+    if shutil.which("cmake") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("needs cmake and a C++ compiler")
+    sampler, args = _sampler(steps=10)
+    package = torch._inductor.aoti_compile_and_package(_without_fullgraph(sampler, args),
+                                                       package_path=str(tmp_path / "sampler.pt2"))
+    torch.save(list(args), tmp_path / "inputs.pt")
+    source, build = Path(__file__).parents[1] / "examples" / "deploy", tmp_path / "build"
+    for command in (["cmake", "-S", str(source), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                    ["cmake", "--build", str(build)]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runner = build / "run_package"
+    linked = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
+    assert "libpython" not in linked and "torch_python" not in linked, linked
+    done = subprocess.run([str(runner), package, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt"), "5"],
+                          env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "median_ms" in done.stdout, done.stdout + done.stderr
+    (got,) = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        torch.testing.assert_close(got, sampler(*args), rtol=1e-5, atol=1e-5)
