@@ -83,3 +83,28 @@ def test_neighbour_backends_are_declared_once():
             patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
             assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 257).name == "torch"
             assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"
+
+
+def test_a_size_rule_on_sizes_export_keeps_dynamic_adds_no_guard():
+    """"auto" under torch.export with a dynamic size: a backend whose rule depends on that
+    size is taken only where the rule holds for every size, so the export keeps the size
+    dynamic (a guard would raise a constraint violation) and takes the backend after it."""
+    rules = backends.family(
+        "example",
+        backends.Backend("few", ops=("op",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,),
+                         auto_when=lambda device_type, dtype, dim, k, size=None: size <= 100),
+        backends.Backend("any", ops=("op",), devices=(backends.ANY_DEVICE,), auto_devices=(backends.ANY_DEVICE,)),
+    )
+
+    class Choose(torch.nn.Module):
+        def forward(self, x):
+            chosen = rules.resolve("auto", "op", x.device, x.dtype, size=x.shape[0])
+            return x * 2 if chosen.name == "few" else x * 3
+
+    x = torch.rand(50)
+    assert Choose()(x).equal(x * 2)  # eagerly the rule decides
+    program = torch.export.export(Choose(), (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2)},))
+    assert program.module()(torch.rand(500)).shape == (500,)
+    assert program.module()(x).equal(x * 3)
+    bounded = torch.export.export(Choose(), (x,), dynamic_shapes=({0: torch.export.Dim("n", min=2, max=100)},))
+    assert bounded.module()(x).equal(x * 2)  # (the rule holds for every size allowed)

@@ -71,8 +71,8 @@ class Backend:
         """Whether "auto" may pick it for these tensors (installed included)."""
         return (op in self.ops and (ANY_DEVICE in self.auto_devices or device_type in self.auto_devices)
                 and dtype in self.dtypes and (self.dims is None or dim is None or dim in self.dims)
-                and (self.max_k is None or k <= self.max_k) and self.auto_when(device_type, dtype, dim, k, size)
-                and self.available(device_type))
+                and (self.max_k is None or k <= self.max_k)
+                and _holds(self.auto_when(device_type, dtype, dim, k, size)) and self.available(device_type))
 
     def check(self, op: str, device_type: str, dtype: torch.dtype, dim, k, argument: str,
               k_argument: str = "k") -> None:
@@ -110,6 +110,17 @@ class Backend:
                 "synchronization or allocations outside PyTorch, so it cannot run inside a CUDA graph capture; "
                 'choose a capturable backend, or leave this call out of the graph (torch.compile without '
                 'mode="reduce-overhead")')
+
+
+def _holds(verdict) -> bool:
+    """A rule's verdict. On sizes torch.export keeps symbolic, true only where it holds for
+    every size: a guard there would pin a size the export was asked to keep dynamic (the
+    rule's other side, the next backend, runs at every size)."""
+    if isinstance(verdict, torch.SymBool) and torch.compiler.is_exporting():
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return statically_known_true(verdict)
+    return bool(verdict)
 
 
 @dataclass(frozen=True)
