@@ -311,3 +311,22 @@ def test_usage_errors_answer_without_torch(tmp_path):
                           (["bench", "lltm", "--plot", str(tmp_path / "x.txt")], "expected an image file name")]:
         out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr and "torch was imported" not in out.stderr, out.stderr
+
+
+def test_a_sweep_s_rows_give_its_ratios_and_heat_map(tmp_path):
+    """Rows named "CELL: IMPL, MODE" (knn-sweep) give cdist + topk's time over fullgraph's per
+    cell and mode, and --plot draws them as a heat map."""
+    from fullgraph.bench import report
+
+    base = {"workload": "knn-sweep", "size": "tiny", "params": {}, "phase": "forward", "device": "cpu",
+            "torch": torch.__version__, "triton": None, "commit": "x", "p10_ms": 1.0, "p90_ms": 1.0}
+    times = {("B=1 4x8 D=3 k=2 float32", "as called"): (2.0, 1.0), ("B=1 4x8 D=3 k=2 float32", "compiled"): (1.0, 4.0),
+             ("B=2 4x8 D=9 k=2 float32", "as called"): (3.0, 1.5)}
+    rows = [{**base, "variant": f"{cell}: {impl}, {mode}", "median_ms": ms}
+            for (cell, mode), pair in times.items() for impl, ms in zip(("cdist + topk", "fullgraph auto"), pair)]
+    rows.append({**base, "variant": "B=2 4x8 D=9 k=2 float32: fullgraph auto, compiled", "error": "E: failed"})
+    assert report.sweep_ratios(rows) == {"B=1 4x8 D=3 k=2 float32": {"as called": 2.0, "compiled": 0.25},
+                                         "B=2 4x8 D=9 k=2 float32": {"as called": 2.0}}
+    report.plot(rows, tmp_path / "heat.png")
+    assert (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
+    assert report.sweep_ratios([{**base, "variant": "document eager", "median_ms": 1.0}]) == {}

@@ -161,7 +161,7 @@ def _heat_map(rows: list[dict], path: Path, plt) -> None:
     cells = list(ratios)
     modes = list(dict.fromkeys(mode for by_mode in ratios.values() for mode in by_mode))
     grid = [[ratios[c].get(m, float("nan")) for m in modes] for c in cells]
-    fig, ax = plt.subplots(figsize=(2.2 + 1.3 * len(modes), 0.28 * len(cells) + 1.6))
+    fig, ax = plt.subplots(figsize=(5.5 + 1.3 * len(modes), 0.28 * len(cells) + 1.8))
     image = ax.imshow(grid, cmap="RdYlGn", norm=LogNorm(vmin=0.1, vmax=10), aspect="auto")
     for i, line in enumerate(grid):
         for j, value in enumerate(line):
@@ -170,7 +170,7 @@ def _heat_map(rows: list[dict], path: Path, plt) -> None:
     ax.set_xticks(range(len(modes)), modes, fontsize=8)
     ax.set_yticks(range(len(cells)), cells, fontsize=7)
     fig.colorbar(image, ax=ax, label="cdist + topk / fullgraph (time)")
-    ax.set_title(_title(rows[0]), fontsize=9)
+    ax.set_title(_title(rows[0]).replace(" on ", "\non ", 1), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
