@@ -398,9 +398,8 @@ class Plan:
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
     (CPUs, float64 and, inside a capture, GPU points beyond CAPTURE_TENSOR_CORE_MAX_DIM: BLAS
     products, candidates, certificate; first "tf32" there). capture: the path runs inside a
-    capture and redoes
-    unproven rows with no host read. redo: what searches
-    the rows the certificate leaves unproven ("every pair", "search": the Triton search,
+    capture and redoes unproven rows with no host read. redo: what searches the rows the
+    certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
     The tensor-core fields (0 / "" / False elsewhere): first, the first products' precision;
     chunk, chunks, chosen: references a chunk, chunks an item, chunks chosen a query; take,
