@@ -39,6 +39,7 @@ def _native_parts(cuda: bool) -> list[tuple[str, str]]:
 
 
 def _auto_choices(device: torch.device) -> list[tuple[str, str]]:
+    from . import numpy
     from .ops.lltm import api as lltm
     from .ops.neighbors import registration
     from .ops.sampling import api as sampling
@@ -54,6 +55,9 @@ def _auto_choices(device: torch.device) -> list[tuple[str, str]]:
     choices.append(("fps, float32, D = 3", sampling.BACKENDS.resolve("auto", "farthest_points", device, torch.float32,
                                                                      3, 4096, "x").name))
     choices.append(("lltm, float32", lltm.BACKENDS.resolve("auto", "lltm", device, torch.float32).name))
+    compiler = numpy._backend(device)
+    choices.append(("numpy.jit (kmeans)", "Inductor" if compiler == "inductor" else
+                    "torch.compile's eager backend (no C++ compiler for Inductor's CPU code)"))
     return choices
 
 
