@@ -3,7 +3,6 @@ exported sampler's AOTInductor package runs from the C++ program in examples/dep
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 import torch
 
 import fullgraph
+from fullgraph import _extension
 from fullgraph.models.unet1d import ConditionalUnet1D
 
 
@@ -40,7 +40,7 @@ def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path):
     """The 10-step DDIM sampler exported, packaged by AOTInductor, built into nothing but the
     package; examples/deploy's program (CMake against the torch wheel's libtorch) loads and
     runs it in a process with no Python library and no Python environment: the same actions."""
-    if shutil.which("cmake") is None or shutil.which(os.environ.get("CXX", "c++")) is None:
+    if shutil.which("cmake") is None or _extension.cpp_compiler() is None:
         pytest.skip("needs cmake and a C++ compiler")
     sampler, args = _sampler(steps=10)
     package = torch._inductor.aoti_compile_and_package(_without_fullgraph(sampler, args),

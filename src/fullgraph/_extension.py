@@ -12,6 +12,7 @@ processes load the cached build without a word. The extensions register their ke
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -26,14 +27,23 @@ class ExtensionBuildError(RuntimeError):
     """A C++/CUDA extension could not be built or loaded."""
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler's path (CXX, else c++ on PATH), or None where none is found."""
+    return _found(os.environ.get("CXX", "c++"))
+
+
+@functools.lru_cache(maxsize=8)
+def _found(program: str) -> str | None:
+    return shutil.which(program)
+
+
 def missing_tools(with_cuda: bool) -> list[str]:
     """What a just-in-time build on this machine lacks (empty: it can build)."""
     from torch.utils import cpp_extension
 
     missing = []
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None:
-        missing.append(f"a C++ compiler ({compiler!r} is not on PATH; install g++ or set CXX)")
+    if cpp_compiler() is None:
+        missing.append(f"a C++ compiler ({os.environ.get('CXX', 'c++')!r} is not on PATH; install g++ or set CXX)")
     if not cpp_extension.is_ninja_available():
         missing.append("ninja (pip install ninja)")
     if with_cuda and cpp_extension.CUDA_HOME is None:

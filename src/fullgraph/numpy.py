@@ -18,12 +18,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
-import shutil
 import threading
 
 import numpy as np
 import torch
+
+from . import _extension
 
 DEFAULT_FLOATS = ("float64", "float32")
 STATIC_VARIANTS = 32  # compiled variants a dynamic=False function keeps (least recently used dropped)
@@ -87,11 +87,7 @@ def _backend(device: torch.device) -> str:
     """torch.compile's backend for tensors on ``device``: Inductor, except on CPUs where no C++
     compiler is found (Inductor's CPU code is C++): there the traced torch operators run as
     they are ("eager"), on the tensors' device all the same."""
-    if device.type == "cpu":
-        named = os.environ.get("CXX")
-        if not any(shutil.which(c) for c in ([named] if named else ["c++", "g++", "clang++"])):
-            return "eager"
-    return "inductor"
+    return "eager" if device.type == "cpu" and _extension.cpp_compiler() is None else "inductor"
 
 
 class NumpyFunction:

@@ -64,14 +64,13 @@ def _label(cell) -> str:
     return f"B={batch} {m}x{n} D={dim} k={k} {dtype}"
 
 
-def _modes(device):
-    return ("as called", "compiled", "graphed") if device.type == "cuda" else ("as called", "compiled")
-
-
-def _calls(fn, device):
-    """``fn`` (query, ref) as called, compiled and graphed (CUDA)."""
+def _calls(fn, query, ref, device) -> dict:
+    """{mode: a call of ``fn`` on query and ref}: as called, compiled and, on CUDA, graphed."""
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
-    return {"as called": fn, "compiled": compiled, "graphed": fn}
+    calls = {"as called": lambda: fn(query, ref), "compiled": lambda: compiled(query, ref)}
+    if device.type == "cuda":
+        calls["graphed"] = replayed(calls["as called"], device)
+    return calls
 
 
 def _cells(params, device, generator):
@@ -85,7 +84,7 @@ def _cells(params, device, generator):
             continue
         query = torch.randn(batch, m, dim, generator=generator, device=device).to(DTYPES[dtype])
         ref = torch.randn(batch, n, dim, generator=generator, device=device).to(DTYPES[dtype])
-        yield tuple(cell), tuple(cell) in first, query, ref
+        yield cell, cell in first, query, ref
 
 
 def _knn_sweep(params, device):
@@ -108,11 +107,7 @@ def _knn_sweep(params, device):
             return {**fields, **(first_calls(device.type, cell) if probe_first else {})}
 
         for impl, fn in (("cdist + topk", plain), ("fullgraph auto", ours)):
-            calls = _calls(fn, device)
-            for mode in _modes(device):
-                call = lambda fn=calls[mode], query=query, ref=ref: fn(query, ref)  # noqa: E731
-                if mode == "graphed":
-                    call = replayed(call, device)
+            for mode, call in _calls(fn, query, ref, device).items():
                 extra = check if (impl, mode) == ("fullgraph auto", "as called") else None
                 cases.append(Case(f"{label}: {impl}, {mode}", call, check=extra))
     return cases
@@ -160,9 +155,3 @@ register(Workload(
     baseline="",
 ))
 
-
-def cell_of(row: dict) -> tuple[str, str, str] | None:
-    """(cell label, implementation, mode) of a knn-sweep row's variant, else None."""
-    head, sep, rest = row["variant"].partition(": ")
-    impl, sep2, mode = rest.rpartition(", ")
-    return (head, impl, mode) if sep and sep2 else None

@@ -77,9 +77,8 @@ the rows not proven take the brute force restricted to them on small
 items (``Plan.redo``), else the Triton search restricted to them, for k + CANDIDATE_SLACK
 neighbours re-measured in the reference's arithmetic (the programs of either without such a
 row return at once; ``_lists_in_capture``, and the products path's ``_in_blocks``), and no
-host read. Otherwise one host read: on GPUs the stored products of steps 1-3 (float32
-products after TF32 ones) redo them first, then the Triton search (CUDA) or the reference
-(CPUs, float64, wide points) what still fails.
+host read. Otherwise one host read: on GPUs the stored products of steps 1-3 redo them
+first, then the Triton search (CUDA) or the reference (CPUs, float64) what still fails.
 """
 
 from __future__ import annotations
@@ -572,19 +571,18 @@ def _every_pair(frames: Frames, ref_ok, k, radius, dists, idx, needed=None) -> N
 
 def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
     """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
-    takes ``_lists_in_capture``): on tensor cores or after TF32 products by float32 products
-    when the chunks or TF32 missed, and what still fails by ``plan.redo``."""
+    takes ``_lists_in_capture``): on tensor cores by the stored products when the chunks
+    missed, and what still fails by ``plan.redo``."""
     if not bool(failed.any()):
         return
-    if plan.path == "tensor cores" or plan.first == "tf32":
+    if plan.path == "tensor cores":
         take = min(k + CANDIDATE_SLACK, ref.shape[1])
         budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * frames.q.element_size())
         for b, rows in enumerate(failed):
             rows = rows.nonzero()[:, 0]
             for start in range(0, rows.numel(), budget):
                 some = rows[start:start + budget]
-                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take,
-                                     "ieee" if plan.first == "tf32" else "")
+                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take)
                 dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
         if not bool(failed.any()):
             return
@@ -673,7 +671,7 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
             d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take, plan.first)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     failed &= query_ok
-    if plan.first == "tf32":  # (no host read: a capture's way, and eagerly one read fewer a batch item)
+    if plan.first == "tf32":
         _first_failed_again(frames, k, radius, failed, dists, idx)
     if plan.capture:  # (the search's programs without a failed row return at once)
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
