@@ -4,8 +4,9 @@
 
 compiles, against the torch that is installed (hence --no-build-isolation), the CPU neighbour
 extension (fullgraph/ops/neighbors/cpu/_native.so) and the LLTM extension
-(fullgraph/ops/lltm/_lltm.so, with its CUDA kernels when nvcc is found; FULLGRAPH_BUILD_CUDA=0
-leaves them out). Beside each library its build info (<library>.json: the torch, CUDA, Python
+(fullgraph/ops/lltm/_lltm.so) and, where nvcc is found, the CUDA kernels: LLTM's (sm_80-sm_90) in
+the same library and fps's (fullgraph/ops/sampling/cuda/_fps.so, sm_90); FULLGRAPH_BUILD_CUDA=0
+leaves them out. Beside each library its build info (<library>.json: the torch, CUDA, Python
 and CPU vector extension it was built for): an installation loads it only where they fit, and
 builds just in time otherwise. Without FULLGRAPH_BUILD_EXT the package is pure Python and the
 extensions are built just in time on first use.
@@ -42,9 +43,19 @@ if os.environ.get("FULLGRAPH_BUILD_EXT") == "1":
     with_cuda = CUDA_HOME is not None and os.environ.get("FULLGRAPH_BUILD_CUDA", "1") != "0"
     sources = [f"{lltm}/lltm.cpp"] + ([f"{lltm}/lltm_cuda.cu"] if with_cuda else [])
     kind = CUDAExtension if with_cuda else CppExtension
+    # The GPUs users run (A100, A10/RTX 30, L4/RTX 40, H100), and PTX for later ones.
+    lltm_arches = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 86, 89, 90)]
+    lltm_arches.append("-gencode=arch=compute_90,code=compute_90")
     ext_modules.append(kind("fullgraph.ops.lltm._lltm", sources, include_dirs=[os.path.abspath(lltm)],
-                            extra_compile_args={"cxx": cflags, "nvcc": ["-O3"]} if with_cuda else cflags,
+                            extra_compile_args={"cxx": cflags, "nvcc": ["-O3", *lltm_arches]} if with_cuda else cflags,
                             extra_link_args=extension.parallel_flags()))
+    if with_cuda:  # fps's thread-block clusters need compute capability 9.0
+        fps = "src/fullgraph/ops/sampling/cuda/csrc"
+        ext_modules.append(CUDAExtension("fullgraph.ops.sampling.cuda._fps", [f"{fps}/farthest_points.cu"],
+                                         include_dirs=[os.path.abspath(fps)],
+                                         extra_compile_args={"cxx": cflags, "nvcc": [
+                                             "-O3", "-gencode=arch=compute_90,code=sm_90",
+                                             "-gencode=arch=compute_90,code=compute_90"]}))
 
     class BuildWithInfo(BuildExtension.with_options(no_python_abi_suffix=True)):
         """Writes each library's build info beside it."""

@@ -57,15 +57,16 @@ def test_a_build_for_another_torch_is_not_loaded(tmp_path):
 COMPILED_FIRST_CALLS = {"kmeans": 10.0}
 
 
-def _wheel(tmp_path) -> Path:
-    """The CPU wheel: FULLGRAPH_WHEEL's (CI builds it once, .ci/run), else built here."""
+def _wheel(tmp_path, cuda: bool) -> Path:
+    """The wheel: FULLGRAPH_WHEEL's (CI builds the CPU one once, .ci/run), else built here (with
+    the CUDA kernels where ``cuda``)."""
     import os
 
     if os.environ.get("FULLGRAPH_WHEEL"):
         return Path(os.environ["FULLGRAPH_WHEEL"])
-    if _extension.missing_tools(with_cuda=False):
-        pytest.skip("no C++ compiler here to build the wheel with")
-    env = {**os.environ, "FULLGRAPH_BUILD_EXT": "1", "FULLGRAPH_BUILD_CUDA": "0"}
+    if _extension.missing_tools(with_cuda=cuda):
+        pytest.skip("no compiler here to build the wheel with: " + ", ".join(_extension.missing_tools(with_cuda=cuda)))
+    env = {**os.environ, "FULLGRAPH_BUILD_EXT": "1", "FULLGRAPH_BUILD_CUDA": "1" if cuda else "0"}
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", "-w",
                             str(tmp_path / "dist"), str(Path(__file__).parents[1])], env=env, capture_output=True,
                            text=True, timeout=1500)
@@ -74,15 +75,20 @@ def _wheel(tmp_path) -> Path:
 
 
 @pytest.mark.wheel
-def test_a_wheel_carries_its_native_code(tmp_path):
-    """`FULLGRAPH_BUILD_EXT=1 pip wheel` builds the C++ extensions into the wheel; installed in a
-    fresh virtual environment (torch from the system's packages) with no compiler on PATH and
-    nothing cached, every public operator's first call (tests/wheel/smoke.py) builds nothing,
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_wheel_carries_its_native_code(tmp_path, device):
+    """`FULLGRAPH_BUILD_EXT=1 pip wheel` builds the C++ extensions into the wheel (and, with nvcc,
+    the CUDA kernels of LLTM and fps); installed in a fresh virtual environment (torch from the
+    system's packages) with no compiler on PATH and nothing cached, every public operator's first
+    call (tests/wheel/smoke.py; on "cuda" the C++/CUDA operators on the GPU) builds nothing,
     raises and warns nothing, and returns within 2 s (COMPILED_FIRST_CALLS apart)."""
     import json
     import os
 
-    wheel = _wheel(tmp_path)
+    cuda = device == "cuda"
+    if cuda and not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9):
+        pytest.skip("the CUDA wheel's fps kernel needs a GPU of compute capability >= 9.0")
+    wheel = _wheel(tmp_path, cuda)
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True,
                    timeout=120)
@@ -91,10 +97,10 @@ def test_a_wheel_carries_its_native_code(tmp_path):
                                 str(wheel)], capture_output=True, text=True, timeout=600)
     assert installed.returncode == 0, installed.stderr[-3000:]
     env = {"HOME": os.environ.get("HOME", str(tmp_path)), "PATH": str(venv / "bin"), "CXX": "no-such-compiler",
-           "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
+           "CUDA_HOME": str(tmp_path / "no-cuda-toolkit"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "empty-cache"),
            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "empty-inductor-cache")}
-    out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "wheel" / "smoke.py")], env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run([str(venv / "bin" / "python"), str(Path(__file__).parent / "wheel" / "smoke.py"),
+                          *(["cuda"] if cuda else [])], env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "fullgraph: building" not in out.stderr, out.stdout + out.stderr[-3000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["fullgraph"].startswith(str(site)), report["fullgraph"]
@@ -102,3 +108,4 @@ def test_a_wheel_carries_its_native_code(tmp_path):
     slow = {name: took for name, took in report["seconds"].items() if took > COMPILED_FIRST_CALLS.get(name, 2.0)}
     assert not slow, report["seconds"]
     assert "fullgraph:" not in out.stderr, out.stderr[-3000:]
+    print(device, json.dumps(report["seconds"]))

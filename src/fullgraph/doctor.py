@@ -32,7 +32,8 @@ def _native_parts(cuda: bool) -> list[tuple[str, str]]:
                 lltm.NAME + "_cuda", [lltm.SOURCES / "lltm.cpp", lltm.SOURCES / "lltm_cuda.cu"], with_cuda=True)))
     if cuda and torch.cuda.get_device_capability()[0] >= 9:
         parts.append(("fps CUDA extension (thread-block clusters)",
-                      _extension.state("fullgraph_fps", [fps.SOURCE], with_cuda=True)))
+                      _extension.state("fullgraph_fps", [fps.SOURCE], with_cuda=True,
+                                                       prebuilt=fps.PREBUILT)))
     else:
         parts.append(("fps CUDA extension (thread-block clusters)", "not used: needs a GPU of compute capability >= 9.0"))
     return parts

@@ -1,4 +1,5 @@
-"""Every public operator's first call from an installed wheel, on CPU tensors: run by
+"""Every public operator's first call from an installed wheel, on CPU tensors (with the argument
+``cuda``: the C++/CUDA operators' first calls on the GPU): run by
 tests/test_extension_builds.py in a fresh virtual environment with no compiler on PATH.
 Prints one JSON object: the package's path, each operator's first-call seconds, and what any
 call raised or warned."""
@@ -47,6 +48,10 @@ calls = {
     "conv_groupnorm_mish": lambda: fullgraph.conv_groupnorm_mish(rand(4, 64, 16), rand(64, 64, 5) - 0.5, rand(64),
                                                                  rand(64), rand(64), 8),
 }
+if sys.argv[1:] == ["cuda"]:
+    lltm_args = [t.cuda() for t in (rand(4, 5), rand(18, 11), rand(18), rand(4, 6), rand(4, 6))]
+    calls = {"fps": lambda: fullgraph.fps(r.cuda(), 0.25, random_start=False, backend="cuda"),
+             "lltm": lambda: fullgraph.lltm(*lltm_args, backend="cuda")}
 seconds, problems = {}, {}
 for name, call in calls.items():
     with warnings.catch_warnings(record=True) as caught:
@@ -54,6 +59,7 @@ for name, call in calls.items():
         began = time.perf_counter()
         try:
             call()
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
         except Exception as error:  # reported, not fatal: every operator gets its call
             problems[name] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}"
         seconds[name] = round(time.perf_counter() - began, 3)

@@ -1,5 +1,6 @@
 """The "cuda" backend of farthest-point sampling: a C++/CUDA extension
-(``csrc/farthest_points.cu``, compiled on first use) that runs each cloud on one thread-block
+(``csrc/farthest_points.cu``: the build a wheel carries, ``_fps.so``, else compiled on first
+use) that runs each cloud on one thread-block
 cluster (compute capability 9.0 and later).
 
 A cloud is cut into up to 8 slices of 8 points a thread, a block each, in registers. For every
@@ -22,9 +23,10 @@ from pathlib import Path
 import torch
 
 from .... import backends
-from ...._extension import ExtensionBuildError, build, missing_tools
+from ...._extension import ExtensionBuildError, build, missing_tools, prebuilt_problem
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
+PREBUILT = Path(__file__).parent / "_fps.so"  # where a wheel built with nvcc carries it (setup.py)
 MAX_POINTS = 65_536  # kMaxPoints: an index takes 16 bits of the kernel's keys
 MAX_CLUSTER = 8  # kMaxCluster: the portable cluster size
 MAX_DIM = 4
@@ -40,13 +42,14 @@ _BUILD_FAILED = []  # set once a build failed here: "auto" then takes the Triton
 
 @functools.cache
 def _capable(device_type: str) -> bool:
+    carried = PREBUILT.is_file() and prebuilt_problem(PREBUILT) is None
     return (device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-            and not missing_tools(with_cuda=True))
+            and (carried or not missing_tools(with_cuda=True)))
 
 
 def available(device_type: str) -> bool:
-    """A GPU with thread-block clusters, and nvcc and a C++ compiler to build the kernel (not
-    failed before in this process)."""
+    """A GPU with thread-block clusters, and the kernel in the package or nvcc and a C++
+    compiler to build it (not failed before in this process)."""
     return not _BUILD_FAILED and _capable(device_type)
 
 
@@ -59,7 +62,7 @@ available._dynamo_marked_constant = True
 def _load() -> None:
     try:
         build("fullgraph_fps", [SOURCE], with_cuda=True, what="fullgraph.fps: the CUDA extension",
-              instead='use backend="triton"')
+              instead='use backend="triton"', prebuilt=PREBUILT)
     except ExtensionBuildError:
         _BUILD_FAILED.append(True)
         raise
@@ -87,7 +90,8 @@ def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.
 BACKEND = backends.Backend(
     "cuda", ops=("farthest_points",), devices=("cuda",), auto_devices=("cuda",),
     dtypes=(torch.float16, torch.bfloat16, torch.float32), dims=tuple(range(1, MAX_DIM + 1)),
-    install="a GPU of compute capability 9.0 or later, nvcc and a C++ compiler with ninja (to build the kernel)",
+    install="a GPU of compute capability 9.0 or later, and a wheel built with nvcc (or nvcc and a C++ compiler "
+            "with ninja, to build the kernel)",
     available=available, implementation=farthest_points, note='computes in float32 (use backend="torch" for float64)',
     auto_when=lambda device_type, dtype, dim, points, size=None: points <= max_points(),
 )
