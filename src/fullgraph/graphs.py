@@ -134,7 +134,9 @@ def capture(fn, device: torch.device, *, warmup: int = 2, pool=None) -> tuple[to
         generator = _generator(device)
         before = generator.clone_state()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            # thread_local: CUDA calls of the process's other threads (compile workers, data
+            # loaders) cannot invalidate this capture; this thread's own unsafe calls still fail it.
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
                 output = fn()
         except GraphCaptureError:  # refused before capturing: the message is already ours
             raise
