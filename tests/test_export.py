@@ -146,5 +146,17 @@ torch.testing.assert_close(run(p1, p2), want, rtol=1e-5, atol=1e-5)
 print(tuple(run(torch.randn(900, 3), torch.randn(40, 3)).shape))
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    if done.returncode < 0 and _a_plain_package_crashes_on_load(tmp_path):
+        pytest.skip(f"this torch's AOTInductor loader ({torch.__version__}) crashes on a package of one nn.Linear "
+                    "in a fresh process: not a fullgraph problem")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("(900, 1)")  # one value per point of the first cloud
+
+
+def _a_plain_package_crashes_on_load(tmp_path) -> bool:
+    """Whether a fresh process dies on a signal loading an AOTInductor package of one
+    nn.Linear (no fullgraph in it): some torch builds' loaders do (2.11.0+cu130 on an H200)."""
+    linear, x = torch.nn.Linear(3, 4).eval(), torch.randn(8, 3)
+    package = torch._inductor.aoti_compile_and_package(export(linear, (x,)), package_path=str(tmp_path / "plain.pt2"))
+    code = f"import torch; torch._inductor.aoti_load_package({package!r})(torch.randn(8, 3))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=600).returncode < 0
