@@ -213,9 +213,9 @@ def test_bench_variants_naming_none_is_refused_with_the_names(capsys):
 def test_bench_diffusion_policy_compares_fullgraph_on_a_cpu(tmp_path):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "diffusion-policy", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
-                 "--variants", "matmul-conv", "--json", str(out_json)]) == 0
-    rows = json.loads(out_json.read_text())
-    assert {r["variant"] for r in rows} >= {"document eager", "fullgraph loop, compiled matmul-conv U-Net",
+                 "--variants", "DDIM 3 steps", "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())  # one compiled U-Net: its CPU compile is most of the test's time
+    assert {r["variant"] for r in rows} == {"document eager", "DDIM 3 steps, eager",
                                             "DDIM 3 steps, compiled matmul-conv U-Net"}
     for row in rows:
         assert "error" not in row, row
