@@ -43,7 +43,7 @@ def test_bench_writes_rows_table_and_plot(tmp_path, capsys):
 def test_bench_explain_counts_graphs_and_breaks(tmp_path, capsys):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "radius-projector", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
-                 "--explain", "--json", str(out_json)]) == 0
+                 "--variants", "eager", "--explain", "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())
     explained = [r for r in rows if "graphs" in r]
     assert explained and all(r["phase"] == "forward" and r["variant"].endswith("eager") for r in explained)
@@ -213,10 +213,10 @@ def test_bench_variants_naming_none_is_refused_with_the_names(capsys):
 def test_bench_diffusion_policy_compares_fullgraph_on_a_cpu(tmp_path):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "diffusion-policy", "--size", "tiny", "--device", "cpu", "--warmup", "0", "--runs", "1",
-                 "--variants", "DDIM 3 steps", "--json", str(out_json)]) == 0
-    rows = json.loads(out_json.read_text())  # one compiled U-Net: its CPU compile is most of the test's time
-    assert {r["variant"] for r in rows} == {"document eager", "DDIM 3 steps, eager",
-                                            "DDIM 3 steps, compiled matmul-conv U-Net"}
+                 "--variants", "eager", "--json", str(out_json)]) == 0
+    # eager variants: the U-Net's CPU compile (~1.5 min here) is tested in tests/models/test_unet1d.py
+    rows = json.loads(out_json.read_text())
+    assert {r["variant"] for r in rows} == {"document eager", "DDIM 3 steps, eager"}
     for row in rows:
         assert "error" not in row, row
         assert row.get("max_abs_diff_vs_eager", row.get("max_abs_diff_vs_eager_ddim")) < 1e-3

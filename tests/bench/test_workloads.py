@@ -1,5 +1,6 @@
 """Every workload `fullgraph --help` lists runs at its smallest size on this machine, or
-answers with a usage error naming what it needs (not in the default run: pytest -m workloads)."""
+answers with a usage error naming what it needs, and every workload `fullgraph explain` lists
+explains with its defaults (not in the default run: pytest -m workloads)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,10 @@ def test_every_workload_runs_at_its_smallest_size(workload, tmp_path, capsys):
         return
     assert code == 0
     assert {row["workload"] for row in json.loads(rows.read_text())} == {workload}
+
+
+@pytest.mark.parametrize("workload", fullgraph_cli.EXPLAINABLE)
+def test_every_workload_explain_lists_explains_with_its_defaults(workload, capsys):
+    assert fullgraph_cli.main(["explain", workload]) == 0
+    out = capsys.readouterr().out
+    assert f"{workload} / " in out and "graphs: " in out
