@@ -52,9 +52,9 @@ def test_a_build_for_another_torch_is_not_loaded(tmp_path):
     assert "has no build info" in _extension.prebuilt_problem(library)
 
 
-# The operators whose first call compiles by design, and the most seconds it may take:
-# kmeans' Lloyd steps are NumPy compiled by torch.compile (its import and trace).
-COMPILED_FIRST_CALLS = {"kmeans": 10.0}
+# Every operator's first call from the wheel, in seconds at most (k-means' NumPy steps run in
+# NumPy itself where no C++ compiler is found: nothing is traced).
+FIRST_CALL_S = 2.0
 
 
 def _wheel(tmp_path, cuda: bool) -> Path:
@@ -81,7 +81,7 @@ def test_a_wheel_carries_its_native_code(tmp_path, device):
     the CUDA kernels of LLTM and fps); installed in a fresh virtual environment (torch from the
     running interpreter's packages) with no compiler on PATH and nothing cached, every public operator's first
     call (tests/wheel/smoke.py; on "cuda" the C++/CUDA operators on the GPU) builds nothing,
-    raises and warns nothing, and returns within 2 s (COMPILED_FIRST_CALLS apart)."""
+    raises and warns nothing, and returns within FIRST_CALL_S."""
     import json
     import os
     import site as site_module
@@ -107,7 +107,7 @@ def test_a_wheel_carries_its_native_code(tmp_path, device):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["fullgraph"].startswith(str(site)), report["fullgraph"]
     assert report["problems"] == {} and report["native"]
-    slow = {name: took for name, took in report["seconds"].items() if took > COMPILED_FIRST_CALLS.get(name, 2.0)}
+    slow = {name: took for name, took in report["seconds"].items() if took > FIRST_CALL_S}
     assert not slow, report["seconds"]
     assert "fullgraph:" not in out.stderr, out.stderr[-3000:]
     print(device, json.dumps(report["seconds"]))

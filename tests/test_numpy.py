@@ -180,17 +180,20 @@ def test_np_random_follows_torch_manual_seed_compiled_and_numpy_seed_eagerly():
     np.testing.assert_array_equal(eager(x).numpy(), want)
 
 
-def test_without_a_cpp_compiler_cpu_tensors_run_the_traced_operators(monkeypatch):
+def test_without_a_cpp_compiler_cpu_tensors_run_in_numpy_or_the_traced_operators(monkeypatch):
     """Inductor's CPU code is C++: where no compiler is found, a jitted function on CPU tensors
-    runs its traced torch operators ("eager" backend) instead of failing."""
+    runs in NumPy itself (NumPy's default float: nothing traced, the first call is quick) or
+    its traced torch operators ("eager" backend), instead of failing."""
     monkeypatch.setenv("CXX", "no-such-compiler")
     assert fullgraph.numpy._backend(torch.device("cpu")) == "eager"
 
-    @fullgraph.numpy.jit
     def nearest(x, centroids):
         return np.argmin(((x[:, None] - centroids[None]) ** 2).sum(-1), axis=1)
 
     x, c = torch.rand(50, 3, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
     want = np.argmin(((x.numpy()[:, None] - c.numpy()[None]) ** 2).sum(-1), axis=1)
-    assert np.array_equal(nearest(x, c).numpy(), want)
-    assert set(nearest._by_backend) == {"eager"}
+    in_numpy, traced = fullgraph.numpy.jit(nearest), fullgraph.numpy.jit(nearest, default_float="float32")
+    for fn in (in_numpy, traced):
+        got = fn(x, c)
+        assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), want)
+    assert not in_numpy._by_backend and not in_numpy._static and set(traced._by_backend) == {"eager"}

@@ -56,9 +56,8 @@ def _auto_choices(device: torch.device) -> list[tuple[str, str]]:
     choices.append(("fps, float32, D = 3", sampling.BACKENDS.resolve("auto", "farthest_points", device, torch.float32,
                                                                      3, 4096, "x").name))
     choices.append(("lltm, float32", lltm.BACKENDS.resolve("auto", "lltm", device, torch.float32).name))
-    compiler = numpy._backend(device)
-    choices.append(("numpy.jit (kmeans)", "Inductor" if compiler == "inductor" else
-                    "torch.compile's eager backend (no C++ compiler for Inductor's CPU code)"))
+    choices.append(("numpy.jit (kmeans)", "Inductor" if numpy._backend(device) == "inductor" else
+                    "NumPy itself (no C++ compiler for Inductor's CPU code)"))
     return choices
 
 

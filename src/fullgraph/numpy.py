@@ -90,6 +90,13 @@ def _backend(device: torch.device) -> str:
     return "eager" if device.type == "cpu" and _extension.cpp_compiler() is None else "inductor"
 
 
+def _in_numpy(device: torch.device, default_float: str) -> bool:
+    """Whether a call runs the function in NumPy itself: on CPUs without a C++ compiler, where
+    tracing buys no speed ("eager" backend) and a CPU tensor's memory is NumPy's without a copy;
+    only for NumPy's own default float (NumPy's creation functions cannot take another)."""
+    return default_float == "float64" and _backend(device) == "eager"
+
+
 class NumpyFunction:
     """A NumPy function that takes and returns torch tensors (or NumPy arrays); see ``jit``."""
 
@@ -151,9 +158,7 @@ class NumpyFunction:
     def __call__(self, *args, **kwargs):
         numpy_in = any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values()))
         args, kwargs, device = self._tensors(args, kwargs)
-        if self.eager:
-            out = self._run_eagerly(args, kwargs, device)
-        elif torch.compiler.is_dynamo_compiling():  # False when run: another thread's compile cannot take this
+        if torch.compiler.is_dynamo_compiling():  # False when run: another thread's compile cannot take this
             # Inside an enclosing torch.compile: the function becomes part of that graph.
             from torch._numpy import _dtypes_impl
 
@@ -166,6 +171,8 @@ class NumpyFunction:
                     "torch.compile (the compiler reads NumPy's default float once, from "
                     "torch._dynamo.config.numpy_default_float); jit it with that default_float")
             out = self._inline(*args, **kwargs)
+        elif self.eager or _in_numpy(device, self.default_float):
+            out = self._run_eagerly(args, kwargs, device)
         else:
             try:
                 with _default_float(self.default_float):
@@ -199,10 +206,14 @@ def jit(fn=None, *, default_float: str = "float64", dynamic: bool | None = None,
         eager: run the function in NumPy instead (tensors copied to the host and back):
             for debugging, never for speed.
 
+    On CPUs where no C++ compiler is found (Inductor's CPU code is C++) a function of NumPy's
+    default float runs in NumPy itself, on the tensors' memory (no copy, no trace); one of
+    ``default_float="float32"`` runs its traced torch operators.
+
     Random numbers: compiled, ``np.random`` draws from torch's generator, so
     ``torch.manual_seed`` repeats a run and ``np.random.seed`` has no effect (the compiler
-    maps NumPy's sampling onto torch's); with ``eager=True`` NumPy's own generator and seed
-    apply, so the two modes draw different numbers.
+    maps NumPy's sampling onto torch's); with ``eager=True`` (and in NumPy itself, above)
+    NumPy's own generator and seed apply, so the modes draw different numbers.
 
     Returns:
         A callable taking tensors (all on one device) or NumPy arrays and returning the
