@@ -142,6 +142,9 @@ def _explain(args) -> int:
         _usage(f"{args.workload}: no variant declares what to explain")
     for case in cases:
         fn, call_args = case.explain
+        if not args.no_code:
+            print(f"fullgraph explain: {args.workload} / {case.variant}: compiling with Inductor for its generated "
+                  "code (minutes on a CPU for the larger models; --no-code skips it)", file=sys.stderr, flush=True)
         with torch.no_grad():
             print(f"{args.workload} / {case.variant}\n{explain(fn, *call_args, generated_code=not args.no_code)}\n")
     return 0
