@@ -1,7 +1,6 @@
 """The "cuda" backend of farthest-point sampling: a C++/CUDA extension
 (``csrc/farthest_points.cu``: the build a wheel carries, ``_fps.so``, else compiled on first
-use) that runs each cloud on one thread-block
-cluster (compute capability 9.0 and later).
+use) that runs each cloud on one thread-block cluster (compute capability 9.0 and later).
 
 A cloud is cut into up to 8 slices of 8 points a thread, a block each, in registers. For every
 sample each warp posts its candidate (distance and index in one 64-bit word) into the shared
