@@ -236,6 +236,9 @@ def _interpreted(name: str) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    # Slow tests first: pytest -n's workers then finish on short tests together, rather than one
+    # finishing a minute-long test alone while the others wait.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
     if torch.cuda.is_available() or os.environ.get("FULLGRAPH_INTERPRETER_ALL") == "1":
         return
     marked = [(item, item.get_closest_marker("interpreted")) for item in items]

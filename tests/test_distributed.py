@@ -246,6 +246,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world, scenario", [(2, "torch"), (4, "cpu"), (3, "cpu-spatial"), (2, "bad"),
                                              (2, "refusing"), (3, "refusing"), (2, "dtensor"), (3, "partition")])
 def test_sharded_operators_equal_the_whole_cloud(world, scenario):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CODE = """
 import sys, time
 import torch, fullgraph
@@ -34,6 +36,7 @@ print(counter.frame_count, counter.op_count)
 """
 
 
+@pytest.mark.slow
 def test_eager_calls_import_no_dynamo_and_compiling_still_skips_the_kernels():
     counts = []
     for order in ("eager first", "compile first"):

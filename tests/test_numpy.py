@@ -91,6 +91,7 @@ def test_tensors_on_two_devices_are_refused():
         _weighted_rows(torch.rand(4, 3), torch.rand(4, device="cuda"))
 
 
+@pytest.mark.slow
 def test_many_functions_and_dtypes_compile_without_hitting_the_recompile_limit():
     for scale in range(10):
         scaled = fullgraph.numpy.jit(lambda x, scale=scale: x * scale)

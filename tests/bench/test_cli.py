@@ -137,6 +137,7 @@ def test_report_of_several_rank_counts_is_a_scaling_table(tmp_path, capsys, per_
     else:
         assert "**scaling**" in printed and "| 100.00 | 55.00 | 1.82x | 91% |" in printed
 
+@pytest.mark.slow
 def test_bench_kmeans_times_every_variant(tmp_path):
     out_json = tmp_path / "rows.json"
     assert main(["bench", "kmeans", "--size", "tiny", "--device", "cpu", "--warmup", "1", "--runs", "2",
@@ -238,6 +239,7 @@ def test_bench_kmeans_fit_and_threads(tmp_path):
     assert abs(inertias[0] - inertias[1]) <= 1e-3 * inertias[0]
 
 
+@pytest.mark.slow
 def test_bench_json_holds_the_rows_so_far_after_each_row(tmp_path, monkeypatch):
     """A run cut short (a device time limit) keeps the rows finished before it stopped."""
     from fullgraph.bench import report

@@ -205,6 +205,7 @@ _EXPECTED_FAILURES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fullgraph", "sklearn"])
 def test_passes_scikit_learn_check_estimator(backend):
     from sklearn.utils.estimator_checks import check_estimator

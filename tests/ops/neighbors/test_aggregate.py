@@ -182,6 +182,7 @@ def test_triton_gradients_match_the_reference(backend, device, generator):
 
 @pytest.mark.parametrize("backend, device", [c for c in backend_cases() if c.values[0] == "triton"])
 @pytest.mark.parametrize("distribution", ["uniform", "clustered"])
+@pytest.mark.slow
 @pytest.mark.interpreted(keep=1)
 def test_triton_radius_tiles_crossing_rows_of_cells_match_the_reference(backend, device, distribution, generator):
     """Radius walks take tiles of consecutive sorted positions across the ranges of a box's
