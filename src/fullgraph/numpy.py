@@ -158,7 +158,9 @@ class NumpyFunction:
     def __call__(self, *args, **kwargs):
         numpy_in = any(isinstance(a, np.ndarray) for a in (*args, *kwargs.values()))
         args, kwargs, device = self._tensors(args, kwargs)
-        if torch.compiler.is_dynamo_compiling():  # False when run: another thread's compile cannot take this
+        if self.eager:
+            out = self._run_eagerly(args, kwargs, device)
+        elif torch.compiler.is_dynamo_compiling():  # False when run: another thread's compile cannot take this
             # Inside an enclosing torch.compile: the function becomes part of that graph.
             from torch._numpy import _dtypes_impl
 
@@ -171,7 +173,7 @@ class NumpyFunction:
                     "torch.compile (the compiler reads NumPy's default float once, from "
                     "torch._dynamo.config.numpy_default_float); jit it with that default_float")
             out = self._inline(*args, **kwargs)
-        elif self.eager or _in_numpy(device, self.default_float):
+        elif _in_numpy(device, self.default_float):
             out = self._run_eagerly(args, kwargs, device)
         else:
             try:
