@@ -114,6 +114,11 @@ def prebuilt_problem(library: Path) -> str | None:
     return None
 
 
+def carried(library: Path | None) -> bool:
+    """Whether the package carries ``library`` built for this torch, Python and CPU."""
+    return library is not None and library.is_file() and prebuilt_problem(library) is None
+
+
 def load_prebuilt(library: Path, what: str) -> bool:
     """Load ``library`` if it is there and fits this torch, Python and CPU; where it is there
     but does not fit, a warning says why (the caller then builds just in time)."""
@@ -151,10 +156,8 @@ def state(name: str, sources: Sequence[Path], *, with_cuda: bool, cflags: Sequen
           cuda_flags: Sequence[str] = (), prebuilt: Path | None = None) -> str:
     """Whether ``build`` would load this extension from the cache, compile it, or cannot: a
     line for ``fullgraph doctor``; builds nothing."""
-    if prebuilt is not None and prebuilt.is_file():
-        problem = prebuilt_problem(prebuilt)
-        if problem is None:
-            return f"in the package ({prebuilt.name}, built for torch {torch.__version__}: loads without compiling)"
+    if carried(prebuilt):
+        return f"in the package ({prebuilt.name}, built for torch {torch.__version__}: loads without compiling)"
     full_name = _planned(name, sources, cflags, cuda_flags)[0]
     if _built(full_name):
         return f"built ({full_name}, cached: loads without compiling)"

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..._extension import ExtensionBuildError, build, load_prebuilt, missing_tools, prebuilt_problem, vector_flags
+from ..._extension import ExtensionBuildError, build, carried, load_prebuilt, missing_tools, vector_flags
 
 __all__ = ["ExtensionBuildError", "load", "missing_tools", "prebuilt_library", "vector_flags"]
 
@@ -30,7 +30,7 @@ PREBUILT = Path(__file__).parent / "_lltm.so"  # where a wheel carries it (setup
 
 def prebuilt_library() -> Path | None:
     """The build the package carries, where it fits this torch, Python and CPU."""
-    return PREBUILT if PREBUILT.is_file() and prebuilt_problem(PREBUILT) is None else None
+    return PREBUILT if carried(PREBUILT) else None
 
 
 def _compile(with_cuda: bool) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .... import backends
-from ...._extension import ExtensionBuildError, build, missing_tools, prebuilt_problem
+from ...._extension import ExtensionBuildError, build, carried, missing_tools
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
 PREBUILT = Path(__file__).parent / "_fps.so"  # where a wheel built with nvcc carries it (setup.py)
@@ -41,9 +41,8 @@ _BUILD_FAILED = []  # set once a build failed here: "auto" then takes the Triton
 
 @functools.cache
 def _capable(device_type: str) -> bool:
-    carried = PREBUILT.is_file() and prebuilt_problem(PREBUILT) is None
     return (device_type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
-            and (carried or not missing_tools(with_cuda=True)))
+            and (carried(PREBUILT) or not missing_tools(with_cuda=True)))
 
 
 def available(device_type: str) -> bool:
