@@ -82,6 +82,46 @@ def devices() -> tuple[str, ...]:
     return ("cuda", "cpu") if INTERPRETED else ("cuda",)
 
 
+def op(name: str, *, mutates_args=()):
+    """``torch.library.triton_op(name)``: a custom operator whose function launches Triton
+    kernels through ``traced``, which Inductor and ``run_decompositions`` trace into. Under
+    Triton's interpreter (CPU tests), whose kernels cannot be traced, a plain custom operator
+    with the function itself as its fake (its launches skip fake tensors)."""
+    if not INTERPRETED:
+        return torch.library.triton_op(name, mutates_args=mutates_args)
+
+    def define(fn):
+        defined = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+        defined.register_fake(fn)
+        return defined
+    return define
+
+
+def traced(kernel):
+    """``torch.library.wrap_triton(kernel)``, for launches inside a ``torch.library.triton_op``:
+    Inductor traces into them and AOTInductor packages carry the kernel. Under Triton's
+    interpreter a launch on fake tensors (a trace, whose outputs are shapes only) does nothing."""
+    from torch.library import wrap_triton
+
+    if not INTERPRETED:
+        return wrap_triton(kernel)
+    return _Interpreted(kernel)
+
+
+class _Interpreted:
+    def __init__(self, kernel, grid=None):
+        self.kernel, self.grid = kernel, grid
+
+    def __getitem__(self, grid):
+        return _Interpreted(self.kernel, grid)
+
+    def __call__(self, *args, **kwargs):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if not any(isinstance(a, FakeTensor) for a in (*args, *kwargs.values())):
+            self.kernel[self.grid](*args, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def multiprocessors(device: torch.device) -> int:
     """The streaming multiprocessors of a CUDA device: how many programs run at once, one per SM."""

@@ -91,3 +91,32 @@ def test_pyg_pool_functions_and_layers_run_on_fullgraph_operators(generator):
                                pyg.knn_interpolate(pos, pos, pos[::2], batch, batch[::2]))
     conv = DynamicEdgeConv(torch.nn.Linear(6, 8), k=4)
     assert conv(pos, batch).shape == (60, 8)
+
+
+def test_install_routes_pyg_to_torch_clusters_own_kernels(generator):
+    """install("torch_cluster") (the peer the bench times) gives PyG torch_cluster's kernels:
+    the same edges as fullgraph's where nothing ties; without torch_cluster, a clear error."""
+    pytest.importorskip("torch_geometric")
+    import importlib.util
+
+    if importlib.util.find_spec("torch_cluster") is None:
+        with pytest.raises(ValueError, match="backend='torch_cluster' needs torch_cluster"):
+            pyg.install("torch_cluster")
+        return
+    from torch_geometric.nn import fps, knn, nearest, radius
+
+    pos, batch = _flat(90, generator)
+    calls = (lambda: knn(pos, pos[::2], 4, batch, batch[::2]),
+             lambda: radius(pos, pos[::3], 0.3, batch, batch[::3], max_num_neighbors=90),
+             lambda: nearest(pos, pos[::3], batch, batch[::3]), lambda: fps(pos, batch, 0.5, random_start=False))
+    try:
+        results = []
+        for backend in ("torch_cluster", "auto"):
+            pyg.install(backend)
+            results.append([call() for call in calls])
+    finally:
+        pyg.install()
+    for peer, ours in zip(*results):
+        if peer.dim() == 2:  # edges as sets (the order of a query's neighbours may differ)
+            peer, ours = (torch.unique(e[0] * 1000 + e[1]) for e in (peer, ours))
+        assert torch.equal(peer, ours)

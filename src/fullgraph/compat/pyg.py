@@ -14,6 +14,7 @@ kept, ties to the smaller index).
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from typing import List, Optional, Union
 
@@ -109,24 +110,51 @@ def _batch_of(ptr: Optional[Tensor], rows: int, device) -> Optional[Tensor]:
                                    output_size=rows)
 
 
-_BACKEND = ["auto"]  # the fullgraph backend install() gave PyG's operators
+_BACKEND = ["auto"]  # the fullgraph backend install() gave PyG's operators, or "torch_cluster"
+PEER = "torch_cluster"
+
+
+def _peer():
+    """torch_cluster's own operators (``torch.ops.torch_cluster``), where install() was given PEER."""
+    if _BACKEND[0] != PEER:
+        return None
+    import torch_cluster  # noqa: F401  (registers torch.ops.torch_cluster)
+
+    return torch.ops.torch_cluster
+
+
+def _whole(ptr: Optional[Tensor], rows: int, device) -> Tensor:
+    return torch.tensor([0, rows], device=device) if ptr is None else ptr
 
 
 def _pyg_knn(x, y, ptr_x=None, ptr_y=None, k=1, cosine=False, num_workers=1):
+    peer = _peer()
+    if peer is not None:
+        return peer.knn(x.contiguous(), y.contiguous(), ptr_x, ptr_y, k, cosine, num_workers)
     return _tc.knn(x, y, k, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device), cosine,
                    backend=_BACKEND[0])
 
 
 def _pyg_radius(x, y, ptr_x=None, ptr_y=None, r=1.0, max_num_neighbors=32, num_workers=1, ignore_same_index=False):
+    peer = _peer()
+    if peer is not None and not ignore_same_index:
+        return peer.radius(x.contiguous(), y.contiguous(), ptr_x, ptr_y, r, max_num_neighbors, num_workers)
     return _tc.radius(x, y, r, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device),
                       max_num_neighbors, 1, None, ignore_same_index, backend=_BACKEND[0])
 
 
 def _pyg_fps(src, ptr, ratio=0.5, random_start=True):
+    peer = _peer()
+    if peer is not None:
+        return peer.fps(src.contiguous(), ptr, torch.tensor(ratio, dtype=src.dtype, device=src.device), random_start)
     return _tc.fps(src, None, float(ratio), random_start, None, ptr, backend=_BACKEND[0])
 
 
 def _pyg_nearest(x, y, ptr_x=None, ptr_y=None):
+    peer = _peer()
+    if peer is not None:
+        return peer.nearest(x.contiguous(), y.contiguous(), _whole(ptr_x, x.shape[0], x.device),
+                            _whole(ptr_y, y.shape[0], y.device))
     return _tc.nearest(x, y, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device))
 
 
@@ -191,12 +219,15 @@ def _has_op(name: str) -> bool:
 
 def install(backend: str = "auto") -> list[str]:
     """Give PyG fullgraph's operators (``backend``: the fullgraph backend its knn, radius and
-    fps take, "torch" for the plain-PyTorch reference): define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
+    fps take, "torch" for the plain-PyTorch reference; PEER, "torch_cluster", routes them to
+    torch_cluster's own kernels instead, the operators PyG called before 2.7, for comparison): define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
     ``fps`` / ``nearest`` / ``grid_cluster`` on them (where pyg-lib is installed, replace its
     CPU and CUDA kernels) and tell ``torch_geometric.typing`` they exist, so that
     ``torch_geometric.nn``'s pool functions, ``knn_interpolate``, ``DynamicEdgeConv``,
     ``XConv``, ``GravNetConv`` and the models built on them run on fullgraph. Idempotent;
     returns the operators it defined or replaced."""
+    if backend == PEER and importlib.util.find_spec("torch_cluster") is None:
+        raise ValueError(f"install: backend={PEER!r} needs torch_cluster installed; it is not")
     _BACKEND[0] = backend
     if not _LIBRARIES:
         fresh = torch.library.Library("pyg", "FRAGMENT")

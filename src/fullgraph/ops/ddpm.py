@@ -7,7 +7,8 @@ with as many inference steps as training steps. DDIM: diffusers' ``DDIMScheduler
 (eta, clip_sample, "epsilon" or "sample" prediction, ``set_alpha_to_one``), the step from t
 to a previous timestep of the caller's inference schedule (``ddim_timesteps``). Timesteps
 are 0-d int64 tensors on the device, read by the kernels: a captured CUDA graph replays
-every step of the sampling loop.
+every step of the sampling loop. Both are ``torch.library.triton_op``s launching through
+``wrap_triton`` (``_triton.traced``): Inductor traces into them, and an AOTInductor package carries their kernels.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def _triton_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sam
     count = sample.numel()
     if count:
         grid = (cdiv(count, BLOCK),)
-        kernels._step_kernel[grid](model_output, sample, timestep, alphas_cumprod, noise, out, count,
+        _triton.traced(kernels._step_kernel)[grid](model_output, sample, timestep, alphas_cumprod, noise, out, count,
                            alphas_cumprod.shape[0], CLIP=clip_sample, BLOCK=BLOCK)
     return out
 
@@ -119,7 +120,7 @@ def _triton_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, 
     out = torch.empty_like(sample)
     count = sample.numel()
     if count:
-        kernels._ddim_kernel[(cdiv(count, BLOCK),)](
+        _triton.traced(kernels._ddim_kernel)[(cdiv(count, BLOCK),)](
             model_output, sample, timestep, prev_timestep, alphas_cumprod, sample if noise is None else noise, out,
             count, alphas_cumprod.shape[0], float(eta), CLIP=clip_sample, PREDICT_SAMPLE=predict_sample,
             ALPHA_ONE=set_alpha_to_one, NOISE=noise is not None, BLOCK=BLOCK)
@@ -183,19 +184,13 @@ def _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, n
             raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
 
 
-@torch.library.custom_op("fullgraph::ddpm_step", mutates_args=())
+@_triton.op("fullgraph::ddpm_step")
 def ddpm_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor,
                  alphas_cumprod: torch.Tensor, noise: torch.Tensor, clip_sample: bool, backend: str) -> torch.Tensor:
     _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
     run = BACKENDS.resolve(backend, "ddpm_step", sample.device, sample.dtype, argument="sample").implementation
     return run(model_output.contiguous(), sample.contiguous(), timestep, alphas_cumprod.contiguous(),
                noise.contiguous(), clip_sample)
-
-
-@ddpm_step_op.register_fake
-def _(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend):
-    _check(model_output, sample, timestep, alphas_cumprod, noise, clip_sample)
-    return torch.empty_like(sample)
 
 
 def _check_ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sample=True, backend="auto"):
@@ -233,7 +228,7 @@ def ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, *, clip_sam
     return torch.ops.fullgraph.ddpm_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sample, backend)
 
 
-@torch.library.custom_op("fullgraph::ddim_step", mutates_args=())
+@_triton.op("fullgraph::ddim_step")
 def ddim_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: torch.Tensor, prev_timestep: torch.Tensor,
                  alphas_cumprod: torch.Tensor, noise: torch.Tensor | None, eta: float, clip_sample: bool,
                  predict_sample: bool, set_alpha_to_one: bool, backend: str) -> torch.Tensor:
@@ -242,14 +237,6 @@ def ddim_step_op(model_output: torch.Tensor, sample: torch.Tensor, timestep: tor
     _check_ddim(*args)
     run = DDIM_BACKENDS.resolve(backend, "ddim_step", sample.device, sample.dtype, argument="sample").implementation
     return run(*(a.contiguous() if isinstance(a, torch.Tensor) else a for a in args))
-
-
-@ddim_step_op.register_fake
-def _(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample, predict_sample,
-      set_alpha_to_one, backend):
-    _check_ddim(model_output, sample, timestep, prev_timestep, alphas_cumprod, noise, eta, clip_sample,
-                predict_sample, set_alpha_to_one)
-    return torch.empty_like(sample)
 
 
 PREDICTION_TYPES = ("epsilon", "sample")

@@ -1,8 +1,9 @@
 """PyG's own DGCNN and PointNet++ classification models (``fullgraph.models.pyg``; their edge
 MLPs without batch norm, so that every variant runs the same model) with their point-cloud
 operators from ``fullgraph.compat.pyg.install()``: fullgraph's reference backend (the plain
-PyTorch search: a distance matrix and top-k, the FPS loop), fullgraph's kernels eagerly, and
-the whole model compiled as one graph; forward and an Adam train step."""
+PyTorch search: a distance matrix and top-k, the FPS loop), torch_cluster's own kernels where it
+is installed, fullgraph's kernels eagerly, and the whole model compiled as one graph; forward
+and an Adam train step."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ SIZES = {"seed": {"batch": 8, "points": 1024, "k": 20}, "small": {"batch": 4, "p
 
 
 def _variants():
-    """(name, fullgraph backend of PyG's operators, torch.compile options or None)."""
-    return [(PLAIN, "torch", None), ("pyg on fullgraph eager", "auto", None),
+    """(name, backend of PyG's operators, torch.compile options or None); torch_cluster's own
+    kernels (the peer PyG called before 2.7) where it is installed."""
+    peer = [("pyg on torch_cluster eager", "torch_cluster", None)] if importlib.util.find_spec("torch_cluster") else []
+    return [(PLAIN, "torch", None), *peer, ("pyg on fullgraph eager", "auto", None),
             ("pyg on fullgraph compiled", "auto", {"fullgraph": True})]
 
 
@@ -68,7 +71,8 @@ def _cases(model_name: str):
 NOTES = ["models: PyG's dgcnn_classification.py / pointnet2_classification.py (fullgraph.models.pyg), edge MLPs "
          "without batch norm (batch norm over a data-dependent edge count does not compile with fullgraph=True)",
          "plain pytorch: pyg.install('torch'), fullgraph's reference backend (distance matrix + top-k, the FPS "
-         "loop); fullgraph: pyg.install() (its kernels); pyg-lib and torch_cluster are not in these rows"]
+         "loop); fullgraph: pyg.install() (its kernels); torch_cluster: pyg.install('torch_cluster'), its own "
+         "kernels (built from source: no wheel for this torch); pyg-lib (not on PyPI) is not in these rows"]
 
 register(Workload(name="pyg-dgcnn", description="PyG's DGCNN (two DynamicEdgeConv layers, k nearest in feature "
                   "space) on fullgraph's operators", sizes=SIZES, build=_cases("DGCNN"), notes=NOTES, baseline=PLAIN))
