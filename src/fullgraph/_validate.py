@@ -110,7 +110,8 @@ def lengths(name: str, value, batch: int, maximum: int, device: torch.device) ->
     if value.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
     if value.numel() > 0 and values_readable(value.device):
-        low, high = int(value.min()), int(value.max())
+        low, high = torch.aminmax(value)
+        low, high = torch.stack([low, high]).tolist()  # (one host read)
         if low < 0 or high > maximum:
             raise ValueError(
                 f"{name}: expected values in [0, {maximum}], got values in [{low}, {high}]"

@@ -106,6 +106,8 @@ def test_install_routes_pyg_to_torch_clusters_own_kernels(generator):
     from torch_geometric.nn import fps, knn, nearest, radius
 
     pos, batch = _flat(90, generator)
+    if torch.cuda.is_available():
+        pos, batch = pos.cuda(), batch.cuda()
     calls = (lambda: knn(pos, pos[::2], 4, batch, batch[::2]),
              lambda: radius(pos, pos[::3], 0.3, batch, batch[::3], max_num_neighbors=90),
              lambda: nearest(pos, pos[::3], batch, batch[::3]), lambda: fps(pos, batch, 0.5, random_start=False))

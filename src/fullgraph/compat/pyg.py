@@ -152,9 +152,14 @@ def _pyg_fps(src, ptr, ratio=0.5, random_start=True):
 
 def _pyg_nearest(x, y, ptr_x=None, ptr_y=None):
     peer = _peer()
-    if peer is not None:
+    if peer is not None and x.is_cuda:  # (torch_cluster's nearest operator is CUDA-only)
         return peer.nearest(x.contiguous(), y.contiguous(), _whole(ptr_x, x.shape[0], x.device),
                             _whole(ptr_y, y.shape[0], y.device))
+    if peer is not None:
+        import torch_cluster
+
+        return torch_cluster.nearest(x, y, _batch_of(ptr_x, x.shape[0], x.device),
+                                     _batch_of(ptr_y, y.shape[0], y.device))
     return _tc.nearest(x, y, _batch_of(ptr_x, x.shape[0], x.device), _batch_of(ptr_y, y.shape[0], y.device))
 
 

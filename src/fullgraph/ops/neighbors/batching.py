@@ -31,7 +31,9 @@ def check_batch(name: str, batch, points: torch.Tensor) -> torch.Tensor:
     if batch.device != points.device:
         raise ValueError(f"{name}: expected a tensor on {points.device}, got {batch.device}")
     if batch.numel() and _validate.values_readable(batch.device):
-        low, high = int(batch.min()), int(batch.max())
+        low, high = torch.aminmax(batch)
+        unsorted = (batch[1:] < batch[:-1]).any()
+        low, high, unsorted = torch.stack([low, high, unsorted.to(torch.int64)]).tolist()  # (one host read)
         if low < 0:
             raise ValueError(f"{name}: expected item ids >= 0, got {low}")
         # Every id up to the largest is an item (empty ones too): the padded layout holds them all.
@@ -39,7 +41,7 @@ def check_batch(name: str, batch, points: torch.Tensor) -> torch.Tensor:
         if high >= most:
             raise ValueError(f"{name}: expected item ids below 2 N + 1024 = {most} for N = {batch.shape[0]} points "
                              f"(each id up to the largest is an item), got {high}")
-        if batch.numel() > 1 and not bool((batch[1:] >= batch[:-1]).all()):
+        if unsorted:
             raise ValueError(f"{name}: expected a sorted batch vector (torch_cluster's convention: items "
                              "concatenated in order), got an unsorted one")
     return batch

@@ -284,9 +284,11 @@ def fps_flat(x: torch.Tensor, batch: torch.Tensor | None, ptr: torch.Tensor | No
         if ptr.dim() != 1 or ptr.numel() < 1:
             raise ValueError(f"ptr: expected [B + 1] item boundaries, got shape {tuple(ptr.shape)}")
         ptr = ptr.to(device=x.device, dtype=torch.int64)
-        if int(ptr[0]) != 0 or int(ptr[-1]) != x.shape[0] or bool((ptr[1:] < ptr[:-1]).any()):
+        first, last, descending = torch.stack([ptr[0], ptr[-1], (ptr[1:] < ptr[:-1]).any()]).tolist()
+        if first != 0 or last != x.shape[0] or descending:
             raise ValueError(f"ptr: expected ascending boundaries from 0 to N = {x.shape[0]}, got {ptr.tolist()}")
-        batch = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=x.device), ptr[1:] - ptr[:-1])
+        batch = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=x.device), ptr[1:] - ptr[:-1],
+                                        output_size=x.shape[0])
     elif batch is not None:
         check_batch("batch", batch, x)
     layout = Padded.of(batch, x.shape[0], x.device)
