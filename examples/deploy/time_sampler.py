@@ -1,0 +1,110 @@
+"""The seed Diffusion Policy's 10-step DDIM sampler (ConditionalUnet1D 256/512/1024, its
+convolutions as products, bfloat16; fullgraph's fused DDIM step; batch 1) timed three ways on
+one GPU: the Python graphed loop (as ``fullgraph bench diffusion-policy`` runs it), and its
+AOTInductor package from this folder's C++ runner, as called and as a captured CUDA graph
+replayed. Writes result rows like ``fullgraph bench``'s:
+
+    python examples/deploy/time_sampler.py --json benchmarks/results/<device>/deploy-ddim.json
+
+Needs CUDA, cmake and a C++ compiler; packaging takes one to two minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fullgraph import graphs
+from fullgraph.bench.runner import environment
+from fullgraph.diffusion import DDIMSampler, denoise_ddim
+from fullgraph.models.unet1d import ConditionalUnet1D, matmul_convolutions
+
+PARAMS = {"batch": 1, "train_steps": 100, "ddim_steps": 10, "down_dims": [256, 512, 1024], "cond": 1028,
+          "dtype": "bfloat16", "u_net": "matmul-conv"}
+
+
+def _runner(build: Path) -> Path:
+    source = Path(__file__).parent
+    for command in (["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
+                     f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], ["cmake", "--build", str(build)]):
+        subprocess.run(command, check=True, capture_output=True, text=True)
+    return build / "run_package"
+
+
+def _python_loop(net, x, cond, sampler, runs: int) -> tuple[list[float], torch.Tensor]:
+    loop = graphs.graphed(torch.no_grad()(functools.partial(denoise_ddim, torch.compile(net, fullgraph=True))),
+                          warmup=2)
+    args = (x, cond, sampler.alphas_cumprod, sampler.timesteps, True)
+    for _ in range(5):
+        loop(*args)
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loop(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, loop(*args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--runs", type=int, default=50)
+    options = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    unet = ConditionalUnet1D(down_dims=tuple(PARAMS["down_dims"]), global_cond_dim=PARAMS["cond"]).to(device).eval()
+    net = matmul_convolutions(copy.deepcopy(unet)).to(torch.bfloat16)
+    sampler = DDIMSampler(net, steps=PARAMS["ddim_steps"], train_steps=PARAMS["train_steps"]).to(device).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(1, unet.horizon, unet.action_dim, device=device, generator=generator)
+    cond = torch.randn(1, PARAMS["cond"], device=device, generator=generator)
+    with torch.no_grad():
+        want = sampler(x, cond).float()
+    python = "python graphed loop, compiled matmul-conv bf16 U-Net"
+    times, out = _python_loop(net, x, cond, sampler, options.runs)
+    timings, deviations = {python: times}, {python: float((out.float() - want).abs().max())}
+    with tempfile.TemporaryDirectory() as folder:
+        folder = Path(folder)
+        runner = _runner(folder / "build")
+        started = time.perf_counter()
+        package = torch._inductor.aoti_compile_and_package(torch.export.export(sampler, (x, cond)),
+                                                           package_path=str(folder / "sampler.pt2"))
+        packaged_s = time.perf_counter() - started
+        torch.save([x, cond], folder / "inputs.pt")
+        for name, mode in (("C++ runner, AOTInductor package as called", []),
+                           ("C++ runner, AOTInductor package, captured CUDA graph replayed", ["graph"])):
+            done = subprocess.run([str(runner), package, str(folder / "inputs.pt"), str(folder / "out.pt"),
+                                   str(options.runs), *mode], env={"PATH": "/usr/bin:/bin"}, capture_output=True,
+                                  text=True, check=True)
+            median = float(done.stdout.split()[-1])
+            timings[name] = [median]
+            (got,) = torch.load(folder / "out.pt")
+            deviations[name] = float((got.to(device).float() - want).abs().max())
+    rows, base = [], statistics.median(timings[python])
+    for name, times in timings.items():
+        median = statistics.median(times)
+        rows.append({"workload": "deploy-ddim", "size": "seed", "params": PARAMS, "variant": name, "phase": "forward",
+                     **environment(device), "median_ms": median, "runs": options.runs, "baseline": python,
+                     "speedup_vs_eager": base / median, "peak_memory_bytes": None, "first_call_s": None,
+                     "max_abs_diff_vs_eager_ddim": deviations[name],
+                     "packaged_s": None if name == python else round(packaged_s, 1)})
+        print(f"{name}: {median:.3f} ms, max abs diff vs the eager sampler {deviations[name]:.4f}")
+    if options.json:
+        options.json.parent.mkdir(parents=True, exist_ok=True)
+        options.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
