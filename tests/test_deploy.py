@@ -35,6 +35,19 @@ def test_the_sampler_exports_without_fullgraph_operators():
         torch.testing.assert_close(program.module()(*args), sampler(*args), rtol=1e-5, atol=1e-5)
 
 
+def _runner(build: Path) -> Path:
+    """examples/deploy's program built with CMake against this torch (no Python linked)."""
+    source = Path(__file__).parents[1] / "examples" / "deploy"
+    for command in (["cmake", "-S", str(source), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
+                    ["cmake", "--build", str(build)]):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runner = build / "run_package"
+    linked = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
+    assert "libpython" not in linked and "torch_python" not in linked, linked
+    return runner
+
+
 @pytest.mark.deploy
 @pytest.mark.parametrize("device, fused_steps", [("cpu", False), ("cpu", True), ("cuda", True)])
 def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, fused_steps):
@@ -55,14 +68,7 @@ def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, f
     program = torch.export.export(sampler, args) if fused_steps else _without_fullgraph(sampler, args)
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sampler.pt2"))
     torch.save(list(args), tmp_path / "inputs.pt")
-    source, build = Path(__file__).parents[1] / "examples" / "deploy", tmp_path / "build"
-    for command in (["cmake", "-S", str(source), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                    ["cmake", "--build", str(build)]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runner = build / "run_package"
-    linked = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
-    assert "libpython" not in linked and "torch_python" not in linked, linked
+    runner = _runner(tmp_path / "build")
     with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):
         want = sampler(*args).cpu()
     # (CUDA: the package's own kernels sum in other orders, which ten steps amplify; 1.8e-3 seen on an H200)
@@ -73,3 +79,47 @@ def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, f
         assert done.returncode == 0 and "median_ms" in done.stdout, done.stdout + done.stderr
         (got,) = torch.load(tmp_path / "out.pt")
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_an_lltm_cell_exports_to_the_extensions_own_operator():
+    from fullgraph.ops import lltm
+
+    if not lltm.BACKENDS.get("cpu").available("cpu"):
+        pytest.skip("the LLTM extension cannot be built here")
+    cell = fullgraph.models.LLTM(8, 16, backend="cpu").eval()
+    args = (torch.randn(4, 8), (torch.randn(4, 16), torch.randn(4, 16)))
+    program = torch.export.export(cell, args).run_decompositions(lltm.decompositions())
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert "fullgraph_lltm.forward.default" in targets and not any(t.startswith("fullgraph.") for t in targets)
+    with torch.no_grad():
+        for got, want in zip(program.module()(*args), cell(*args)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.deploy
+def test_the_cpp_runner_runs_an_lltm_package_with_the_extension_loaded(tmp_path):
+    """An LLTM cell on the C++ extension exports to a program holding the extension's own
+    operator (``lltm.decompositions``); its package runs from the C++ program once that loads
+    the extension's library (RUN_PACKAGE_LIBRARIES), bit for bit, and without it fails
+    naming the operator."""
+    if shutil.which("cmake") is None or _extension.cpp_compiler() is None:
+        pytest.skip("needs cmake and a C++ compiler")
+    from fullgraph.ops import lltm
+
+    torch.manual_seed(0)
+    cell = fullgraph.models.LLTM(32, 64, backend="cpu").eval()
+    args = (torch.randn(8, 32), (torch.randn(8, 64), torch.randn(8, 64)))
+    program = torch.export.export(cell, args).run_decompositions(lltm.decompositions())
+    assert "fullgraph_lltm.forward.default" in {str(node.target) for node in program.graph.nodes}
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "lltm.pt2"))
+    torch.save([args[0], *args[1]], tmp_path / "inputs.pt")
+    runner = _runner(tmp_path / "build")
+    command = [str(runner), package, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "fullgraph_lltm::forward" in done.stderr, done.stderr[-2000:]
+    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin", "RUN_PACKAGE_LIBRARIES": str(lltm.library())},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    with torch.no_grad():
+        for got, want in zip(torch.load(tmp_path / "out.pt"), cell(*args)):
+            assert torch.equal(got, want)

@@ -5,7 +5,9 @@
 // tuple, for torch.load); with REPEATS, times that many further runs and prints the median
 // milliseconds. With "graph" (CUDA builds of libtorch), one run on a side stream is captured
 // in a CUDA graph and the replays are timed: no host work per run. Nothing here needs
-// Python: the package's kernels are its own.
+// Python: the package's kernels are its own. Operators a package calls from a library of
+// their own (fullgraph's LLTM) are registered by loading it first: RUN_PACKAGE_LIBRARIES
+// holds their files, separated by ':'.
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 #include <torch/torch.h>
 #ifdef RUN_PACKAGE_CUDA_GRAPHS
@@ -14,11 +16,15 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <dlfcn.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -34,6 +40,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
+    if (const char* libraries = std::getenv("RUN_PACKAGE_LIBRARIES")) {
+      std::stringstream list(libraries);
+      for (std::string library; std::getline(list, library, ':');) {
+        if (!library.empty() && dlopen(library.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+          throw std::runtime_error(std::string("cannot load ") + library + ": " + dlerror());
+        }
+      }
+    }
     torch::inductor::AOTIModelPackageLoader loader(argv[1]);
     std::vector<torch::Tensor> inputs;
     for (const auto& value : torch::pickle_load(read_file(argv[2])).toList()) {

@@ -29,9 +29,26 @@ def _extension_for(device: torch.device) -> None:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"input: the LLTM extension has kernels for cpu and cuda tensors, got {device}")
     has_cuda = load()
+    _kernel_fakes()
     if device.type == "cuda" and not has_cuda:
         raise ValueError('backend: "cuda" needs the extension\'s CUDA kernels, and it was built without them '
                          "(no GPU or no nvcc at build time)")
+
+
+@functools.cache
+def _kernel_fakes() -> None:
+    """The extension's own operators' shapes, so that a program can hold them (``decompositions``)."""
+    torch.library.register_fake("fullgraph_lltm::forward", _forward_shapes)
+    torch.library.register_fake("fullgraph_lltm::backward", _backward_shapes)
+
+
+def decompositions() -> dict:
+    """{``fullgraph::lltm_forward``: the extension's ``fullgraph_lltm::forward``}, for
+    ``ExportedProgram.run_decompositions``: a program whose only LLTM operator is the C++
+    library's, which an AOTInductor package calls from a C++ program that loaded that library
+    (``build.library()``; docs/deploy.md). Loads the extension."""
+    _extension_for(torch.device("cpu"))
+    return {torch.ops.fullgraph.lltm_forward.default: torch.ops.fullgraph_lltm.forward.default}
 
 
 @torch.library.custom_op("fullgraph::lltm_forward", mutates_args=())
@@ -44,7 +61,7 @@ def lltm_forward(input: Tensor, weights: Tensor, bias: Tensor, old_h: Tensor,
 
 
 @lltm_forward.register_fake
-def _(input, weights, bias, old_h, old_cell):
+def _forward_shapes(input, weights, bias, old_h, old_cell):
     return torch.empty_like(old_cell), torch.empty_like(old_cell), old_cell.new_empty(old_cell.shape[0], weights.shape[0])
 
 
@@ -57,7 +74,7 @@ def lltm_backward(grad_h: Tensor, grad_cell: Tensor, gates: Tensor, new_cell: Te
 
 
 @lltm_backward.register_fake
-def _(grad_h, grad_cell, gates, new_cell):
+def _backward_shapes(grad_h, grad_cell, gates, new_cell):
     return torch.empty_like(gates), torch.empty_like(new_cell)
 
 

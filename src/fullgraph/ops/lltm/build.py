@@ -19,7 +19,7 @@ import torch
 
 from ..._extension import ExtensionBuildError, build, carried, load_prebuilt, missing_tools, vector_flags
 
-__all__ = ["ExtensionBuildError", "load", "missing_tools", "prebuilt_library", "vector_flags"]
+__all__ = ["ExtensionBuildError", "library", "load", "missing_tools", "prebuilt_library", "vector_flags"]
 
 SOURCES = Path(__file__).parent / "csrc"
 NAME = "fullgraph_lltm"
@@ -38,6 +38,14 @@ def _compile(with_cuda: bool) -> None:
     build(NAME + ("_cuda" if with_cuda else "_cpu"), sources, with_cuda=with_cuda,
           what=f"fullgraph.lltm: the {'C++/CUDA' if with_cuda else 'C++'} extension",
           instead='use backend="torch" (plain PyTorch)')
+
+
+def library() -> Path:
+    """The file of the loaded extension (loading it first): a C++ program that runs an
+    AOTInductor package holding ``fullgraph_lltm::forward`` loads it (docs/deploy.md)."""
+    load()
+    found = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name.startswith(("_lltm", NAME))]
+    return found[-1]
 
 
 @functools.cache
