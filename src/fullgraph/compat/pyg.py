@@ -225,7 +225,8 @@ def _has_op(name: str) -> bool:
 def install(backend: str = "auto") -> list[str]:
     """Give PyG fullgraph's operators (``backend``: the fullgraph backend its knn, radius and
     fps take, "torch" for the plain-PyTorch reference; PEER, "torch_cluster", routes them to
-    torch_cluster's own kernels instead, the operators PyG called before 2.7, for comparison): define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
+    torch_cluster's own kernels instead, the operators PyG called before 2.7, for comparison):
+    define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
     ``fps`` / ``nearest`` / ``grid_cluster`` on them (where pyg-lib is installed, replace its
     CPU and CUDA kernels) and tell ``torch_geometric.typing`` they exist, so that
     ``torch_geometric.nn``'s pool functions, ``knn_interpolate``, ``DynamicEdgeConv``,
