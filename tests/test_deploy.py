@@ -37,12 +37,9 @@ def test_the_sampler_exports_without_fullgraph_operators():
 
 def _runner(build: Path) -> Path:
     """examples/deploy's program built with CMake against this torch (no Python linked)."""
-    source = Path(__file__).parents[1] / "examples" / "deploy"
-    for command in (["cmake", "-S", str(source), "-B", str(build), f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"],
-                    ["cmake", "--build", str(build)]):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    runner = build / "run_package"
+    from examples.deploy.time_sampler import build_runner
+
+    runner = build_runner(build)
     linked = subprocess.run(["ldd", str(runner)], capture_output=True, text=True).stdout
     assert "libpython" not in linked and "torch_python" not in linked, linked
     return runner

@@ -32,11 +32,14 @@ PARAMS = {"batch": 1, "train_steps": 100, "ddim_steps": 10, "down_dims": [256, 5
           "dtype": "bfloat16", "u_net": "matmul-conv"}
 
 
-def _runner(build: Path) -> Path:
+def build_runner(build: Path) -> Path:
+    """This folder's C++ runner built with CMake against this torch's libtorch, into ``build``."""
     source = Path(__file__).parent
     for command in (["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
                      f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"], ["cmake", "--build", str(build)]):
-        subprocess.run(command, check=True, capture_output=True, text=True)
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(command[:2])} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return build / "run_package"
 
 
@@ -77,7 +80,7 @@ def main() -> None:
     timings, deviations = {python: times}, {python: float((out.float() - want).abs().max())}
     with tempfile.TemporaryDirectory() as folder:
         folder = Path(folder)
-        runner = _runner(folder / "build")
+        runner = build_runner(folder / "build")
         started = time.perf_counter()
         package = torch._inductor.aoti_compile_and_package(torch.export.export(sampler, (x, cond)),
                                                            package_path=str(folder / "sampler.pt2"))

@@ -97,6 +97,11 @@ def values_readable(device: torch.device) -> bool:
     return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
 
 
+def read(*values: torch.Tensor) -> list[int]:
+    """0-d integer or bool tensors as ints, in one host read (a sync on GPUs) for all of them."""
+    return torch.stack([value.to(torch.int64) for value in values]).tolist()
+
+
 def lengths(name: str, value, batch: int, maximum: int, device: torch.device) -> torch.Tensor:
     """Valid-prefix lengths: an int64 tensor of shape (batch,) with values in [0, maximum].
 
@@ -110,8 +115,7 @@ def lengths(name: str, value, batch: int, maximum: int, device: torch.device) ->
     if value.device != device:
         raise ValueError(f"{name}: expected a tensor on {device}, got {value.device}")
     if value.numel() > 0 and values_readable(value.device):
-        low, high = torch.aminmax(value)
-        low, high = torch.stack([low, high]).tolist()  # (one host read)
+        low, high = read(*torch.aminmax(value))
         if low < 0 or high > maximum:
             raise ValueError(
                 f"{name}: expected values in [0, {maximum}], got values in [{low}, {high}]"

@@ -8,7 +8,8 @@ with as many inference steps as training steps. DDIM: diffusers' ``DDIMScheduler
 to a previous timestep of the caller's inference schedule (``ddim_timesteps``). Timesteps
 are 0-d int64 tensors on the device, read by the kernels: a captured CUDA graph replays
 every step of the sampling loop. Both are ``torch.library.triton_op``s launching through
-``wrap_triton`` (``_triton.traced``): Inductor traces into them, and an AOTInductor package carries their kernels.
+``wrap_triton`` (``_triton.op``, ``_triton.traced``): Inductor traces into them, and an
+AOTInductor package carries their kernels.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _triton_step(model_output, sample, timestep, alphas_cumprod, noise, clip_sam
     if count:
         grid = (cdiv(count, BLOCK),)
         _triton.traced(kernels._step_kernel)[grid](model_output, sample, timestep, alphas_cumprod, noise, out, count,
-                           alphas_cumprod.shape[0], CLIP=clip_sample, BLOCK=BLOCK)
+                                                   alphas_cumprod.shape[0], CLIP=clip_sample, BLOCK=BLOCK)
     return out
 
 

@@ -31,9 +31,7 @@ def check_batch(name: str, batch, points: torch.Tensor) -> torch.Tensor:
     if batch.device != points.device:
         raise ValueError(f"{name}: expected a tensor on {points.device}, got {batch.device}")
     if batch.numel() and _validate.values_readable(batch.device):
-        low, high = torch.aminmax(batch)
-        unsorted = (batch[1:] < batch[:-1]).any()
-        low, high, unsorted = torch.stack([low, high, unsorted.to(torch.int64)]).tolist()  # (one host read)
+        low, high, unsorted = _validate.read(*torch.aminmax(batch), (batch[1:] < batch[:-1]).any())
         if low < 0:
             raise ValueError(f"{name}: expected item ids >= 0, got {low}")
         # Every id up to the largest is an item (empty ones too): the padded layout holds them all.

@@ -284,7 +284,7 @@ def fps_flat(x: torch.Tensor, batch: torch.Tensor | None, ptr: torch.Tensor | No
         if ptr.dim() != 1 or ptr.numel() < 1:
             raise ValueError(f"ptr: expected [B + 1] item boundaries, got shape {tuple(ptr.shape)}")
         ptr = ptr.to(device=x.device, dtype=torch.int64)
-        first, last, descending = torch.stack([ptr[0], ptr[-1], (ptr[1:] < ptr[:-1]).any()]).tolist()
+        first, last, descending = _validate.read(ptr[0], ptr[-1], (ptr[1:] < ptr[:-1]).any())
         if first != 0 or last != x.shape[0] or descending:
             raise ValueError(f"ptr: expected ascending boundaries from 0 to N = {x.shape[0]}, got {ptr.tolist()}")
         batch = torch.repeat_interleave(torch.arange(ptr.numel() - 1, device=x.device), ptr[1:] - ptr[:-1],
