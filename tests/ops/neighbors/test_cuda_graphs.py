@@ -153,3 +153,28 @@ def test_feature_space_paths_that_need_a_host_read_are_refused_in_a_capture(gene
     with pytest.raises(GraphCaptureError, match=r'backend="dense" runs knn \(float32, D = 16, lists of 257\)'):
         fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 257, backend="dense"))(query.float(), ref.float())
     assert torch.isfinite(torch.randn(3, device="cuda")).all()
+
+
+def test_wide_points_capture_in_a_fresh_process_after_the_usual_warm_up():
+    """Eagerly wide points (D > 128) take no cuBLAS product, a capture of the same call does:
+    the eager warm-up makes cuBLAS's handle, which cannot be made while capturing (a fresh
+    process, where nothing else made it)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch, fullgraph
+q, r = torch.randn(2, 300, 256, device="cuda"), torch.randn(2, 900, 256, device="cuda")
+stream = torch.cuda.Stream()
+stream.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(stream):
+    want = fullgraph.knn(q, r, 9)
+torch.cuda.current_stream().wait_stream(stream)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    got = fullgraph.knn(q, r, 9)
+graph.replay()
+assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -687,6 +687,10 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
     chosen = plan(query, ref, k)
+    if query.is_cuda and not _capturing(query) and query.shape[-1] > CAPTURE_TENSOR_CORE_MAX_DIM:
+        # A capture of this call takes cuBLAS, whose handle cannot be created while capturing:
+        # made here, in the eager calls that warm a capture up.
+        torch.cuda.current_blas_handle()
     if log.isEnabledFor(logging.DEBUG):
         log.debug("knn %s x %s, k = %d: %s", tuple(query.shape), tuple(ref.shape), k, chosen)
     whole = chosen.whole  # (invalid queries' rows too)

@@ -23,7 +23,28 @@ BLOCK_MEMBERS = 128
 
 # ``squared_distances``: up to this many coordinates (held in registers, MEASURE_BLOCK values
 # a program; wider points take torch's gather and ops).
-MEASURE_MAX_DIM, MEASURE_BLOCK = 1024, 4096
+MEASURE_MAX_DIM, MEASURE_BLOCK = 4096, 4096
+# From this many coordinates ``squared_distances`` and ``nearest_members`` re-measure WIDE_STEP
+# coordinates at a time, one kernel for every width (``_stepped_squares``): a tile of the whole
+# padded row compiled a variant a width, 4-30 s each on the H200 at D = 256-768 (a new width's
+# first call), for the same time a call (10^4 x 2 x 10^5 D=256 k=10 5.8 ms, 10^4 x 10^5 D=768
+# 9.0 -> 9.8).
+WIDE_MIN_DIM, WIDE_LOG_STEP, WIDE_LEVELS = 129, 5, 7
+WIDE_STEP = 1 << WIDE_LOG_STEP
+_WIDE_LOG_STEP, _WIDE_LEVELS = tl.constexpr(WIDE_LOG_STEP), tl.constexpr(WIDE_LEVELS)
+# ... and ``certified_lists`` from this many: its stepped kernel took twice the time of a call at
+# D = 300 (4 x 3000^2 k=24, H200: 2.16 against 1.17 ms, cdist + topk 1.43), so up to there it keeps
+# a variant a width (50 s to compile at D = 300).
+CERTIFIED_WIDE_MIN_DIM = 1025
+
+
+def _wide(dim: int, least: int = WIDE_MIN_DIM) -> bool:
+    return dim >= least
+
+
+def _log_steps(dim: int) -> int:
+    """log2 of the WIDE_STEP steps of D zero-padded to a power of two (``_stepped_squares``)."""
+    return max(0, (triton.next_power_of_2(dim) // WIDE_STEP).bit_length() - 1)
 
 
 @triton.jit
@@ -61,20 +82,25 @@ def _member_distances_kernel(q_ptr, r_ptr, r_norms_ptr, chosen_ptr, needed_ptr, 
 
 
 @triton.jit
-def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, BLOCK_C: tl.constexpr,
+def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, log_steps, BLOCK_C: tl.constexpr,
                               DP: tl.constexpr, LOG_DP: tl.constexpr):
     """out [Q, take] = sum_d (q[i] - r[refs[i, c]])_d^2: each difference and square rounded
     as torch rounds them, summed as ``pairs.halving_sum`` sums (zero-padded to DP = 2^LOG_DP
-    coordinates, halved LOG_DP times). Launched without contraction into fused
-    multiply-adds, which would round differently."""
+    coordinates, halved LOG_DP times; DP = 0: any D, ``_stepped_squares``). Launched without
+    contraction into fused multiply-adds, which would round differently."""
     i = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     refs = tl.load(refs_ptr + i * take + c, mask=c < take, other=0)
-    d = tl.arange(0, DP)
-    q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
-    r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
-                other=0.0)
-    tl.store(out_ptr + i * take + c, _reference_squares(q, r, DP, LOG_DP), mask=c < take)  # (D > 4: halved)
+    if DP == 0:
+        squares = _stepped_squares(q_ptr + i * dim, r_ptr + refs * dim, c < take, dim, log_steps, _WIDE_LOG_STEP,
+                                   _WIDE_LEVELS)
+    else:
+        d = tl.arange(0, DP)
+        q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
+        r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
+                    other=0.0)
+        squares = _reference_squares(q, r, DP, LOG_DP)  # (D > 4: halved)
+    tl.store(out_ptr + i * take + c, squares, mask=c < take)
 
 
 @triton.jit
@@ -111,6 +137,66 @@ def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
             x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
         total = tl.reshape(x, (C,))
     return total
+
+
+@triton.jit
+def _stepped_squares(q_row, rows, ok, dim, log_steps, LOG_STEP: tl.constexpr, LEVELS: tl.constexpr):
+    """[C]: ``_reference_squares`` of q (at q_row) against the rows at the pointers rows [C]
+    (``ok``: loaded) for any D <= STEP 2^LEVELS, STEP coordinates at a time: D zero-padded to
+    2^log_steps steps. ``pairs.halving_sum`` first joins coordinate c and c + half, i.e.
+    step s and s + steps / 2, coordinate by coordinate, down to one step, then halves that
+    step. The steps visited in bit-reversed order put each of those joins between
+    neighbours: partial sums of a binary counter (LEVELS of them). Same pairs, same bits."""
+    C: tl.constexpr = rows.shape[0]
+    STEP: tl.constexpr = tl.constexpr(1) << LOG_STEP
+    d = tl.arange(0, STEP)
+    p0 = tl.zeros((C, STEP), tl.float32)
+    p1, p2, p3, p4, p5, p6 = p0, p0, p0, p0, p0, p0
+    total = p0
+    for i in range(0, 1 << log_steps):
+        step = i * 0
+        for bit in tl.static_range(LEVELS):
+            step |= tl.where(bit < log_steps, ((i >> bit) & 1) << tl.maximum(log_steps - 1 - bit, 0), 0)
+        at = step * STEP + d
+        inside = at < dim
+        q = tl.load(q_row + at, mask=inside, other=0.0)
+        r = tl.load(rows[:, None] + at[None, :], mask=ok[:, None] & inside[None, :], other=0.0)
+        diff = q[None, :] - r
+        total = diff * diff
+        # the counter: a set bit joins its level's partial sum and carries on, a clear one keeps it
+        # (branches, uniform across the program: a select a level cost ~2x at D = 300)
+        if (i & 1) == 0:
+            p0 = total
+        else:
+            total = p0 + total
+            if (i & 2) == 0:
+                p1 = total
+            else:
+                total = p1 + total
+                if (i & 4) == 0:
+                    p2 = total
+                else:
+                    total = p2 + total
+                    if (i & 8) == 0:
+                        p3 = total
+                    else:
+                        total = p3 + total
+                        if (i & 16) == 0:
+                            p4 = total
+                        else:
+                            total = p4 + total
+                            if (i & 32) == 0:
+                                p5 = total
+                            else:
+                                total = p5 + total
+                                if (i & 64) == 0:
+                                    p6 = total
+                                else:
+                                    total = p6 + total
+    x = total  # (the last step's carry joined every level)
+    for level in tl.static_range(LOG_STEP):
+        x = tl.sum(tl.reshape(x, (C, 2, STEP >> (level + 1))), 1)
+    return tl.reshape(x, (C,))
 
 
 @triton.jit
@@ -156,7 +242,7 @@ def _member_refs(chosen, members, columns, slot, CHUNK: tl.constexpr, POSITION_B
 
 
 @triton.jit
-def _key_floor(keys, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+def _key_floor(keys, bound, q_abs, reach, dim, POSITION_BITS: tl.constexpr):
     """A floor under the squared distances, as the reference measures them, of every
     reference of the chunks of ``_short_keys`` keys (NaN for ``_SHORT_KEY_NONE``): each
     has a product value v with v + |q|^2 at least the key's sum rounded down, less 2^-23
@@ -164,29 +250,30 @@ def _key_floor(keys, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.c
     dense.beyond_expansion for a query of norm q_abs among references of norm <= reach."""
     least = _ordered_float(keys & -(1 << POSITION_BITS))
     least = tl.where(least >= 0, least * (1 - 2.0**-22), least * (1 + 2.0**-22)) - 2 * bound
-    return ((least - 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
-            * (1 - 2 * (DIM + 2) * 2.0**-24))
+    return ((least - 2 * (dim + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+            * (1 - 2 * (dim + 2) * 2.0**-24))
 
 
 @triton.jit
-def _key_ceiling(key, bound, q_abs, reach, DIM: tl.constexpr, POSITION_BITS: tl.constexpr):
+def _key_ceiling(key, bound, q_abs, reach, dim, POSITION_BITS: tl.constexpr):
     """``_key_floor``'s mirror: a ceiling over the squared distance, as the reference
     measures it, of the nearest reference of the chunk of a ``_short_keys`` key (not
     ``_SHORT_KEY_NONE``), whose sum lies below the next rounded key."""
     most = _ordered_float((key & -(1 << POSITION_BITS)) + (1 << POSITION_BITS))
     most = tl.where(most >= 0, most * (1 + 2.0**-22), most * (1 - 2.0**-22)) + 2 * bound
-    return ((most + 2 * (DIM + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
-            * (1 + 2 * (DIM + 2) * 2.0**-24))
+    return ((most + 2 * (dim + 4) * 2.0**-24 * (q_abs + reach) * (q_abs + reach))
+            * (1 + 2 * (dim + 2) * 2.0**-24))
 
 
 @triton.jit
-def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, DIM: tl.constexpr,
+def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, dim, log_steps, DIM: tl.constexpr,
                       LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
                       BY_QUAD: tl.constexpr):
     """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
     summed differences, the ``take`` least (by (value, member)) measured again in the
-    reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each) -> their
+    reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each; DIM 0: any
+    D = dim, ``_stepped_squares``) -> their
     (distance, index) keys, ascending [SEL or WP] (none: ``KEY_NONE``), and the take-th
     least first measure (+inf where every member was)."""
     members = n_chosen * CHUNK
@@ -194,10 +281,10 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, D
     if SEL < WP:
         ref, inside = _member_refs(chosen, members, columns, j, CHUNK, POSITION_BITS)
         total = tl.zeros((WP,), tl.float32)
-        for start in range(0, DIM, BLOCK_K):
+        for start in range(0, dim, BLOCK_K):
             d = start + tl.arange(0, BLOCK_K)
-            qd = tl.load(q_row + d, mask=d < DIM, other=0.0)
-            rd = tl.load(r_base + ref[:, None] * DIM + d[None, :], mask=inside[:, None] & (d[None, :] < DIM),
+            qd = tl.load(q_row + d, mask=d < dim, other=0.0)
+            rd = tl.load(r_base + ref[:, None] * dim + d[None, :], mask=inside[:, None] & (d[None, :] < dim),
                          other=0.0)
             diff = qd[None, :] - rd
             total += tl.sum(diff * diff, 1)
@@ -210,12 +297,15 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, D
         last = tl.full((), float("inf"), tl.float32)
         slot = j
     dp = tl.arange(0, 1 << LOG_DP)
-    q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
+    if DIM > 0:
+        q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
     BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
     keys = tl.full((BLOCKS, BLOCK_C), KEY_NONE, tl.int64)
     for b in tl.static_range(BLOCKS):
         ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
-        if BY_QUAD:
+        if DIM == 0:
+            d2 = _stepped_squares(q_row, r_base + ref * dim, inside, dim, log_steps, _WIDE_LOG_STEP, _WIDE_LEVELS)
+        elif BY_QUAD:
             d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
         else:
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
@@ -230,8 +320,8 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, D
 
 @triton.jit
 def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
-                            n_chosen, take, count, DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr,
-                            WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                            n_chosen, take, count, dim, log_steps, DIM: tl.constexpr, LOG_DP: tl.constexpr,
+                            CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                             BY_QUAD: tl.constexpr, NEEDED: tl.constexpr):
     """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
     ``count`` nearest stored by (distance, index), and the take-th least first measure
@@ -241,9 +331,10 @@ def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d,
         if tl.load(needed_ptr + row) == 0:
             return
     item = row // rows
-    keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM, ok_ptr + item * columns,
-                                   chosen_ptr + row * n_chosen, columns, n_chosen, take, DIM, LOG_DP, CHUNK,
-                                   WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
+    width = DIM if DIM > 0 else dim
+    keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width, ok_ptr + item * columns,
+                                   chosen_ptr + row * n_chosen, columns, n_chosen, take, width, log_steps, DIM,
+                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
     tl.store(out_last + row, last)
     at = tl.arange(0, keys.shape[0])
     hit = keys != KEY_NONE
@@ -254,7 +345,7 @@ def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d,
 @triton.jit
 def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norms_ptr, reach_ptr, scale_ptr,
                             q_lo_ptr, r_lo_ptr, out_d, out_i, out_unproven, rows, first_row, total_rows, columns,
-                            n_chosen, n_keys, take, count, error, radius, n_rows, DIM: tl.constexpr,
+                            n_chosen, n_keys, take, count, error, radius, n_rows, dim, log_steps, DIM: tl.constexpr,
                             LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
                             POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
@@ -269,6 +360,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
     float16 operands (``half_operands``), whose error is bounded per query by the norms
     left out, q_lo [B, m] and r_lo [B, 1] (``dense._products``). NEEDED: only the rows
     flagged unproven already are done (a program of ROWS without one does nothing)."""
+    width = DIM if DIM > 0 else dim
     for i in range(ROWS):
         row = tl.program_id(0).to(tl.int64) * ROWS + i
         item = row // rows
@@ -291,18 +383,18 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
             chosen = tl.load(keys_ptr + row * n_keys + c, mask=c < n_chosen, other=_SHORT_KEY_NONE)
             kth_key = tl.sum(tl.where(c == count - 1, chosen, 0))
             ceiling = tl.where((count <= n_chosen) & (kth_key != _SHORT_KEY_NONE),
-                               _key_ceiling(kth_key, bound, q_abs, reach, DIM, POSITION_BITS), float("inf"))
-            floors = _key_floor(chosen, bound, q_abs, reach, DIM, POSITION_BITS)
+                               _key_ceiling(kth_key, bound, q_abs, reach, width, POSITION_BITS), float("inf"))
+            floors = _key_floor(chosen, bound, q_abs, reach, width, POSITION_BITS)
             measured = tl.minimum(tl.min(tl.where((c >= count) & (floors > ceiling), c, n_chosen)), n_chosen)
-            keys, last = _measured_members(q_ptr + row * DIM, r_ptr + item * columns * DIM,
+            keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width,
                                            ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
-                                           take, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
+                                           take, width, log_steps, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
                                            BY_QUAD)
             # Every reference of an unmeasured chunk lies at or above the next key's floor.
             top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
-            beyond = _key_floor(top, bound, q_abs, reach, DIM, POSITION_BITS)
+            beyond = _key_floor(top, bound, q_abs, reach, width, POSITION_BITS)
             limit = tl.minimum(tl.where(n_keys > measured, beyond, float("inf")),
-                               last * (1 - 4 * (DIM + 2) * 2.0**-24))
+                               last * (1 - 4 * (width + 2) * 2.0**-24))
             at = tl.arange(0, keys.shape[0])
             hit = keys != KEY_NONE
             d = tl.where(hit, _key_values(keys), float("inf"))
@@ -350,11 +442,11 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
     if out.numel():
         refs = candidates + (torch.arange(batch, device=q.device) * r.shape[1])[:, None, None]
-        padded = triton.next_power_of_2(dim)
-        block_c = max(1, min(32, triton.next_power_of_2(take), MEASURE_BLOCK // padded))
+        padded = 0 if _wide(dim) else triton.next_power_of_2(dim)
+        block_c = min(32, triton.next_power_of_2(take), MEASURE_BLOCK // (padded or WIDE_STEP * 16))
         _squared_distances_kernel[(batch * rows, triton.cdiv(take, block_c))](
-            q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, BLOCK_C=block_c, DP=padded,
-            LOG_DP=padded.bit_length() - 1, num_warps=4, enable_fp_fusion=False)
+            q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, _log_steps(dim), BLOCK_C=block_c,
+            DP=padded, LOG_DP=max(padded.bit_length() - 1, 0), num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -377,16 +469,21 @@ def ranks_members(members: int, take: int, dim: int) -> bool:
     return triton is not None and members <= MEMBERS_MAX and take <= MEMBERS_TAKE_MAX and dim <= MEASURE_MAX_DIM
 
 
-def _members_settings(members: int, take: int, dim: int) -> dict:
+def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_MIN_DIM) -> dict:
     """``_measured_members``' settings for ``members`` members a query, ``take`` re-measured,
     of D = dim."""
     width = triton.next_power_of_2(max(members, 2))
     selected = min(triton.next_power_of_2(max(take, 2)), width)
-    padded = triton.next_power_of_2(dim)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    by_quad = MEMBERS_BY_QUAD and PER_COORDINATE_MAX_DIM < dim <= MEMBERS_BY_QUAD_MAX_DIM
-    block_c = min(selected, max(8, 2 * tile // padded) if by_quad else max(1, tile // padded))
-    return dict(DIM=dim, LOG_DP=padded.bit_length() - 1, WP=width, SEL=selected,
+    wide = _wide(dim, wide_from)
+    if wide:  # (WIDE_STEP coordinates at a time: ``_stepped_squares``)
+        padded, by_quad, block_c = 1, False, min(selected, tile // (4 * WIDE_STEP))
+    else:
+        padded = triton.next_power_of_2(dim)
+        by_quad = MEMBERS_BY_QUAD and PER_COORDINATE_MAX_DIM < dim <= MEMBERS_BY_QUAD_MAX_DIM
+        block_c = min(selected, max(8, 2 * tile // padded) if by_quad else max(1, tile // padded))
+    return dict(dim=dim, log_steps=_log_steps(dim), DIM=0 if wide else dim, LOG_DP=padded.bit_length() - 1,
+                WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
                 num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
 
@@ -451,4 +548,4 @@ def certified_lists(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, quer
         unproven.view(torch.int8), rows, first_row, dists.shape[1], r.shape[1], n_chosen, n_keys, take, count,
         0.0 if half else error, radius, batch * rows, CHUNK=FUSED_CHUNK, POSITION_BITS=position_bits,
         ROWS=per_program, HALF=half, NEEDED=again,
-        **_members_settings(n_chosen * FUSED_CHUNK, take, dim))
+        **_members_settings(n_chosen * FUSED_CHUNK, take, dim, CERTIFIED_WIDE_MIN_DIM))
