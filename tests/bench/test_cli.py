@@ -327,8 +327,24 @@ def test_a_sweep_s_rows_give_its_ratios_and_heat_map(tmp_path):
     rows = [{**base, "variant": f"{cell}: {impl}, {mode}", "median_ms": ms}
             for (cell, mode), pair in times.items() for impl, ms in zip(("cdist + topk", "fullgraph auto"), pair)]
     rows.append({**base, "variant": "B=2 4x8 D=9 k=2 float32: fullgraph auto, compiled", "error": "E: failed"})
-    assert report.sweep_ratios(rows) == {"B=1 4x8 D=3 k=2 float32": {"as called": 2.0, "compiled": 0.25},
-                                         "B=2 4x8 D=9 k=2 float32": {"as called": 2.0}}
+    rows.append({**base, "variant": "B=1 4x8 D=3 k=2 float32: faiss exact, as called", "median_ms": 0.5})
+    assert report.sweep_ratios(rows) == {
+        "B=1 4x8 D=3 k=2 float32": {"as called": 2.0, "compiled": 0.25, "as called vs faiss exact": 0.5},
+        "B=2 4x8 D=9 k=2 float32": {"as called": 2.0}}
     report.plot(rows, tmp_path / "heat.png")
     assert (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
     assert report.sweep_ratios([{**base, "variant": "document eager", "median_ms": 1.0}]) == {}
+
+
+def test_the_sweep_s_exact_peer_finds_the_references_lists(generator):
+    """The sweep's CPU peer, FAISS's exact index a batch item at a time: the reference's indices
+    and, within float32's rounding of its expansion, its distances (random clouds: no ties)."""
+    pytest.importorskip("faiss")
+    from fullgraph.bench.workloads.knn_sweep import exact_peer
+
+    assert exact_peer(torch.device("cpu"), "bfloat16") is None and exact_peer(torch.device("cuda"), "float32") is None
+    query, ref = torch.randn(3, 50, 24, generator=generator), torch.randn(3, 400, 24, generator=generator)
+    dists, idx = exact_peer(torch.device("cpu"), "float32")(query, ref, 7)
+    want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")
+    assert torch.equal(idx, want_idx)
+    torch.testing.assert_close(dists, want_dists, rtol=1e-4, atol=1e-4)

@@ -138,7 +138,8 @@ _FIELD_TYPES = {**{key: _TEXT for key in ("workload", "size", "variant", "phase"
 def sweep_ratios(rows: list[dict], baseline: str = "cdist + topk", ours: str = "fullgraph auto"
                  ) -> dict[str, dict[str, float]]:
     """{cell: {mode: baseline median / ours}} of rows whose variants read "CELL: IMPL, MODE"
-    (``fullgraph bench knn-sweep``); > 1: ours is faster."""
+    (``fullgraph bench knn-sweep``), and {"MODE vs IMPL": IMPL's median / ours} for every other
+    implementation (the peers); > 1: ours is faster."""
     times: dict[tuple[str, str], dict[str, float]] = {}
     for r in rows:
         head, sep, rest = r["variant"].partition(": ")
@@ -147,14 +148,17 @@ def sweep_ratios(rows: list[dict], baseline: str = "cdist + topk", ours: str = "
             times.setdefault((head, mode), {})[impl] = r["median_ms"]
     ratios: dict[str, dict[str, float]] = {}
     for (cell, mode), by_impl in times.items():
-        if baseline in by_impl and ours in by_impl:
-            ratios.setdefault(cell, {})[mode] = by_impl[baseline] / by_impl[ours]
+        if baseline not in by_impl or ours not in by_impl:
+            continue
+        for impl, median in by_impl.items():
+            if impl != ours:
+                ratios.setdefault(cell, {})[mode if impl == baseline else f"{mode} vs {impl}"] = median / by_impl[ours]
     return ratios
 
 
 def _heat_map(rows: list[dict], path: Path, plt) -> None:
-    """Cells (rows) by modes (columns), coloured by cdist + topk's time over fullgraph's on a
-    log scale centred on 1, each ratio written in its square."""
+    """Cells (rows) by modes (columns, and a column a peer), coloured by cdist + topk's (the
+    peer's) time over fullgraph's on a log scale centred on 1, each ratio written in its square."""
     from matplotlib.colors import LogNorm
 
     ratios = sweep_ratios(rows)
@@ -169,7 +173,7 @@ def _heat_map(rows: list[dict], path: Path, plt) -> None:
                 ax.text(j, i, f"{value:.2g}", ha="center", va="center", fontsize=7)
     ax.set_xticks(range(len(modes)), modes, fontsize=8)
     ax.set_yticks(range(len(cells)), cells, fontsize=7)
-    fig.colorbar(image, ax=ax, label="cdist + topk / fullgraph (time)")
+    fig.colorbar(image, ax=ax, label="cdist + topk (or the peer) / fullgraph (time)")
     ax.set_title(_title(rows[0]).replace(" on ", "\non ", 1), fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Feature-space kNN over a grid of shapes, widths, list lengths and dtypes: fullgraph's "auto"
 beside what users write (``torch.topk(torch.cdist(q, r), k, largest=False)``), in each mode a
 user calls it: as called (eager), compiled (``torch.compile(fullgraph=True, dynamic=True)``) and
-replayed from a CUDA graph.
+replayed from a CUDA graph; on CPUs FAISS's exact index too, where faiss is installed.
 
 A row's variant names its cell (B, M x N, D, k, dtype), the implementation and the mode;
 ``--plot`` draws the heat map of cdist + topk's time over fullgraph's per cell and mode (> 1:
@@ -73,6 +73,29 @@ def _calls(fn, query, ref, device) -> dict:
     return calls
 
 
+def exact_peer(device: torch.device, dtype: str):
+    """FAISS's exact index (``IndexFlatL2``, the threads FAISS is given) a batch item at a time,
+    as its users call it on float32 CPU tensors: (distances, indices) [B, M, k]; None where
+    faiss is not installed or the cell is not one it takes."""
+    if device.type != "cpu" or dtype != "float32":
+        return None
+    try:
+        import faiss
+    except ImportError:
+        return None
+
+    def search(query, ref, k):
+        found = []
+        for q, r in zip(query.numpy(), ref.numpy()):
+            index = faiss.IndexFlatL2(r.shape[-1])
+            index.add(r)
+            squared, idx = index.search(q, k)
+            found.append((torch.from_numpy(squared).sqrt_(), torch.from_numpy(idx)))
+        return torch.stack([d for d, _ in found]), torch.stack([i for _, i in found])
+
+    return search
+
+
 def _cells(params, device, generator):
     """(cell, whether its first call is probed, query, ref) of each cell, the probed cells
     included where ``cells`` lacks them."""
@@ -110,6 +133,9 @@ def _knn_sweep(params, device):
             for mode, call in _calls(fn, query, ref, device).items():
                 extra = check if (impl, mode) == ("fullgraph auto", "as called") else None
                 cases.append(Case(f"{label}: {impl}, {mode}", call, check=extra))
+        peer = exact_peer(device, cell[5])
+        if peer is not None:  # (no compiled or graphed mode: FAISS runs outside torch)
+            cases.append(Case(f"{label}: faiss exact, as called", lambda q=query, r=ref, k=k: peer(q, r, k)))
     return cases
 
 
@@ -145,6 +171,9 @@ register(Workload(
         # what a CPU runs in minutes
         "small": {"cells": _grid(((16, 256, 256), (2, 1024, 1024), (1, 2000, 20_000)), (8, 64, 256), (16,)),
                   "first": [[1, 2000, 20_000, 256, 16, "float32"]]},
+        # single large clouds on a CPU, where FAISS's exact index is the peer (minutes on 2 cores)
+        "peers": {"cells": [[1, 2000, 100_000, 128, 10, "float32"], [1, 2048, 16_384, 64, 20, "float32"],
+                            [1, 1000, 200_000, 768, 10, "float32"], [1, 5000, 50_000, 16, 10, "float32"]]},
         "tiny": {"cells": [[2, 64, 300, 16, 4, "float32"], [1, 50, 400, 200, 8, "float32"]],
                  "first": [[1, 50, 400, 200, 8, "float32"]]},
         "full": {"cells": _REPORTED + _grid(_FULL_SHAPES, _FULL_DIMS, (1, 4, 16, 64, 256, 1024),
