@@ -954,3 +954,24 @@ def test_brute_force_measures_every_pair_as_the_reference(dim, k, generator):
         torch.isinf(want), -1)
     assert torch.equal(position.cpu(), want_position)
     assert torch.equal(found.cpu(), want)
+
+
+def test_large_cpu_clouds_are_sized_and_normed_without_copies_to_the_same_values(monkeypatch, generator):
+    """Large CPU clouds (``scaling.LARGE_CPU_VALUES``) take the least and greatest coordinate and a
+    batched product for |x|^2: the same magnitudes as |x|'s maximum (NaN, inf, -0.0 and negative
+    extremes among them), norms within float32's rounding, and the reference's lists."""
+    from fullgraph.ops import scaling
+    from fullgraph.ops.neighbors.dense import frames
+
+    x = torch.randn(2, 300, 37, generator=generator) * 10.0 ** torch.randint(-3, 3, (2, 300, 1), generator=generator)
+    x[0, 1, 5], x[0, 2, 7], x[1, 3] = math.nan, -math.inf, -0.0
+    x[1, 4, 0] = -1e6
+    small = (scaling.magnitude(x), frames._squared_norms(x))
+    monkeypatch.setattr(scaling, "LARGE_CPU_VALUES", 1)
+    assert scaling.large_on_cpu(x)
+    large = (scaling.magnitude(x), frames._squared_norms(x))
+    assert torch.equal(large[0].nan_to_num(-1.0), small[0].nan_to_num(-1.0))
+    torch.testing.assert_close(large[1], small[1], rtol=37 * 2**-23, atol=0, equal_nan=True)
+    query, ref = torch.randn(2, 40, 24, generator=generator), torch.randn(2, 500, 24, generator=generator)
+    got, want = fullgraph.knn(query, ref, 9, backend="dense"), fullgraph.knn(query, ref, 9, backend="torch")
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])

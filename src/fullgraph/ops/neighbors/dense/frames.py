@@ -9,8 +9,18 @@ import torch
 
 from ...._triton import lazy
 from .. import pairs, reference
+from ...scaling import large_on_cpu
 
 triton_dense = lazy(f"{__package__}.kernels")
+
+
+def _squared_norms(x: torch.Tensor) -> torch.Tensor:
+    """[B, L]: |x|^2 of each row of x [B, L, D] (the certificate takes any order of the sums). A
+    large CPU cloud by a batched product, with no copy of x * x (2-core CPU, [200000, 768]: 65
+    against 409 ms; small clouds the other way, [16384, 64] 0.58 against 0.38)."""
+    if large_on_cpu(x):
+        return torch.einsum("bnd,bnd->bn", x, x)
+    return (x * x).sum(-1)
 
 
 class Frames:
@@ -42,8 +52,7 @@ class Frames:
             centre = valid_r.sum(1, keepdim=True) / ref_ok.sum(1).clamp(min=1)[:, None, None]
             self.qc = torch.where(query_ok[..., None], self.q - centre, 0)
             self.rc = torch.where(ref_ok[..., None], self.r - centre, 0)
-        self.q_norms = (self.qc * self.qc).sum(-1)
-        r_norms = (self.rc * self.rc).sum(-1)
+        self.q_norms, r_norms = _squared_norms(self.qc), _squared_norms(self.rc)
         self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
         # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
         self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
