@@ -226,12 +226,11 @@ def install(backend: str = "auto") -> list[str]:
     """Give PyG fullgraph's operators (``backend``: the fullgraph backend its knn, radius and
     fps take, "torch" for the plain-PyTorch reference; PEER, "torch_cluster", routes them to
     torch_cluster's own kernels instead, the operators PyG called before 2.7, for comparison):
-    define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` /
-    ``fps`` / ``nearest`` / ``grid_cluster`` on them (where pyg-lib is installed, replace its
-    CPU and CUDA kernels) and tell ``torch_geometric.typing`` they exist, so that
-    ``torch_geometric.nn``'s pool functions, ``knn_interpolate``, ``DynamicEdgeConv``,
-    ``XConv``, ``GravNetConv`` and the models built on them run on fullgraph. Idempotent;
-    returns the operators it defined or replaced."""
+    define pyg-lib's ``torch.ops.pyg.knn`` / ``radius`` / ``fps`` / ``nearest`` /
+    ``grid_cluster`` on them (where pyg-lib is installed, replace its CPU and CUDA kernels) and
+    tell ``torch_geometric.typing`` they exist, so that ``torch_geometric.nn``'s pool functions,
+    ``knn_interpolate``, ``DynamicEdgeConv``, ``XConv``, ``GravNetConv`` and the models built on
+    them run on fullgraph. Idempotent; returns the operators it defined or replaced."""
     if backend == PEER and importlib.util.find_spec("torch_cluster") is None:
         raise ValueError(f"install: backend={PEER!r} needs torch_cluster installed; it is not")
     _BACKEND[0] = backend

@@ -38,10 +38,6 @@ _WIDE_LOG_STEP, _WIDE_LEVELS = tl.constexpr(WIDE_LOG_STEP), tl.constexpr(WIDE_LE
 CERTIFIED_WIDE_MIN_DIM = 1025
 
 
-def _wide(dim: int, least: int = WIDE_MIN_DIM) -> bool:
-    return dim >= least
-
-
 def _log_steps(dim: int) -> int:
     """log2 of the WIDE_STEP steps of D zero-padded to a power of two (``_stepped_squares``)."""
     return max(0, (triton.next_power_of_2(dim) // WIDE_STEP).bit_length() - 1)
@@ -443,7 +439,7 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
     if out.numel():
         refs = candidates + (torch.arange(batch, device=q.device) * r.shape[1])[:, None, None]
-        padded = 0 if _wide(dim) else triton.next_power_of_2(dim)
+        padded = 0 if dim >= WIDE_MIN_DIM else triton.next_power_of_2(dim)
         block_c = min(32, triton.next_power_of_2(take), MEASURE_BLOCK // (padded or WIDE_STEP * 16))
         _squared_distances_kernel[(batch * rows, triton.cdiv(take, block_c))](
             q.contiguous(), r.contiguous(), refs.contiguous(), out, take, dim, _log_steps(dim), BLOCK_C=block_c,
@@ -476,7 +472,7 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
     width = triton.next_power_of_2(max(members, 2))
     selected = min(triton.next_power_of_2(max(take, 2)), width)
     tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
-    wide = _wide(dim, wide_from)
+    wide = dim >= wide_from
     if wide:  # (WIDE_STEP coordinates at a time: ``_stepped_squares``)
         padded, by_quad, block_c = 1, False, min(selected, tile // (4 * WIDE_STEP))
     else:
