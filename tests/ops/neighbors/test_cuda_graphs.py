@@ -178,3 +178,37 @@ assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dim", [64, 256])
+def test_small_eager_calls_replay_from_a_graph_once_their_signature_comes_back(dim, monkeypatch):
+    """A small call seen REPLAY_AFTER times is captured once and replayed after, with new points
+    and lengths each call, on the current stream: the reference's lists every time, each
+    output a fresh tensor; a signature whose capture fails runs eagerly from then on."""
+    from fullgraph import graphs
+    from fullgraph.ops.neighbors.dense import backend as dense
+    from fullgraph.ops.neighbors.dense import replays
+
+    generator = torch.Generator(device="cuda").manual_seed(dim)
+    captures = dense._REPLAYS.captures
+    outputs = []
+    for call in range(replays.REPLAY_AFTER + 2):
+        query = torch.randn(6, 200, dim, device="cuda", generator=generator)
+        ref = torch.randn(6, 300, dim, device="cuda", generator=generator)
+        lengths = torch.tensor([200, 17, 0, 200, 3, 150], device="cuda").roll(call)
+        got = fullgraph.knn(query, ref, 12, ref_lengths=lengths)
+        want = fullgraph.knn(query, ref, 12, ref_lengths=lengths, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+        outputs.append(got[1])
+    assert dense._REPLAYS.captures == captures + 1
+    assert len({t.data_ptr() for t in outputs}) == len(outputs)
+
+    def refuse(*args, **kwargs):
+        raise graphs.GraphCaptureError("refused")
+
+    monkeypatch.setattr(graphs, "capture", refuse)
+    query = torch.randn(2, 100, dim, device="cuda", generator=generator)
+    for _ in range(replays.REPLAY_AFTER + 1):
+        got = fullgraph.knn(query, query, 5)
+        assert torch.equal(got[1], fullgraph.knn(query, query, 5, backend="torch")[1])
+    assert any(key[0] == ((2, 100, dim), torch.float32) for key in dense._REPLAYS._refused)

@@ -71,7 +71,7 @@ def test_matches_the_oracle(distribution, dim, device, path, generator):
     covered = {4: ("uniform", "duplicates", "far"), 64: ("uniform", "clustered", "duplicates", "far"), 300: ("far",)}
     if interpreted and distribution not in covered.get(dim, ()):
         pytest.skip("interpreted Triton: this combination runs on the GPU")
-    rows, columns = (60, 350) if interpreted and dim == 300 else (120, 700)
+    rows, columns = (60, 350) if interpreted else (120, 700)
     query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator, rows, columns))
     dists, idx = fullgraph.knn(query, ref, 9, backend="dense")
     d = oracle_distances(query, ref)
@@ -319,7 +319,7 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
     """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D, graphed or not; beyond
     REDO_MAX_K only outside a capture (there the capturable Triton search gives the same lists)."""
     longer = dense.REDO_MAX_K + 1
-    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, dense.CAPTURE_TENSOR_CORE_MAX_DIM + 1, 2048):
+    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, 129, 2048):
         assert dense._auto("cuda", torch.float32, dim, 10) and dense._auto("cuda", torch.float32, dim, longer)
     assert not dense._auto("cuda", torch.float64, 300, 10)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -328,44 +328,7 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
     assert dense._auto("cuda", torch.float32, 64, 10) and dense._auto("cuda", torch.float32, 2048, 10)
 
 
-def _wide_products(monkeypatch):
-    """Runs "dense" the way a capture takes wide points (the products in TF32, the unproven
-    rows again in float32 products), outside a capture too, with the host's redo after; on
-    CPUs by the same code in float32 products. Returns the plans it made."""
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
-    plans = []
-    original = dense.plan
-
-    def wide(query, ref, k):
-        made = original(query, ref, k)
-        if query.shape[-1] > dense.CAPTURE_TENSOR_CORE_MAX_DIM and not made.capture:
-            made = dense.Plan("products", False, "reference", take=min(k + dense.CANDIDATE_SLACK, ref.shape[1]),
-                              width=ref.shape[1], first="tf32")
-        plans.append(made)
-        return made
-
-    monkeypatch.setattr(dense, "plan", wide)
-    return plans
-
-
-@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
-@pytest.mark.parametrize("dim", [dense.CAPTURE_TENSOR_CORE_MAX_DIM + 1, 300])
-def test_wide_points_by_tf32_products_equal_the_reference(distribution, dim, monkeypatch, generator):
-    """The wide points' products path (cuBLAS's TF32 products, torch.topk, the certificate with
-    TF32's error, the unproven rows again in float32): the reference's lists, bit for bit, with
-    k up to N."""
-    plans = _wide_products(monkeypatch)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator, rows=64, columns=700))
-    for k in (1, 9, 40, 700):
-        got = fullgraph.knn(query, ref, k, backend="dense")
-        want = fullgraph.knn(query, ref, k, backend="torch")
-        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    assert plans and all((p.path, p.first) == ("products", "tf32") for p in plans)
-
-
-def test_rows_tf32_leaves_unproven_go_again_in_float32_with_no_host_read(monkeypatch, generator):
+def test_unproven_rows_go_again_in_float32_with_no_host_read(monkeypatch, generator):
     """``_first_failed_again`` proves the first failed rows of each item in float32 products and
     clears them; rows beyond its share stay failed."""
     monkeypatch.setattr(dense, "CAPTURE_AGAIN_MIN_ROWS", 3)
@@ -386,12 +349,19 @@ def test_rows_tf32_leaves_unproven_go_again_in_float32_with_no_host_read(monkeyp
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("redo", ["brute force", "search"])
 @pytest.mark.parametrize("distribution", ["normal", "duplicates"])
-def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, monkeypatch, generator):
-    """Graphed, the wide path's unproven rows (ties wider than the slack) go to the Triton
-    search restricted to them: the same lists as the reference, replayed on new points."""
-    plans = _wide_products(monkeypatch)
-    dim = dense.CAPTURE_TENSOR_CORE_MAX_DIM + 72
+def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, redo, monkeypatch, generator):
+    """Graphed, wide points take the tensor cores as eagerly; their unproven rows (ties wider
+    than the slack) go again in float32 products first where the Triton search would redo them,
+    then to the redo: the same lists as the reference, replayed on new points."""
+    if redo == "search":
+        monkeypatch.setattr(dense, "BRUTE_FORCE_REDO_MAX_COLUMNS", 0)
+    plans, again = [], []
+    original_plan, original_again = dense.plan, dense._first_failed_again
+    monkeypatch.setattr(dense, "plan", lambda *args: plans.append(original_plan(*args)) or plans[-1])
+    monkeypatch.setattr(dense, "_first_failed_again", lambda *args: again.append(1) or original_again(*args))
+    dim = dense.CAPTURE_AGAIN_MIN_DIM + 71
     if distribution == "duplicates":
         query, ref = _tied(generator, "cuda", dim=dim)
     else:
@@ -401,11 +371,14 @@ def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribut
         got = graphed(query * scale, ref * scale)
         want = fullgraph.knn(query * scale, ref * scale, 9, backend="torch")
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    assert any(p.capture and p.path == "products" for p in plans)
+    captured = [p for p in plans if p.capture]
+    assert captured and all(p.path == "tensor cores" for p in captured)
+    assert bool(again) == (redo == "search")
 
 
-def test_tf32_products_restore_the_callers_precision():
-    """The TF32 block leaves the caller's matmul settings as they were, legacy or per backend."""
+def test_cublas_products_restore_the_callers_precision():
+    """cuBLAS's products in a precision leave the caller's matmul settings as they were, legacy or
+    per backend."""
     before = torch.get_float32_matmul_precision()
     for precision in ("tf32", "ieee"):
         with dense._cublas_products(precision):

@@ -67,10 +67,10 @@ rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
-Wide points in a capture. Beyond CAPTURE_TENSOR_CORE_MAX_DIM coordinates steps 1-3 run as on
-CPUs, the products by cuBLAS in TF32 (each operand rounded to 10 bits: TF32_PRODUCT_ERROR |q| R
-subtracted twice from the certificate's floor, as the chunks' bound does), torch.topk for the
-candidates; the rows TF32 leaves unproven go again in float32 products (``_first_failed_again``).
+Wide points in a capture. From CAPTURE_AGAIN_MIN_DIM coordinates the rows the tensor cores leave
+unproven go first through steps 1-3 as on CPUs, up to a fixed number a batch item, with cuBLAS's
+float32 products and torch.topk (``_first_failed_again``): the Triton search that redoes what
+is left is a scalar brute force, whose cost grows with D.
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K)
 the rows not proven take the brute force restricted to them on small
@@ -99,6 +99,7 @@ from ..triton import backend as triton_grid
 from ..triton import grid
 from .certificate import beyond_expansion, roundoff
 from .frames import Frames
+from .replays import Replays
 
 triton_dense = lazy(f"{__package__}.kernels")
 log = logging.getLogger(__name__)
@@ -133,13 +134,6 @@ CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
-# Inside a CUDA graph capture, points of more than this many coordinates take the products path
-# (cuBLAS in TF32, torch.topk): the tensor-core path's redo there, the Triton search, is a scalar
-# brute force (graphed 25-44x slower than cdist + topk at D = 256-768; NOTES.md).
-CAPTURE_TENSOR_CORE_MAX_DIM = 128
-# The error of one cuBLAS TF32 product relative to |q_d r_d|: each operand rounded or truncated
-# to 10 explicit bits (2^-10), twice, and their product.
-TF32_PRODUCT_ERROR = 2 * 2.0**-10 + 2.0**-20
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
 # measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
@@ -245,8 +239,8 @@ def _cublas_products(precision: str):
 
 def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
-    certificate leaves unproven [B, m]. ``precision``: the products' on CUDA, "tf32" (bounded by
-    TF32_PRODUCT_ERROR) or "ieee"; "": as torch is set."""
+    certificate leaves unproven [B, m]. ``precision``: the products' on CUDA, "ieee" (float32's
+    own); "": as torch is set."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
@@ -258,12 +252,8 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
-    if precision == "tf32":  # the operands' rounding, then float32's sums and norms (``_chosen_chunks`` alike)
-        least = values[..., -1] + q_norms - 2 * TF32_PRODUCT_ERROR * q_abs * frames.reach
-        outside = beyond_expansion(least, q_abs, frames.reach, dim, 2.0**-24)
-    else:
-        u = 2.0**-24 if precision == "ieee" and qc.dtype == torch.float32 else roundoff(qc.dtype)
-        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
+    u = 2.0**-24 if precision == "ieee" and qc.dtype == torch.float32 else roundoff(qc.dtype)
+    outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
@@ -395,8 +385,7 @@ class Plan:
 
     path: "every pair" (small items on GPUs outside a capture: one kernel measures every
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
-    (CPUs, float64 and, inside a capture, GPU points beyond CAPTURE_TENSOR_CORE_MAX_DIM: BLAS
-    products, candidates, certificate; first "tf32" there). capture: the path runs inside a
+    (CPUs and float64: BLAS products, candidates, certificate). capture: the path runs inside a
     capture and redoes unproven rows with no host read. redo: what searches the rows the
     certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
@@ -438,8 +427,6 @@ def plan(query, ref, k) -> Plan:
         redo = "search" if query.is_cuda and _capturable("knn", query.dtype, dim, k) else "reference"
     if not tensor_cores:
         return Plan("products", False, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns)
-    if capture and dim > CAPTURE_TENSOR_CORE_MAX_DIM:
-        return Plan("products", True, "search", take=min(k + CANDIDATE_SLACK, columns), width=columns, first="tf32")
     if (not capturing and dim <= SMALL_ITEM_MAX_DIM and triton_dense.brute_force_takes(dim, k)
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
         return Plan("every pair", False, redo, take=k, width=columns,
@@ -529,6 +516,8 @@ def _lists_in_capture(plan: Plan, query, ref, frames, k, radius, query_lengths, 
                                idx, unproven)
     if not plan.whole:
         unproven &= query_ok
+    if plan.redo == "search" and query.shape[-1] >= CAPTURE_AGAIN_MIN_DIM:
+        _first_failed_again(frames, k, radius, unproven, dists, idx)
     if plan.redo == "every pair":
         return _every_pair(frames, ref_ok, k, radius, dists, idx, needed=unproven)
     _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, unproven, dists, idx)
@@ -596,11 +585,13 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
 
 
-# Rows the TF32 products leave unproven (0.1-1.7 % of normal clouds' rows at D = 256-768, k = 10,
-# on the H200) are measured again in float32 products, up to this share of an item's queries (the
-# first failed ones; at least CAPTURE_AGAIN_MIN_ROWS), with no host read: one failed row cost the
-# Triton search over D = 256 about as much as a whole call.
-CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 16, 64
+# Inside a capture, from this many coordinates the rows the tensor cores leave unproven on items
+# the Triton search redoes are measured again in float32 products first, up to this share of an
+# item's queries (the first failed ones; at least CAPTURE_AGAIN_MIN_ROWS), with no host read: one
+# failed row cost the search over D = 256 about as much as a whole call, and this pass costs
+# what it measures whether or not a row failed (NOTES.md).
+CAPTURE_AGAIN_MIN_DIM = 129
+CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 128, 64
 
 
 def _first_failed_again(frames: Frames, k, radius, failed, dists, idx) -> None:
@@ -671,8 +662,6 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
             d, i, failed[items, block] = _block(part, block, ref_ok[items], k, radius, plan.take, plan.first)
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     failed &= query_ok
-    if plan.first == "tf32":
-        _first_failed_again(frames, k, radius, failed, dists, idx)
     if plan.capture:  # (the search's programs without a failed row return at once)
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
@@ -686,8 +675,13 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if batch * rows * ref.shape[1] == 0:
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
+    if (query.is_cuda and _on_tensor_cores(query) and not _capturing(query)
+            and _capturable("knn", query.dtype, query.shape[-1], k)):
+        replayed = _REPLAYS(query, ref, k, radius, query_lengths, ref_lengths)
+        if replayed is not None:
+            return replayed
     chosen = plan(query, ref, k)
-    if query.is_cuda and not _capturing(query) and query.shape[-1] > CAPTURE_TENSOR_CORE_MAX_DIM:
+    if query.is_cuda and not _capturing(query) and query.shape[-1] >= CAPTURE_AGAIN_MIN_DIM:
         # A capture of this call takes cuBLAS, whose handle cannot be created while capturing:
         # made here, in the eager calls that warm a capture up.
         torch.cuda.current_blas_handle()
@@ -713,6 +707,10 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
     counts = (idx >= 0).sum(-1) if radius < math.inf else torch.empty((batch, rows), dtype=torch.int64, device=device)
     return dists.to(query.dtype), idx, counts
+
+
+# Small eager calls whose signature comes back, replayed from CUDA graphs (``replays``).
+_REPLAYS = Replays(nearest)
 
 
 class DenseKernels(pairs.Kernels):
