@@ -328,6 +328,27 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
     assert dense._auto("cuda", torch.float32, 64, 10) and dense._auto("cuda", torch.float32, 2048, 10)
 
 
+@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
+def test_products_in_reference_tiles_select_what_the_whole_rows_select(distribution, monkeypatch, generator):
+    """On CPUs the products are selected a tile of references at a time, the tiles' least
+    merged: the same least values as the whole rows (ragged items, a NaN query, k up to N),
+    and the reference's lists."""
+    query, ref = (t.float() for t in _clouds(distribution, 40, generator, rows=50, columns=700))
+    query, ref = torch.stack([query, query + 3]), torch.stack([ref, ref * 2])
+    query[1, 7] = math.nan
+    lengths = torch.tensor([50, 41]), torch.tensor([700, 333])
+    frames = dense.Frames(query, ref, *lengths, torch.float32)
+    whole = dense._least_products(frames.qc, frames, 40)
+    monkeypatch.setattr(dense, "CPU_REFERENCE_TILE", 64)
+    tiled = dense._least_products(frames.qc, frames, 40)
+    # (BLAS may block a tile's sums otherwise than the whole rows')
+    torch.testing.assert_close(tiled[0], whole[0], rtol=1e-5, atol=1e-4, equal_nan=True)
+    for k in (1, 9, 700):
+        got = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="dense")
+        want = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 def test_unproven_rows_go_again_in_float32_with_no_host_read(monkeypatch, generator):
     """``_first_failed_again`` proves the first failed rows of each item in float32 products and
     clears them; rows beyond its share stay failed."""

@@ -70,7 +70,8 @@ chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_core
 Wide points in a capture. From CAPTURE_AGAIN_MIN_DIM coordinates the rows the tensor cores leave
 unproven go first through steps 1-3 as on CPUs, up to a fixed number a batch item, with cuBLAS's
 float32 products and torch.topk (``_first_failed_again``): the Triton search that redoes what
-is left is a scalar brute force, whose cost grows with D.
+is left is a scalar brute force, whose cost grows with D. Small eager calls on GPUs whose signature
+comes back replay the capture path from a CUDA graph (``replays``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K)
 the rows not proven take the brute force restricted to them on small
@@ -243,10 +244,8 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     own); "": as torch is set."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    # |q|^2 is constant along a row: the order needs only |r|^2 - 2 q.r.
     with _cublas_products(precision) if precision else contextlib.nullcontext():
-        approx = torch.baddbmm(frames.r_norms[:, None, :], qc, frames.rc.transpose(1, 2), alpha=-2)
-    values, candidates = select.smallest(approx, take)
+        values, candidates = _least_products(qc, frames, take)
     d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
@@ -257,6 +256,38 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+
+
+# On CPUs the products of a block of queries are made a tile of this many references at a time
+# in one reused buffer (a few MiB: its values stay in the caches), each tile's least selected
+# and merged with the tiles' before.
+CPU_REFERENCE_TILE = 2048
+
+
+def _least_products(qc, frames: Frames, take: int):
+    """(values, positions) [B, m, take]: the take least of |r|^2 - 2 q.r (|q|^2 is constant
+    along a row: the order needs no more) over the references of ``frames`` for the queries
+    qc [B, m, D], ascending (NaN last). The take least of all references are the take least of
+    the tiles' take least."""
+    rc, r_norms = frames.rc, frames.r_norms
+    columns = rc.shape[1]
+    if qc.is_cuda or columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM:
+        return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
+    batch, rows, _ = qc.shape
+    buffer = torch.empty(batch * rows * CPU_REFERENCE_TILE, dtype=qc.dtype)
+    least = None
+    for start in range(0, columns, CPU_REFERENCE_TILE):
+        stop = min(start + CPU_REFERENCE_TILE, columns)
+        tile = buffer[:batch * rows * (stop - start)].view(batch, rows, stop - start)
+        torch.baddbmm(r_norms[:, None, start:stop], qc, rc[:, start:stop].transpose(1, 2), alpha=-2, out=tile)
+        values, positions = select.smallest(tile, min(take, stop - start))
+        positions += start
+        if least is not None:
+            values, positions = torch.cat([least[0], values], -1), torch.cat([least[1], positions], -1)
+            values, at = select.smallest(values, min(take, values.shape[-1]))
+            positions = positions.gather(-1, at)
+        least = values, positions
+    return least
 
 
 def _operands(frames: Frames, rows: slice, precision: str):

@@ -38,7 +38,7 @@ class Replays:
         self._graphs: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
         self._seen: collections.OrderedDict[tuple, int] = collections.OrderedDict()
         self._refused: set[tuple] = set()
-        self._pools: dict[torch.device, tuple] = {}
+        self._pools: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
         self._capturing = threading.local()  # (the warm-up and capture call ``nearest`` again)
         self.captures = 0
@@ -48,7 +48,7 @@ class Replays:
             return None
         inputs = [x for x in (query, ref, query_lengths, ref_lengths) if x is not None]
         stream = torch.cuda.current_stream(query.device).cuda_stream
-        key = (*((tuple(x.shape), x.dtype) for x in inputs), query_lengths is None, query.device, k, radius, stream)
+        key = (*((tuple(x.shape), x.dtype) for x in inputs), query_lengths is None, k, radius, query.device, stream)
         with self._lock:
             found = self._graphs.get(key)
             if found is None:
@@ -77,13 +77,16 @@ class Replays:
         if no_query_lengths:
             lengths.insert(0, None)
         lengths += [None] * (2 - len(lengths))
-        if query.device not in self._pools:
+        # One memory pool a stream: graphs that share a pool reuse each other's temporaries, safe
+        # only where they replay one after another.
+        pool = key[-2:]  # (device, stream)
+        if pool not in self._pools:
             with torch.cuda.device(query.device):
-                self._pools[query.device] = torch.cuda.graph_pool_handle()
+                self._pools[pool] = torch.cuda.graph_pool_handle()
         self._capturing.on = True
         try:
             graph, output = graphs.capture(lambda: self._nearest(query, ref, k, radius, *lengths), query.device,
-                                           warmup=1, pool=self._pools[query.device])
+                                           warmup=1, pool=self._pools[pool])
         except graphs.GraphCaptureError:  # (the capture left the generator as it was)
             self._refused.add(key)
             return None
