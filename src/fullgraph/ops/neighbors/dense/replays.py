@@ -46,9 +46,9 @@ class Replays:
     def __call__(self, query, ref, k, radius, query_lengths, ref_lengths):
         if query.shape[0] * query.shape[1] * ref.shape[1] > REPLAY_MAX_PAIRS or getattr(self._capturing, "on", False):
             return None
-        inputs = [x for x in (query, ref, query_lengths, ref_lengths) if x is not None]
+        args = (query, ref, query_lengths, ref_lengths)
         stream = torch.cuda.current_stream(query.device).cuda_stream
-        key = (*((tuple(x.shape), x.dtype) for x in inputs), query_lengths is None, k, radius, query.device, stream)
+        key = (*(None if x is None else (tuple(x.shape), x.dtype) for x in args), k, radius, query.device, stream)
         with self._lock:
             found = self._graphs.get(key)
             if found is None:
@@ -58,25 +58,24 @@ class Replays:
                     self._seen.popitem(last=False)
                 if seen < REPLAY_AFTER or key in self._refused:
                     return None
-                found = self._capture(key, inputs, query_lengths is None, k, radius)
+                found = self._capture(key, args, k, radius)
                 if found is None:
                     return None
             else:
                 self._graphs.move_to_end(key)
-                for static, value in zip(found[1], inputs):
-                    static.copy_(value)
+                for static, value in zip(found[1], args):
+                    if value is not None:
+                        static.copy_(value)
                 found[0].replay()
             dists, idx, counts = found[2]
             # (plain kNN's counts are unspecified: ``pairs.Kernels.nearest``)
             return dists.clone(), idx.clone(), counts.clone() if radius < math.inf else torch.empty_like(counts)
 
-    def _capture(self, key, inputs, no_query_lengths, k, radius):
-        """Capture ``nearest`` on copies of ``inputs`` (cached under ``key``); None where it fails."""
-        static = [x.clone() for x in inputs]
-        query, ref, *lengths = static
-        if no_query_lengths:
-            lengths.insert(0, None)
-        lengths += [None] * (2 - len(lengths))
+    def _capture(self, key, args, k, radius):
+        """Capture ``nearest`` on copies of ``args`` (query, ref and the lengths or None), cached
+        under ``key``; None where it fails."""
+        static = [None if x is None else x.clone() for x in args]
+        query, ref, query_lengths, ref_lengths = static
         # One memory pool a stream: graphs that share a pool reuse each other's temporaries, safe
         # only where they replay one after another.
         pool = key[-2:]  # (device, stream)
@@ -85,8 +84,8 @@ class Replays:
                 self._pools[pool] = torch.cuda.graph_pool_handle()
         self._capturing.on = True
         try:
-            graph, output = graphs.capture(lambda: self._nearest(query, ref, k, radius, *lengths), query.device,
-                                           warmup=1, pool=self._pools[pool])
+            graph, output = graphs.capture(lambda: self._nearest(query, ref, k, radius, query_lengths, ref_lengths),
+                                           query.device, warmup=1, pool=self._pools[pool])
         except graphs.GraphCaptureError:  # (the capture left the generator as it was)
             self._refused.add(key)
             return None
