@@ -12,12 +12,15 @@ import torch
 
 import fullgraph
 from fullgraph import _extension, _triton
-from fullgraph.models.unet1d import ConditionalUnet1D
+from fullgraph.ops import conv_block
+from fullgraph.models.unet1d import ConditionalUnet1D, fuse_conv_blocks
 
 
-def _sampler(steps: int):
+def _sampler(steps: int, fused_blocks: bool = False):
     torch.manual_seed(0)
     unet = ConditionalUnet1D(2, 32, down_dims=(16, 32, 64)).eval()
+    if fused_blocks:
+        fuse_conv_blocks(unet, backend="triton")
     return fullgraph.diffusion.DDIMSampler(unet, steps=steps).eval(), (torch.randn(1, 16, 2), torch.randn(1, 32))
 
 
@@ -46,13 +49,15 @@ def _runner(build: Path) -> Path:
 
 
 @pytest.mark.deploy
-@pytest.mark.parametrize("device, fused_steps", [("cpu", False), ("cpu", True), ("cuda", True)])
-def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, fused_steps):
+@pytest.mark.parametrize("device, fused_steps, fused_blocks",
+                         [("cpu", False, False), ("cpu", True, False), ("cuda", True, False), ("cuda", True, True)])
+def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, fused_steps, fused_blocks):
     """The 10-step DDIM sampler exported, packaged by AOTInductor, built into nothing but the
     package; examples/deploy's program (CMake against the torch wheel's libtorch) loads and
     runs it in a process with no Python library and no Python environment: the same actions.
     ``fused_steps``: the package holds fullgraph's DDIM step itself (a triton_op: its kernel,
-    Triton on CUDA, goes into the package), not its decomposition. On CUDA the runner also
+    Triton on CUDA, goes into the package), not its decomposition; ``fused_blocks``: the
+    U-Net's blocks are fullgraph's fused conv blocks, as their triton_op form. On CUDA the runner also
     replays one run captured in a CUDA graph."""
     if shutil.which("cmake") is None or _extension.cpp_compiler() is None:
         pytest.skip("needs cmake and a C++ compiler")
@@ -60,14 +65,17 @@ def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, f
         pytest.skip("needs CUDA")
     if fused_steps and _triton.INTERPRETED:
         pytest.skip("under Triton's interpreter the steps are plain custom operators (fullgraph._triton.op)")
-    sampler, args = _sampler(steps=10)
+    sampler, args = _sampler(steps=10, fused_blocks=fused_blocks)
     sampler, args = sampler.to(device), tuple(a.to(device) for a in args)
-    program = torch.export.export(sampler, args) if fused_steps else _without_fullgraph(sampler, args)
-    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sampler.pt2"))
+    with torch.backends.cudnn.flags(allow_tf32=False):  # the fused blocks' products: float32 as the reference's
+        program = torch.export.export(sampler, args) if fused_steps else _without_fullgraph(sampler, args)
+        if fused_blocks:  # the blocks as their triton_op form: their kernels go into the package
+            program = program.run_decompositions(conv_block.decompositions())
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "sampler.pt2"))
+        with torch.no_grad():
+            want = sampler(*args).cpu()
     torch.save(list(args), tmp_path / "inputs.pt")
     runner = _runner(tmp_path / "build")
-    with torch.no_grad(), torch.backends.cudnn.flags(allow_tf32=False):
-        want = sampler(*args).cpu()
     # (CUDA: the package's own kernels sum in other orders, which ten steps amplify; 1.8e-3 seen on an H200)
     tolerance = 1e-5 if device == "cpu" else 5e-3
     for mode in (["5"], ["5", "graph"]) if device == "cuda" else (["5"],):

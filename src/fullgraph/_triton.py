@@ -97,6 +97,15 @@ def op(name: str, *, mutates_args=()):
     return define
 
 
+def tracing(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a tracer's (fake, or functional: Inductor tracing a ``triton_op``),
+    not one a kernel runs on: host state such as cached device buffers stays out of traces."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return isinstance(tensor, (FakeTensor, FunctionalTensor))
+
+
 def traced(kernel):
     """``torch.library.wrap_triton(kernel)``, for launches inside a ``torch.library.triton_op``:
     Inductor traces into them and AOTInductor packages carry the kernel. Under Triton's

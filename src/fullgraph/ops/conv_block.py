@@ -122,7 +122,13 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
         residual_bias = torch.zeros(c_out, dtype=x.dtype, device=x.device)
     partial = torch.empty((splits + residual_splits, batch, c_out, length), dtype=torch.float32, device=x.device)
     one_kernel = ONE_KERNEL if one_kernel is None else one_kernel
-    counters = _arrival_counters(x.device, batch * groups) if one_kernel else partial
+    traced = _triton.tracing(x)
+    if not one_kernel:
+        counters = partial
+    elif traced:  # a program Inductor compiles holds no device state: zeros of its own
+        counters = torch.zeros(batch * groups, dtype=torch.int32, device=x.device)
+    else:
+        counters = _arrival_counters(x.device, batch * groups)
     per_group = c_out // groups
     size = per_group * length
     block = min(GROUP_BLOCK, next_power_of_2(size))
@@ -130,26 +136,33 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
                   residual=out if residual is None else residual,
                   residual_bias=bias if residual_bias is None else residual_bias, out=out, per_group=per_group,
                   eps=float(eps),
-                  scale_strides=(0, 0) if scale is None else scale.stride(),
-                  shift_strides=(0, 0) if shift is None else shift.stride(),
-                  residual_strides=(0, 0, 0) if residual is None else residual.stride(),
+                  **_strides("scale", scale, 2), **_strides("shift", shift, 2), **_strides("residual", residual, 3),
                   HAS_SCALE=scale is not None, HAS_SHIFT=shift is not None,
                   HAS_RESIDUAL=residual is not None and residual_weight is None, SPLITS=splits,
                   RESIDUAL_SPLITS=residual_splits, BLOCK=block, ONE_BLOCK=size <= block)
-    pdl = PDL and x.is_cuda and not _triton.INTERPRETED and torch.cuda.get_device_capability(x.device)[0] >= 9
+    # A traced launch (Inductor, AOTInductor) takes no launch_pdl: a plain launch there.
+    pdl = PDL and not traced and x.is_cuda and not _triton.INTERPRETED \
+        and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    kernels._conv_kernel[(column_tiles, channel_tiles, splits + residual_splits)](
+    _triton.traced(kernels._conv_kernel)[(column_tiles, channel_tiles, splits + residual_splits)](
         x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta,
         residual_weight=out if residual_weight is None else residual_weight, batch=batch, c_in=c_in, c_out=c_out,
-        c_residual=c_residual, length=length, taps_total=taps, chunk=chunk, groups=groups, x_strides=x.stride(),
+        c_residual=c_residual, length=length, taps_total=taps, chunk=chunk, groups=groups, **_strides("x", x, 3),
         KERNEL=kernel, PAD=kernel // 2, BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
         # Triton 3.6's interpreter (CPU tests) returns garbage from a bfloat16 tl.dot: products in float32 there.
         UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
-        launch_pdl=pdl, **finish)
+        **({"launch_pdl": True} if pdl else {}), **finish)
     if not one_kernel:
-        kernels._norm_kernel[(batch * groups,)](partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out,
-                                        length=length, num_warps=4 if block <= 2048 else 8, **finish)
+        _triton.traced(kernels._norm_kernel)[(batch * groups,)](
+            partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out, length=length,
+            num_warps=4 if block <= 2048 else 8, **finish)
     return out
+
+
+def _strides(name: str, tensor, rank: int) -> dict:
+    """The kernels' ``{name}_stride_b``, ``_c`` (and ``_t``) arguments; zeros for an absent tensor."""
+    strides = (0,) * rank if tensor is None else tensor.stride()
+    return {f"{name}_stride_{axis}": stride for axis, stride in zip("bct", strides)}
 
 
 # "auto" takes the fused kernel on CUDA up to this many (batch item, step) columns, the PyTorch
@@ -222,12 +235,8 @@ def _check(x, weight, bias, gamma, beta, groups, eps, scale=None, shift=None, re
     _validate.real("eps", eps, minimum=0.0, strict=True)
 
 
-@torch.library.custom_op("fullgraph::conv_groupnorm_mish", mutates_args=())
-def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor,
-                           beta: torch.Tensor, groups: int, eps: float, backend: str,
-                           scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
-                           residual: torch.Tensor | None = None, residual_weight: torch.Tensor | None = None,
-                           residual_bias: torch.Tensor | None = None) -> torch.Tensor:
+def _forward(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift, residual, residual_weight,
+             residual_bias):
     _check(x, weight, bias, gamma, beta, groups, eps, scale, shift, residual, residual_weight, residual_bias)
     run = BACKENDS.resolve(backend, "conv_groupnorm_mish", x.device, x.dtype, x.shape[0] * x.shape[2],
                            argument="x").implementation
@@ -236,10 +245,40 @@ def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                None if residual_bias is None else residual_bias.contiguous())
 
 
+@torch.library.custom_op("fullgraph::conv_groupnorm_mish", mutates_args=())
+def conv_groupnorm_mish_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor,
+                           beta: torch.Tensor, groups: int, eps: float, backend: str,
+                           scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                           residual: torch.Tensor | None = None, residual_weight: torch.Tensor | None = None,
+                           residual_bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _forward(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift, residual, residual_weight,
+                    residual_bias)
+
+
 @conv_groupnorm_mish_op.register_fake
 def _(x, weight, bias, gamma, beta, groups, eps, backend, scale=None, shift=None, residual=None, residual_weight=None,
       residual_bias=None):
     return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
+
+
+@_triton.op("fullgraph::conv_groupnorm_mish_traced")
+def conv_groupnorm_mish_traced_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, gamma: torch.Tensor,
+                                  beta: torch.Tensor, groups: int, eps: float, backend: str,
+                                  scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                                  residual: torch.Tensor | None = None, residual_weight: torch.Tensor | None = None,
+                                  residual_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The block as a ``torch.library.triton_op``: Inductor traces into it, so an AOTInductor
+    package holds its kernel. Traced, a launch counts arrivals on zeros of its own (a fill) and
+    is no programmatic dependent launch: the public operator stays opaque to torch.compile."""
+    return _forward(x, weight, bias, gamma, beta, groups, eps, backend, scale, shift, residual, residual_weight,
+                    residual_bias)
+
+
+def decompositions() -> dict:
+    """{``fullgraph::conv_groupnorm_mish``: its triton_op form}, for
+    ``ExportedProgram.run_decompositions``: an AOTInductor package of the program carries the
+    blocks' Triton kernels and runs without Python (docs/deploy.md)."""
+    return {torch.ops.fullgraph.conv_groupnorm_mish.default: torch.ops.fullgraph.conv_groupnorm_mish_traced.default}
 
 
 def _setup(ctx, inputs, output):

@@ -56,6 +56,7 @@ def _normalize_group(partial, bias, gamma, beta, scale, shift, residual, residua
                      ONE_BLOCK: tl.constexpr):
     """A (batch item, group), flat over its channels and steps: its mean, then its mean
     squared deviation (exact divisions), then every element's output (``_finish``)."""
+    eps = tl.cast(eps, tl.float32)  # Inductor's launches (a traced triton_op) pass floats as float64
     c0 = group * per_group
     offset = (b * c_out + c0).to(tl.int64) * length
     size = per_group * length
@@ -131,7 +132,8 @@ def _product(x, w, start, end, taps_total, x_strides, b, steps, columns, total, 
 @triton.jit
 def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, residual, residual_weight,
                  residual_bias, out, batch, c_in, c_out, c_residual, length, taps_total, chunk, groups, per_group,
-                 eps, x_strides, scale_strides, shift_strides, residual_strides, KERNEL: tl.constexpr,
+                 eps, x_stride_b, x_stride_c, x_stride_t, scale_stride_b, scale_stride_c, shift_stride_b,
+                 shift_stride_c, residual_stride_b, residual_stride_c, residual_stride_t, KERNEL: tl.constexpr,
                  PAD: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PRECISION: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr, FINALIZE: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -141,7 +143,11 @@ def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, resid
     a program per tile of output channels, tile of (b, t) columns (a tile spans batch items,
     so small batches share each weight load) and chunk; chunks SPLITS on are the residual's
     1x1 convolution (residual_weight [c, i] by residual [b, i, t]). With FINALIZE, the
-    program that completes a (batch item, group) normalizes it."""
+    program that completes a (batch item, group) normalizes it. Strides come one by one
+    (``wrap_triton`` takes no tuples)."""
+    x_strides = (x_stride_b, x_stride_c, x_stride_t)
+    scale_strides, shift_strides = (scale_stride_b, scale_stride_c), (shift_stride_b, shift_stride_c)
+    residual_strides = (residual_stride_b, residual_stride_c, residual_stride_t)
     columns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     total = batch * length
     b = (columns // length).to(tl.int64)
@@ -185,10 +191,13 @@ def _conv_kernel(x, w, partial, counters, bias, gamma, beta, scale, shift, resid
 
 @triton.jit
 def _norm_kernel(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out, batch, groups, c_out,
-                 length, per_group, eps, scale_strides, shift_strides, residual_strides, HAS_SCALE: tl.constexpr,
+                 length, per_group, eps, scale_stride_b, scale_stride_c, shift_stride_b, shift_stride_c,
+                 residual_stride_b, residual_stride_c, residual_stride_t, HAS_SCALE: tl.constexpr,
                  HAS_SHIFT: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SPLITS: tl.constexpr,
                  RESIDUAL_SPLITS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """The two-kernel form's second kernel: a program per (batch item, group)."""
+    scale_strides, shift_strides = (scale_stride_b, scale_stride_c), (shift_stride_b, shift_stride_c)
+    residual_strides = (residual_stride_b, residual_stride_c, residual_stride_t)
     b = (tl.program_id(0) // groups).to(tl.int64)
     _normalize_group(partial, bias, gamma, beta, scale, shift, residual, residual_bias, out, b,
                      tl.program_id(0) % groups, c_out, length, per_group, eps, batch * c_out * length,
