@@ -274,6 +274,32 @@ def test_compiles_once_across_sizes(generator):
     assert counter.frame_count == 1
 
 
+@pytest.mark.parametrize("backend, device", _cases())
+def test_the_traced_form_computes_the_same_block_exported_and_compiled(backend, device, generator):
+    """conv_block.decompositions() puts the triton_op form in an exported program, which
+    computes the block as the operator does; compiled, Inductor traces into it."""
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    tensors = [t.to(dtype=dtype, device=device) for t in _block(generator, 1, 6, 16, 9, 3)]
+    scale, shift, residual = (t.to(dtype=dtype, device=device) for t in _epilogue(generator, 1, 16, 9))
+
+    class Block(torch.nn.Module):
+        def forward(self, *args):
+            return fullgraph.conv_groupnorm_mish(*args, 4, scale=scale, shift=shift, residual=residual,
+                                                 backend=backend)
+
+    want = conv_block.reference(*tensors, 4, 1e-5, scale, shift, residual)
+    program = torch.export.export(Block(), tuple(tensors)).run_decompositions(conv_block.decompositions())
+    targets = {str(node.target) for node in program.graph.nodes}
+    assert "fullgraph.conv_groupnorm_mish_traced.default" in targets and "fullgraph.conv_groupnorm_mish.default" \
+        not in targets
+    tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(program.module()(*tensors), want, rtol=tolerance, atol=tolerance)
+    traced = torch.compile(lambda *a: torch.ops.fullgraph.conv_groupnorm_mish_traced(
+        *a, 4, 1e-5, backend, scale, shift, residual), fullgraph=True)
+    for _ in range(2):  # twice: a launch leaves no state the next one needs
+        torch.testing.assert_close(traced(*tensors), want, rtol=tolerance, atol=tolerance)
+
+
 def test_bad_input_is_named(generator):
     x, weight, bias, gamma, beta = _block(generator, 2, 4, 8, 6, 3, dtype=torch.float32)
     cases = [

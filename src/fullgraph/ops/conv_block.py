@@ -23,6 +23,10 @@ The "torch" backend is ``F.conv1d``, ``F.group_norm``, ``F.mish``: the reference
 takes "triton" on CUDA for few columns (``AUTO_MAX_COLUMNS``, measured), "torch" elsewhere.
 The backward is written with PyTorch operations (the convolution's through
 ``aten.convolution_backward``), recomputing the convolution: no fused backward kernel.
+
+For packages, ``fullgraph::conv_groupnorm_mish_traced`` is the same block as a
+``torch.library.triton_op`` (``decompositions()`` maps the operator to it): Inductor traces
+into it and an AOTInductor package carries its kernels (NOTES.md: why the operator itself is not).
 """
 
 from __future__ import annotations
