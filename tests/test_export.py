@@ -132,25 +132,53 @@ def test_every_model_exports(name, device):
         _assert_equal(loaded(*args), model(*args), 1e-4)
 
 
+def _in_a_fresh_process(tmp_path, package: str, code: str) -> str:
+    """stdout of ``code`` run in a new Python that imports torch and fullgraph and loads
+    ``package`` as ``run`` (skips where this torch's loader crashes on any package)."""
+    prelude = f"import torch, fullgraph\nrun = torch._inductor.aoti_load_package({package!r})\n"
+    done = subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=600)
+    if done.returncode < 0 and _a_plain_package_crashes_on_load(tmp_path):
+        pytest.skip(f"this torch's AOTInductor loader ({torch.__version__}) crashes on a package of one nn.Linear "
+                    "in a fresh process: not a fullgraph problem")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def test_an_aotinductor_package_runs_in_a_fresh_process(tmp_path):
     model = fullgraph.models.KNNProjector().eval()
     p1, p2 = torch.randn(500, 3), torch.randn(300, 3)
     program = export(model, (p1, p2), dynamic_shapes=({0: Dim("n", min=16)}, {0: Dim("m", min=16)}))
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "projector.pt2"))
     torch.save((p1, p2, model(p1, p2)), tmp_path / "io.pt")
-    code = f"""
-import torch, fullgraph
+    out = _in_a_fresh_process(tmp_path, package, f"""
 p1, p2, want = torch.load({str(tmp_path / 'io.pt')!r})
-run = torch._inductor.aoti_load_package({package!r})
 torch.testing.assert_close(run(p1, p2), want, rtol=1e-5, atol=1e-5)
 print(tuple(run(torch.randn(900, 3), torch.randn(40, 3)).shape))
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    if done.returncode < 0 and _a_plain_package_crashes_on_load(tmp_path):
-        pytest.skip(f"this torch's AOTInductor loader ({torch.__version__}) crashes on a package of one nn.Linear "
-                    "in a fresh process: not a fullgraph problem")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.strip().endswith("(900, 1)")  # one value per point of the first cloud
+""")
+    assert out.strip().endswith("(900, 1)")  # one value per point of the first cloud
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["RadiusProjector", "DGCNN", "PointNet2", "LLTM", "ConditionalUnet1D fused"])
+def test_every_model_packages_and_runs_in_a_fresh_process(tmp_path, name, device):
+    """The other models as AOTInductor packages (minutes each on a CPU), loaded in a new
+    process, equal to eager."""
+    model, args, shapes = _models(device)[name]
+    model = model.to(device).eval()
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else tuple(t.to(device) for t in a) for a in args)
+    with torch.no_grad():
+        program = export(model, args, dynamic_shapes=shapes)
+        package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "model.pt2"))
+        torch.save((args, model(*args)), tmp_path / "io.pt")
+    out = _in_a_fresh_process(tmp_path, package, f"""
+args, want = torch.load({str(tmp_path / 'io.pt')!r})
+with torch.no_grad():
+    got = run(*args)
+torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+print("equal")
+""")
+    assert out.strip().endswith("equal")
 
 
 def _a_plain_package_crashes_on_load(tmp_path) -> bool:
