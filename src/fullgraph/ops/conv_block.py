@@ -148,7 +148,11 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
     pdl = PDL and not traced and x.is_cuda and not _triton.INTERPRETED \
         and torch.cuda.get_device_capability(x.device)[0] >= 9
     precision = "tf32" if x.dtype == torch.float32 and torch.backends.cudnn.allow_tf32 and x.is_cuda else "ieee"
-    _triton.traced(kernels._conv_kernel)[(column_tiles, channel_tiles, splits + residual_splits)](
+    # Traced (the triton_op form under Inductor) through wrap_triton; called, plain launches.
+    conv, norm = kernels._conv_kernel, kernels._norm_kernel
+    if traced:
+        conv, norm = _triton.traced(conv), _triton.traced(norm)
+    conv[(column_tiles, channel_tiles, splits + residual_splits)](
         x, weight.reshape(c_out, taps), partial, counters, bias, gamma, beta,
         residual_weight=out if residual_weight is None else residual_weight, batch=batch, c_in=c_in, c_out=c_out,
         c_residual=c_residual, length=length, taps_total=taps, chunk=chunk, groups=groups, **_strides("x", x, 3),
@@ -157,7 +161,7 @@ def _triton_block(x, weight, bias, gamma, beta, groups: int, eps: float, scale=N
         UPCAST=_triton.INTERPRETED and x.dtype == torch.bfloat16, PDL=pdl, FINALIZE=one_kernel, num_warps=4,
         **({"launch_pdl": True} if pdl else {}), **finish)
     if not one_kernel:
-        _triton.traced(kernels._norm_kernel)[(batch * groups,)](
+        norm[(batch * groups,)](
             partial, bias, gamma, beta, batch=batch, groups=groups, c_out=c_out, length=length,
             num_warps=4 if block <= 2048 else 8, **finish)
     return out
