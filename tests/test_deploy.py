@@ -12,8 +12,8 @@ import torch
 
 import fullgraph
 from fullgraph import _extension, _triton
-from fullgraph.ops import conv_block
 from fullgraph.models.unet1d import ConditionalUnet1D, fuse_conv_blocks
+from fullgraph.ops import conv_block
 
 
 def _sampler(steps: int, fused_blocks: bool = False):
@@ -57,8 +57,8 @@ def test_the_cpp_runner_runs_the_ddim_sampler_without_python(tmp_path, device, f
     runs it in a process with no Python library and no Python environment: the same actions.
     ``fused_steps``: the package holds fullgraph's DDIM step itself (a triton_op: its kernel,
     Triton on CUDA, goes into the package), not its decomposition; ``fused_blocks``: the
-    U-Net's blocks are fullgraph's fused conv blocks, as their triton_op form. On CUDA the runner also
-    replays one run captured in a CUDA graph."""
+    U-Net's blocks are fullgraph's fused conv blocks, as their triton_op form. On CUDA the
+    runner also replays one run captured in a CUDA graph."""
     if shutil.which("cmake") is None or _extension.cpp_compiler() is None:
         pytest.skip("needs cmake and a C++ compiler")
     if device == "cuda" and not torch.cuda.is_available():
