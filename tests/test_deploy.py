@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fullgraph
+from conftest import DEVICES
 from fullgraph import _extension, _triton
 from fullgraph.models.unet1d import ConditionalUnet1D, fuse_conv_blocks
 from fullgraph.ops import conv_block
@@ -101,8 +102,23 @@ def test_an_lltm_cell_exports_to_the_extensions_own_operator():
             assert torch.equal(got, want)
 
 
+def _run_with_library(tmp_path, package, inputs, operator: str, library) -> tuple:
+    """The C++ program's outputs of ``package`` on ``inputs``, run once without ``library``
+    (it must fail naming ``operator``) and once with it loaded (RUN_PACKAGE_LIBRARIES)."""
+    torch.save(list(inputs), tmp_path / "inputs.pt")
+    runner = _runner(tmp_path / "build")
+    command = [str(runner), package, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
+    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and operator in done.stderr, done.stderr[-2000:]
+    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin", "RUN_PACKAGE_LIBRARIES": str(library)},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return torch.load(tmp_path / "out.pt")
+
+
 @pytest.mark.deploy
-def test_the_cpp_runner_runs_an_lltm_package_with_the_extension_loaded(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_the_cpp_runner_runs_an_lltm_package_with_the_extension_loaded(tmp_path, device):
     """An LLTM cell on the C++ extension exports to a program holding the extension's own
     operator (``lltm.decompositions``); its package runs from the C++ program once that loads
     the extension's library (RUN_PACKAGE_LIBRARIES), bit for bit, and without it fails
@@ -111,20 +127,62 @@ def test_the_cpp_runner_runs_an_lltm_package_with_the_extension_loaded(tmp_path)
         pytest.skip("needs cmake and a C++ compiler")
     from fullgraph.ops import lltm
 
+    if not lltm.BACKENDS.get(device).available(device):
+        pytest.skip(f"the LLTM extension has no {device} kernels here")
     torch.manual_seed(0)
-    cell = fullgraph.models.LLTM(32, 64, backend="cpu").eval()
-    args = (torch.randn(8, 32), (torch.randn(8, 64), torch.randn(8, 64)))
+    cell = fullgraph.models.LLTM(32, 64, backend=device).eval().to(device)
+    args = (torch.randn(8, 32, device=device), (torch.randn(8, 64, device=device), torch.randn(8, 64, device=device)))
     program = torch.export.export(cell, args).run_decompositions(lltm.decompositions())
     assert "fullgraph_lltm.forward.default" in {str(node.target) for node in program.graph.nodes}
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "lltm.pt2"))
-    torch.save([args[0], *args[1]], tmp_path / "inputs.pt")
-    runner = _runner(tmp_path / "build")
-    command = [str(runner), package, str(tmp_path / "inputs.pt"), str(tmp_path / "out.pt")]
-    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode != 0 and "fullgraph_lltm::forward" in done.stderr, done.stderr[-2000:]
-    done = subprocess.run(command, env={"PATH": "/usr/bin:/bin", "RUN_PACKAGE_LIBRARIES": str(lltm.library())},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    outputs = _run_with_library(tmp_path, package, [args[0], *args[1]], "fullgraph_lltm::forward", lltm.library())
     with torch.no_grad():
-        for got, want in zip(torch.load(tmp_path / "out.pt"), cell(*args)):
-            assert torch.equal(got, want)
+        for got, want in zip(outputs, cell(*args)):
+            assert torch.equal(got, want.cpu())
+
+
+class _Sample(torch.nn.Module):
+    def forward(self, x, lengths):
+        return fullgraph.fps(x, n_samples=64, lengths=lengths, random_start=False)
+
+
+def _clouds(device):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 1000, 3, generator=generator)
+    x[1, :10] = x[1, 10]  # ties: the smaller index wins
+    return x.to(device), torch.tensor([1000, 700, 64, 1], device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fps_decomposes_to_the_cuda_library_only_where_it_runs_there(device):
+    """``sampling.decompositions()`` puts the CUDA extension's operator in place of a call on
+    backend "cuda" and leaves a call on any other backend as fullgraph's operator: the
+    program computes the same samples either way."""
+    from fullgraph.ops import sampling
+
+    args = _clouds(device)
+    on_library = sampling.api.BACKENDS.resolve("auto", "farthest_points", args[0].device, torch.float32, 3, 1000,
+                                           "x").name == "cuda"
+    program = torch.export.export(_Sample(), args).run_decompositions(sampling.decompositions())
+    targets = {str(node.target) for node in program.graph.nodes}
+    wanted = "fullgraph_fps.farthest_points.default" if on_library else "fullgraph.farthest_points.default"
+    assert wanted in targets, targets
+    assert torch.equal(program.module()(*args), _Sample()(*args))
+
+
+@pytest.mark.deploy
+def test_the_cpp_runner_runs_fps_with_the_cuda_library_loaded(tmp_path):
+    """Farthest-point sampling on the CUDA extension (``sampling.decompositions``) packaged
+    and run by the C++ program once it loads the extension (RUN_PACKAGE_LIBRARIES): the same
+    indices as Python's."""
+    from fullgraph.ops import sampling
+
+    if shutil.which("cmake") is None or _extension.cpp_compiler() is None:
+        pytest.skip("needs cmake and a C++ compiler")
+    if not sampling.api.BACKENDS.get("cuda").available("cuda"):
+        pytest.skip("needs a GPU with thread-block clusters and the fps extension")
+    args = _clouds("cuda")
+    program = torch.export.export(_Sample(), args).run_decompositions(sampling.decompositions())
+    package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "fps.pt2"))
+    (got,) = _run_with_library(tmp_path, package, args, "fullgraph_fps::farthest_points", sampling.library())
+    assert torch.equal(got, _Sample()(*args).cpu())

@@ -135,6 +135,15 @@ def load_prebuilt(library: Path, what: str) -> bool:
     return True
 
 
+def loaded_library(*names: str) -> Path:
+    """The file of the last library loaded into this process whose file name starts with one
+    of ``names``: what a C++ program that runs a package holding its operators loads first."""
+    found = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name.startswith(names)]
+    if not found:
+        raise ExtensionBuildError(f"no library named {' or '.join(names)}* is loaded")
+    return found[-1]
+
+
 def _built(full_name: str) -> Path | None:
     """The library of this build in torch's extension cache, or None (loading it compiles nothing)."""
     from torch.utils import cpp_extension

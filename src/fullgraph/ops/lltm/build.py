@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..._extension import ExtensionBuildError, build, carried, load_prebuilt, missing_tools, vector_flags
+from ..._extension import (ExtensionBuildError, build, carried, load_prebuilt, loaded_library, missing_tools,
+                           vector_flags)
 
 __all__ = ["ExtensionBuildError", "library", "load", "missing_tools", "prebuilt_library", "vector_flags"]
 
@@ -44,8 +45,7 @@ def library() -> Path:
     """The file of the loaded extension (loading it first): a C++ program that runs an
     AOTInductor package holding ``fullgraph_lltm::forward`` loads it (docs/deploy.md)."""
     load()
-    found = [Path(p) for p in torch.ops.loaded_libraries if Path(p).name.startswith(("_lltm", NAME))]
-    return found[-1]
+    return loaded_library("_lltm", NAME)
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 """Sampling point clouds: farthest point sampling and voxel grids."""
 
-from .api import fps, voxel_grid
+from .api import decompositions, fps, library, voxel_grid
 
-__all__ = ["fps", "voxel_grid"]
+__all__ = ["fps", "voxel_grid", "decompositions", "library"]

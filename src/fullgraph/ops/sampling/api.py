@@ -26,6 +26,7 @@ from ..neighbors.batching import Padded, check_batch
 from ..neighbors.pairs import accumulation_dtype, valid_points, valid_points_and_largest
 from ..scaling import safe_scale
 from .cuda.backend import BACKEND as CUDA_BACKEND
+from .cuda.backend import library  # noqa: F401  (public: sampling.library)
 
 kernels = lazy(f"{__package__}.kernels")
 
@@ -184,6 +185,21 @@ def farthest_points_op(x: torch.Tensor, lengths: torch.Tensor | None, start: tor
 @farthest_points_op.register_fake
 def _(x, lengths, start, count, backend):
     return x.new_empty((x.shape[0], count), dtype=torch.int64)
+
+
+def decompositions() -> dict:
+    """{``fullgraph::farthest_points``: the CUDA extension's ``fullgraph_fps::farthest_points``
+    where a call's backend is "cuda"}, for ``ExportedProgram.run_decompositions``: such a
+    program, and its AOTInductor package, hold the C++ library's operator, which a C++ program
+    runs once it loaded that library (``library()``; docs/deploy.md).
+    Calls on the other backends stay fullgraph's operator."""
+    return {torch.ops.fullgraph.farthest_points.default: _on_the_library}
+
+
+def _on_the_library(x, lengths, start, count, backend):
+    if backend != "cuda":
+        return NotImplemented  # (the table leaves the call as it is)
+    return CUDA_BACKEND.implementation(x, lengths, start, count)
 
 
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, count: int, random_start: bool,

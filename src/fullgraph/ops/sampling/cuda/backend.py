@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .... import backends
-from ...._extension import ExtensionBuildError, build, carried, missing_tools
+from ...._extension import ExtensionBuildError, build, carried, loaded_library, missing_tools
 
 SOURCE = Path(__file__).parent / "csrc" / "farthest_points.cu"
 PREBUILT = Path(__file__).parent / "_fps.so"  # where a wheel built with nvcc carries it (setup.py)
@@ -64,6 +64,20 @@ def _load() -> None:
     except ExtensionBuildError:
         _BUILD_FAILED.append(True)
         raise
+    # The library's operator's shape, so that an exported program can hold it (api.decompositions).
+    torch.library.register_fake("fullgraph_fps::farthest_points", _shape)
+
+
+def _shape(x, lengths, start, count, cluster=0, shared_copy=True):
+    return x.new_empty((x.shape[0], count), dtype=torch.int64)
+
+
+def library() -> Path:
+    """The file of the loaded extension (loading it, or building it, first): a C++ program that
+    runs an AOTInductor package holding ``fullgraph_fps::farthest_points`` loads it
+    (docs/deploy.md)."""
+    _load()
+    return loaded_library("_fps", "fullgraph_fps")
 
 
 def farthest_points(x: torch.Tensor, lengths: torch.Tensor | None, start: torch.Tensor | None,
