@@ -422,11 +422,12 @@ def test_compiles_once(generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("width, count", [(1, 1), (37, 7), (64, 64)])
+@pytest.mark.parametrize("width, count", [(1, 1), (37, 7), (64, 64), (300, 5), (2048, 40), (2000, 600)])
 def test_smallest_in_registers_orders_ties_by_position(width, count, monkeypatch, generator):
-    """The GPU path's row selection (Triton's sort of packed keys): a stable sort's first
-    ``count``, with ties, -0.0 beside 0.0, negatives and +inf; with ``needed``, those rows
-    alike and the programs of the others skipped."""
+    """The GPU path's row selection (the least packed keys: runs sorted and halved, or the
+    whole row sorted where most of it is kept): a stable sort's first ``count``, with ties,
+    -0.0 beside 0.0, negatives and +inf; with ``needed``, those rows alike and the programs
+    of the others skipped."""
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -451,7 +452,7 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
     """The selection of wide rows (a threshold from the minima of classes of positions, the
     values at or below it gathered and sorted): a stable sort's first ``count`` on normal
     rows, rows of few distinct values (more at the threshold than the gathering holds: each
-    block sorted and merged), one value repeated, -0.0 beside 0.0, +inf rows and a row whose
+    piece sorted and merged), one value repeated, -0.0 beside 0.0, +inf rows and a row whose
     least values crowd one class; with ``needed``, those rows alike and the others skipped."""
     from fullgraph.ops.neighbors.dense import kernels as triton_dense
 
