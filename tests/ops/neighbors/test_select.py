@@ -56,6 +56,32 @@ def test_equals_a_stable_sort(kind, dtype, generator):
         assert got.dtype == x.dtype and positions.dtype == torch.int64
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["normal", "ties", "near-ties", "non-finite"])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_tiles_merged_equal_a_stable_sort_of_the_row(kind, dtype, compiled, generator, monkeypatch):
+    """``smallest_after`` a tile at a time (the first tile by ``smallest``) gives the whole
+    row's smallest, NaN last: ties by position in C++; in its torch form (torch.topk orders
+    ties as it likes) the same values at positions holding them."""
+    if not compiled:
+        monkeypatch.setattr(select, "_built", lambda: False)
+    x = rows(kind, dtype, generator)
+    width = x.shape[-1]
+    for take, tile in ((1, 64), (3, 50), (28, 128), (width // 4, 97), (width, width // 3 + 1)):
+        least = None
+        for start in range(0, width, tile):
+            stop = min(start + tile, width)
+            piece = x[..., start:stop]
+            least = (select.smallest(piece, min(take, stop)) if least is None
+                     else select.smallest_after(piece, min(take, stop), least, start))
+        want, want_positions = stable_smallest(x, take)
+        assert torch.equal(least[0].nan_to_num(7.0), want.nan_to_num(7.0)), (kind, take, tile)
+        if compiled:
+            assert torch.equal(least[1], want_positions), (kind, take, tile)
+        else:
+            assert torch.equal(x.gather(-1, least[1]).nan_to_num(7.0), want.nan_to_num(7.0)), (kind, take, tile)
+
+
 def test_any_leading_shape_and_rows_not_contiguous(generator):
     x = torch.randn(3, 2, 5, 500, generator=generator)[..., ::2]
     got, positions = select.smallest(x, 9)

@@ -7,7 +7,8 @@ keeps only the entries under the bound and sorts those, ties to the smaller posi
 torch.topk on the 2-core development CPU: 8 x 2048 rows of 2,048 float32, 28 kept: 18 ms
 against 79 with groups of 2 x take, 29 with groups of take; float32 survivors are sorted as 64-bit (value bits, position) words, which took
 short rows from 5.3 to 3.7 ns a value: 64 x 128 rows of 128, 18 kept, 5.6 -> 4.0 ms against
-topk's 6.8); elsewhere, and where the extension cannot be built, torch.topk.
+topk's 6.8); elsewhere, and where the extension cannot be built, torch.topk. A long row a tile
+at a time: ``smallest_after`` (only a tile's entries below the least so far are kept).
 """
 
 from __future__ import annotations
@@ -57,6 +58,22 @@ def smallest(values: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tenso
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and _built():
         return torch.ops.fullgraph_cpu.smallest(values, take)
     return torch.topk(values, take, dim=-1, largest=False, sorted=True)
+
+
+def smallest_after(values: torch.Tensor, take: int, kept: tuple[torch.Tensor, torch.Tensor],
+                   offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) [..., take]: the smallest of each row of ``kept`` (values and
+    positions [..., t], ascending, NaN last, every position below ``offset``) and of values
+    [..., W] at positions offset + j together, ties to the smaller position: a long row's
+    least, a tile at a time. In C++ only the entries below the kept take-th can enter (one
+    pass over the tile); elsewhere ``smallest`` of the two side by side."""
+    kept_values, kept_positions = kept
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and _built():
+        return torch.ops.fullgraph_cpu.smallest_after(values, take, kept_values, kept_positions, offset)
+    least, positions = smallest(values, min(take, values.shape[-1]))
+    both = torch.cat([kept_values, least], -1)
+    least, at = smallest(both, take)
+    return least, torch.cat([kept_positions, positions + offset], -1).gather(-1, at)
 
 
 def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:

@@ -259,8 +259,8 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
 
 
 # On CPUs the products of a block of queries are made a tile of this many references at a time
-# in one reused buffer (a few MiB: its values stay in the caches), each tile's least selected
-# and merged with the tiles' before.
+# in one reused buffer (a few MiB: its values stay in the caches), each tile's entries below the
+# least so far merged with them (``select.smallest_after``).
 CPU_REFERENCE_TILE = 2048
 
 
@@ -280,13 +280,8 @@ def _least_products(qc, frames: Frames, take: int):
         stop = min(start + CPU_REFERENCE_TILE, columns)
         tile = buffer[:batch * rows * (stop - start)].view(batch, rows, stop - start)
         torch.baddbmm(r_norms[:, None, start:stop], qc, rc[:, start:stop].transpose(1, 2), alpha=-2, out=tile)
-        values, positions = select.smallest(tile, min(take, stop - start))
-        positions += start
-        if least is not None:
-            values, positions = torch.cat([least[0], values], -1), torch.cat([least[1], positions], -1)
-            values, at = select.smallest(values, min(take, values.shape[-1]))
-            positions = positions.gather(-1, at)
-        least = values, positions
+        least = (select.smallest(tile, min(take, stop)) if least is None
+                 else select.smallest_after(tile, min(take, stop), least, start))
     return least
 
 

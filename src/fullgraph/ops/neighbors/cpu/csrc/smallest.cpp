@@ -164,6 +164,91 @@ std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t ta
   return {out_values.reshape(shape), out_indices.reshape(shape)};
 }
 
+// smallest_after(values [..., W], take, kept_values [..., t], kept_positions [..., t], offset):
+// the ``take`` smallest (value, position) of each row's kept list (ascending, NaN last, every
+// position below ``offset``) and the row's own entries at positions offset + j, as
+// ``smallest`` of the two side by side would give them. Where the kept list holds ``take``
+// numbers, only entries below its last can enter (an equal one loses the tie): a tile of a
+// long row is read once, and after the first few tiles few of its entries pass.
+template <typename T>
+void merge_row(const T* row, int64_t size, const T* kept_values, const int64_t* kept_positions, int64_t kept,
+               int64_t take, int64_t offset, std::vector<std::pair<T, int64_t>>& found, T* values, int64_t* indices) {
+  using V = at::vec::Vectorized<T>;
+  found.clear();
+  for (int64_t j = 0; j < kept; ++j) {
+    if (!std::isnan(kept_values[j])) found.emplace_back(kept_values[j], kept_positions[j]);
+  }
+  const bool full = static_cast<int64_t>(found.size()) >= take;
+  const T bound = full ? kept_values[take - 1] : std::numeric_limits<T>::infinity();
+  const V limit(bound);
+  const int all = (1 << V::size()) - 1;
+  int64_t i = 0;
+  for (; i + V::size() <= size; i += V::size()) {
+    const V entries = V::loadu(row + i);
+    const int passing = ~(full ? (entries < limit) : (entries <= limit)).zero_mask() & all;
+    for (int hits = passing; hits != 0; hits &= hits - 1) {
+      const int j = __builtin_ctz(static_cast<unsigned>(hits));
+      found.emplace_back(row[i + j], offset + i + j);
+    }
+  }
+  for (; i < size; ++i) {
+    if (full ? row[i] < bound : row[i] <= bound) found.emplace_back(row[i], offset + i);
+  }
+  if (static_cast<int64_t>(found.size()) >= take) {
+    std::partial_sort(found.begin(), found.begin() + take, found.end(), before<T>);
+  } else {  // fewer numbers than take: NaN entries by position after them, the kept ones first
+    std::sort(found.begin(), found.end(), before<T>);
+    for (int64_t j = 0; j < kept && static_cast<int64_t>(found.size()) < take; ++j) {
+      if (std::isnan(kept_values[j])) found.emplace_back(kept_values[j], kept_positions[j]);
+    }
+    for (int64_t j = 0; j < size && static_cast<int64_t>(found.size()) < take; ++j) {
+      if (std::isnan(row[j])) found.emplace_back(row[j], offset + j);
+    }
+  }
+  write(found, take, values, indices);
+}
+
+std::tuple<at::Tensor, at::Tensor> smallest_after(const at::Tensor& values, int64_t take, const at::Tensor& kept_values,
+                                                  const at::Tensor& kept_positions, int64_t offset) {
+  TORCH_CHECK(values.device().is_cpu() && (values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble) &&
+                  values.dim() >= 1,
+              "values: expected a float32 or float64 CPU tensor of at least one dimension, got ", values.scalar_type(),
+              " of shape ", values.sizes(), " on ", values.device());
+  const int64_t size = values.size(-1), kept = kept_values.size(-1);
+  TORCH_CHECK(kept_values.scalar_type() == values.scalar_type() && kept_positions.scalar_type() == at::kLong &&
+                  kept_values.sizes() == kept_positions.sizes() && kept_values.dim() == values.dim() &&
+                  kept_values.sizes().slice(0, values.dim() - 1) == values.sizes().slice(0, values.dim() - 1),
+              "kept_values, kept_positions: expected [..., t] of values' dtype and int64 with values' leading shape");
+  TORCH_CHECK(take >= 0 && take <= size + kept, "take: expected 0 to ", size + kept, ", got ", take);
+  const at::Tensor rows = values.contiguous().reshape({-1, size});
+  const at::Tensor old_values = kept_values.contiguous().reshape({-1, kept});
+  const at::Tensor old_positions = kept_positions.contiguous().reshape({-1, kept});
+  const int64_t count = rows.size(0);
+  std::vector<int64_t> shape(values.sizes().begin(), values.sizes().end());
+  shape.back() = take;
+  at::Tensor out_values = at::empty({count, take}, values.options());
+  at::Tensor out_indices = at::empty({count, take}, values.options().dtype(at::kLong));
+  if (count > 0 && take > 0) {
+    AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "smallest_after", [&] {
+      const scalar_t* source = rows.data_ptr<scalar_t>();
+      const scalar_t* previous = old_values.data_ptr<scalar_t>();
+      const int64_t* previous_at = old_positions.data_ptr<int64_t>();
+      scalar_t* target = out_values.data_ptr<scalar_t>();
+      int64_t* positions = out_indices.data_ptr<int64_t>();
+      const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(size, 1));
+      at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+        std::vector<std::pair<scalar_t, int64_t>> found;
+        found.reserve(kept + 64);
+        for (int64_t r = first; r < last; ++r) {
+          merge_row(source + r * size, size, previous + r * kept, previous_at + r * kept, kept, take, offset, found,
+                    target + r * take, positions + r * take);
+        }
+      });
+    });
+  }
+  return {out_values.reshape(shape), out_indices.reshape(shape)};
+}
+
 // nearest_within(d [B, M, N], query_ok [B, M] bool, ref_ok [B, N] bool, within [B], take)
 //   -> (values [B, M, take], positions [B, M, take] int64, counts [B, M] int64):
 // of the distances d (>= 0) of every pair of each item, the valid pairs at or within
@@ -239,10 +324,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
 
 TORCH_LIBRARY(fullgraph_cpu, m) {
   m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)");
+  m.def("smallest_after(Tensor values, int take, Tensor kept_values, Tensor kept_positions, int offset) -> (Tensor, Tensor)");
   m.def("nearest_within(Tensor d, Tensor query_ok, Tensor ref_ok, Tensor within, int take) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("smallest", &smallest);
+  m.impl("smallest_after", &smallest_after);
   m.impl("nearest_within", &nearest_within);
 }
