@@ -328,6 +328,35 @@ def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outs
     assert dense._auto("cuda", torch.float32, 64, 10) and dense._auto("cuda", torch.float32, 2048, 10)
 
 
+@pytest.mark.parametrize("case", ["usual", "offset", "nan", "far out", "tiny", "ragged"])
+def test_usual_cpu_clouds_are_framed_from_their_norms(case, generator):
+    """On CPUs a cloud of valid, unscaled points whose mean reference lies near the origin is
+    framed from its squared norms (the clouds themselves the products' operands); any other
+    cloud is centred and scaled as before. Either way the lists are the reference's, bit for bit."""
+    query, ref = (t.float() for t in _clouds("normal", 24, generator, rows=60, columns=300))
+    query, ref = torch.stack([query, query.flip(1)]), torch.stack([ref, ref * 0.5])
+    lengths = (None, None)
+    if case == "offset":
+        query, ref = query + 3, ref + 3
+    if case == "nan":
+        ref[1, 17, 3] = math.nan
+    if case == "far out":
+        query, ref = query * 2.0**45, ref * 2.0**45
+    if case == "tiny":
+        query, ref = query * 2.0**-40, ref * 2.0**-40
+    if case == "ragged":
+        lengths = (torch.tensor([60, 31]), torch.tensor([300, 120]))
+    frames = dense.Frames(query, ref, *lengths, torch.float32)
+    assert (frames.qc is query and frames.rc is ref) == (case == "usual")
+    assert case == "ragged" or torch.equal(frames.largest, torch.maximum(query.abs().nan_to_num(0).amax((1, 2)),
+                                                                      ref.abs().nan_to_num(0, 0, 0).amax((1, 2)))
+                                            / frames.scale[:, 0])
+    for k in (1, 9, 300):
+        got = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="dense")
+        want = fullgraph.knn(query, ref, k, query_lengths=lengths[0], ref_lengths=lengths[1], backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
 def test_products_in_reference_tiles_select_what_the_whole_rows_select(distribution, monkeypatch, generator):
     """On CPUs the products are selected a tile of references at a time, the tiles' least

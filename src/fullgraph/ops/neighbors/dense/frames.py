@@ -9,9 +9,14 @@ import torch
 
 from ...._triton import lazy
 from .. import pairs, reference
+from ... import scaling
 from ...scaling import large_on_cpu
 
 triton_dense = lazy(f"{__package__}.kernels")
+
+# On CPUs the clouds stay uncentred while their mean reference lies within 1 / CENTRED_SHARE of
+# the farthest reference from the origin (``Frames._from_norms``).
+CENTRED_SHARE = 8
 
 
 def _squared_norms(x: torch.Tensor) -> torch.Tensor:
@@ -27,11 +32,15 @@ class Frames:
     """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
     invalid rows zeroed (``qc``, ``rc``, the operands of the products; their squared norms
-    ``q_norms``, ``r_norms``, +inf at invalid references). Built by torch here;
+    ``q_norms``, ``r_norms``, +inf at invalid references; the usual CPU clouds stay uncentred,
+    ``_from_norms``). Built by torch here;
     on GPUs by ``triton_dense.frames`` (``Frames.of``: the same scaled clouds, the centre
     summed in another order). Each cloud's valid rows: ``query_ok`` [B, M], ``ref_ok`` [B, N]."""
 
     def __init__(self, query, ref, query_lengths, ref_lengths, acc):
+        if (not query.is_cuda and query_lengths is None and ref_lengths is None and query.dtype == ref.dtype == acc
+                and query.shape[-1] and self._from_norms(query, ref)):
+            return
         self.query_ok, query_largest = pairs.valid_points_and_largest(query, query_lengths)
         self.ref_ok, ref_largest = pairs.valid_points_and_largest(ref, ref_lengths)
         query_ok, ref_ok = self.query_ok, self.ref_ok
@@ -56,6 +65,42 @@ class Frames:
         self.reach = r_norms.amax(-1, keepdim=True).sqrt()  # [B, 1]
         # +inf for invalid references (zero rows): their products come out +inf, no mask pass.
         self.r_norms = r_norms.masked_fill(~ref_ok, math.inf)
+
+    def _from_norms(self, query, ref) -> bool:
+        """The usual CPU clouds (every point valid, no item scaled, the mean reference near the
+        origin for the cloud's spread) framed from their squared norms alone: no |coordinate|
+        pass, the clouds themselves the products' operands. False (nothing set) otherwise.
+
+        Finite norms make every coordinate finite, and an item whose largest squared norm lies
+        in [D 2^-56, 2^78] has its largest |coordinate| in [2^-30, 2^40], where no scale applies
+        (``scaling.safe_scale``; the bounds leave the norms' rounding a margin). Where the mean
+        reference is within 1 / CENTRED_SHARE of the farthest reference from the origin, centring
+        would narrow the products' error bound by little (``reach``): 2-core CPU, 16 x 256^2
+        D=256 k=16, 13.8 -> 11.1 ms a call with the |coordinate| pass, the centred copies and
+        their norms left out."""
+        q_norms, r_norms = _squared_norms(query), _squared_norms(ref)
+        top = torch.maximum(q_norms.amax(-1), r_norms.amax(-1))  # [B] (NaN propagates)
+        centre = ref.mean(1)
+        usual = (top <= 2.0**78) & (top >= query.shape[-1] * 2.0**-56)
+        usual &= (centre * centre).sum(-1) * CENTRED_SHARE**2 <= r_norms.amax(-1)
+        if not bool(usual.all()):
+            return False
+        batch, device = query.shape[0], query.device
+        self.query_ok = torch.ones(query.shape[:2], dtype=torch.bool, device=device)
+        self.ref_ok = torch.ones(ref.shape[:2], dtype=torch.bool, device=device)
+        self.scale = torch.ones((batch, 1), dtype=query.dtype, device=device)
+        self.q = self.qc = query
+        self.r = self.rc = ref
+        self.q_norms, self.r_norms = q_norms, r_norms
+        self.reach = r_norms.amax(-1, keepdim=True).sqrt()
+        return True
+
+    def __getattr__(self, name):
+        if name == "largest":  # (frames from their norms: what ``halves`` reads, made when read)
+            largest = torch.maximum(scaling.magnitude(self.q).amax(-1), scaling.magnitude(self.r).amax(-1))
+            self.largest = largest / self.scale[:, 0]
+            return self.largest
+        raise AttributeError(name)
 
     @classmethod
     def of(cls, parts: dict) -> Frames:
