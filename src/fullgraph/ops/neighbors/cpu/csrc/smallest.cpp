@@ -133,19 +133,27 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   write(found, take, values, indices);
 }
 
-std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t take) {
+void check_values(const at::Tensor& values) {
   TORCH_CHECK(values.device().is_cpu() && (values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble) &&
                   values.dim() >= 1,
               "values: expected a float32 or float64 CPU tensor of at least one dimension, got ", values.scalar_type(),
               " of shape ", values.sizes(), " on ", values.device());
+}
+
+// (values [count, take] of values' dtype, positions [count, take] int64), unfilled.
+std::pair<at::Tensor, at::Tensor> lists(const at::Tensor& values, int64_t count, int64_t take) {
+  return {at::empty({count, take}, values.options()), at::empty({count, take}, values.options().dtype(at::kLong))};
+}
+
+std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t take) {
+  check_values(values);
   const int64_t size = values.size(-1);
   TORCH_CHECK(take >= 0 && take <= size, "take: expected 0 to ", size, " (the rows' length), got ", take);
   const at::Tensor rows = values.contiguous().reshape({-1, size});
   const int64_t count = rows.size(0);
   std::vector<int64_t> shape(values.sizes().begin(), values.sizes().end());
   shape.back() = take;
-  at::Tensor out_values = at::empty({count, take}, values.options());
-  at::Tensor out_indices = at::empty({count, take}, values.options().dtype(at::kLong));
+  auto [out_values, out_indices] = lists(values, count, take);
   if (count > 0 && take > 0) {
     AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "smallest", [&] {
       const scalar_t* source = rows.data_ptr<scalar_t>();
@@ -210,10 +218,7 @@ void merge_row(const T* row, int64_t size, const T* kept_values, const int64_t* 
 
 std::tuple<at::Tensor, at::Tensor> smallest_after(const at::Tensor& values, int64_t take, const at::Tensor& kept_values,
                                                   const at::Tensor& kept_positions, int64_t offset) {
-  TORCH_CHECK(values.device().is_cpu() && (values.scalar_type() == at::kFloat || values.scalar_type() == at::kDouble) &&
-                  values.dim() >= 1,
-              "values: expected a float32 or float64 CPU tensor of at least one dimension, got ", values.scalar_type(),
-              " of shape ", values.sizes(), " on ", values.device());
+  check_values(values);
   const int64_t size = values.size(-1), kept = kept_values.size(-1);
   TORCH_CHECK(kept_values.scalar_type() == values.scalar_type() && kept_positions.scalar_type() == at::kLong &&
                   kept_values.sizes() == kept_positions.sizes() && kept_values.dim() == values.dim() &&
@@ -226,8 +231,7 @@ std::tuple<at::Tensor, at::Tensor> smallest_after(const at::Tensor& values, int6
   const int64_t count = rows.size(0);
   std::vector<int64_t> shape(values.sizes().begin(), values.sizes().end());
   shape.back() = take;
-  at::Tensor out_values = at::empty({count, take}, values.options());
-  at::Tensor out_indices = at::empty({count, take}, values.options().dtype(at::kLong));
+  auto [out_values, out_indices] = lists(values, count, take);
   if (count > 0 && take > 0) {
     AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "smallest_after", [&] {
       const scalar_t* source = rows.data_ptr<scalar_t>();
