@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).parents[1]
 # Development-stage numbers and run ids: "session" or "run(s)" followed by a number or a
 # two-letter id, and "-run-" plus such an id in a file name.
-HISTORY = re.compile(r"\b[Ss]ession ?\d+|\bruns? [A-Z]{2}\b|-run-[A-Z]{1,2}\b")
+HISTORY = re.compile(r"\b[Ss]essions? ?\d+|\bruns? [A-Z]{2}\b|-run-[A-Z]{1,2}\b")
 
 
 def _tracked() -> list[Path]:
@@ -40,6 +40,7 @@ def test_no_stage_numbers_or_run_ids_in_tracked_files():
 def test_the_pattern_catches_history_and_spares_prose():
     assert HISTORY.search("graphed 0.42 ms (session %d)" % 31) and HISTORY.search("H100, run %s: 0.5 ms" % "XB")
     assert HISTORY.search("runs CC and CD") and HISTORY.search("tests-dense-run-YA.log")
+    assert HISTORY.search("whole steps, sessions %d-%d" % (27, 28))
     assert not HISTORY.search("each call runs on a CUDA device") and not HISTORY.search("a run of equal values")
     assert not HISTORY.search("fullgraph bench --runs N")
 
