@@ -57,6 +57,23 @@ def test_equals_a_stable_sort(kind, dtype, generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_of_any_length_equal_a_stable_sort(dtype, generator):
+    """Short rows of every length around the vectors' (the survivors ranked in vectors where
+    few pass the bound), with ties among the survivors, signed zeros and infinities."""
+    for width in (1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 513):
+        x = torch.randn(3, 37, width, generator=generator, dtype=dtype)
+        x[1] = torch.randint(-20, 20, (37, width), generator=generator).to(dtype) / 4  # ties, -0 and 0
+        x[1, :, ::7] *= -0.0
+        x[2, :, ::5] = -math.inf
+        x[2, :, 1::9] = math.inf
+        for take in sorted({0, 1, min(3, width), min(24, width), width // 2, width}):
+            got, positions = select.smallest(x, take)
+            want, want_positions = stable_smallest(x, take)
+            assert torch.equal(positions, want_positions), (width, take)
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (width, take)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["normal", "ties", "near-ties", "non-finite"])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_tiles_merged_equal_a_stable_sort_of_the_row(kind, dtype, compiled, generator, monkeypatch):
@@ -172,3 +189,31 @@ def test_the_brute_force_ops_check_their_contract(generator):
         select.nearest_within(d, query_ok, ref_ok, torch.zeros(2, dtype=torch.float64), 3)
     with pytest.raises(ValueError, match="take: expected an int from 0 to 6"):
         select.nearest_within(d, query_ok, ref_ok, torch.zeros(2), 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_products_biased_in_the_selection_equal_the_biased_products(dtype, generator):
+    """smallest_of_products(p, bias) is smallest(bias - 2 p), each value rounded once."""
+    p = torch.randn(3, 70, 300, generator=generator, dtype=dtype) * 10
+    bias = torch.randn(3, 300, generator=generator, dtype=dtype) ** 2
+    bias[1, ::4] = bias[1, 1::4]  # ties
+    for take in (1, 24, 150, 300):
+        got = select.smallest_of_products(p, bias, take)
+        want = stable_smallest(bias[:, None, :] - 2 * p, take)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), take
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lists_ordered_in_cpp_equal_pairs_order_by_distance(dtype, generator):
+    """select.order_by_distance orders complete lists as pairs.order_by_distance does: by
+    distance, ties (duplicates, zeros) to the smaller position."""
+    from fullgraph.ops.neighbors import pairs
+
+    for width in (1, 7, 24, 100, 200):
+        d = torch.randint(0, 6, (2, 30, width), generator=generator).to(dtype) / 3  # ties and zeros
+        d[0] = torch.rand(30, width, generator=generator, dtype=dtype)
+        positions = torch.stack([torch.randperm(1000, generator=generator)[:width] for _ in range(60)])
+        positions = positions.reshape(2, 30, width)
+        got = select.order_by_distance(d, positions)
+        want = pairs.order_by_distance(d, positions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), width

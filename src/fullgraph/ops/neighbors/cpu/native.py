@@ -60,6 +60,15 @@ def smallest(values: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.topk(values, take, dim=-1, largest=False, sorted=True)
 
 
+def smallest_of_products(products: torch.Tensor, bias: torch.Tensor, take: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``smallest`` of bias[b, j] - 2 products[b, i, j] (products [B, M, N], bias [B, N]; take
+    <= N): the dense backend's expanded values without writing them first (in C++ a row
+    biased at a time, where torch.baddbmm copies the bias into every row before multiplying)."""
+    if products.device.type == "cpu" and products.dtype in (torch.float32, torch.float64) and _built():
+        return torch.ops.fullgraph_cpu.smallest_of_products(products, bias, take)
+    return smallest(bias[:, None, :] - 2 * products, take)
+
+
 def smallest_after(values: torch.Tensor, take: int, kept: tuple[torch.Tensor, torch.Tensor],
                    offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, indices) [..., take]: the smallest of each row of ``kept`` (values and
@@ -86,6 +95,17 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
         return None
     _check_measure(q, r, candidates)
     return torch.ops.fullgraph_cpu.squared_distances(q, r, candidates)
+
+
+def order_by_distance(d: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pairs.order_by_distance`` of complete lists: d [B, M, C] (>= 0, not NaN) and their
+    positions [B, M, C] (int64 >= 0, distinct in a row) ordered by (distance, position), in
+    one C++ pass a row where the extension runs."""
+    if d.device.type == "cpu" and d.dtype in (torch.float32, torch.float64) and d.dim() == 3 and _built():
+        return torch.ops.fullgraph_cpu.order_by_distance(d, positions)
+    from ..pairs import order_by_distance
+
+    return order_by_distance(d, positions)
 
 
 def _check_clouds(q: torch.Tensor, r: torch.Tensor) -> None:

@@ -216,6 +216,8 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
     exact = _remeasure(q, frames.r, candidates)
+    if not q.is_cuda and radius == math.inf and inside is None and bool(ref_ok.all()):
+        return select.order_by_distance(exact, candidates)  # nothing to drop (one C++ pass)
     keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
     keep &= exact * frames.scale[..., None] <= radius
     if inside is not None:
@@ -271,8 +273,10 @@ def _least_products(qc, frames: Frames, take: int):
     the tiles' take least."""
     rc, r_norms = frames.rc, frames.r_norms
     columns = rc.shape[1]
-    if qc.is_cuda or columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM:
+    if qc.is_cuda:
         return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
+    if columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM:
+        return select.smallest_of_products(torch.bmm(qc, rc.transpose(1, 2)), r_norms, take)
     batch, rows, _ = qc.shape
     buffer = torch.empty(batch * rows * CPU_REFERENCE_TILE, dtype=qc.dtype)
     least = None
@@ -755,7 +759,7 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
 # measured count, in ratio).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**21), (32, 2**20), (128, 2**17)),
+    2: ((8, 2**19), (16, 2**18), (32, 2**16)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 

@@ -18,6 +18,8 @@
 #include <utility>
 #include <vector>
 
+#include "ranking.h"
+
 namespace {
 
 constexpr int64_t kGrainValues = 1 << 15;  // values a task reads before rows are split across threads
@@ -52,11 +54,7 @@ inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, 
                            float* values, int64_t* indices) {
   std::vector<uint64_t>& words = scratch<uint64_t>(static_cast<int64_t>(found.size()));
   for (size_t j = 0; j < found.size(); ++j) {
-    uint32_t bits;
-    const float value = found[j].first + 0.0f;  // -0 -> +0
-    std::memcpy(&bits, &value, sizeof bits);
-    bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    words[j] = (static_cast<uint64_t>(bits) << 32) | static_cast<uint32_t>(found[j].second);
+    words[j] = fullgraph_ranking::word(found[j].first, static_cast<uint32_t>(found[j].second));
   }
   if (static_cast<int64_t>(words.size()) > 2 * take) {  // many survivors: the take least first
     std::nth_element(words.begin(), words.begin() + (take - 1), words.end());
@@ -68,6 +66,84 @@ inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, 
     indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
     values[j] = row[indices[j]];
   }
+}
+
+#ifdef FULLGRAPH_RANKS_IN_VECTORS
+using fullgraph_ranking::kRankedMax;
+using fullgraph_ranking::rank_words;
+
+// The 64-bit words (fullgraph_ranking::word) of float32 values v [16] at positions p, in two
+// vectors of 8.
+inline std::pair<__m512i, __m512i> words_of(__m512 v, __m512i p) {
+  const __m512i bits = _mm512_castps_si512(_mm512_add_ps(v, _mm512_setzero_ps()));
+  const __m512i keys = _mm512_mask_mov_epi32(_mm512_or_si512(bits, _mm512_set1_epi32(INT32_MIN)),
+                                             _mm512_movepi32_mask(bits), _mm512_xor_si512(bits, _mm512_set1_epi32(-1)));
+  const auto word = [](__m256i key, __m256i position) {
+    return _mm512_or_si512(_mm512_slli_epi64(_mm512_cvtepu32_epi64(key), 32), _mm512_cvtepu32_epi64(position));
+  };
+  return {word(_mm512_castsi512_si256(keys), _mm512_castsi512_si256(p)),
+          word(_mm512_extracti64x4_epi64(keys, 1), _mm512_extracti64x4_epi64(p, 1))};
+}
+
+// The take least of ``row``'s entries at or below ``bound`` (no NaN passes), in (value,
+// position) order, written out by their words' ranks; false (nothing written) where fewer
+// than take or more than kRankedMax pass.
+inline bool rank_survivors(const float* row, int64_t size, int64_t take, float bound, float* values,
+                           int64_t* indices) {
+  uint64_t* words = scratch<uint64_t>(size + 32).data();  // room for whole vectors past the last
+  const __m512 limit = _mm512_set1_ps(bound);
+  const __m512i step = _mm512_set1_epi32(16);
+  __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t count = 0;
+  for (int64_t i = 0; i < size; i += 16, at = _mm512_add_epi32(at, step)) {
+    const __mmask16 inside = size - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (size - i)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(inside, row + i);
+    const __mmask16 pass = _mm512_mask_cmp_ps_mask(inside, v, limit, _CMP_LE_OQ);
+    if (pass == 0) continue;
+    const auto [low, high] = words_of(v, at);
+    // compressed in registers, stored whole (a compressing store to memory is slow on some CPUs)
+    _mm512_storeu_si512(words + count, _mm512_maskz_compress_epi64(__mmask8(pass), low));
+    count += __builtin_popcount(pass & 0xFFu);
+    _mm512_storeu_si512(words + count, _mm512_maskz_compress_epi64(__mmask8(pass >> 8), high));
+    count += __builtin_popcount(pass >> 8);
+  }
+  if (count > kRankedMax || count < take) return false;
+  rank_words(words, count, take, [&](int rank, uint64_t word) {
+    indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
+    values[rank] = row[indices[rank]];
+    return false;
+  });
+  return true;
+}
+#endif
+
+// The take-th smallest of ``least`` (no NaN), which it reorders.
+template <typename T>
+T take_th(std::vector<T>& least, int64_t take) {
+#ifdef FULLGRAPH_RANKS_IN_VECTORS
+  if constexpr (std::is_same_v<T, float>) {
+    const int64_t count = static_cast<int64_t>(least.size());
+    if (count <= kRankedMax) {  // the minimum whose (value, group) word ranks take - 1
+      alignas(64) uint64_t words[kRankedMax + 16];
+      const __m512i step = _mm512_set1_epi32(16);
+      __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int64_t i = 0; i < count; i += 16, at = _mm512_add_epi32(at, step)) {
+        const __mmask16 inside = count - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (count - i)) - 1);
+        const auto [low, high] = words_of(_mm512_maskz_loadu_ps(inside, least.data() + i), at);
+        _mm512_storeu_si512(words + i, low);
+        _mm512_storeu_si512(words + i + 8, high);
+      }
+      float found = 0.0f;
+      rank_words(words, count, take, [&](int rank, uint64_t word) {
+        found = least[word & 0xFFFFFFFFu];
+        return rank == take - 1;  // the one sought: no more to rank
+      });
+      return found;
+    }
+  }
+#endif
+  std::nth_element(least.begin(), least.begin() + (take - 1), least.end());
+  return least[take - 1];
 }
 
 // One row: an upper bound of its take-th smallest value first (the take-th smallest of the
@@ -100,9 +176,14 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
     std::vector<T>& least = scratch<T>(groups);
     for (int64_t set = 0; set < sets; ++set) lanes[set].store(least.data() + set * V::size());
     for (; i < size; ++i) least[i % groups] = row[i] < least[i % groups] ? row[i] : least[i % groups];
-    std::nth_element(least.begin(), least.begin() + (take - 1), least.end());  // no NaN among minima
-    bound = least[take - 1] < infinity ? least[take - 1] : infinity;  // fewer than take finite minima bound nothing
+    bound = take_th(least, take);
+    if (!(bound < infinity)) bound = infinity;  // fewer than take finite minima bound nothing
   }
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (size <= (int64_t{1} << 31) && rank_survivors(row, size, take, bound, values, indices)) return;
+  }
+#endif
   found.clear();
   const V limit(bound);
   const int all = (1 << V::size()) - 1;
@@ -170,6 +251,45 @@ std::tuple<at::Tensor, at::Tensor> smallest(const at::Tensor& values, int64_t ta
     });
   }
   return {out_values.reshape(shape), out_indices.reshape(shape)};
+}
+
+// smallest_of_products(products [B, M, N], bias [B, N], take) -> (values, positions [B, M, take]):
+// ``smallest`` of bias[b, j] - 2 products[b, i, j] (each rounded once, as torch rounds them), a
+// row biased at a time in a per-thread buffer: the dense backend's products without
+// torch.baddbmm's copy of the bias into every row first.
+std::tuple<at::Tensor, at::Tensor> smallest_of_products(const at::Tensor& products, const at::Tensor& bias,
+                                                        int64_t take) {
+  check_values(products);
+  TORCH_CHECK(products.dim() == 3, "products: expected [B, M, N], got shape ", products.sizes());
+  const int64_t batch = products.size(0), height = products.size(1), size = products.size(2);
+  TORCH_CHECK(bias.scalar_type() == products.scalar_type() && bias.device().is_cpu() &&
+                  bias.sizes() == at::IntArrayRef({batch, size}),
+              "bias: expected [B, N] = [", batch, ", ", size, "] of products' dtype, got ", bias.scalar_type(),
+              " of shape ", bias.sizes());
+  TORCH_CHECK(take >= 0 && take <= size, "take: expected 0 to ", size, " (the rows' length), got ", take);
+  const at::Tensor rows = products.contiguous(), offsets = bias.contiguous();
+  auto [out_values, out_indices] = lists(products, batch * height, take);
+  if (batch * height > 0 && take > 0) {
+    AT_DISPATCH_FLOATING_TYPES(products.scalar_type(), "smallest_of_products", [&] {
+      const scalar_t* source = rows.data_ptr<scalar_t>();
+      const scalar_t* shift = offsets.data_ptr<scalar_t>();
+      scalar_t* target = out_values.data_ptr<scalar_t>();
+      int64_t* positions = out_indices.data_ptr<int64_t>();
+      const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(size, 1));
+      at::parallel_for(0, batch * height, grain, [&](int64_t first, int64_t last) {
+        std::vector<std::pair<scalar_t, int64_t>> kept;
+        kept.reserve(size);
+        std::vector<scalar_t> biased(size);
+        for (int64_t r = first; r < last; ++r) {
+          const scalar_t* row = source + r * size;
+          const scalar_t* offset = shift + (r / height) * size;
+          for (int64_t j = 0; j < size; ++j) biased[j] = offset[j] - scalar_t(2) * row[j];
+          select_row(biased.data(), size, take, kept, target + r * take, positions + r * take);
+        }
+      });
+    });
+  }
+  return {out_values.reshape({batch, height, take}), out_indices.reshape({batch, height, take})};
 }
 
 // smallest_after(values [..., W], take, kept_values [..., t], kept_positions [..., t], offset):
@@ -328,12 +448,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
 
 TORCH_LIBRARY(fullgraph_cpu, m) {
   m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)");
+  m.def("smallest_of_products(Tensor products, Tensor bias, int take) -> (Tensor, Tensor)");
   m.def("smallest_after(Tensor values, int take, Tensor kept_values, Tensor kept_positions, int offset) -> (Tensor, Tensor)");
   m.def("nearest_within(Tensor d, Tensor query_ok, Tensor ref_ok, Tensor within, int take) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("smallest", &smallest);
+  m.impl("smallest_of_products", &smallest_of_products);
   m.impl("smallest_after", &smallest_after);
   m.impl("nearest_within", &nearest_within);
 }

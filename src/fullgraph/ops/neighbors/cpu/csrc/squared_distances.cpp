@@ -13,8 +13,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
+
+#include "ranking.h"
 
 // Built with -ffp-contract=off (cpu/native.py): every product and sum is rounded on
 // its own, as torch's element-wise kernels round them; -mfma would otherwise let the compiler
@@ -193,13 +199,15 @@ at::Tensor measure_all(const at::Tensor& q, const at::Tensor& r) {
   return out;
 }
 
-at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates) {
-  check_clouds(q, r);
+void check_candidates(const at::Tensor& q, const at::Tensor& candidates) {
   TORCH_CHECK(candidates.device().is_cpu() && candidates.scalar_type() == at::kLong && candidates.dim() == 3 &&
                   candidates.size(0) == q.size(0) && candidates.size(1) == q.size(1),
               "candidates: expected an int64 CPU tensor [B, M, C] with q's B and M (", q.sizes(), "), got ",
               candidates.scalar_type(), " of shape ", candidates.sizes(), " on ", candidates.device());
-  const int64_t columns = r.size(1);
+}
+
+// The candidates, contiguous, once every position is known to lie in [0, columns).
+at::Tensor checked_positions(const at::Tensor& candidates, int64_t columns) {
   const at::Tensor positions = candidates.contiguous();
   if (positions.numel() > 0) {
     const auto [low, high] = at::aminmax(positions);
@@ -207,7 +215,64 @@ at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at:
                 "candidates: expected positions in [0, ", columns, ") (r's rows), got ", low.item<int64_t>(), " to ",
                 high.item<int64_t>());
   }
+  return positions;
+}
+
+at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates) {
+  check_clouds(q, r);
+  check_candidates(q, candidates);
+  const at::Tensor positions = checked_positions(candidates, r.size(1));
   return measure(q, r, positions.data_ptr<int64_t>(), positions.size(2));
+}
+
+// order_by_distance(distances [B, M, C] >= 0, positions [B, M, C] int64 >= 0, distinct in a row)
+//   -> both ordered by (distance, position) in each row, as pairs.order_by_distance orders
+// complete lists: the dense backend's re-measured kNN lists on CPUs (torch's keys, sort and
+// gathers took ~8 operators of tens of microseconds each).
+std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances, const at::Tensor& positions) {
+  TORCH_CHECK(distances.device().is_cpu() && (distances.scalar_type() == at::kFloat ||
+                                              distances.scalar_type() == at::kDouble) && distances.dim() == 3,
+              "distances: expected a float32 or float64 CPU tensor [B, M, C], got ", distances.scalar_type(),
+              " of shape ", distances.sizes());
+  TORCH_CHECK(positions.device().is_cpu() && positions.scalar_type() == at::kLong &&
+                  positions.sizes() == distances.sizes(),
+              "positions: expected int64 of distances' shape ", distances.sizes(), ", got ", positions.scalar_type(),
+              " of shape ", positions.sizes());
+  at::Tensor values = distances.contiguous().clone(), order = positions.contiguous().clone();
+  const int64_t take = values.size(2), count = values.size(0) * values.size(1);
+  AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "order_by_distance", [&] {
+    scalar_t* found = values.data_ptr<scalar_t>();
+    int64_t* found_at = order.data_ptr<int64_t>();
+    const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
+    at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+      std::vector<uint64_t> words(take + 8);
+      std::vector<std::pair<scalar_t, int64_t>> pairs(take);
+      for (int64_t row = first; row < last; ++row) {
+        scalar_t* value = found + row * take;
+        int64_t* at = found_at + row * take;
+        bool in_words = std::is_same_v<scalar_t, float>;
+        for (int64_t j = 0; j < take; ++j) in_words &= at[j] >= 0 && at[j] <= UINT32_MAX;
+        if (in_words) {  // distances >= 0: their bits order as they do
+          for (int64_t j = 0; j < take; ++j) {
+            words[j] = fullgraph_ranking::word(static_cast<float>(value[j]), static_cast<uint32_t>(at[j]));
+          }
+          fullgraph_ranking::rank_words(words.data(), take, take, [&](int rank, uint64_t word) {
+            value[rank] = static_cast<scalar_t>(fullgraph_ranking::value_of(word));
+            at[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
+            return false;
+          });
+          continue;
+        }
+        for (int64_t j = 0; j < take; ++j) pairs[j] = {value[j], at[j]};
+        std::sort(pairs.begin(), pairs.end());
+        for (int64_t j = 0; j < take; ++j) {
+          value[j] = pairs[j].first;
+          at[j] = pairs[j].second;
+        }
+      }
+    });
+  });
+  return {values, order};
 }
 
 // squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
@@ -223,9 +288,11 @@ at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
 TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
   m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
+  m.def("order_by_distance(Tensor distances, Tensor positions) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("squared_distances", &squared_distances);
   m.impl("squared_distances_all", &squared_distances_all);
+  m.impl("order_by_distance", &order_by_distance);
 }
