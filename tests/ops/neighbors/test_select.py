@@ -217,3 +217,26 @@ def test_lists_ordered_in_cpp_equal_pairs_order_by_distance(dtype, generator):
         got = select.order_by_distance(d, positions)
         want = pairs.order_by_distance(d, positions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), width
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_bounded_measures_leave_out_only_candidates_beyond_the_least(dtype, generator):
+    """With floors, a row's candidates from the first whose floor lies above the largest of its
+    first ``least`` squared distances stay +inf; every other one is measured, bit for bit."""
+    q = torch.randn(2, 50, 33, generator=generator, dtype=dtype)
+    r = torch.randn(2, 80, 33, generator=generator, dtype=dtype)
+    r[:, 40:] = r[:, :40]  # duplicates: equal distances
+    candidates = torch.stack([torch.randperm(80, generator=generator)[:20] for _ in range(100)]).reshape(2, 50, 20)
+    exact = select.squared_distances(q, r, candidates)
+    floors = exact.sort(-1).values * 0.999  # ascending, each under a distance
+    for least in (1, 5, 20):
+        got = select.squared_distances(q, r, candidates, floors, least)
+        measured = torch.isfinite(got)
+        assert torch.equal(got[measured], exact[measured])
+        assert bool(measured[..., :least].all())
+        largest = exact[..., :least].amax(-1, keepdim=True)
+        first_left = (~measured).int().argmax(-1, keepdim=True)
+        left = ~measured.all(-1, keepdim=True)
+        assert bool((floors.gather(-1, first_left) > largest)[left].all())
+        assert bool((floors <= largest * (1 + 2**-17))[measured & (torch.arange(20) >= least)].all())
+        assert bool(left.any()) or least == 20

@@ -85,15 +85,21 @@ def smallest_after(values: torch.Tensor, take: int, kept: tuple[torch.Tensor, to
     return least, torch.cat([kept_positions, positions + offset], -1).gather(-1, at)
 
 
-def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor | None:
+def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor,
+                      floors: torch.Tensor | None = None, least: int = 0) -> torch.Tensor | None:
     """[B, M, C]: the squared distances from q [B, M, D] to the rows ``candidates`` [B, M, C]
     (int64, in [0, N)) of r [B, N, D], in ``pairs.squared_difference``'s order, bit for bit
     (``csrc/squared_distances.cpp``: each candidate row read once, nothing of [B, M, C, D]
-    gathered); None where it does not run (not CPU float32/float64, D = 0, no extension)."""
+    gathered); None where it does not run (not CPU float32/float64, D = 0, no extension).
+    With ``floors`` [B, M, C] (ascending in a row, each under its candidate's squared
+    distance) and ``least`` >= 1: a row's candidates from the first whose floor lies above the
+    largest of its first ``least`` are left at +inf (none of them is among its least nearest)."""
     if (q.device.type != "cpu" or q.dtype not in (torch.float32, torch.float64) or q.shape[-1] == 0
             or not _built()):
         return None
     _check_measure(q, r, candidates)
+    if floors is not None and least >= 1:
+        return torch.ops.fullgraph_cpu.squared_distances_bounded(q, r, candidates, floors, least)
     return torch.ops.fullgraph_cpu.squared_distances(q, r, candidates)
 
 
@@ -106,6 +112,14 @@ def order_by_distance(d: torch.Tensor, positions: torch.Tensor) -> tuple[torch.T
     from ..pairs import order_by_distance
 
     return order_by_distance(d, positions)
+
+
+def squared_norms(x: torch.Tensor) -> torch.Tensor | None:
+    """[B, L]: |x|^2 of each row of x [B, L, D] in any order of the sums (one C++ pass, no copy
+    of x * x); None where it does not run (not CPU float32/float64, no extension)."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or x.dim() != 3 or not _built():
+        return None
+    return torch.ops.fullgraph_cpu.squared_norms(x)
 
 
 def _check_clouds(q: torch.Tensor, r: torch.Tensor) -> None:

@@ -153,15 +153,16 @@ def _gather_rows(points, rows, out=None):
     return out
 
 
-def _remeasure(q, r, candidates):
+def _remeasure(q, r, candidates, floors=None, least=0):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
-    in the reference's arithmetic."""
+    in the reference's arithmetic. On CPUs, ``floors`` [B, m, c] and ``least``: a row's
+    candidates whose floor lies above its first ``least`` may be left unmeasured (+inf)."""
     if q.is_cuda:
         if triton_dense.measures(q):
             # gathered, squared and summed in one Triton pass, as the reference sums.
             return triton_dense.squared_distances(q, r, candidates).sqrt_()
         return pairs.norm_of_difference(q[:, :, None, :], _gather_rows(r, candidates))
-    measured = select.squared_distances(q, r, candidates)
+    measured = select.squared_distances(q, r, candidates, floors, least)
     if measured is not None:  # each candidate row read once (C++)
         return measured.sqrt_()
     # Without the extension, cache-sized pieces gathered into one reused buffer (fresh pieces
@@ -203,19 +204,20 @@ def _within(d, i, scale, radius):
     return d.masked_fill(~keep, math.inf), i.masked_fill(~keep, -1)
 
 
-def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, needed=None):
+def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, needed=None, floors=None, least=0):
     """The ``candidates`` [B, m, c] (reference positions; ``inside`` [B, m, c] marks the real
     ones) of the queries q [B, m, D] re-measured in the reference's arithmetic, the valid
     references within ``radius`` kept, ordered by (distance, index): distances [B, m, c] in
     the frames' units (+inf where dropped), positions (-1 there). On GPUs one Triton kernel
     (``triton_dense.nearest_members``) where it takes them, which skips the rows ``needed``
-    [B, m] leaves out (unspecified then)."""
+    [B, m] leaves out (unspecified then). On CPUs, candidates whose ``floors`` [B, m, c] lie
+    above a row's first ``least`` distances may be left out (``_remeasure``)."""
     take, dim = candidates.shape[-1], q.shape[-1]
     if q.is_cuda and q.dtype == torch.float32 and triton_dense.ranks_members(take, take, dim):
         chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
-    exact = _remeasure(q, frames.r, candidates)
+    exact = _remeasure(q, frames.r, candidates, floors, least)
     if not q.is_cuda and radius == math.inf and inside is None and bool(ref_ok.all()):
         return select.order_by_distance(exact, candidates)  # nothing to drop (one C++ pass)
     keep = ref_ok.gather(1, candidates.reshape(ref_ok.shape[0], -1)).reshape(candidates.shape)
@@ -248,13 +250,18 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     dim, columns = qc.shape[-1], frames.rc.shape[1]
     with _cublas_products(precision) if precision else contextlib.nullcontext():
         values, candidates = _least_products(qc, frames, take)
-    d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
-    if take == columns:
-        return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
     u = 2.0**-24 if precision == "ieee" and qc.dtype == torch.float32 else roundoff(qc.dtype)
-    outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
+    if qc.is_cuda:
+        d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
+        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
+    else:  # the candidates past the k-th by more than the products' error are not re-measured
+        floors = beyond_expansion(values + q_norms[..., None], q_abs[..., None], frames.reach[..., None], dim, u)
+        d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius, floors=floors, least=k)
+        outside = floors[..., -1]
+    if take == columns:
+        return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified

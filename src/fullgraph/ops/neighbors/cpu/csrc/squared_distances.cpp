@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -87,9 +88,17 @@ void check_clouds(const at::Tensor& q, const at::Tensor& r) {
   TORCH_CHECK(q.size(2) > 0, "q: expected at least one coordinate, got shape ", q.sizes());
 }
 
+// A few float32 ulps: a floor above (1 + kFloorMargin) times a squared distance keeps the
+// square roots of both apart, whatever the sqrt's last-bit rounding.
+constexpr double kFloorMargin = 1.0 / (1 << 18);
+
 // [B, M, take]: from each query to ``take`` rows of its item's cloud, the rows
-// position[row * take + j].
-at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* position, int64_t take) {
+// position[row * take + j]. With ``floors`` ([B, M, take], ascending in a row: floors under
+// those squared distances) and ``least`` >= 1, a row's rows from the first whose floor lies
+// above the least first ``least`` measured are not measured (+inf): they cannot be among the
+// row's ``least`` nearest.
+at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* position, int64_t take,
+                   const at::Tensor& floors = at::Tensor(), int64_t least = 0) {
   const int64_t batch = q.size(0), rows = q.size(1), dim = q.size(2), columns = r.size(1);
   const at::Tensor queries = q.contiguous(), cloud = r.contiguous();
   at::Tensor out = at::empty({batch, rows, take}, q.options());
@@ -97,14 +106,21 @@ at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* posi
     const scalar_t* query = queries.data_ptr<scalar_t>();
     const scalar_t* ref = cloud.data_ptr<scalar_t>();
     scalar_t* target = out.data_ptr<scalar_t>();
+    const scalar_t* floor = floors.defined() ? floors.data_ptr<scalar_t>() : nullptr;
     const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
     at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
       std::vector<scalar_t> squares(dim);
       for (int64_t row = first; row < last; ++row) {
         const scalar_t* item = ref + (row / rows) * columns * dim;
+        scalar_t* found = target + row * take;
+        scalar_t largest = 0;  // of the first ``least``
         for (int64_t j = 0; j < take; ++j) {
-          target[row * take + j] = squared_distance(query + row * dim, item + position[row * take + j] * dim, dim,
-                                                    squares.data());
+          if (floor != nullptr && j >= least && floor[row * take + j] > largest * scalar_t(1 + kFloorMargin)) {
+            std::fill(found + j, found + take, std::numeric_limits<scalar_t>::infinity());
+            break;
+          }
+          found[j] = squared_distance(query + row * dim, item + position[row * take + j] * dim, dim, squares.data());
+          if (j < least) largest = j == 0 || found[j] > largest || found[j] != found[j] ? found[j] : largest;
         }
       }
     });
@@ -225,6 +241,24 @@ at::Tensor squared_distances(const at::Tensor& q, const at::Tensor& r, const at:
   return measure(q, r, positions.data_ptr<int64_t>(), positions.size(2));
 }
 
+// squared_distances_bounded(q, r, candidates [B, M, C], floors [B, M, C], least) -> [B, M, C]:
+// squared_distances, but in each row the candidates from the first whose floor (ascending: a
+// floor under its squared distance) lies above the largest of the first ``least`` are left at
+// +inf: none of them is among the row's ``least`` nearest (the dense backend's candidates past
+// the k-th by more than the products' error are not re-measured).
+at::Tensor squared_distances_bounded(const at::Tensor& q, const at::Tensor& r, const at::Tensor& candidates,
+                                     const at::Tensor& floors, int64_t least) {
+  check_clouds(q, r);
+  check_candidates(q, candidates);
+  TORCH_CHECK(floors.device().is_cpu() && floors.scalar_type() == q.scalar_type() &&
+                  floors.sizes() == candidates.sizes(),
+              "floors: expected a CPU tensor of q's dtype and candidates' shape ", candidates.sizes(), ", got ",
+              floors.scalar_type(), " of shape ", floors.sizes());
+  TORCH_CHECK(least >= 1, "least: expected >= 1, got ", least);
+  const at::Tensor positions = checked_positions(candidates, r.size(1));
+  return measure(q, r, positions.data_ptr<int64_t>(), positions.size(2), floors.contiguous(), least);
+}
+
 // order_by_distance(distances [B, M, C] >= 0, positions [B, M, C] int64 >= 0, distinct in a row)
 //   -> both ordered by (distance, position) in each row, as pairs.order_by_distance orders
 // complete lists: the dense backend's re-measured kNN lists on CPUs (torch's keys, sort and
@@ -275,6 +309,40 @@ std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances
   return {values, order};
 }
 
+// squared_norms(x [B, L, D]) -> [B, L]: sum_d x[b, i, d]^2, in vectors (the dense backend's
+// frames, whose certificate takes any order of the sums): one pass, where torch's x * x wrote a
+// copy of the cloud before summing it.
+at::Tensor squared_norms(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) && x.dim() == 3,
+              "x: expected a float32 or float64 CPU tensor [B, L, D], got ", x.scalar_type(), " of shape ", x.sizes());
+  const at::Tensor points = x.contiguous();
+  const int64_t count = x.size(0) * x.size(1), dim = x.size(2);
+  at::Tensor out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "squared_norms", [&] {
+    typedef scalar_t vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(scalar_t))));
+    constexpr int64_t kWidth = kVectorBytes / sizeof(scalar_t);
+    const scalar_t* source = points.data_ptr<scalar_t>();
+    scalar_t* target = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, kGrainPairs * 16 / std::max<int64_t>(dim, 1));
+    at::parallel_for(0, count, grain, [&](int64_t first, int64_t last) {
+      for (int64_t row = first; row < last; ++row) {
+        const scalar_t* point = source + row * dim;
+        vec sums = {};
+        int64_t d = 0;
+        for (; d + kWidth <= dim; d += kWidth) {
+          const vec v = *reinterpret_cast<const vec*>(point + d);
+          sums += v * v;
+        }
+        scalar_t total = 0;
+        for (int64_t lane = 0; lane < kWidth; ++lane) total += sums[lane];
+        for (; d < dim; ++d) total += point[d] * point[d];
+        target[row] = total;
+      }
+    });
+  });
+  return out;
+}
+
 // squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
 // same order: the CPU backend's brute force of small items (cpu._brute_force) measures with
 // this, one pass, where torch took ~10 operators.
@@ -289,10 +357,14 @@ TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
   m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
   m.def("order_by_distance(Tensor distances, Tensor positions) -> (Tensor, Tensor)");
+  m.def("squared_norms(Tensor x) -> Tensor");
+  m.def("squared_distances_bounded(Tensor q, Tensor r, Tensor candidates, Tensor floors, int least) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("squared_distances", &squared_distances);
   m.impl("squared_distances_all", &squared_distances_all);
   m.impl("order_by_distance", &order_by_distance);
+  m.impl("squared_norms", &squared_norms);
+  m.impl("squared_distances_bounded", &squared_distances_bounded);
 }
