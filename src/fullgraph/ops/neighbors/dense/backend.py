@@ -787,6 +787,12 @@ CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
 }
 
 
+# Lists of at least CPU_LONG_LISTS_K on items of up to CPU_LONG_LISTS_MAX_PAIRS pairs and
+# CPU_LONG_LISTS_MAX_DIM coordinates go to the brute force too: selecting the k + slack least
+# and re-measuring them costs more there than measuring every pair exactly (NOTES.md).
+CPU_LONG_LISTS_K, CPU_LONG_LISTS_MAX_PAIRS, CPU_LONG_LISTS_MAX_DIM = 48, 2**18, 64
+
+
 def _brute_force_limits() -> tuple[tuple[int, int], ...]:
     """CPU_BRUTE_FORCE's row for the measured thread count nearest (in ratio) to torch's."""
     threads = max(1, torch.get_num_threads())
@@ -808,6 +814,9 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_capturable("knn", dtype, dim, k) or outside)
     if size is not None and any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits()):
+        return not select.available()
+    if (size is not None and k is not None and k >= CPU_LONG_LISTS_K and size <= CPU_LONG_LISTS_MAX_PAIRS
+            and dim <= CPU_LONG_LISTS_MAX_DIM):
         return not select.available()
     limit = CPU_AUTO_WIDE_MAX_PAIRS if dim >= CPU_AUTO_WIDE_DIM else CPU_AUTO_MAX_PAIRS
     return dim >= AUTO_MIN_DIM or (size is not None and size <= limit)

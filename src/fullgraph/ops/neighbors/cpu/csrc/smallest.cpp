@@ -56,7 +56,7 @@ inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, 
   for (size_t j = 0; j < found.size(); ++j) {
     words[j] = fullgraph_ranking::word(found[j].first, static_cast<uint32_t>(found[j].second));
   }
-  if (static_cast<int64_t>(words.size()) > 2 * take) {  // many survivors: the take least first
+  if (4 * static_cast<int64_t>(words.size()) > 5 * take) {  // many survivors: the take least first
     std::nth_element(words.begin(), words.begin() + (take - 1), words.end());
     std::sort(words.begin(), words.begin() + take);
   } else {
@@ -86,8 +86,8 @@ inline std::pair<__m512i, __m512i> words_of(__m512 v, __m512i p) {
 }
 
 // The take least of ``row``'s entries at or below ``bound`` (no NaN passes), in (value,
-// position) order, written out by their words' ranks; false (nothing written) where fewer
-// than take or more than kRankedMax pass.
+// position) order, written out: by their words' ranks where at most kRankedMax pass, else by
+// sorting the words; false (nothing written) where fewer than take pass.
 inline bool rank_survivors(const float* row, int64_t size, int64_t take, float bound, float* values,
                            int64_t* indices) {
   uint64_t* words = scratch<uint64_t>(size + 32).data();  // room for whole vectors past the last
@@ -107,7 +107,20 @@ inline bool rank_survivors(const float* row, int64_t size, int64_t take, float b
     _mm512_storeu_si512(words + count, _mm512_maskz_compress_epi64(__mmask8(pass >> 8), high));
     count += __builtin_popcount(pass >> 8);
   }
-  if (count > kRankedMax || count < take) return false;
+  if (count < take) return false;
+  if (count > kRankedMax) {
+    if (4 * count > 5 * take) {  // many more than take: the take least first
+      std::nth_element(words, words + (take - 1), words + count);
+      std::sort(words, words + take);
+    } else {
+      std::sort(words, words + count);
+    }
+    for (int64_t j = 0; j < take; ++j) {
+      indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
+      values[j] = row[indices[j]];
+    }
+    return true;
+  }
   rank_words(words, count, take, [&](int rank, uint64_t word) {
     indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
     values[rank] = row[indices[rank]];
