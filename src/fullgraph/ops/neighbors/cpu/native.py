@@ -3,12 +3,13 @@ backend's candidate selection (and, by the same C++ extension, its re-measure on
 ``squared_distances``; the cpu backend's ``weighted_sums``; ``knn_reduce``'s CPU kernels,
 ``reduce.py``). On CPUs a C++ extension (``csrc/smallest.cpp``, built on first
 use by ``fullgraph._extension``) bounds each row's take-th smallest value by group minima,
-keeps only the entries under the bound and sorts those, ties to the smaller position (4x
+keeps only the entries under the bound and orders those, ties to the smaller position (4x
 torch.topk on the 2-core development CPU: 8 x 2048 rows of 2,048 float32, 28 kept: 18 ms
-against 79 with groups of 2 x take, 29 with groups of take; float32 survivors are sorted as 64-bit (value bits, position) words, which took
-short rows from 5.3 to 3.7 ns a value: 64 x 128 rows of 128, 18 kept, 5.6 -> 4.0 ms against
-topk's 6.8); elsewhere, and where the extension cannot be built, torch.topk. A long row a tile
-at a time: ``smallest_after`` (only a tile's entries below the least so far are kept).
+against 79). float32 survivors are (value bits, position) words: with AVX-512 each word's rank
+is counted against all of them in vectors (``csrc/ranking.h``; 16 x 256 rows of 256, 24 kept:
+3.0 -> 1.1-1.5 ms, torch.topk 5.3), elsewhere they are sorted. Where the extension cannot be
+built, torch.topk. A long row a tile at a time: ``smallest_after`` (only a tile's entries below
+the least so far are kept).
 """
 
 from __future__ import annotations
