@@ -10,6 +10,8 @@
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define FULLGRAPH_RANKS_IN_VECTORS 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
 #endif
 
 namespace fullgraph_ranking {
@@ -49,6 +51,22 @@ void rank_words(uint64_t* words, int64_t count, int64_t take, Emit emit) {
       int rank = 0;
       for (int64_t j = 0; j < padded; j += 8) {
         rank += __builtin_popcount(_mm512_cmplt_epu64_mask(_mm512_loadu_si512(words + j), each));
+      }
+      if (rank < take && emit(rank, words[i])) return;
+    }
+    return;
+  }
+#elif defined(__AVX2__)
+  if (count <= kRankedMax) {  // four words a vector, compared as signed after flipping the top bit
+    const int64_t padded = (count + 3) & ~int64_t{3};
+    for (int64_t j = count; j < padded; ++j) words[j] = UINT64_MAX;
+    const __m256i flip = _mm256_set1_epi64x(INT64_MIN);
+    for (int64_t i = 0; i < count; ++i) {
+      const __m256i each = _mm256_xor_si256(_mm256_set1_epi64x(static_cast<long long>(words[i])), flip);
+      int rank = 0;
+      for (int64_t j = 0; j < padded; j += 4) {
+        const __m256i other = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + j)), flip);
+        rank += __builtin_popcount(_mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(each, other))));
       }
       if (rank < take && emit(rank, words[i])) return;
     }

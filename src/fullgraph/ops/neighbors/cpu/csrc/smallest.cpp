@@ -52,15 +52,24 @@ void write(const std::vector<std::pair<T, int64_t>>& found, int64_t take, T* val
 // comparisons beat the pairs'.
 inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, int64_t take, const float* row,
                            float* values, int64_t* indices) {
-  std::vector<uint64_t>& words = scratch<uint64_t>(static_cast<int64_t>(found.size()));
-  for (size_t j = 0; j < found.size(); ++j) {
+  const int64_t count = static_cast<int64_t>(found.size());
+  std::vector<uint64_t>& words = scratch<uint64_t>(count + 8);  // (rank_words pads)
+  for (int64_t j = 0; j < count; ++j) {
     words[j] = fullgraph_ranking::word(found[j].first, static_cast<uint32_t>(found[j].second));
   }
-  if (4 * static_cast<int64_t>(words.size()) > 5 * take) {  // many survivors: the take least first
-    std::nth_element(words.begin(), words.begin() + (take - 1), words.end());
+  if (count <= fullgraph_ranking::kRankedMax) {  // ranked in vectors where the build has them
+    fullgraph_ranking::rank_words(words.data(), count, take, [&](int rank, uint64_t word) {
+      indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
+      values[rank] = row[indices[rank]];
+      return false;
+    });
+    return;
+  }
+  if (4 * count > 5 * take) {  // many survivors: the take least first
+    std::nth_element(words.begin(), words.begin() + (take - 1), words.begin() + count);
     std::sort(words.begin(), words.begin() + take);
   } else {
-    std::sort(words.begin(), words.end());
+    std::sort(words.begin(), words.begin() + count);
   }
   for (int64_t j = 0; j < take; ++j) {
     indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
