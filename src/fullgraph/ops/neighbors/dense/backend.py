@@ -280,7 +280,7 @@ _WORKSPACE = threading.local()
 def _workspace(count: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat CPU buffer of ``count`` values of ``dtype``, kept per thread from call to call: a
     block's products rewritten in place. Fresh ones cost their page faults each time (tens of
-    MiB at CPU_BLOCK_BYTES: 1 x 2000 x 20000 D=8 took 20-70 ms a call, the products ~8)."""
+    MiB at BLOCK_BYTES: 1 x 2000 x 20000 D=8 took 20-70 ms a call, the products ~8)."""
     size = count * dtype.itemsize
     held = getattr(_WORKSPACE, "bytes", None)
     if held is None or held.numel() < size:
