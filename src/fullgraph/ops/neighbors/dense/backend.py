@@ -275,13 +275,17 @@ CPU_REFERENCE_TILE = 2048
 
 
 _WORKSPACE = threading.local()
+# The largest buffer a thread keeps (larger blocks' products cost more than their pages).
+WORKSPACE_KEPT_BYTES = 64 * 2**20
 
 
 def _workspace(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat CPU buffer of ``count`` values of ``dtype``, kept per thread from call to call: a
-    block's products rewritten in place. Fresh ones cost their page faults each time (tens of
-    MiB at BLOCK_BYTES: 1 x 2000 x 20000 D=8 took 20-70 ms a call, the products ~8)."""
+    """A flat CPU buffer of ``count`` values of ``dtype``, kept per thread from call to call up
+    to WORKSPACE_KEPT_BYTES: a block's products rewritten in place. Fresh ones cost their page
+    faults each time (1 x 2000 x 20000 D=8, blocks of 32 MiB: 20-70 ms a call, the products ~8)."""
     size = count * dtype.itemsize
+    if size > WORKSPACE_KEPT_BYTES:
+        return torch.empty(count, dtype=dtype)
     held = getattr(_WORKSPACE, "bytes", None)
     if held is None or held.numel() < size:
         held = _WORKSPACE.bytes = torch.empty(size, dtype=torch.uint8)
