@@ -59,14 +59,16 @@ def test_equals_a_stable_sort(kind, dtype, generator):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_rows_of_any_length_equal_a_stable_sort(dtype, generator):
     """Short rows of every length around the vectors' (the survivors ranked in vectors where
-    few pass the bound), with ties among the survivors, signed zeros and infinities."""
+    few pass the bound; long lists bounded and placed by counting), with ties among the
+    survivors, signed zeros, infinities and far values."""
     for width in (1, 2, 15, 16, 17, 31, 33, 100, 255, 256, 257, 513):
         x = torch.randn(3, 37, width, generator=generator, dtype=dtype)
         x[1] = torch.randint(-20, 20, (37, width), generator=generator).to(dtype) / 4  # ties, -0 and 0
         x[1, :, ::7] *= -0.0
         x[2, :, ::5] = -math.inf
         x[2, :, 1::9] = math.inf
-        for take in sorted({0, 1, min(3, width), min(24, width), width // 2, width}):
+        x[0, :4, -1] = 3e38  # one far value: the counted ranges of the others collapse into one
+        for take in sorted({0, 1, min(3, width), min(24, width), width // 5 + 1, min(120, width), width // 2, width}):
             got, positions = select.smallest(x, take)
             want, want_positions = stable_smallest(x, take)
             assert torch.equal(positions, want_positions), (width, take)
