@@ -10,6 +10,7 @@ import torch
 
 from conftest import CPP_CHECKS_CRASH, CRASH_REASON
 
+import fullgraph
 from fullgraph.ops.neighbors.cpu import native as select
 
 
@@ -242,3 +243,68 @@ def test_bounded_measures_leave_out_only_candidates_beyond_the_least(dtype, gene
         assert bool((floors.gather(-1, first_left) > largest)[left].all())
         assert bool((floors <= largest * (1 + 2**-17))[measured & (torch.arange(20) >= least)].all())
         assert bool(left.any()) or least == 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("case", ["normal", "non-finite", "far", "tiny", "duplicates", "no queries"])
+def test_small_items_in_one_call_equal_the_reference(case, dtype, generator):
+    """``nearest_small`` (the CPU brute force of plain kNN in one C++ call): the reference's
+    lists bit for bit, non-finite points left out, far and tiny items scaled, ties by index,
+    lists longer than the references padded by the backend."""
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    query = torch.randn(3, 0 if case == "no queries" else 40, 12, generator=generator, dtype=dtype)
+    ref = torch.randn(3, 30, 12, generator=generator, dtype=dtype)
+    if case == "non-finite":
+        query[0, 3, 1], query[1, 0, 0], ref[0, 2, 5], ref[2, :, 0] = math.nan, math.inf, -math.inf, math.nan
+    elif case == "far":
+        query, ref = query * 1e30, ref * 1e30
+    elif case == "tiny":
+        query, ref = query * 1e-35, ref * 1e-35
+    elif case == "duplicates":
+        ref[:, 1::2] = ref[:, :1]
+    for k in (1, 7, 30, 45):
+        got = fullgraph.knn(query, ref, k, backend="cpu")
+        want = fullgraph.knn(query, ref, k, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), k
+    dists, positions, counts = select.nearest_small(query, ref, 7)
+    assert torch.equal(counts, (ref.isfinite().all(-1)[:, None, :] & query.isfinite().all(-1)[..., None]).sum(-1))
+    with pytest.raises(ValueError, match="take: expected an int from 0 to 30"):
+        select.nearest_small(query, ref, 31)
+
+
+def test_calls_on_shared_cores_run_on_one_thread(monkeypatch, generator):
+    """A CPU call that got less than CONTENDED_SHARE of a core per thread sends the following
+    ones to one thread (torch's count restored after each), until FREE_CALLS got a whole core."""
+    from fullgraph.ops.neighbors.cpu import threads
+
+    query, ref = torch.randn(2, 30, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)
+    want = fullgraph.knn(query, ref, 4, backend="torch")
+    monkeypatch.setattr(threads, "_CORES", threads._Cores())
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    share = [0.6]  # the process's CPU seconds per wall second in a call
+    clock = {"wall": 0.0, "cpu": 0.0}
+
+    def read(name, step):  # each reading 10 ms after the last
+        clock[name] += step()
+        return clock[name]
+
+    monkeypatch.setattr(threads, "_clocks", (lambda: read("wall", lambda: 0.01),
+                                             lambda: read("cpu", lambda: 0.01 * share[0])))
+
+    def call():
+        got = fullgraph.knn(query, ref, 4)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+    call()  # on 2 threads, 0.3 of a core each: shared
+    assert threads.shared() and set_to == []
+    share[0] = 1.0
+    for _ in range(threads.FREE_CALLS):
+        call()
+    assert set_to == [1, 2] * threads.FREE_CALLS and not threads.shared()
+    share[0] = 0.1
+    with threads.fitted(torch.empty(0, device="meta")):  # not a CPU call: never judged
+        pass
+    assert not threads.shared()

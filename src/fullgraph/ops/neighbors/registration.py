@@ -18,6 +18,7 @@ import torch
 
 from ... import _validate, backends
 from . import cpu, cuml, dense, pairs, reference, triton, warp
+from .cpu import threads
 
 BACKENDS = backends.family(
     "neighbors",
@@ -190,8 +191,9 @@ def knn_op(
     backend: str,
 ) -> tuple[Tensor, Tensor]:
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
-    dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k, pairs_per_item(query, ref)).nearest(
-        query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
+    with threads.fitted(query):
+        dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k, pairs_per_item(query, ref)).nearest(
+            query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
     return dists, idx
 
 
@@ -215,8 +217,9 @@ def radius_op(
     """``radius_tensor`` (0-d), where given, replaces ``radius`` (see ``scalar``)."""
     radius = scalar("radius", radius, radius_tensor)
     _check_search(query, ref, max_neighbors, query_lengths, ref_lengths, backend, "radius", radius)
-    return kernels(backend, "radius", query, query.shape[-1], max_neighbors, pairs_per_item(query, ref)).nearest(
-        query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
+    with threads.fitted(query):
+        return kernels(backend, "radius", query, query.shape[-1], max_neighbors, pairs_per_item(query, ref)).nearest(
+            query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
 
 
 @radius_op.register_fake

@@ -233,6 +233,14 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     acc = pairs.accumulation_dtype(query.dtype)
     (batch, rows, _), columns = query.shape, ref.shape[1]
     take = min(k, columns)
+    if radius == math.inf and query_lengths is None and ref_lengths is None and query.dtype == acc:
+        found = select.nearest_small(query, ref, take)  # (the same, in one call)
+        if found is not None:
+            if take == k:
+                return found
+            dists, idx, counts = found
+            return (torch.nn.functional.pad(dists, (0, k - take), value=math.inf),
+                    torch.nn.functional.pad(idx, (0, k - take), value=-1), counts)
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
     counts = torch.zeros((batch, rows), dtype=torch.int64)

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ...._extension import ExtensionBuildError, build
+from ... import scaling
 
 NAME = "fullgraph_cpu"
 # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise kernels
@@ -156,6 +157,20 @@ def squared_distances_all(q: torch.Tensor, r: torch.Tensor) -> torch.Tensor | No
         return None
     _check_clouds(q, r)
     return torch.ops.fullgraph_cpu.squared_distances_all(q, r)
+
+
+def nearest_small(query: torch.Tensor, ref: torch.Tensor, take: int):
+    """Plain kNN of small items, every pair measured, in one call (``csrc/squared_distances.cpp``):
+    (dists, positions [B, M, take], counts [B, M]) of query [B, M, D] and ref [B, N, D]
+    (CPU float32/float64, D >= 1), as the CPU backend's brute force gives them (its
+    ``_brute_force`` with no lengths and no radius); None where the extension does not run."""
+    if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64) or query.shape[-1] == 0
+            or not _built()):
+        return None
+    _check_clouds(query, ref)
+    if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= ref.shape[1]:
+        raise ValueError(f"take: expected an int from 0 to {ref.shape[1]} (the references), got {take!r}")
+    return torch.ops.fullgraph_cpu.nearest_small(query, ref, take, scaling.SCALE_BELOW, scaling.SCALE_ABOVE)
 
 
 def nearest_within(d: torch.Tensor, query_ok: torch.Tensor, ref_ok: torch.Tensor, within: torch.Tensor,

@@ -842,7 +842,7 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
 # measured count, in ratio).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**19), (16, 2**18), (32, 2**16)),
+    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15), (256, 5 * 2**12)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 
