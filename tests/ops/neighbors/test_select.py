@@ -246,17 +246,26 @@ def test_bounded_measures_leave_out_only_candidates_beyond_the_least(dtype, gene
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("case", ["normal", "non-finite", "far", "tiny", "duplicates", "no queries"])
-def test_small_items_in_one_call_equal_the_reference(case, dtype, generator):
+@pytest.mark.parametrize("dim", [4, 12, 40])  # one coordinate at a time; halving sums
+@pytest.mark.parametrize("case", ["normal", "non-finite", "far", "tiny", "duplicates", "offset", "near-ties",
+                                  "no queries"])
+def test_small_items_in_one_call_equal_the_reference(case, dim, dtype, generator):
     """``nearest_small`` (the CPU brute force of plain kNN in one C++ call): the reference's
-    lists bit for bit, non-finite points left out, far and tiny items scaled, ties by index,
-    lists longer than the references padded by the backend."""
+    lists bit for bit, non-finite points left out, far and tiny items scaled, ties by index
+    (duplicates, and distances a few ulps apart), clouds far from the origin, lists longer
+    than the references padded by the backend."""
     if not select.available():
         pytest.skip("the C++ extension did not build here")
-    query = torch.randn(3, 0 if case == "no queries" else 40, 12, generator=generator, dtype=dtype)
-    ref = torch.randn(3, 30, 12, generator=generator, dtype=dtype)
+    query = torch.randn(3, 0 if case == "no queries" else 40, dim, generator=generator, dtype=dtype)
+    ref = torch.randn(3, 30, dim, generator=generator, dtype=dtype)
+    if case == "offset":
+        query, ref = query + 1e3, ref + 1e3
+    elif case == "near-ties":  # references a few ulps apart along one axis, queries at the origin
+        ref = torch.zeros_like(ref)
+        ref[..., 0] = 1 + torch.randint(0, 4, (3, 30), generator=generator).to(dtype) * torch.finfo(dtype).eps
+        query = torch.zeros_like(query)
     if case == "non-finite":
-        query[0, 3, 1], query[1, 0, 0], ref[0, 2, 5], ref[2, :, 0] = math.nan, math.inf, -math.inf, math.nan
+        query[0, 3, 1], query[1, 0, 0], ref[0, 2, 3], ref[2, :, 0] = math.nan, math.inf, -math.inf, math.nan
     elif case == "far":
         query, ref = query * 1e30, ref * 1e30
     elif case == "tiny":

@@ -9,6 +9,7 @@ documented ValueError / TypeError (the messages then show the batched shapes [B,
 from __future__ import annotations
 
 import torch
+from torch.utils import _python_dispatch
 
 from ... import _contract, _validate
 from .batching import Padded, check_batch
@@ -18,6 +19,21 @@ from .registration import check_clouds, check_features, check_scalar_tensor, che
 
 def _checking() -> bool:
     return not torch.compiler.is_compiling()
+
+
+def direct(*tensors) -> bool:
+    """Whether an eager call may run an operator's function itself: plain tensors (None
+    allowed) that need no gradient, with no tracing, mode or function transform active. The
+    operator's Python layers (custom op, autograd, dispatch) cost ~0.07 ms a call, the most of
+    a tiny CPU call (2 x 64 x 300 D=16: 0.19 -> 0.12 ms, cdist + topk 0.10-0.13); the function
+    is the same, its checks and errors too."""
+    present = [t for t in tensors if t is not None]
+    if (torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in present)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in present))):
+        return False
+    transforms = getattr(torch._C, "_are_functorch_transforms_active", None)  # (absent: not known, so no)
+    return not (transforms is None or transforms() or torch._C._is_torch_function_mode_enabled()
+                or _python_dispatch._get_current_dispatch_mode())
 
 
 def _points(query, ref, query_lengths, ref_lengths):
@@ -163,7 +179,8 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _integer("k", k)
     backend = _backend(backend, query, ref, "knn", k)
-    dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
+    search = registration.knn_lists if direct(query, ref, query_lengths, ref_lengths) else torch.ops.fullgraph.knn
+    dists, idx = search(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
 
@@ -204,8 +221,9 @@ def radius(query, ref, radius, max_neighbors, *, query_lengths=None, ref_lengths
     radius, radius_tensor = _scalar("radius", radius, strict=False)
     max_neighbors = _integer("max_neighbors", max_neighbors)
     backend = _backend(backend, query, ref, "radius", max_neighbors)
-    result = torch.ops.fullgraph.radius(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend,
-                                        radius_tensor)
+    search = (registration.radius_lists if direct(query, ref, query_lengths, ref_lengths, radius_tensor)
+              else torch.ops.fullgraph.radius)
+    result = search(query, ref, radius, max_neighbors, query_lengths, ref_lengths, backend, radius_tensor)
     return _unbatch(result, unbatched)
 
 

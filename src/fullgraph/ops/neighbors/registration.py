@@ -185,16 +185,19 @@ def _check_grad(name: str, grad: Tensor, like: Tensor) -> None:
 # --------------------------------------------------------------------------- search
 
 
-@torch.library.custom_op("fullgraph::knn", mutates_args=())
-def knn_op(
+def knn_lists(
     query: Tensor, ref: Tensor, k: int, query_lengths: OptionalTensor, ref_lengths: OptionalTensor,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
+    """``torch.ops.fullgraph.knn``'s function (``api.direct`` calls it without the operator)."""
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
     with threads.fitted(query):
         dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k, pairs_per_item(query, ref)).nearest(
             query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
     return dists, idx
+
+
+knn_op = torch.library.custom_op("fullgraph::knn", mutates_args=())(knn_lists)
 
 
 def _rows(query: Tensor) -> tuple:
@@ -209,17 +212,20 @@ def _(query, ref, k, query_lengths, ref_lengths, backend):
     return query.new_empty((batch, rows, k)), query.new_empty((batch, rows, k), dtype=torch.int64)
 
 
-@torch.library.custom_op("fullgraph::radius", mutates_args=())
-def radius_op(
+def radius_lists(
     query: Tensor, ref: Tensor, radius: float, max_neighbors: int, query_lengths: OptionalTensor,
     ref_lengths: OptionalTensor, backend: str, radius_tensor: OptionalTensor = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``radius_tensor`` (0-d), where given, replaces ``radius`` (see ``scalar``)."""
+    """``torch.ops.fullgraph.radius``'s function (``api.direct`` calls it without the operator).
+    ``radius_tensor`` (0-d), where given, replaces ``radius`` (see ``scalar``)."""
     radius = scalar("radius", radius, radius_tensor)
     _check_search(query, ref, max_neighbors, query_lengths, ref_lengths, backend, "radius", radius)
     with threads.fitted(query):
         return kernels(backend, "radius", query, query.shape[-1], max_neighbors, pairs_per_item(query, ref)).nearest(
             query.contiguous(), ref.contiguous(), max_neighbors, radius, query_lengths, ref_lengths)
+
+
+radius_op = torch.library.custom_op("fullgraph::radius", mutates_args=())(radius_lists)
 
 
 @radius_op.register_fake
