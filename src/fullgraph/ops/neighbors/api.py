@@ -28,7 +28,7 @@ def direct(*tensors) -> bool:
     a tiny CPU call (2 x 64 x 300 D=16: 0.19 -> 0.12 ms, cdist + topk 0.10-0.13); the function
     is the same, its checks and errors too."""
     present = [t for t in tensors if t is not None]
-    if (torch.compiler.is_compiling() or any(type(t) is not torch.Tensor for t in present)
+    if (torch.compiler.is_compiling() or torch.jit.is_tracing() or any(type(t) is not torch.Tensor for t in present)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in present))):
         return False
     transforms = getattr(torch._C, "_are_functorch_transforms_active", None)  # (absent: not known, so no)
