@@ -38,8 +38,8 @@ inline float value_of(uint64_t word) {
 }
 
 // emit(rank, word) for each of the ``take`` least of ``count`` distinct words (in no order of
-// rank) until one returns true. ``words`` has room for count rounded up to 8 (the padding is
-// written).
+// rank) until one returns true: counted in vectors up to kRankedMax where the build has them,
+// else sorted (in place). ``words`` has room for count rounded up to 8 (the padding is written).
 template <typename Emit>
 void rank_words(uint64_t* words, int64_t count, int64_t take, Emit emit) {
 #ifdef FULLGRAPH_RANKS_IN_VECTORS
@@ -74,7 +74,12 @@ void rank_words(uint64_t* words, int64_t count, int64_t take, Emit emit) {
   }
 #endif
   take = std::min(take, count);
-  std::partial_sort(words, words + take, words + count);
+  if (4 * count > 5 * take) {  // many more than take: the take least first
+    std::nth_element(words, words + (take - 1), words + count);
+    std::sort(words, words + take);
+  } else {
+    std::sort(words, words + count);
+  }
   for (int64_t j = 0; j < take; ++j) {
     if (emit(j, words[j])) return;
   }

@@ -50,10 +50,30 @@ void write(const std::vector<std::pair<T, int64_t>>& found, int64_t take, T* val
   }
 }
 
+// The entries of ``row`` the first ``take`` of ``words`` name (their positions in the low half),
+// written out in that order.
+inline void write_words(const uint64_t* words, int64_t take, const float* row, float* values, int64_t* indices) {
+  for (int64_t j = 0; j < take; ++j) {
+    indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
+    values[j] = row[indices[j]];
+  }
+}
+
+// ... of the take least of ``count`` distinct words (room for count + 8), each at its rank
+// (fullgraph_ranking::rank_words).
+inline void write_ranked(uint64_t* words, int64_t count, int64_t take, const float* row, float* values,
+                         int64_t* indices) {
+  fullgraph_ranking::rank_words(words, count, take, [&](int64_t rank, uint64_t word) {
+    indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
+    values[rank] = row[indices[rank]];
+    return false;
+  });
+}
+
 // The first ``take`` of ``found`` (float32 numbers of ``row``, no NaN, positions < 2^32) in
-// (value, position) order, written out, by sorting 64-bit words: the value's bits made
+// (value, position) order, written out, by ranking 64-bit words: the value's bits made
 // monotonic (-0 as +0, so that equal values tie by position) above the position. A row of a
-// few hundred values spends most of its selection sorting its few dozen survivors, and word
+// few hundred values spends most of its selection ordering its few dozen survivors, and word
 // comparisons beat the pairs'.
 inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, int64_t take, const float* row,
                            float* values, int64_t* indices) {
@@ -62,24 +82,7 @@ inline void write_in_order(const std::vector<std::pair<float, int64_t>>& found, 
   for (int64_t j = 0; j < count; ++j) {
     words[j] = fullgraph_ranking::word(found[j].first, static_cast<uint32_t>(found[j].second));
   }
-  if (count <= fullgraph_ranking::kRankedMax) {  // ranked in vectors where the build has them
-    fullgraph_ranking::rank_words(words.data(), count, take, [&](int rank, uint64_t word) {
-      indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
-      values[rank] = row[indices[rank]];
-      return false;
-    });
-    return;
-  }
-  if (4 * count > 5 * take) {  // many survivors: the take least first
-    std::nth_element(words.begin(), words.begin() + (take - 1), words.begin() + count);
-    std::sort(words.begin(), words.begin() + take);
-  } else {
-    std::sort(words.begin(), words.begin() + count);
-  }
-  for (int64_t j = 0; j < take; ++j) {
-    indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
-    values[j] = row[indices[j]];
-  }
+  write_ranked(words.data(), count, take, row, values, indices);
 }
 
 #ifdef FULLGRAPH_RANKS_IN_VECTORS
@@ -100,8 +103,8 @@ inline std::pair<__m512i, __m512i> words_of(__m512 v, __m512i p) {
 }
 
 // The take least of ``row``'s entries at or below ``bound`` (no NaN passes), in (value,
-// position) order, written out: by their words' ranks where at most kRankedMax pass, else by
-// sorting the words; false (nothing written) where fewer than take pass.
+// position) order, written out (``write_ranked``); false (nothing written) where fewer than
+// take pass.
 inline bool rank_survivors(const float* row, int64_t size, int64_t take, float bound, float* values,
                            int64_t* indices) {
   uint64_t* words = scratch<uint64_t>(size + 32).data();  // room for whole vectors past the last
@@ -122,24 +125,7 @@ inline bool rank_survivors(const float* row, int64_t size, int64_t take, float b
     count += __builtin_popcount(pass >> 8);
   }
   if (count < take) return false;
-  if (count > kRankedMax) {
-    if (4 * count > 5 * take) {  // many more than take: the take least first
-      std::nth_element(words, words + (take - 1), words + count);
-      std::sort(words, words + take);
-    } else {
-      std::sort(words, words + count);
-    }
-    for (int64_t j = 0; j < take; ++j) {
-      indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
-      values[j] = row[indices[j]];
-    }
-    return true;
-  }
-  rank_words(words, count, take, [&](int rank, uint64_t word) {
-    indices[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
-    values[rank] = row[indices[rank]];
-    return false;
-  });
+  write_ranked(words, count, take, row, values, indices);
   return true;
 }
 #endif
@@ -173,10 +159,13 @@ T take_th(std::vector<T>& least, int64_t take) {
   return least[take - 1];
 }
 
-// The float of monotonic key ``key`` (fullgraph_ranking::word's upper half for float32, its
-// 64-bit like for float64) and back.
+// The monotonic key of a number (fullgraph_ranking::word's upper half for float32, its 64-bit
+// like for float64) and back; kNoKey, above every number's, stands for NaN.
 template <typename T>
 using Key = std::conditional_t<std::is_same_v<T, float>, uint32_t, uint64_t>;
+
+template <typename T>
+constexpr Key<T> kNoKey = std::numeric_limits<Key<T>>::max();
 
 template <typename T>
 Key<T> key_of(T value) {
@@ -195,81 +184,80 @@ T value_of_key(Key<T> key) {
   return value;
 }
 
-// An upper bound of the take-th smallest number of ``row`` (NaN left out; +inf where fewer
-// than take): the numbers' keys counted in 256 equal ranges between the least and the
-// greatest, the bound the top of the range where the count reaches take. Long lists of short
-// rows (take >= size / 8) leave about take survivors, where the groups' minima left most of
-// the row (64 of 256: ~150).
+// A row's numbers counted in 256 equal ranges of their keys, from the least to the greatest.
 template <typename T>
-T counted_bound(const T* row, int64_t size, int64_t take) {
-  Key<T> least = std::numeric_limits<Key<T>>::max(), most = 0;
+struct KeyRanges {
+  Key<T> least = kNoKey<T>, most = 0;
+  int shift = 0;
+  int32_t counts[256] = {};
+
+  bool empty() const { return least > most; }
+  uint32_t range(Key<T> key) const { return static_cast<uint32_t>((key - least) >> shift); }
+};
+
+// The keys of ``row`` (-0 as +0, NaN kNoKey) into ``keys`` [size], counted.
+template <typename T>
+KeyRanges<T> count_keys(const T* row, int64_t size, Key<T>* keys) {
+  KeyRanges<T> ranges;
   for (int64_t i = 0; i < size; ++i) {
-    if (row[i] == row[i]) {
-      const Key<T> key = key_of(row[i]);
-      least = std::min(least, key);
-      most = std::max(most, key);
+    const T value = row[i] + T(0);
+    keys[i] = value == value ? key_of(value) : kNoKey<T>;
+    if (keys[i] != kNoKey<T>) {
+      ranges.least = std::min(ranges.least, keys[i]);
+      ranges.most = std::max(ranges.most, keys[i]);
     }
   }
-  if (least > most) return std::numeric_limits<T>::infinity();
-  int shift = 0;
-  while (((most - least) >> shift) >= 256) ++shift;
-  int32_t counts[256] = {};
+  if (ranges.empty()) return ranges;
+  while (((ranges.most - ranges.least) >> ranges.shift) >= 256) ++ranges.shift;
   for (int64_t i = 0; i < size; ++i) {
-    if (row[i] == row[i]) ++counts[(key_of(row[i]) - least) >> shift];
+    if (keys[i] != kNoKey<T>) ++ranges.counts[ranges.range(keys[i])];
   }
+  return ranges;
+}
+
+// An upper bound of the take-th smallest number of ``row`` (NaN left out; +inf where fewer
+// than take): the top of the range (``count_keys``) where the count reaches take. Long lists
+// of short rows leave about take survivors, where the groups' minima left most of the row (64
+// of 256: ~150).
+template <typename T>
+T counted_bound(const T* row, int64_t size, int64_t take) {
+  const KeyRanges<T> ranges = count_keys(row, size, scratch<Key<T>>(size).data());
+  if (ranges.empty()) return std::numeric_limits<T>::infinity();
   int64_t total = 0;
   for (int range = 0; range < 256; ++range) {
-    total += counts[range];
+    total += ranges.counts[range];
     if (total >= take) {
-      const Key<T> span = ((Key<T>(range) + 1) << shift) - 1;  // to the range's last key
-      return value_of_key<T>(most - least <= span ? most : least + span);
+      const Key<T> span = ((Key<T>(range) + 1) << ranges.shift) - 1;  // to the range's last key
+      return value_of_key<T>(ranges.most - ranges.least <= span ? ranges.most : ranges.least + span);
     }
   }
   return std::numeric_limits<T>::infinity();
 }
 
-// Long lists of short float32 rows in one go: the numbers' keys counted in 256 ranges as in
-// ``counted_bound``, those of the ranges up to the take-th placed by range (a counting sort)
-// as 64-bit words (fullgraph_ranking::word), each range's few then ordered by insertion (by
-// std::sort where a range holds more than kCountedRunMax), the first take written out. False
-// (nothing written) where fewer than take numbers.
+// Long lists of short float32 rows in one go: the numbers of the ranges up to the take-th
+// (``count_keys``) placed by range (a counting sort) as 64-bit words (fullgraph_ranking::word),
+// each range's few then ordered by insertion (by std::sort where a range holds more than
+// kCountedRunMax), the first take written out. False (nothing written) where fewer than take
+// numbers. (Its keys and words are scratch of two types: uint32_t and uint64_t.)
 constexpr int32_t kCountedRunMax = 16;
 
 inline bool counted_select(const float* row, int64_t size, int64_t take, float* values, int64_t* indices) {
-  // the keys once (NaN's above every number's: +inf's is 0xFF800000)
   uint32_t* keys = scratch<uint32_t>(size).data();
-  uint32_t least = UINT32_MAX, most = 0;
-  for (int64_t i = 0; i < size; ++i) {
-    const float value = row[i] + 0.0f;  // -0 as +0
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof bits);
-    const uint32_t key = value != value ? UINT32_MAX : (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-    keys[i] = key;
-    least = std::min(least, key);
-    most = key == UINT32_MAX ? most : std::max(most, key);
-  }
-  if (least == UINT32_MAX) return false;
-  int shift = 0;
-  while (((most - least) >> shift) >= 256) ++shift;
-  int32_t counts[257] = {};  // (NaN's past the last range)
-  for (int64_t i = 0; i < size; ++i) {
-    ++counts[keys[i] == UINT32_MAX ? 256 : (keys[i] - least) >> shift];
-  }
+  const KeyRanges<float> ranges = count_keys(row, size, keys);
   int32_t starts[256];
   int64_t total = 0;
   int last = -1, widest = 0;
-  for (int range = 0; range < 256 && total < take; ++range) {
+  for (int range = 0; range < 256 && total < take && !ranges.empty(); ++range) {
     starts[range] = static_cast<int32_t>(total);
-    total += counts[range];
-    widest = std::max(widest, counts[range]);
+    total += ranges.counts[range];
+    widest = std::max(widest, ranges.counts[range]);
     last = range;
   }
   if (total < take) return false;
   uint64_t* words = scratch<uint64_t>(total).data();
   for (int64_t i = 0; i < size; ++i) {
-    const uint32_t range = (keys[i] - least) >> shift;
-    if (keys[i] != UINT32_MAX && range <= static_cast<uint32_t>(last)) {
-      words[starts[range]++] = (static_cast<uint64_t>(keys[i]) << 32) | static_cast<uint64_t>(i);
+    if (keys[i] != kNoKey<float> && ranges.range(keys[i]) <= static_cast<uint32_t>(last)) {
+      words[starts[ranges.range(keys[i])]++] = (static_cast<uint64_t>(keys[i]) << 32) | static_cast<uint64_t>(i);
     }
   }
   if (widest > kCountedRunMax) {
@@ -282,10 +270,7 @@ inline bool counted_select(const float* row, int64_t size, int64_t take, float* 
       words[at] = word;
     }
   }
-  for (int64_t j = 0; j < take; ++j) {
-    indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
-    values[j] = row[indices[j]];
-  }
+  write_words(words, take, row, values, indices);
   return true;
 }
 
