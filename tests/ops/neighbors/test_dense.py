@@ -426,6 +426,86 @@ def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribut
     assert bool(again) == (redo == "search")
 
 
+@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
+@pytest.mark.parametrize("dim, k", [(24, 130), (1030, 40), (2050, 5)])
+def test_products_in_tf32x3_equal_the_reference(distribution, dim, k, monkeypatch, generator):
+    """Long lists and wide points on GPUs take each operand's two TF32 parts on cuBLAS (here
+    on the device there is; the arithmetic is the same on CPUs), the rows they leave unproven
+    again in float64: exactly the reference's lists."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: False)
+        _planned(monkeypatch, first="tf32x3")
+    again = []
+    original_block = dense._block
+    monkeypatch.setattr(dense, "_block", lambda *args: again.append(args[-1]) or original_block(*args))
+    if distribution == "duplicates":  # ties wider than the slack: float64 first, then the redo
+        query, ref = _tied(generator, device, rows=50, columns=400, dim=dim)
+    else:
+        query, ref = (t.float().to(device) for t in _clouds(distribution, dim, generator, rows=50, columns=400))
+    planned = dense.plan(query, ref, k)
+    assert planned.path == "products" and planned.first == "tf32x3"
+    dists, idx = fullgraph.knn(query, ref, k, backend="dense")
+    want_dists, want_idx = fullgraph.knn(query, ref, k, backend="torch")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+    if distribution == "duplicates":
+        assert "float64" in again
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_gpu_plans_take_the_products_for_long_lists_and_wide_points(monkeypatch):
+    """Where the chosen chunks lose (long lists; wide points beyond short lists) GPUs take the
+    products in "tf32x3", up to PRODUCTS_MAX_PAIRS; elsewhere the tensor cores' chunks."""
+    monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: True)
+
+    def path(batch, rows, columns, dim, k):
+        query = torch.empty(batch, rows, dim, device="meta")
+        planned = dense.plan(query, torch.empty(batch, columns, dim, device="meta"), k)
+        return planned.path + (f" {planned.first}" if planned.path == "products" else "")
+
+    assert path(4, 3000, 3000, 64, 256) == path(1, 2000, 50000, 128, 1024) == "products tf32x3"
+    assert path(1, 2000, 50000, 1024, 50) == path(1, 2000, 50000, 2048, 10) == "products tf32x3"
+    assert path(4, 3000, 3000, 64, 64) == path(1, 2000, 50000, 1024, 10) == "tensor cores"
+    assert path(1, 10**4, 2 * 10**5, 256, 128) == path(1, 10**4, 10**5, 1024, 50) == "tensor cores"
+
+
+def test_tf32_parts_multiply_within_their_bound(generator):
+    """high x high + high x low + low x high of two ``tf32_split``s, each part with TF32's 11
+    significant bits, lies within product_error("tf32x3") of the float64 product."""
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
+    from fullgraph.ops.neighbors.dense.frames import tf32_split
+
+    x = torch.randn(4096, generator=generator) * torch.logspace(-30, 30, 4096)
+    y = torch.randn(4096, generator=generator).float()
+    x = x.float()
+    (xh, xl), (yh, yl) = tf32_split(x), tf32_split(y)
+    for part in (xh, xl, yh, yl):
+        assert not (part.view(torch.int32) & (2**13 - 1)).any()
+    exact = x.double() * y.double()
+    split = xh.double() * yh.double() + xh.double() * yl.double() + xl.double() * yh.double()
+    error = product_error = triton_dense.product_error("tf32x3")
+    assert ((split - exact).abs() <= error * exact.abs()).all()
+    assert ((xh.double() + xl.double() - x.double()).abs() <= 2.0**-20 * x.double().abs()).all()
+    assert product_error > 3 * 2.0**-20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("distribution", ["normal", "duplicates"])
+@pytest.mark.parametrize("dim, k", [(24, 130), (1030, 40), (2050, 5)])
+def test_products_in_a_capture_redo_failed_rows_without_a_host_read(distribution, dim, k, generator):
+    """Graphed, the products path's unproven rows go again in float64 and then to the Triton
+    search: the reference's lists, replayed on new points."""
+    if distribution == "duplicates":
+        query, ref = _tied(generator, "cuda", dim=dim)
+    else:
+        query, ref = (t.float().cuda() for t in _clouds("normal", dim, generator, rows=64, columns=700))
+    graphed = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, k, backend="dense"))
+    for scale in (1.0, 3.0):
+        got = graphed(query * scale, ref * scale)
+        want = fullgraph.knn(query * scale, ref * scale, k, backend="torch")
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 def test_cublas_products_restore_the_callers_precision():
     """cuBLAS's products in a precision leave the caller's matmul settings as they were, legacy or
     per backend."""

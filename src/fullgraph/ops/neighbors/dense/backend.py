@@ -67,6 +67,13 @@ rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
+Long lists and wide points on GPUs (``Plan.path`` "products", PRODUCTS_MIN_K, PRODUCTS_WIDE).
+Steps 1-3 as on CPUs, the products on cuBLAS's tensor cores: each centred operand split into
+two TF32 parts (``frames.tf32_split``), high x high + high x low + low x high (within ``product_error("tf32x3")`` of q.r before the float32 sums; the cross terms
+first, the main product added in the epilogue of its own), the candidates by torch.topk. The rows it leaves unproven go again in float64 products and norms
+(with no host read inside a capture: the first of them, ``_first_failed_again``), then to
+``plan.redo``.
+
 Wide points in a capture. From CAPTURE_AGAIN_MIN_DIM coordinates the rows the tensor cores leave
 unproven go first through steps 1-3 as on CPUs, up to a fixed number a batch item, with cuBLAS's
 float32 products and torch.topk (``_first_failed_again``): the Triton search that redoes what
@@ -100,7 +107,7 @@ from ..cpu import native as select
 from ..triton import backend as triton_grid
 from ..triton import grid
 from .certificate import beyond_expansion, roundoff
-from .frames import Frames
+from .frames import Frames, tf32_split
 from .replays import Replays
 
 triton_dense = lazy(f"{__package__}.kernels")
@@ -246,19 +253,20 @@ def _cublas_products(precision: str):
 def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     """dists, idx [B, m, min(k, take)] of the queries ``rows`` (a slice or positions) and which of them the
     certificate leaves unproven [B, m]. ``precision``: the products' on CUDA, "ieee" (float32's
-    own); "": as torch is set."""
+    own), "tf32x3" or "float64" (``_least_products``); "": as torch is set."""
     qc = frames.qc[:, rows]
     dim, columns = qc.shape[-1], frames.rc.shape[1]
-    with _cublas_products(precision) if precision else contextlib.nullcontext():
-        values, candidates = _least_products(qc, frames, take)
+    with _cublas_products(precision) if precision in ("ieee", "tf32") else contextlib.nullcontext():
+        values, candidates = _least_products(qc, frames, take, precision)
     q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
-    u = 2.0**-24 if precision == "ieee" and qc.dtype == torch.float32 else roundoff(qc.dtype)
+    if precision == "float64":
+        q_norms = qc.double().square().sum(-1)
     if qc.is_cuda:
         d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
-        outside = beyond_expansion(values[..., -1] + q_norms, q_abs, frames.reach, dim, u)
+        outside = _floor(values[..., -1] + q_norms, q_abs, frames.reach, dim, precision)
     else:  # the candidates past the k-th by more than the products' error are not re-measured
-        floors = beyond_expansion(values + q_norms[..., None], q_abs[..., None], frames.reach[..., None], dim, u)
+        floors = _floor(values + q_norms[..., None], q_abs[..., None], frames.reach[..., None], dim, precision)
         d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius, floors=floors, least=k)
         outside = floors[..., -1]
     if take == columns:
@@ -266,6 +274,21 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     # A last candidate at +inf: every valid reference is a candidate already.
     certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
+
+
+def _floor(value, q_abs, reach, dim: int, precision: str):
+    """``beyond_expansion`` for expanded values ``value`` from ``_least_products`` in
+    ``precision``: "tf32x3" within ``product_error`` of q.r before the sums (each term within
+    it of q_d r_d: Cauchy-Schwarz), "float64" the float64 products and norms
+    followed by the reference's float32 rounding, otherwise as torch is set."""
+    if precision == "tf32x3":
+        value = value - 2 * triton_dense.product_error("tf32x3") * q_abs * reach
+        return beyond_expansion(value, q_abs, reach, dim, 2.0**-24)
+    if precision == "float64":
+        # (back in float32: its rounding, 2^-24 at most, within the factor 2 of the reference's)
+        return (beyond_expansion(value, q_abs, reach, dim, 2.0**-53) * (1 - 2 * (dim + 2) * 2.0**-24)).float()
+    u = 2.0**-24 if precision == "ieee" and value.dtype == torch.float32 else roundoff(value.dtype)
+    return beyond_expansion(value, q_abs, reach, dim, u)
 
 
 # On CPUs the products of a block of queries are made a tile of this many references at a time
@@ -292,13 +315,28 @@ def _workspace(count: int, dtype: torch.dtype) -> torch.Tensor:
     return held[:size].view(dtype)
 
 
-def _least_products(qc, frames: Frames, take: int):
+def _least_products(qc, frames: Frames, take: int, precision: str = ""):
     """(values, positions) [B, m, take]: the take least of |r|^2 - 2 q.r (|q|^2 is constant
     along a row: the order needs no more) over the references of ``frames`` for the queries
-    qc [B, m, D], ascending (NaN last). The take least of all references are the take least of
-    the tiles' take least."""
+    qc [B, m, D], ascending (NaN last). ``precision`` "tf32x3": each operand's two TF32 parts
+    multiplied (``frames.tf32_split``; on cuBLAS's tensor cores), "float64": in float64, the
+    norms too. On CPUs the take least of all references are the take least of the tiles'."""
     rc, r_norms = frames.rc, frames.r_norms
     columns = rc.shape[1]
+    if precision == "tf32x3":
+        # |r|^2 - 2 (high x low + low x high) first, then the main product added in its epilogue:
+        # each sum's rounding bounded as one product of D terms (``_floor``)
+        high, low = tf32_split(qc)
+        dim, parts = qc.shape[-1], frames.tf32_references()
+        with _cublas_products("tf32"):
+            products = torch.bmm(torch.cat([high, low], -1), parts[..., dim:].transpose(1, 2))
+            products.mul_(-2).add_(r_norms[:, None, :])
+            products.baddbmm_(high, parts[..., :dim].transpose(1, 2), alpha=-2)
+        return select.smallest(products, take)
+    if precision == "float64":
+        qc, rc = qc.double(), rc.double()
+        r_norms = rc.square().sum(-1).masked_fill_(torch.isinf(r_norms), math.inf)
+        return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
     if qc.is_cuda:
         return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
     batch, rows, _ = qc.shape
@@ -428,6 +466,14 @@ WIDE_SLACK_MIN_DIM = 128
 # instead of by the products' candidates and certificate (~8 launches): eagerly the host's
 # launches cost more than the brute force; inside a capture the products win everywhere.
 SMALL_ITEM_MAX_PAIRS, SMALL_ITEM_MAX_DIM = 2**16, 64
+# On GPUs, lists of at least PRODUCTS_MIN_K, and points of at least D coordinates with lists of at
+# least k (PRODUCTS_WIDE's (D, k)), on calls of up to PRODUCTS_MAX_PAIRS query-reference pairs take
+# the products path on cuBLAS's tensor cores in "tf32x3" (``_least_products``) and torch.topk:
+# the chosen chunks' members grow with k (4 x 3000^2 D=64 k=256, H100: 7.1 ms a call against 2.9
+# for the products), and wide Gaussian clouds leave the float16 first products few rows proven
+# (2,000 x 50,000 D=1024 k=50: 7.1 against 3.7 for one TF32 product's candidates; D=1024 k=10
+# stays, 4.1 there). Beyond the pairs torch.topk over every pair costs more than the chunks.
+PRODUCTS_MIN_K, PRODUCTS_WIDE, PRODUCTS_MAX_PAIRS = 128, ((1024, 32), (2048, 1)), 2**28
 # Rows unproven inside a capture are redone by the brute force on items of up to this many
 # references (programs without such a row return at once), by the Triton search on larger ones
 # (per row the brute force's scalar sums cost more there).
@@ -442,7 +488,8 @@ class Plan:
 
     path: "every pair" (small items on GPUs outside a capture: one kernel measures every
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
-    (CPUs and float64: BLAS products, candidates, certificate). capture: the path runs inside a
+    (CPUs and float64: BLAS products, candidates, certificate; on GPUs long lists and wide
+    points, first "tf32x3"). capture: the path runs inside a
     capture and redoes unproven rows with no host read. redo: what searches the rows the
     certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
@@ -488,6 +535,10 @@ def plan(query, ref, k) -> Plan:
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
         return Plan("every pair", False, redo, take=k, width=columns,
                     triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
+    wide = any(dim >= least_dim and k >= least_k for least_dim, least_k in PRODUCTS_WIDE)
+    if (k >= PRODUCTS_MIN_K or wide) and query.shape[0] * rows * columns <= PRODUCTS_MAX_PAIRS:
+        return Plan("products", capture, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns,
+                    first="tf32x3", triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     chosen = min(k + CHUNK_SLACK, chunks)
@@ -621,14 +672,17 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
     missed, and what still fails by ``plan.redo``."""
     if not bool(failed.any()):
         return
-    if plan.path == "tensor cores":
+    if plan.path == "tensor cores" or plan.first == "tf32x3":
         take = min(k + CANDIDATE_SLACK, ref.shape[1])
-        budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * frames.q.element_size())
+        # the tensor cores' chunks missed: the products; the products missed: the same in float64
+        precision = "float64" if plan.path == "products" else ""
+        budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * 8)
         for b, rows in enumerate(failed):
             rows = rows.nonzero()[:, 0]
             for start in range(0, rows.numel(), budget):
                 some = rows[start:start + budget]
-                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take)
+                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take,
+                                     precision)
                 dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
         if not bool(failed.any()):
             return
@@ -651,10 +705,10 @@ CAPTURE_AGAIN_MIN_DIM = 129
 CAPTURE_AGAIN_SHARE, CAPTURE_AGAIN_MIN_ROWS = 1 / 128, 64
 
 
-def _first_failed_again(frames: Frames, k, radius, failed, dists, idx) -> None:
+def _first_failed_again(frames: Frames, k, radius, failed, dists, idx, precision: str = "ieee") -> None:
     """With no host read, the first ``failed`` [B, M] rows of each item (a fixed number,
-    CAPTURE_AGAIN_SHARE of M) go through ``_block`` again in float32 products; those it
-    proves are written into dists / idx and cleared in ``failed``."""
+    CAPTURE_AGAIN_SHARE of M) go through ``_block`` again in ``precision``'s products; those
+    it proves are written into dists / idx and cleared in ``failed``."""
     batch, rows = failed.shape
     count = min(rows, max(CAPTURE_AGAIN_MIN_ROWS, math.ceil(rows * CAPTURE_AGAIN_SHARE)))
     # the failed rows first, in order (a stable sort of the flags)
@@ -662,7 +716,7 @@ def _first_failed_again(frames: Frames, k, radius, failed, dists, idx) -> None:
     taken = Frames.of({**vars(frames), **{name: getattr(frames, name).gather(1, _expand(chosen, getattr(frames, name)))
                                           for name in ("q", "qc", "q_norms")}})
     d, i, still = _block(taken, slice(None), frames.ref_ok, k, radius, min(k + CANDIDATE_SLACK, frames.r.shape[1]),
-                         "ieee")
+                         precision)
     proven = failed.gather(1, chosen) & ~still
     width = d.shape[-1]
     at = chosen[..., None].expand(-1, -1, width)
@@ -720,6 +774,8 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     failed &= query_ok
     if plan.capture:  # (the search's programs without a failed row return at once)
+        if plan.first == "tf32x3":
+            _first_failed_again(frames, k, radius, failed, dists, idx, "float64")
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
 

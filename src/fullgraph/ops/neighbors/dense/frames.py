@@ -127,8 +127,24 @@ class Frames:
             self.twice = 2 / self.unit**2
         return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
 
+    def tf32_references(self) -> torch.Tensor:
+        """The references' [high | low | high] [B, N, 3 D] (``tf32_split`` of ``rc``): the right
+        operands of the products in "tf32x3" (high; low | high), made once."""
+        if "r_tf32" not in vars(self):
+            high, low = tf32_split(self.rc)
+            self.r_tf32 = torch.cat([high, low, high], -1)
+        return self.r_tf32
+
     def items(self, chosen: slice) -> Frames:
         """The frames of the batch items ``chosen`` (views)."""
         part = object.__new__(Frames)
         part.__dict__.update({name: value[chosen] for name, value in vars(self).items()})
         return part
+
+
+def tf32_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (float32) as high + low + rest: high its first 11 significant bits (TF32's), low those
+    of x - high (exact), so |rest| < 2^-20 |x|. Of two such splits, high x high + high x low +
+    low x high is within 3 x 2^-20 of x y (``product_error("tf32x3")`` bounds 2^-18)."""
+    high = (x.view(torch.int32) & -(1 << 13)).view(torch.float32)
+    return high, ((x - high).view(torch.int32) & -(1 << 13)).view(torch.float32)
