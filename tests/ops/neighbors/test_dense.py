@@ -110,17 +110,24 @@ def test_far_from_the_origin(offset, precision, path, generator):
         torch.set_float32_matmul_precision(previous)
 
 
-def test_ties_wider_than_the_slack_take_the_reference_path(monkeypatch, path, generator):
-    """Many exact duplicates at the k-th place fail the certificate; those rows are redone."""
+def test_ties_wider_than_the_slack_are_redone(monkeypatch, path, generator):
+    """Many exact duplicates at the k-th place fail the certificate; those rows are redone: on
+    tensor cores with more candidates a pass (up to every reference), on CPUs by the
+    reference."""
     if dense.SMALL_ITEM_MAX_PAIRS:
         pytest.skip("the brute force measures every pair: nothing to redo")
     _planned(monkeypatch, redo="reference")
     query, ref = _tied(generator, path)
-    redone = []
-    original = dense.reference.nearest
+    redone, takes = [], []
+    original, block = dense.reference.nearest, dense._block
     monkeypatch.setattr(dense.reference, "nearest", lambda q, *a: redone.append(q.shape[1]) or original(q, *a))
+    monkeypatch.setattr(dense, "_block", lambda *a: takes.append(a[-2]) or block(*a))
     dists, idx = fullgraph.knn(query, ref, 6, backend="dense")
-    assert sum(redone) > 0
+    if dense._on_tensor_cores(query):
+        first = 6 + dense.CANDIDATE_SLACK
+        assert not redone and first in takes and max(takes) > first
+    else:
+        assert sum(redone) > 0
     assert torch.equal(idx, fullgraph.knn(query, ref, 6, backend="torch")[1])
 
 
@@ -217,8 +224,9 @@ def test_the_capture_path_proves_rows_before_one_re_measure(monkeypatch, k, redo
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_failed_rows_redone_by_the_triton_search(monkeypatch, generator):
-    """The CUDA path of the redo (through Triton's interpreter on a CPU): ties found again."""
-    _planned(monkeypatch, redo="search")
+    """The redo of a capture (no host read; through Triton's interpreter on a CPU): ties found
+    again."""
+    _planned(monkeypatch, redo="search", capture=True)
     flagged = _count_searched_rows(monkeypatch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     query, ref = _tied(generator, device)
@@ -433,6 +441,7 @@ def test_products_in_tf32x3_equal_the_reference(distribution, dim, k, monkeypatc
     on the device there is; the arithmetic is the same on CPUs), the rows they leave unproven
     again in float64: exactly the reference's lists."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(dense, "PRODUCTS_MIN_K", 1)  # (wide points with short lists too)
     if device == "cpu":
         monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: False)
         _planned(monkeypatch, first="tf32x3")
@@ -453,9 +462,9 @@ def test_products_in_tf32x3_equal_the_reference(distribution, dim, k, monkeypatc
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-def test_gpu_plans_take_the_products_for_long_lists_and_wide_points(monkeypatch):
-    """Where the chosen chunks lose (long lists; wide points beyond short lists) GPUs take the
-    products in "tf32x3", up to PRODUCTS_MAX_PAIRS; elsewhere the tensor cores' chunks."""
+def test_gpu_plans_take_the_products_for_long_lists(monkeypatch):
+    """Where the chosen chunks lose (long lists) GPUs take the products in "tf32x3", up to
+    PRODUCTS_MAX_PAIRS (fewer inside a capture); elsewhere the tensor cores' chunks."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: True)
 
     def path(batch, rows, columns, dim, k):
@@ -464,7 +473,10 @@ def test_gpu_plans_take_the_products_for_long_lists_and_wide_points(monkeypatch)
         return planned.path + (f" {planned.first}" if planned.path == "products" else "")
 
     assert path(4, 3000, 3000, 64, 256) == path(1, 2000, 50000, 128, 1024) == "products tf32x3"
-    assert path(1, 2000, 50000, 1024, 50) == path(1, 2000, 50000, 2048, 10) == "products tf32x3"
+    assert path(1, 2000, 50000, 1024, 50) == path(1, 2000, 50000, 2048, 10) == "tensor cores"
+    monkeypatch.setattr(dense, "_capturing", lambda query: True)
+    assert path(4, 3000, 3000, 64, 256) == "products tf32x3"
+    assert path(1, 2000, 50000, 128, 256) == "tensor cores"
     assert path(4, 3000, 3000, 64, 64) == path(1, 2000, 50000, 1024, 10) == "tensor cores"
     assert path(1, 10**4, 2 * 10**5, 256, 128) == path(1, 10**4, 10**5, 1024, 50) == "tensor cores"
 

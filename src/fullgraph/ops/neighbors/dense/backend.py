@@ -67,12 +67,14 @@ rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
 
-Long lists and wide points on GPUs (``Plan.path`` "products", PRODUCTS_MIN_K, PRODUCTS_WIDE).
+Long lists on GPUs (``Plan.path`` "products", PRODUCTS_MIN_K).
 Steps 1-3 as on CPUs, the products on cuBLAS's tensor cores: each centred operand split into
-two TF32 parts (``frames.tf32_split``), high x high + high x low + low x high (within ``product_error("tf32x3")`` of q.r before the float32 sums; the cross terms
-first, the main product added in the epilogue of its own), the candidates by torch.topk. The rows it leaves unproven go again in float64 products and norms
-(with no host read inside a capture: the first of them, ``_first_failed_again``), then to
-``plan.redo``.
+two TF32 parts (``frames.tf32_split``), high x high + high x low + low x high (within
+``product_error("tf32x3")`` of q.r before the float32 sums; the cross terms first, the main
+product added in the epilogue of its own), the candidates by torch.topk. The rows it leaves
+unproven go again in float64 products and norms, with REDO_GROWTH times the candidates a pass
+until every row is proven (``_redo``; inside a capture the first of them only,
+``_first_failed_again``, then ``plan.redo``).
 
 Wide points in a capture. From CAPTURE_AGAIN_MIN_DIM coordinates the rows the tensor cores leave
 unproven go first through steps 1-3 as on CPUs, up to a fixed number a batch item, with cuBLAS's
@@ -143,6 +145,10 @@ CPU_REMEASURE_BYTES = 2 * 2**20
 # The longest lists the Triton search redoes failed rows for (it keeps them in registers;
 # beyond its own MAX_K for speed, not correctness: only failed rows take it).
 REDO_MAX_K = 256
+# Outside a capture, unproven rows on GPUs are redone with this many times the candidates a pass
+# (``_redo``): the scalar search they went to instead took ~0.1-1 ms a row at D >= 256 (2,000 x
+# 50,000 D=1024 k=256, Gaussian: 180 ms against cdist + topk's 6.5).
+REDO_GROWTH = 4
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
 # measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
@@ -329,8 +335,8 @@ def _least_products(qc, frames: Frames, take: int, precision: str = ""):
         high, low = tf32_split(qc)
         dim, parts = qc.shape[-1], frames.tf32_references()
         with _cublas_products("tf32"):
-            products = torch.bmm(torch.cat([high, low], -1), parts[..., dim:].transpose(1, 2))
-            products.mul_(-2).add_(r_norms[:, None, :])
+            products = torch.baddbmm(r_norms[:, None, :], torch.cat([high, low], -1),
+                                     parts[..., dim:].transpose(1, 2), alpha=-2)
             products.baddbmm_(high, parts[..., :dim].transpose(1, 2), alpha=-2)
         return select.smallest(products, take)
     if precision == "float64":
@@ -466,14 +472,16 @@ WIDE_SLACK_MIN_DIM = 128
 # instead of by the products' candidates and certificate (~8 launches): eagerly the host's
 # launches cost more than the brute force; inside a capture the products win everywhere.
 SMALL_ITEM_MAX_PAIRS, SMALL_ITEM_MAX_DIM = 2**16, 64
-# On GPUs, lists of at least PRODUCTS_MIN_K, and points of at least D coordinates with lists of at
-# least k (PRODUCTS_WIDE's (D, k)), on calls of up to PRODUCTS_MAX_PAIRS query-reference pairs take
-# the products path on cuBLAS's tensor cores in "tf32x3" (``_least_products``) and torch.topk:
-# the chosen chunks' members grow with k (4 x 3000^2 D=64 k=256, H100: 7.1 ms a call against 2.9
-# for the products), and wide Gaussian clouds leave the float16 first products few rows proven
-# (2,000 x 50,000 D=1024 k=50: 7.1 against 3.7 for one TF32 product's candidates; D=1024 k=10
-# stays, 4.1 there). Beyond the pairs torch.topk over every pair costs more than the chunks.
-PRODUCTS_MIN_K, PRODUCTS_WIDE, PRODUCTS_MAX_PAIRS = 128, ((1024, 32), (2048, 1)), 2**28
+# On GPUs, lists of at least PRODUCTS_MIN_K on calls of up to PRODUCTS_MAX_PAIRS query-reference
+# pairs (PRODUCTS_CAPTURE_MAX_PAIRS inside a capture) take the products path on cuBLAS's tensor
+# cores in "tf32x3" (``_least_products``) and torch.topk: the chosen chunks' members grow with k
+# (H100, ms as called with no replay / graphed, 4 x 3000^2 D=64 k=256: chunks 6.5 / 6.7, products
+# 3.3 / 4.2). Beyond those pairs torch.topk over every pair costs more than the chunks (2,000 x
+# 50,000 D=128 k=256 graphed: 4.7 against 2.7). Wide points stay on the chunks: "tf32x3" products
+# cost more there than the float16 first products save (D=1024 k=50: 8.7 against 6.7). One
+# float32 product ("ieee") was 5 % faster at D <= 300 and 13 % slower at D = 1024.
+PRODUCTS_MIN_K, PRODUCTS_MAX_PAIRS, PRODUCTS_CAPTURE_MAX_PAIRS = 128, 2**28, 2**26
+PRODUCTS_PRECISION = "tf32x3"
 # Rows unproven inside a capture are redone by the brute force on items of up to this many
 # references (programs without such a row return at once), by the Triton search on larger ones
 # (per row the brute force's scalar sums cost more there).
@@ -488,8 +496,8 @@ class Plan:
 
     path: "every pair" (small items on GPUs outside a capture: one kernel measures every
     pair), "tensor cores" (GPUs: chunk minima, chosen chunks, certificate) or "products"
-    (CPUs and float64: BLAS products, candidates, certificate; on GPUs long lists and wide
-    points, first "tf32x3"). capture: the path runs inside a
+    (CPUs and float64: BLAS products, candidates, certificate; on GPUs long lists,
+    first "tf32x3"). capture: the path runs inside a
     capture and redoes unproven rows with no host read. redo: what searches the rows the
     certificate leaves unproven ("every pair", "search": the Triton search,
     "reference"; on tensor cores outside a capture the stored products try them first).
@@ -535,10 +543,10 @@ def plan(query, ref, k) -> Plan:
             and rows * columns <= SMALL_ITEM_MAX_PAIRS):
         return Plan("every pair", False, redo, take=k, width=columns,
                     triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
-    wide = any(dim >= least_dim and k >= least_k for least_dim, least_k in PRODUCTS_WIDE)
-    if (k >= PRODUCTS_MIN_K or wide) and query.shape[0] * rows * columns <= PRODUCTS_MAX_PAIRS:
+    most_pairs = PRODUCTS_CAPTURE_MAX_PAIRS if capturing else PRODUCTS_MAX_PAIRS
+    if k >= PRODUCTS_MIN_K and query.shape[0] * rows * columns <= most_pairs:
         return Plan("products", capture, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns,
-                    first="tf32x3", triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
+                    first=PRODUCTS_PRECISION, triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
     chunks = -(-columns // chunk)
     chosen = min(k + CHUNK_SLACK, chunks)
@@ -667,25 +675,30 @@ def _every_pair(frames: Frames, ref_ok, k, radius, dists, idx, needed=None) -> N
 
 
 def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx):
-    """Search the ``failed`` [B, M] rows again exactly, in place (one host read; a capture
-    takes ``_lists_in_capture``): on tensor cores by the stored products when the chunks
-    missed, and what still fails by ``plan.redo``."""
+    """Search the ``failed`` [B, M] rows again exactly, in place (host reads; a capture takes
+    ``_lists_in_capture``): on GPUs by the stored products when the chunks missed, then in
+    float64 products with REDO_GROWTH times the candidates a pass until every row is proven
+    (all references candidates at last: near-ties of wide points, duplicates); elsewhere by
+    ``plan.redo``."""
     if not bool(failed.any()):
         return
-    if plan.path == "tensor cores" or plan.first == "tf32x3":
-        take = min(k + CANDIDATE_SLACK, ref.shape[1])
+    if plan.path == "tensor cores" or plan.first:  # (the GPUs' products path has a precision)
+        columns = ref.shape[1]
+        take = min(k + CANDIDATE_SLACK, columns)
         # the tensor cores' chunks missed: the products; the products missed: the same in float64
         precision = "float64" if plan.path == "products" else ""
-        budget = BLOCK_BYTES["cuda"] // (ref.shape[1] * 8)
-        for b, rows in enumerate(failed):
-            rows = rows.nonzero()[:, 0]
-            for start in range(0, rows.numel(), budget):
-                some = rows[start:start + budget]
-                d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius, take,
-                                     precision)
-                dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
-        if not bool(failed.any()):
-            return
+        budget = max(1, BLOCK_BYTES["cuda"] // (columns * 8))
+        while True:
+            for b, rows in enumerate(failed):
+                rows = rows.nonzero()[:, 0]
+                for start in range(0, rows.numel(), budget):
+                    some = rows[start:start + budget]
+                    d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius,
+                                         take, precision)
+                    dists[b, some, :d.shape[-1]], idx[b, some, :d.shape[-1]], failed[b, some] = d[0], i[0], still[0]
+            if take == columns or not bool(failed.any()):
+                return
+            take, precision = min(take * REDO_GROWTH, columns), "float64"
     if plan.redo == "search":
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     for b, rows in enumerate(failed):
@@ -774,7 +787,7 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
             dists[items, block, :d.shape[-1]], idx[items, block, :d.shape[-1]] = d, i
     failed &= query_ok
     if plan.capture:  # (the search's programs without a failed row return at once)
-        if plan.first == "tf32x3":
+        if plan.first:
             _first_failed_again(frames, k, radius, failed, dists, idx, "float64")
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
     _redo(plan, query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
