@@ -12,6 +12,9 @@ import torch
 # be set before fullgraph (and its @triton.jit kernels) is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests assert which path answers a call: kernels compile in the calling process here
+# (tests/test_background.py runs the background compiles in processes of their own).
+os.environ.setdefault("FULLGRAPH_BACKGROUND_COMPILE", "0")
 # JAX takes 75% of the GPU's memory when it starts unless told not to: the pytest workers
 # sharing the GPU (and the processes they start) then ran out of memory.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -101,7 +101,7 @@ import threading
 
 import torch
 
-from .... import _triton
+from .... import _background, _triton
 from ...._triton import lazy
 from ....backends import FLOATING, Backend
 from .. import pairs, reference
@@ -149,6 +149,8 @@ REDO_MAX_K = 256
 # (``_redo``): the scalar search they went to instead took ~0.1-1 ms a row at D >= 256 (2,000 x
 # 50,000 D=1024 k=256, Gaussian: 180 ms against cdist + topk's 6.5).
 REDO_GROWTH = 4
+# Candidate rows gathered at a time for the exact re-measure in torch on GPUs (``_in_torch``).
+CUDA_REMEASURE_BYTES = 256 * 2**20
 # Up to this many members a query, every member is measured in the reference's arithmetic (no first
 # measure and selection of the k + CANDIDATE_SLACK least).
 MEASURED_ALL_MAX = 64
@@ -167,11 +169,19 @@ def _gather_rows(points, rows, out=None):
     return out
 
 
+# Set while a call is answered by torch's own operators alone (``_in_torch``).
+_TORCH_ONLY = threading.local()
+
+
+def _torch_only() -> bool:
+    return getattr(_TORCH_ONLY, "on", False)
+
+
 def _remeasure(q, r, candidates, floors=None, least=0):
     """Distances [B, m, c] from q [B, m, D] to the rows ``candidates`` [B, m, c] of r [B, N, D],
     in the reference's arithmetic. On CPUs, ``floors`` [B, m, c] and ``least``: a row's
     candidates whose floor lies above its first ``least`` may be left unmeasured (+inf)."""
-    if q.is_cuda:
+    if q.is_cuda and not _torch_only():
         if triton_dense.measures(q):
             # gathered, squared and summed in one Triton pass, as the reference sums.
             return triton_dense.squared_distances(q, r, candidates).sqrt_()
@@ -179,16 +189,17 @@ def _remeasure(q, r, candidates, floors=None, least=0):
     measured = select.squared_distances(q, r, candidates, floors, least)
     if measured is not None:  # each candidate row read once (C++)
         return measured.sqrt_()
-    # Without the extension, cache-sized pieces gathered into one reused buffer (fresh pieces
-    # of a few MiB each cost page faults: 16 x 256 queries x 28 candidates of D = 64, 55% of
-    # a call). Above
+    # Without the extension (or Triton), pieces gathered into one reused buffer (on CPUs
+    # cache-sized: fresh pieces of a few MiB each cost page faults, 16 x 256 queries x 28
+    # candidates of D = 64, 55% of a call). Above
     # PER_COORDINATE_MAX_DIM the reference's squares and halving sum run in place there:
     # (r - q)^2 is (q - r)^2 bit for bit.
     batch, rows, take = candidates.shape
     dim = q.shape[-1]
-    step = max(1, CPU_REMEASURE_BYTES // max(1, batch * take * dim * q.element_size()))
-    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype)
-    out = torch.empty((batch, rows, take), dtype=q.dtype)
+    piece = CUDA_REMEASURE_BYTES if q.is_cuda else CPU_REMEASURE_BYTES
+    step = max(1, piece // max(1, batch * take * dim * q.element_size()))
+    buffer = torch.empty(batch * min(step, rows) * take * dim, dtype=q.dtype, device=q.device)
+    out = torch.empty((batch, rows, take), dtype=q.dtype, device=q.device)
     for s in range(0, rows, step):
         piece = candidates[:, s:s + step]
         gathered = _gather_rows(r, piece, out=buffer[:piece.numel() * dim].view(*piece.shape, dim))
@@ -227,7 +238,7 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
     [B, m] leaves out (unspecified then). On CPUs, candidates whose ``floors`` [B, m, c] lie
     above a row's first ``least`` distances may be left out (``_remeasure``)."""
     take, dim = candidates.shape[-1], q.shape[-1]
-    if q.is_cuda and q.dtype == torch.float32 and triton_dense.ranks_members(take, take, dim):
+    if q.is_cuda and q.dtype == torch.float32 and not _torch_only() and triton_dense.ranks_members(take, take, dim):
         chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
@@ -794,19 +805,45 @@ def _in_blocks(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_len
 
 
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
-    """``pairs.Kernels.nearest`` by matrix products (see the module docstring)."""
+    """``pairs.Kernels.nearest`` by matrix products (see the module docstring). An eager GPU
+    call whose Triton kernels are not compiled yet is answered by ``_in_torch`` while they
+    compile in the background (``_background``); a capture compiles them where it stands."""
     batch, rows, _ = query.shape
-    acc = pairs.accumulation_dtype(query.dtype)
     shape, device = (batch, rows, k), query.device
     if batch * rows * ref.shape[1] == 0:
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
-    if (query.is_cuda and _on_tensor_cores(query) and not _capturing(query)
-            and _capturable("knn", query.dtype, query.shape[-1], k)):
+    if not query.is_cuda or _capturing(query):
+        return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
+    if _on_tensor_cores(query) and _capturable("knn", query.dtype, query.shape[-1], k) and not _background.pending():
         replayed = _REPLAYS(query, ref, k, radius, query_lengths, ref_lengths)
         if replayed is not None:
             return replayed
-    chosen = plan(query, ref, k)
+    try:
+        with _background.deferring():
+            return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
+    except _background.Compiling:
+        return _in_torch(query, ref, k, radius, query_lengths, ref_lengths)
+
+
+def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):
+    """The products path (``Plan.path`` "products", "tf32x3") in torch's own operators alone,
+    its unproven rows redone in float64 (``_redo``): no kernel to compile, the same lists."""
+    columns = ref.shape[1]
+    chosen = Plan("products", False, "reference", take=min(k + CANDIDATE_SLACK, columns), width=columns,
+                  first=PRODUCTS_PRECISION)
+    _TORCH_ONLY.on = True
+    try:
+        return _planned(chosen, query, ref, k, radius, query_lengths, ref_lengths)
+    finally:
+        _TORCH_ONLY.on = False
+
+
+def _planned(chosen: Plan, query, ref, k, radius, query_lengths, ref_lengths):
+    """``nearest`` as ``chosen`` says."""
+    batch, rows, _ = query.shape
+    acc = pairs.accumulation_dtype(query.dtype)
+    shape, device = (batch, rows, k), query.device
     if query.is_cuda and not _capturing(query) and query.shape[-1] >= CAPTURE_AGAIN_MIN_DIM:
         # A capture of this call takes cuBLAS, whose handle cannot be created while capturing:
         # made here, in the eager calls that warm a capture up.

@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .... import graphs
+from .... import _background, graphs
 
 # The call of a signature that is captured (the earlier ones run eagerly): a shape seen once or
 # twice costs no capture.
@@ -84,10 +84,13 @@ class Replays:
                 self._pools[pool] = torch.cuda.graph_pool_handle()
         self._capturing.on = True
         try:
-            graph, output = graphs.capture(lambda: self._nearest(query, ref, k, radius, query_lengths, ref_lengths),
-                                           query.device, warmup=1, pool=self._pools[pool])
-        except graphs.GraphCaptureError:  # (the capture left the generator as it was)
-            self._refused.add(key)
+            # (a kernel not compiled yet compiles in the background: captured on a later call)
+            with _background.deferring():
+                graph, output = graphs.capture(lambda: self._nearest(query, ref, k, radius, query_lengths, ref_lengths),
+                                               query.device, warmup=1, pool=self._pools[pool])
+        except graphs.GraphCaptureError as error:  # (the capture left the generator as it was)
+            if not isinstance(error.__cause__, _background.Compiling):
+                self._refused.add(key)
             return None
         finally:
             self._capturing.on = False
