@@ -13,7 +13,7 @@ ROOT = Path(fullgraph.__file__).parent
 LAYERS = {
     "cli": 6, "doctor": 6, "bench": 5, "models": 4, "compat": 4, "diffusion": 4, "distributed": 4, "ops": 3,
     "extern": 2, "memory": 2, "graphs": 2, "numpy": 2, "backends": 2, "explain": 2,
-    "libraries": 1, "_validate": 1, "_contract": 1, "_triton": 1, "_extension": 1, "__init__": 7,
+    "libraries": 1, "_validate": 1, "_contract": 1, "_triton": 1, "_background": 1, "_extension": 1, "__init__": 7,
 }
 
 

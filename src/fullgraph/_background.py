@@ -23,8 +23,10 @@ import json
 import os
 import subprocess
 import sys
+import logging
 import threading
 
+log = logging.getLogger(__name__)
 # Background processes compiling at once (each takes one core).
 WORKERS = max(1, min(4, (os.cpu_count() or 2) // 2))
 # A background compile that takes longer is given up (the kernel then compiles in the caller).
@@ -85,8 +87,11 @@ def _compile(marker: str, job: dict) -> None:
                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             _, error = process.communicate(json.dumps(job), timeout=TIMEOUT_S)
             done = process.returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            done = False
+        except (OSError, subprocess.SubprocessError) as problem:
+            done, error = False, str(problem)
+        if not done:
+            log.warning("compiling %s in the background failed (it compiles in the calling process): %s",
+                        job["name"], error[-2000:])
         with _lock:
             if done:
                 os.makedirs(_ready_dir(), exist_ok=True)
@@ -113,7 +118,8 @@ def _hook(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         if marker not in _running:
             _running[marker] = None
             job = {"module": fn.module, "name": fn.name, "device": compile["device"],
-                   "specialization": compile["specialization_data"]}
+                   "specialization": compile["specialization_data"],
+                   "kinds": [type(value).__name__ for value in compile["constants"].values()]}
             threading.Thread(target=_compile, args=(marker, job), daemon=True).start()
     raise Compiling(f"{fn.name} is compiling in the background")
 
@@ -161,4 +167,28 @@ def _main() -> None:
         function = getattr(function, part)
     while not isinstance(function, JITFunction):  # (autotuners and heuristics wrap it)
         function = function.fn
-    function.preload(job["specialization"])
+    _preload(function, job["device"], json.loads(job["specialization"]), job["kinds"])
+
+
+def _preload(function, device: int, data: dict, kinds: list[str]) -> None:
+    """``JITFunction.preload`` of Triton's specialization ``data``, each constant decoded as the
+    type it had (``kinds``): preload takes every string that names a dtype for one ("fp16")."""
+    import triton.language as tl
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    constants = {}
+    for path, value, kind in zip(data["constant_keys"], data["constant_vals"], kinds):
+        if isinstance(value, dict) and kind != "constexpr":  # (a kernel as a constant: preload's own)
+            return function.preload(json.dumps(data))
+        if kind == "dtype":
+            value = tl.dtype(value)
+        elif kind == "constexpr":
+            value = tl.constexpr(convert_to_tuple_if_list(value["constexpr"]))
+        else:
+            value = convert_to_tuple_if_list(value)
+        constants[tuple(path)] = value
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {name: convert_to_tuple_if_list(kind) for name, kind in data["signature"].items()}
+    options = {name: tuple(value) if isinstance(value, list) else value for name, value in data["options"].items()}
+    backend = function.device_caches[device][3]
+    function._do_compile(data["key"], signature, device, constants, backend.parse_options(options), attrs, warmup=True)
