@@ -287,6 +287,7 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # nearer 1 than 64
+    monkeypatch.setattr(dense.cpu_backend, "TINY_MAX_WORK", 0)  # (tiny calls: tests/ops/neighbors/test_search.py)
     for dim, columns in ((3, 30), (8, 30), (16, 20), (16, 30), (64, 20), (65, 20)):
         query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=6, columns=columns))
         got = fullgraph.knn(query, ref, 4)
@@ -307,6 +308,7 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 20)
     monkeypatch.setattr(dense, "CPU_AUTO_WIDE_MAX_PAIRS", 5 * 40)
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ()})  # (its own test below)
+    monkeypatch.setattr(dense.cpu_backend, "TINY_MAX_WORK", 0)  # (tiny calls: tests/ops/neighbors/test_search.py)
     for dim in (3, dense.CPU_AUTO_WIDE_DIM, dense.AUTO_MIN_DIM - 1, dense.AUTO_MIN_DIM, 64):
         for columns in (20, 40, 60):
             query, ref = (t.float() for t in _clouds("uniform", dim, generator, rows=5, columns=columns))

@@ -303,6 +303,7 @@ def test_auto_picks_the_tree_on_cpu_beyond_small_items(monkeypatch):
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 9)
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ()})
     monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
+    monkeypatch.setattr(cpu, "TINY_MAX_WORK", 0)
     fullgraph.knn(torch.randn(5, 3), torch.randn(9, 3), 2)
     fullgraph.knn(torch.randn(5, 3), torch.randn(10, 3), 2)
     assert calls == [10]
@@ -349,3 +350,70 @@ def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator)
         for a, b in zip(got, want):
             close = torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
             assert torch.equal(a, b) if a.dtype == torch.int64 else close
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(None, 10, 10, 64, 4), (4, 32, 32, 12, 4), (2, 7, 3, 5, 6), (None, 0, 5, 3, 2),
+                                   (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16)])
+def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
+    """Tiny eager CPU calls ("auto", at most cpu.TINY_MAX_WORK pair-coordinates) go past the
+    operator layers to the brute force's one C++ call: the reference's lists bit for bit, with
+    duplicates (ties to the smaller index), a non-finite point, k beyond N (padding), huge
+    coordinates (the item's scale), empty clouds and unbatched inputs."""
+    from fullgraph.ops.neighbors.cpu import backend as cpu
+
+    batch, rows, columns, dim, k = shape
+    assert (batch or 1) * rows * columns * dim <= cpu.TINY_MAX_WORK
+    taken = []
+    original = cpu.tiny_knn
+    monkeypatch.setattr(cpu, "tiny_knn", lambda *a: taken.append(a[2]) or original(*a))
+    generator = torch.Generator().manual_seed(rows * 31 + columns)
+    lead = () if batch is None else (batch,)
+    query = torch.randn(*lead, rows, dim, generator=generator, dtype=dtype)
+    ref = torch.randn(*lead, columns, dim, generator=generator, dtype=dtype)
+    if columns > 2:
+        ref[..., 1, :] = ref[..., 0, :]  # a duplicate
+        ref[..., 2, 0] = math.nan
+    if rows > 1:
+        query[..., -1, :] *= 1e30  # far beyond the scale's bounds
+    got = fullgraph.knn(query, ref, k)
+    want = fullgraph.knn(query, ref, k, backend="torch")
+    assert taken == [k]
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_tiny_cpu_calls_keep_the_usual_path_where_it_must_run():
+    """Gradients, an explicit backend, lengths and bad arguments take the usual path (its
+    autograd, its choice and its errors)."""
+    query = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(2, 6, 3, dtype=torch.float64)
+    dists, _ = fullgraph.knn(query, ref, 3)
+    assert dists.requires_grad
+    torch.autograd.gradcheck(lambda q: fullgraph.knn(q, ref, 3)[0], (query,))
+    with pytest.raises(ValueError, match="k: expected"):
+        fullgraph.knn(query.detach(), ref, 0)
+    with pytest.raises(TypeError, match="k: expected"):
+        fullgraph.knn(query.detach(), ref, True)
+    with pytest.raises(ValueError, match="ref: expected D = 3"):
+        fullgraph.knn(query.detach(), ref[..., :2], 3)
+    with pytest.raises(ValueError, match="k: expected at most"):
+        fullgraph.knn(query.detach(), ref, 2000)
+    with pytest.raises(TypeError):
+        fullgraph.knn(query.detach(), ref.float(), 3)
+
+
+def test_auto_means_the_brute_force_for_tiny_cpu_work():
+    """The tiny calls' path is the one "auto" resolves to for the same work."""
+    from fullgraph.ops.neighbors import registration
+    from fullgraph.ops.neighbors.cpu import backend as cpu
+    from fullgraph.ops.neighbors.cpu import native
+
+    if not native.available():
+        pytest.skip("the CPU extension did not build")
+    for rows, columns, dim in [(10, 10, 64), (1, 1, 2048), (32, 32, 64), (64, 64, 16)]:
+        assert rows * columns * dim <= cpu.TINY_MAX_WORK
+        chosen = registration.BACKENDS.resolve("auto", "knn", torch.device("cpu"), torch.float32, dim, 4,
+                                               size=rows * columns)
+        assert chosen.name == "cpu"
+

@@ -285,11 +285,12 @@ def test_small_items_in_one_call_equal_the_reference(case, dim, dtype, generator
 def test_calls_on_shared_cores_run_on_one_thread(monkeypatch, generator):
     """A CPU call that got less than CONTENDED_SHARE of a core per thread sends the following
     ones to one thread (torch's count restored after each), until FREE_CALLS got a whole core."""
-    from fullgraph.ops.neighbors.cpu import threads
+    from fullgraph.ops.neighbors.cpu import backend as cpu_backend, threads
 
     query, ref = torch.randn(2, 30, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)
     want = fullgraph.knn(query, ref, 4, backend="torch")
     monkeypatch.setattr(threads, "_CORES", threads._Cores())
+    monkeypatch.setattr(cpu_backend, "TINY_MAX_WORK", 0)  # (tiny calls are never judged)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)

@@ -14,6 +14,7 @@ from torch.utils import _python_dispatch
 from ... import _contract, _validate
 from .batching import Padded, check_batch
 from . import registration
+from .cpu import backend as cpu
 from .registration import check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
 
 
@@ -36,6 +37,31 @@ def direct(*tensors) -> bool:
                 or _python_dispatch._get_current_dispatch_mode())
 
 
+def _tiny_knn(query, ref, k, backend, *lengths):
+    """``knn``'s lists of a tiny eager CPU call: "auto" on plain float32/float64 clouds, no
+    lengths, at most ``cpu.TINY_MAX_WORK`` pair-coordinates, k within the limit; what "auto"
+    picks there (the CPU brute force) in its one C++ call, past the checks and operator
+    layers. None where the call is not such (the usual path then checks it, errors included)."""
+    if torch.compiler.is_compiling():  # (first: no guard on the sizes)
+        return None
+    if (backend != "auto" or lengths != (None, None) or type(query) is not torch.Tensor
+            or type(ref) is not torch.Tensor or type(k) is not int or k < 1):
+        return None
+    if (query.dim() not in (2, 3) or ref.dim() != query.dim() or query.dtype not in _TINY_DTYPES
+            or ref.dtype != query.dtype or query.device.type != "cpu" or ref.device.type != "cpu"):
+        return None
+    (*batch, rows, dim), (*ref_batch, columns, ref_dim) = query.shape, ref.shape
+    if (batch != ref_batch or dim != ref_dim or dim < 1 or k > max(columns, registration.MAX_PADDED_K)
+            or (batch[0] if batch else 1) * rows * columns * dim > cpu.TINY_MAX_WORK
+            or not cpu.BACKEND.available("cpu") or not direct(query, ref)):
+        return None
+    found = cpu.tiny_knn(query if batch else query[None], ref if batch else ref[None], k)
+    return found if found is None or batch else (found[0][0], found[1][0])
+
+
+_TINY_DTYPES = (torch.float32, torch.float64)
+
+
 def _points(query, ref, query_lengths, ref_lengths):
     """Check the point clouds; return them batched [B, M, D], [B, N, D] and whether to unbatch."""
     if _checking():
@@ -47,11 +73,13 @@ def _points(query, ref, query_lengths, ref_lengths):
 def _backend(choice, query: torch.Tensor, ref: torch.Tensor, op: str, k: int = 1) -> str:
     """The name of the backend for ``op`` on batched ``query`` and ``ref``; raises its refusal
     (while tracing, the choice goes to the operator, which resolves it when it runs)."""
-    if not _checking():
-        return choice
+    return _resolved(choice, query, ref, op, k).name if _checking() else choice
+
+
+def _resolved(choice, query: torch.Tensor, ref: torch.Tensor, op: str, k: int = 1):
     return registration.BACKENDS.resolve(choice, op, query.device, query.dtype, query.shape[-1], k,
-                            k_argument="max_neighbors" if op == "radius" else "k",
-                            size=pairs_per_item(query, ref)).name
+                                         k_argument="max_neighbors" if op == "radius" else "k",
+                                         size=pairs_per_item(query, ref))
 
 
 def _integer(name, value):
@@ -176,11 +204,16 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
     if batch_query is not None or batch_ref is not None:
         _flat_inputs(query, ref, query_lengths, ref_lengths)
         return torch.ops.fullgraph.knn_flat(query, ref, _integer("k", k), batch_query, batch_ref, backend)
+    found = _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths)
+    if found is not None:
+        return found
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)
     k = _integer("k", k)
+    if direct(query, ref, query_lengths, ref_lengths):
+        chosen = _resolved(backend, query, ref, "knn", k)
+        return _unbatch(registration.knn_checked(query, ref, k, query_lengths, ref_lengths, chosen), unbatched)
     backend = _backend(backend, query, ref, "knn", k)
-    search = registration.knn_lists if direct(query, ref, query_lengths, ref_lengths) else torch.ops.fullgraph.knn
-    dists, idx = search(query, ref, k, query_lengths, ref_lengths, backend)
+    dists, idx = torch.ops.fullgraph.knn(query, ref, k, query_lengths, ref_lengths, backend)
     return _unbatch((dists, idx), unbatched)
 
 

@@ -189,11 +189,22 @@ def knn_lists(
     query: Tensor, ref: Tensor, k: int, query_lengths: OptionalTensor, ref_lengths: OptionalTensor,
     backend: str,
 ) -> tuple[Tensor, Tensor]:
-    """``torch.ops.fullgraph.knn``'s function (``api.direct`` calls it without the operator)."""
+    """``torch.ops.fullgraph.knn``'s function."""
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
+    chosen = BACKENDS.resolve(backend, "knn", query.device, query.dtype, query.shape[-1], k,
+                              size=pairs_per_item(query, ref))
+    return knn_checked(query, ref, k, query_lengths, ref_lengths, chosen)
+
+
+def knn_checked(query: Tensor, ref: Tensor, k: int, query_lengths: OptionalTensor, ref_lengths: OptionalTensor,
+                chosen: backends.Backend) -> tuple[Tensor, Tensor]:
+    """``knn_lists`` of clouds and lengths already checked (``check_clouds``, k an int >= 1)
+    on the ``chosen`` backend: what ``api.direct`` calls without the operator."""
+    check_list_width("k", k, ref.shape[1])
+    chosen.check_capture(query.device, "knn", query.dtype, query.shape[-1], k)
     with threads.fitted(query):
-        dists, idx, _ = kernels(backend, "knn", query, query.shape[-1], k, pairs_per_item(query, ref)).nearest(
-            query.contiguous(), ref.contiguous(), k, math.inf, query_lengths, ref_lengths)
+        dists, idx, _ = chosen.implementation.nearest(query.contiguous(), ref.contiguous(), k, math.inf,
+                                                      query_lengths, ref_lengths)
     return dists, idx
 
 

@@ -12,7 +12,6 @@ Outside those calls torch's own setting stands (``torch.set_num_threads``).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -50,23 +49,30 @@ def _judge(share: float, threads: int) -> None:
         _CORES.shared, _CORES.free_calls = True, 0
 
 
-@contextlib.contextmanager
-def fitted(like: torch.Tensor):
-    """The block (one operator call on tensors like ``like``) on the threads the cores allow:
-    CPU tensors only; torch's thread count restored after."""
-    threads = torch.get_num_threads()
-    if like.device.type != "cpu" or (threads == 1 and not _CORES.shared):
-        yield
-        return
-    narrowed = _CORES.shared
-    if narrowed:
-        torch.set_num_threads(1)
-    wall, cpu = (clock() for clock in _clocks)
-    try:
-        yield
-    finally:
-        wall, cpu = _clocks[0]() - wall, _clocks[1]() - cpu
-        if narrowed:
-            torch.set_num_threads(threads)
+class fitted:
+    """``with fitted(like):`` the block (one operator call on tensors like ``like``) on the
+    threads the cores allow: CPU tensors only; torch's thread count restored after. (A class,
+    not a generator: tiny calls pay its cost on every call.)"""
+
+    __slots__ = ("threads", "narrowed", "wall", "cpu")
+
+    def __init__(self, like: torch.Tensor):
+        threads = torch.get_num_threads()
+        self.threads = None if like.device.type != "cpu" or (threads == 1 and not _CORES.shared) else threads
+
+    def __enter__(self) -> None:
+        if self.threads is None:
+            return
+        self.narrowed = _CORES.shared
+        if self.narrowed:
+            torch.set_num_threads(1)
+        self.wall, self.cpu = _clocks[0](), _clocks[1]()
+
+    def __exit__(self, *exception) -> None:
+        if self.threads is None:
+            return
+        wall, cpu = _clocks[0]() - self.wall, _clocks[1]() - self.cpu
+        if self.narrowed:
+            torch.set_num_threads(self.threads)
         if wall >= JUDGED_MIN_SECONDS:
-            _judge(cpu / wall, 1 if narrowed else threads)
+            _judge(cpu / wall, 1 if self.narrowed else self.threads)

@@ -105,6 +105,7 @@ from .... import _background, _triton
 from ...._triton import lazy
 from ....backends import FLOATING, Backend
 from .. import pairs, reference
+from ..cpu import backend as cpu_backend
 from ..cpu import native as select
 from ..triton import backend as triton_grid
 from ..triton import grid
@@ -892,7 +893,7 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
 # measured count, in ratio).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15), (256, 5 * 2**12)),
+    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15), (256, 5 * 2**12), (1024, 2**12), (2048, 2**11)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 
@@ -923,7 +924,8 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_capturable("knn", dtype, dim, k) or outside)
-    if size is not None and any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits()):
+    if size is not None and (size * dim <= cpu_backend.TINY_MAX_WORK
+                             or any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits())):
         return not select.available()
     if (size is not None and k is not None and k >= CPU_LONG_LISTS_K and size <= CPU_LONG_LISTS_MAX_PAIRS
             and dim <= CPU_LONG_LISTS_MAX_DIM):

@@ -367,7 +367,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
   const at::Tensor q = query.contiguous(), r = ref.contiguous();
   at::Tensor query_ok = at::empty({batch, rows}, q.options().dtype(at::kBool));
   at::Tensor ref_ok = at::empty({batch, columns}, q.options().dtype(at::kBool));
-  at::Tensor scale = at::empty({batch, 1, 1}, q.options());
+  std::vector<double> scale(batch, 1.0);
+  bool unscaled = true;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nearest_small", [&] {
     const auto mark = [dim](const scalar_t* points, int64_t count, bool* ok, scalar_t& largest) {
       for (int64_t i = 0; i < count; ++i) {
@@ -385,27 +386,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
       scalar_t largest = 0;
       mark(q.data_ptr<scalar_t>() + item * rows * dim, rows, query_ok.data_ptr<bool>() + item * rows, largest);
       mark(r.data_ptr<scalar_t>() + item * columns * dim, columns, ref_ok.data_ptr<bool>() + item * columns, largest);
-      scalar_t factor = 1;
       if ((largest > above || largest < below) && largest > 0) {
         int exponent;
         std::frexp(largest, &exponent);  // largest = m 2^exponent, 0.5 <= m < 1
-        factor = std::ldexp(scalar_t(1), exponent - 1);
+        scale[item] = std::ldexp(1.0, exponent - 1);
+        unscaled &= scale[item] == 1.0;
       }
-      scale.data_ptr<scalar_t>()[item] = factor;
     }
   });
-  // (x / 1 == x: the usual items need no scaled copies)
-  const bool unscaled = (scale == 1).all().item<bool>();
-  const at::Tensor d = (unscaled ? measure_all(q, r) : measure_all(q / scale, r / scale)).sqrt_();
+  at::Tensor d;
+  if (unscaled) {  // (x / 1 == x: the usual items need no scaled copies)
+    d = measure_all(q, r);
+  } else {
+    const at::Tensor factor = at::tensor(at::ArrayRef<double>(scale), q.options().dtype(at::kDouble))
+                                  .to(q.scalar_type()).view({batch, 1, 1});
+    d = measure_all(q / factor, r / factor);
+  }
+  d.sqrt_();
   const at::Tensor within = at::full({batch}, std::numeric_limits<double>::infinity(), q.options());
   static const auto select = c10::Dispatcher::singleton()
                                  .findSchemaOrThrow("fullgraph_cpu::nearest_within", "")
                                  .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
   auto [values, positions, counts] = select.call(d, query_ok, ref_ok, within, take);
-  const at::Tensor missing = values.isnan();
-  return {(unscaled ? values : values * scale).masked_fill_(missing, std::numeric_limits<double>::infinity()),
-          positions.masked_fill_(missing, -1), counts};
+  // Missing slots (NaN) become +inf / -1 and found distances are multiplied back (scaled items),
+  // in one pass where four torch operators took most of a tiny call.
+  AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "nearest_small_lists", [&] {
+    scalar_t* value = values.data_ptr<scalar_t>();
+    int64_t* position = positions.data_ptr<int64_t>();
+    const int64_t per_item = rows * take;
+    for (int64_t item = 0; item < batch; ++item) {
+      const scalar_t factor = static_cast<scalar_t>(scale[item]);
+      for (int64_t j = item * per_item; j < (item + 1) * per_item; ++j) {
+        if (value[j] != value[j]) {
+          value[j] = std::numeric_limits<scalar_t>::infinity();
+          position[j] = -1;
+        } else if (!unscaled) {
+          value[j] *= factor;
+        }
+      }
+    }
+  });
+  return {values, positions, counts};
 }
 
 }  // namespace
