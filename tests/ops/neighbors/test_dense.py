@@ -1113,3 +1113,34 @@ def test_the_torch_path_equals_the_reference(distribution, dim, k, generator):
         got = dense._in_torch(query, ref, k, radius, query_lengths, ref_lengths)
         want = fullgraph.ops.neighbors.reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0].to(got[0].dtype))
+
+
+@pytest.mark.parametrize("case", ["normal", "far", "ties", "wide ties", "non-finite", "huge", "float64"])
+def test_small_plain_cpu_calls_by_one_uncentred_product(case):
+    """dense._plain_on_cpu (small CPU calls on plain points): the reference's lists bit for bit
+    where it proves every row; None, so the usual path answers, where it cannot (far from the
+    origin: the uncentred bound is too wide; more duplicates at the cut than the slack;
+    non-finite or huge points: not plain)."""
+    if not dense.select.available():
+        pytest.skip("the C++ extension did not build here")
+    generator = torch.Generator().manual_seed(5)
+    dtype = torch.float64 if case == "float64" else torch.float32
+    query = torch.randn(2, 30, 96, generator=generator, dtype=dtype)
+    ref = torch.randn(2, 200, 96, generator=generator, dtype=dtype)
+    if case == "far":
+        query, ref = query + 1e5, ref + 1e5
+    elif case in ("ties", "wide ties"):
+        ref[:, 20:24 if case == "ties" else 60] = ref[:, :1]
+        query[:, :3] = ref[:, :3]
+    elif case == "non-finite":
+        ref[0, 3, 5] = math.nan
+    elif case == "huge":
+        query, ref = query * 1e30, ref * 1e30
+    found = dense._plain_on_cpu(query, ref, 6, math.inf, None, None)
+    want = fullgraph.knn(query, ref, 6, backend="torch")
+    if case in ("far", "wide ties", "non-finite", "huge"):
+        assert found is None
+    else:
+        assert found is not None and torch.equal(found[0], want[0]) and torch.equal(found[1], want[1])
+    got = fullgraph.knn(query, ref, 6, backend="dense")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

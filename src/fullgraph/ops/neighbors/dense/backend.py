@@ -102,6 +102,7 @@ import threading
 import torch
 
 from .... import _background, _triton
+from ... import scaling
 from ...._triton import lazy
 from ....backends import FLOATING, Backend
 from .. import pairs, reference
@@ -814,7 +815,11 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if batch * rows * ref.shape[1] == 0:
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
-    if not query.is_cuda or _capturing(query):
+    if not query.is_cuda:
+        found = _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
+        return found if found is not None else _planned(plan(query, ref, k), query, ref, k, radius, query_lengths,
+                                                          ref_lengths)
+    if _capturing(query):
         return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     if _on_tensor_cores(query) and _capturable("knn", query.dtype, query.shape[-1], k) and not _background.pending():
         replayed = _REPLAYS(query, ref, k, radius, query_lengths, ref_lengths)
@@ -825,6 +830,48 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
             return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     except _background.Compiling:
         return _in_torch(query, ref, k, radius, query_lengths, ref_lengths)
+
+
+# CPU calls of at most this many query-reference pairs (all items) whose points are plain (finite,
+# in scaling's unscaled range, no lengths) go by one product of the uncentred clouds first
+# (``_plain_on_cpu``): the frames' centring and scaling are ~60 of the ~100 torch operators a
+# call takes, most of a small call (1 x 64 x 256 D=1024 k=8, 2-core CPU: NOTES.md).
+PLAIN_CPU_MAX_PAIRS = 2**22
+
+
+def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
+    """``nearest``'s kNN of a small CPU call on plain points in ~20 operators: steps 1-3 of the
+    module docstring without centring (the bound takes the uncentred norms), candidates from
+    ``select.smallest_of_products``, re-measured by ``select.squared_distances``; None where the
+    call is not such or any row is left unproven (the usual path then answers all of it)."""
+    batch, rows, dim = query.shape
+    columns = ref.shape[1]
+    take = k + CANDIDATE_SLACK
+    if (radius != math.inf or query_lengths is not None or ref_lengths is not None or take >= columns
+            or batch * rows * columns > PLAIN_CPU_MAX_PAIRS or not select.available()):
+        return None
+    q_norms, r_norms = select.squared_norms(query), select.squared_norms(ref)
+    if q_norms is None:
+        return None
+    q_top, r_top = torch.stack((q_norms.amax(), r_norms.amax())).tolist()
+    # (finite norms: finite points; within scaling's range: no item would be scaled)
+    least = dim * scaling.SCALE_BELOW**2
+    if not (math.isfinite(q_top) and math.isfinite(r_top) and max(q_top, r_top) >= least
+            and q_top <= scaling.SCALE_ABOVE**2 and r_top <= scaling.SCALE_ABOVE**2):
+        return None
+    products = torch.bmm(query, ref.transpose(1, 2))
+    values, candidates = select.smallest_of_products(products, r_norms, take)
+    u = roundoff(query.dtype)
+    floors = beyond_expansion(values + q_norms[..., None], q_norms.sqrt()[..., None], math.sqrt(r_top), dim, u)
+    # (the candidates past the k-th by more than the products' error are not re-measured: +inf)
+    squares = select.squared_distances(query, ref, candidates, floors, least=k)
+    outside = floors[..., -1]
+    kth = squares.kthvalue(k, dim=-1).values
+    if not bool((kth * (1 + 8 * u) < outside).all()):
+        return None
+    dists, idx = select.order_by_distance(squares.sqrt(), candidates)
+    # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
+    return dists[..., :k], idx[..., :k], torch.empty((batch, rows), dtype=torch.int64)
 
 
 def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):
