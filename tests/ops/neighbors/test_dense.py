@@ -1144,3 +1144,7 @@ def test_small_plain_cpu_calls_by_one_uncentred_product(case):
         assert found is not None and torch.equal(found[0], want[0]) and torch.equal(found[1], want[1])
     got = fullgraph.knn(query, ref, 6, backend="dense")
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if case == "normal":  # compiled: the lists' layout is the one the operator's fake declares
+        compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 6, backend="dense"), fullgraph=True)
+        got = compiled(query, ref)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -871,7 +871,8 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
         return None
     dists, idx = select.order_by_distance(squares.sqrt(), candidates)
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
-    return dists[..., :k], idx[..., :k], torch.empty((batch, rows), dtype=torch.int64)
+    # (contiguous, as the operators' fakes declare them: a compiled graph checks the strides)
+    return dists[..., :k].contiguous(), idx[..., :k].contiguous(), torch.empty((batch, rows), dtype=torch.int64)
 
 
 def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):
