@@ -1115,7 +1115,8 @@ def test_the_torch_path_equals_the_reference(distribution, dim, k, generator):
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0].to(got[0].dtype))
 
 
-@pytest.mark.parametrize("case", ["normal", "far", "ties", "wide ties", "non-finite", "huge", "float64"])
+@pytest.mark.parametrize("case", ["normal", "far", "ties", "wide ties", "non-finite", "huge", "one tiny item",
+                                  "float64"])
 def test_small_plain_cpu_calls_by_one_uncentred_product(case):
     """dense._plain_on_cpu (small CPU calls on plain points): the reference's lists bit for bit
     where it proves every row; None, so the usual path answers, where it cannot (far from the
@@ -1136,9 +1137,11 @@ def test_small_plain_cpu_calls_by_one_uncentred_product(case):
         ref[0, 3, 5] = math.nan
     elif case == "huge":
         query, ref = query * 1e30, ref * 1e30
+    elif case == "one tiny item":  # scaled by the reference, alone of the batch
+        query[1], ref[1] = query[1] * 1e-12, ref[1] * 1e-12
     found = dense._plain_on_cpu(query, ref, 6, math.inf, None, None)
     want = fullgraph.knn(query, ref, 6, backend="torch")
-    if case in ("far", "wide ties", "non-finite", "huge"):
+    if case in ("far", "wide ties", "non-finite", "huge", "one tiny item"):
         assert found is None
     else:
         assert found is not None and torch.equal(found[0], want[0]) and torch.equal(found[1], want[1])

@@ -853,11 +853,11 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
     q_norms, r_norms = select.squared_norms(query), select.squared_norms(ref)
     if q_norms is None:
         return None
-    q_top, r_top = torch.stack((q_norms.amax(), r_norms.amax())).tolist()
-    # (finite norms: finite points; within scaling's range: no item would be scaled)
-    least = dim * scaling.SCALE_BELOW**2
-    if not (math.isfinite(q_top) and math.isfinite(r_top) and max(q_top, r_top) >= least
-            and q_top <= scaling.SCALE_ABOVE**2 and r_top <= scaling.SCALE_ABOVE**2):
+    r_tops = r_norms.amax(-1)
+    low, high, r_top = torch.stack((*torch.maximum(q_norms.amax(-1), r_tops).aminmax(), r_tops.amax())).tolist()
+    # Finite norms: finite points. Every item's largest norm within scaling's range, times
+    # sqrt(D) below: no item would be scaled (its largest |coordinate| lies in the range).
+    if not (math.isfinite(high) and low >= dim * scaling.SCALE_BELOW**2 and high <= scaling.SCALE_ABOVE**2):
         return None
     products = torch.bmm(query, ref.transpose(1, 2))
     values, candidates = select.smallest_of_products(products, r_norms, take)
