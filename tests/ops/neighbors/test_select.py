@@ -126,10 +126,12 @@ def test_bad_arguments_are_named():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("dim", [1, 3, 4, 5, 64, 300])
+@pytest.mark.parametrize("dim", [1, 3, 4, 5, 17, 33, 64, 100, 256, 300, 513, 1024])
 def test_squared_distances_have_the_references_bits(dim, dtype, generator):
     """The C++ re-measure equals pairs.squared_difference of the gathered rows bit for bit,
-    on coordinates spanning 12 orders of magnitude (every rounding shows)."""
+    on coordinates spanning 12 orders of magnitude (every rounding shows): the halving in
+    steps and as a tree in registers (up to 2 KiB rows padded to a power of two), with and
+    without a partial last vector."""
     from fullgraph.ops.neighbors import pairs
 
     magnitude = 10.0 ** torch.randint(-6, 6, (3, 40, dim), generator=generator)

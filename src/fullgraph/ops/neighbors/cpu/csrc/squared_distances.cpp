@@ -42,7 +42,7 @@ constexpr int64_t kVectorBytes = 32;
 // (each lane the same rounding as the scalar loop: the same bits; a step's two ranges never
 // overlap, its length being at most its half): as scalar loops GCC left them 3x slower (D = 256).
 template <typename T>
-T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
+T squared_distance_in_steps(const T* q, const T* r, int64_t dim, T* squares) {
   if (dim <= kPerCoordinateMaxDim) {
     T total = (q[0] - r[0]) * (q[0] - r[0]);
     for (int64_t d = 1; d < dim; ++d) {
@@ -75,6 +75,73 @@ T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
     width = half;
   }
   return width == 2 ? squares[0] + squares[1] : squares[0];
+}
+
+// The halving is a binary tree over the squares padded with zeros to a power of two P (x + 0 is
+// x: the padding changes no sum): its root adds the sums of the even and the odd vectors of
+// kWidth lanes, each of those the same over the next bit, and its leaves pair vector j with
+// j + P / (2 kWidth) as the first step does. Evaluated depth first, in registers, the vectors
+// beyond dim skipped, then the last vector halved by lane shuffles: the same roundings as the
+// steps through memory, 1.5-3.5x faster at P <= kTreeMaxBytes.
+template <typename T, int64_t C>
+struct SquaresTree {
+  typedef T vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T))));
+  static constexpr int64_t kWidth = kVectorBytes / sizeof(T);
+  // The halving's sum of the squares of the vectors first, first + stride, ... (C of them).
+  static inline vec sum(const T* q, const T* r, int64_t first, int64_t stride, int64_t dim) {
+    if constexpr (C == 1) {
+      const int64_t d = first * kWidth;
+      if (d + kWidth <= dim) {
+        const vec diff = *reinterpret_cast<const vec*>(q + d) - *reinterpret_cast<const vec*>(r + d);
+        return diff * diff;
+      }
+      vec tail = {};
+      for (int64_t j = 0; d + j < dim; ++j) {
+        const T diff = q[d + j] - r[d + j];
+        tail[j] = diff * diff;
+      }
+      return tail;
+    } else {
+      const vec even = SquaresTree<T, C / 2>::sum(q, r, first, 2 * stride, dim);
+      if ((first + stride) * kWidth >= dim) return even;  // the rest: padding
+      return even + SquaresTree<T, C / 2>::sum(q, r, first + stride, 2 * stride, dim);
+    }
+  }
+};
+
+// lanes i += lanes i + H of a vector v of W lanes of T (the upper lanes are not read after).
+template <typename T, typename V, int64_t W, int64_t H, size_t... I>
+inline V fold_lanes(V v, std::index_sequence<I...>) {
+#if defined(__clang__)
+  return v + __builtin_shufflevector(v, v, static_cast<int>((I + H) % W)...);
+#else  // (GCC < 12 has no __builtin_shufflevector)
+  typedef std::conditional_t<sizeof(T) == 4, int32_t, int64_t> index;
+  typedef index mask __attribute__((vector_size(sizeof(V))));
+  return v + __builtin_shuffle(v, mask{static_cast<index>((I + H) % W)...});
+#endif
+}
+
+constexpr int64_t kTreeMaxBytes = 2048;  // beyond, candidate rows stream from memory: no gain measured
+
+template <typename T>
+T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
+  typedef T vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T))));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(T);
+  int64_t padded = 1;
+  while (padded < dim) padded *= 2;
+  vec v;
+  switch (dim <= 2 * kWidth || padded * int64_t(sizeof(T)) > kTreeMaxBytes ? 0 : padded / kWidth) {
+    case 4: v = SquaresTree<T, 4>::sum(q, r, 0, 1, dim); break;
+    case 8: v = SquaresTree<T, 8>::sum(q, r, 0, 1, dim); break;
+    case 16: v = SquaresTree<T, 16>::sum(q, r, 0, 1, dim); break;
+    case 32: v = SquaresTree<T, 32>::sum(q, r, 0, 1, dim); break;
+    case 64: v = SquaresTree<T, 64>::sum(q, r, 0, 1, dim); break;
+    default: return squared_distance_in_steps(q, r, dim, squares);
+  }
+  if constexpr (kWidth == 16) v = fold_lanes<T, vec, 16, 8>(v, std::make_index_sequence<16>{});
+  if constexpr (kWidth >= 8) v = fold_lanes<T, vec, kWidth, 4>(v, std::make_index_sequence<kWidth>{});
+  v = fold_lanes<T, vec, kWidth, 2>(v, std::make_index_sequence<kWidth>{});
+  return v[0] + v[1];
 }
 
 void check_clouds(const at::Tensor& q, const at::Tensor& r) {
