@@ -259,10 +259,16 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
 
 def tiny_knn(query, ref, k):
     """(dists, idx) [B, M, k] of plain clouds query [B, M, D] and ref [B, N, D] (CPU float32 or
-    float64, no lengths, 1 <= k) as ``nearest`` finds them, by the brute force; None where the
-    extension does not run."""
-    found = _brute_force(query, ref, k, math.inf, None, None)
-    return None if found is None else found[:2]
+    float64 of one dtype, D >= 1, no lengths, 1 <= k; the caller checked them) as ``nearest``
+    finds them, by the brute force's one C++ call; None where the extension does not run."""
+    if not select.available():
+        return None
+    take = min(k, ref.shape[1])
+    dists, idx, _ = select.nearest_small_unchecked(query, ref, take)
+    if take == k:
+        return dists, idx
+    return (torch.nn.functional.pad(dists, (0, k - take), value=math.inf),
+            torch.nn.functional.pad(idx, (0, k - take), value=-1))
 
 
 def _pair_blocks(query, ref, radius, query_lengths, ref_lengths):

@@ -170,6 +170,11 @@ def nearest_small(query: torch.Tensor, ref: torch.Tensor, take: int):
     _check_clouds(query, ref)
     if isinstance(take, bool) or not isinstance(take, int) or not 0 <= take <= ref.shape[1]:
         raise ValueError(f"take: expected an int from 0 to {ref.shape[1]} (the references), got {take!r}")
+    return nearest_small_unchecked(query, ref, take)
+
+
+def nearest_small_unchecked(query: torch.Tensor, ref: torch.Tensor, take: int):
+    """``nearest_small`` of arguments its caller checked, with the extension built."""
     return torch.ops.fullgraph_cpu.nearest_small(query, ref, take, scaling.SCALE_BELOW, scaling.SCALE_ABOVE)
 
 

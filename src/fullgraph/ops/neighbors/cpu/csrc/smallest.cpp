@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "ranking.h"
+#include "rows.h"
 
 namespace {
 
@@ -535,53 +536,65 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_within(const at::Tensor& 
   at::Tensor positions = at::empty({batch, rows, take}, d.options().dtype(at::kLong));
   at::Tensor counts = at::empty({batch, rows}, d.options().dtype(at::kLong));
   AT_DISPATCH_FLOATING_TYPES(d.scalar_type(), "nearest_within", [&] {
-    const scalar_t* source = distances.data_ptr<scalar_t>();
-    const bool* query_valid = valid_query.data_ptr<bool>();
-    const bool* ref_valid = valid_ref.data_ptr<bool>();
-    const scalar_t* limit = limits.data_ptr<scalar_t>();
-    scalar_t* value = values.data_ptr<scalar_t>();
-    int64_t* position = positions.data_ptr<int64_t>();
-    int64_t* count = counts.data_ptr<int64_t>();
-    const scalar_t nan = std::numeric_limits<scalar_t>::quiet_NaN();
-    // Items whose references are all valid and whose limit is +inf (kNN) need no masked copy
-    // of a valid query's row: it is selected in place (NaN sorts last either way).
-    std::vector<char> unmasked(batch);
-    for (int64_t item = 0; item < batch; ++item) {
-      unmasked[item] = limit[item] == std::numeric_limits<scalar_t>::infinity() &&
-                       std::all_of(ref_valid + item * columns, ref_valid + (item + 1) * columns, [](bool ok) { return ok; });
-    }
-    const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(columns, 1));
-    at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
-      std::vector<scalar_t> row(columns);
-      std::vector<std::pair<scalar_t, int64_t>> kept;
-      kept.reserve(columns);
-      for (int64_t r = first; r < last; ++r) {
-        const int64_t item = r / rows;
-        if (unmasked[item] && query_valid[r]) {
-          const scalar_t* distances = source + r * columns;
-          int64_t numbers = 0;
-          for (int64_t j = 0; j < columns; ++j) numbers += distances[j] == distances[j];
-          count[r] = numbers;
-          if (take > 0) select_row(distances, columns, take, kept, value + r * take, position + r * take);
-          continue;
-        }
-        const bool* cloud_valid = ref_valid + item * columns;
-        int64_t within_count = 0;
-        for (int64_t j = 0; j < columns; ++j) {
-          const scalar_t distance = source[r * columns + j];
-          const bool ok = query_valid[r] && cloud_valid[j] && distance <= limit[item];
-          row[j] = ok ? distance : nan;
-          within_count += ok;
-        }
-        count[r] = within_count;
-        if (take > 0) select_row(row.data(), columns, take, kept, value + r * take, position + r * take);
-      }
-    });
+    fullgraph_cpu_rows::nearest_rows(distances.data_ptr<scalar_t>(), valid_query.data_ptr<bool>(),
+                                     valid_ref.data_ptr<bool>(), limits.data_ptr<scalar_t>(), batch, rows, columns,
+                                     take, values.data_ptr<scalar_t>(), positions.data_ptr<int64_t>(),
+                                     counts.data_ptr<int64_t>());
   });
   return {values, positions, counts};
 }
 
 }  // namespace
+
+namespace fullgraph_cpu_rows {
+
+template <typename T>
+void nearest_rows(const T* d, const bool* query_ok, const bool* ref_ok, const T* within, int64_t batch, int64_t rows,
+                  int64_t columns, int64_t take, T* values, int64_t* positions, int64_t* counts) {
+  const T nan = std::numeric_limits<T>::quiet_NaN(), infinity = std::numeric_limits<T>::infinity();
+  // Items whose references are all valid and whose limit is +inf (kNN) need no masked copy
+  // of a valid query's row: it is selected in place (NaN sorts last either way).
+  std::vector<char> unmasked(batch);
+  for (int64_t item = 0; item < batch; ++item) {
+    unmasked[item] = (within == nullptr || within[item] == infinity) &&
+                     std::all_of(ref_ok + item * columns, ref_ok + (item + 1) * columns, [](bool ok) { return ok; });
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrainValues / std::max<int64_t>(columns, 1));
+  at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
+    std::vector<T> row(columns);
+    std::vector<std::pair<T, int64_t>> kept;
+    kept.reserve(columns);
+    for (int64_t r = first; r < last; ++r) {
+      const int64_t item = r / rows;
+      if (unmasked[item] && query_ok[r]) {
+        const T* distances = d + r * columns;
+        int64_t numbers = 0;
+        for (int64_t j = 0; j < columns; ++j) numbers += distances[j] == distances[j];
+        counts[r] = numbers;
+        if (take > 0) select_row(distances, columns, take, kept, values + r * take, positions + r * take);
+        continue;
+      }
+      const bool* cloud_ok = ref_ok + item * columns;
+      const T limit = within == nullptr ? infinity : within[item];
+      int64_t within_count = 0;
+      for (int64_t j = 0; j < columns; ++j) {
+        const T distance = d[r * columns + j];
+        const bool ok = query_ok[r] && cloud_ok[j] && distance <= limit;
+        row[j] = ok ? distance : nan;
+        within_count += ok;
+      }
+      counts[r] = within_count;
+      if (take > 0) select_row(row.data(), columns, take, kept, values + r * take, positions + r * take);
+    }
+  });
+}
+
+template void nearest_rows<float>(const float*, const bool*, const bool*, const float*, int64_t, int64_t, int64_t,
+                                  int64_t, float*, int64_t*, int64_t*);
+template void nearest_rows<double>(const double*, const bool*, const bool*, const double*, int64_t, int64_t, int64_t,
+                                   int64_t, double*, int64_t*, int64_t*);
+
+}  // namespace fullgraph_cpu_rows
 
 TORCH_LIBRARY(fullgraph_cpu, m) {
   m.def("smallest(Tensor values, int take) -> (Tensor, Tensor)");

@@ -16,12 +16,14 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "ranking.h"
+#include "rows.h"
 
 // Built with -ffp-contract=off (cpu/native.py): every product and sum is rounded on
 // its own, as torch's element-wise kernels round them; -mfma would otherwise let the compiler
@@ -432,8 +434,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
   const int64_t batch = query.size(0), rows = query.size(1), columns = ref.size(1), dim = query.size(2);
   TORCH_CHECK(take >= 0 && take <= columns, "take: expected 0 to ", columns, " (the rows' length), got ", take);
   const at::Tensor q = query.contiguous(), r = ref.contiguous();
-  at::Tensor query_ok = at::empty({batch, rows}, q.options().dtype(at::kBool));
-  at::Tensor ref_ok = at::empty({batch, columns}, q.options().dtype(at::kBool));
+  // (no tensors beyond the distances and the lists: a tiny call's allocations and operator
+  // calls cost more than its arithmetic)
+  std::unique_ptr<bool[]> query_ok(new bool[batch * rows]), ref_ok(new bool[batch * columns]);
   std::vector<double> scale(batch, 1.0);
   bool unscaled = true;
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nearest_small", [&] {
@@ -451,8 +454,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
     };
     for (int64_t item = 0; item < batch; ++item) {
       scalar_t largest = 0;
-      mark(q.data_ptr<scalar_t>() + item * rows * dim, rows, query_ok.data_ptr<bool>() + item * rows, largest);
-      mark(r.data_ptr<scalar_t>() + item * columns * dim, columns, ref_ok.data_ptr<bool>() + item * columns, largest);
+      mark(q.data_ptr<scalar_t>() + item * rows * dim, rows, query_ok.get() + item * rows, largest);
+      mark(r.data_ptr<scalar_t>() + item * columns * dim, columns, ref_ok.get() + item * columns, largest);
       if ((largest > above || largest < below) && largest > 0) {
         int exponent;
         std::frexp(largest, &exponent);  // largest = m 2^exponent, 0.5 <= m < 1
@@ -470,17 +473,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
     d = measure_all(q / factor, r / factor);
   }
   d.sqrt_();
-  const at::Tensor within = at::full({batch}, std::numeric_limits<double>::infinity(), q.options());
-  static const auto select = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("fullgraph_cpu::nearest_within", "")
-                                 .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
-  auto [values, positions, counts] = select.call(d, query_ok, ref_ok, within, take);
+  at::Tensor values = at::empty({batch, rows, take}, q.options());
+  at::Tensor positions = at::empty({batch, rows, take}, q.options().dtype(at::kLong));
+  at::Tensor counts = at::empty({batch, rows}, q.options().dtype(at::kLong));
   // Missing slots (NaN) become +inf / -1 and found distances are multiplied back (scaled items),
   // in one pass where four torch operators took most of a tiny call.
-  AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "nearest_small_lists", [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "nearest_small_lists", [&] {
     scalar_t* value = values.data_ptr<scalar_t>();
     int64_t* position = positions.data_ptr<int64_t>();
+    fullgraph_cpu_rows::nearest_rows<scalar_t>(d.data_ptr<scalar_t>(), query_ok.get(), ref_ok.get(), nullptr, batch,
+                                               rows, columns, take, value, position, counts.data_ptr<int64_t>());
     const int64_t per_item = rows * take;
     for (int64_t item = 0; item < batch; ++item) {
       const scalar_t factor = static_cast<scalar_t>(scale[item]);

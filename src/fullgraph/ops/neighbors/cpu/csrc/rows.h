@@ -1,0 +1,17 @@
+// The brute force's selection of a row, shared by smallest.cpp (nearest_within) and
+// squared_distances.cpp (nearest_small, which calls it without the dispatcher's round trip).
+#pragma once
+
+#include <cstdint>
+
+namespace fullgraph_cpu_rows {
+
+// Of the distances d [B, M, N] (>= 0) of every pair of each item, the valid pairs (query_ok
+// [B, M], ref_ok [B, N]) at or within within[b] (nullptr: +inf) counted into counts [B, M] and
+// the ``take`` nearest written to values / positions [B, M, take] by (distance, position),
+// NaN-valued where fewer (positions there unspecified). float and double.
+template <typename T>
+void nearest_rows(const T* d, const bool* query_ok, const bool* ref_ok, const T* within, int64_t batch, int64_t rows,
+                  int64_t columns, int64_t take, T* values, int64_t* positions, int64_t* counts);
+
+}  // namespace fullgraph_cpu_rows
