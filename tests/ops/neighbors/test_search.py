@@ -383,6 +383,26 @@ def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_compiled_tiny_cpu_calls_take_the_brute_force_in_the_operator(monkeypatch):
+    """Compiled, a tiny "auto" call runs the operator, whose function answers it by the same
+    C++ call (``cpu.tiny_knn``): the reference's lists, padding beyond N included."""
+    from fullgraph.ops.neighbors.cpu import backend as cpu
+
+    taken = []
+    original = cpu.tiny_knn
+    monkeypatch.setattr(cpu, "tiny_knn", lambda *a: taken.append(a[2]) or original(*a))
+    generator = torch.Generator().manual_seed(5)
+    query = torch.randn(2, 9, 16, generator=generator)
+    ref = torch.randn(2, 10, 16, generator=generator)
+    ref[:, 1] = ref[:, 0]  # a duplicate
+    ref[1, 4, 3] = math.inf
+    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 12), fullgraph=True, dynamic=True)
+    got, want = compiled(query, ref), fullgraph.knn(query, ref, 12, backend="torch")
+    assert taken and set(taken) == {12}
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
 def test_tiny_cpu_calls_keep_the_usual_path_where_it_must_run():
     """Gradients, an explicit backend, lengths and bad arguments take the usual path (its
     autograd, its choice and its errors)."""

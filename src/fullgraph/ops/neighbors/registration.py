@@ -191,6 +191,10 @@ def knn_lists(
 ) -> tuple[Tensor, Tensor]:
     """``torch.ops.fullgraph.knn``'s function."""
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
+    if backend == "auto" and cpu.backend.tiny(query, ref, query_lengths, ref_lengths):
+        found = cpu.backend.tiny_knn(query.contiguous(), ref.contiguous(), k)  # (what "auto" runs there)
+        if found is not None:
+            return found
     chosen = BACKENDS.resolve(backend, "knn", query.device, query.dtype, query.shape[-1], k,
                               size=pairs_per_item(query, ref))
     return knn_checked(query, ref, k, query_lengths, ref_lengths, chosen)

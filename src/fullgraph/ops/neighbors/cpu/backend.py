@@ -257,6 +257,16 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     return dists.to(query.dtype), idx, counts
 
 
+def tiny(query, ref, query_lengths, ref_lengths) -> bool:
+    """Whether checked clouds query [B, M, D] and ref [B, N, D] make a tiny plain call: CPU
+    float32/float64, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
+    this backend (``tiny_knn`` answers it)."""
+    batch, rows, dim = query.shape
+    return (query_lengths is None and ref_lengths is None and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64) and dim >= 1
+            and batch * rows * ref.shape[1] * dim <= TINY_MAX_WORK and BACKEND.available("cpu"))
+
+
 def tiny_knn(query, ref, k):
     """(dists, idx) [B, M, k] of plain clouds query [B, M, D] and ref [B, N, D] (CPU float32 or
     float64 of one dtype, D >= 1, no lengths, 1 <= k; the caller checked them) as ``nearest``
