@@ -222,6 +222,12 @@ def test_lists_ordered_in_cpp_equal_pairs_order_by_distance(dtype, generator):
         got = select.order_by_distance(d, positions)
         want = pairs.order_by_distance(d, positions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), width
+        for keep in {0, 1, width // 2, width}:  # the first ``keep`` alone, contiguous
+            got = select.order_by_distance(d, positions, keep=keep)
+            assert got[0].is_contiguous() and got[1].is_contiguous()
+            assert torch.equal(got[0], want[0][..., :keep]) and torch.equal(got[1], want[1][..., :keep]), keep
+    with pytest.raises(ValueError, match=r"keep: expected an int from 0 to 200 \(the lists' length\), got 201"):
+        select.order_by_distance(d, positions, keep=201)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

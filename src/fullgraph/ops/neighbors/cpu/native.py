@@ -105,15 +105,20 @@ def squared_distances(q: torch.Tensor, r: torch.Tensor, candidates: torch.Tensor
     return torch.ops.fullgraph_cpu.squared_distances(q, r, candidates)
 
 
-def order_by_distance(d: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def order_by_distance(d: torch.Tensor, positions: torch.Tensor,
+                      keep: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``pairs.order_by_distance`` of complete lists: d [B, M, C] (>= 0, not NaN) and their
-    positions [B, M, C] (int64 >= 0, distinct in a row) ordered by (distance, position), in
-    one C++ pass a row where the extension runs."""
+    positions [B, M, C] (int64 >= 0, distinct in a row) ordered by (distance, position), the
+    first ``keep`` (None: all C) of each row, contiguous [B, M, keep]; in one C++ pass a row
+    where the extension runs."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= d.shape[-1]):
+        raise ValueError(f"keep: expected an int from 0 to {d.shape[-1]} (the lists' length), got {keep!r}")
     if d.device.type == "cpu" and d.dtype in (torch.float32, torch.float64) and d.dim() == 3 and _built():
-        return torch.ops.fullgraph_cpu.order_by_distance(d, positions)
+        return torch.ops.fullgraph_cpu.order_by_distance(d, positions, -1 if keep is None else keep)
     from ..pairs import order_by_distance
 
-    return order_by_distance(d, positions)
+    values, order = order_by_distance(d, positions)
+    return (values, order) if keep is None else (values[..., :keep].contiguous(), order[..., :keep].contiguous())
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor | None:

@@ -865,14 +865,16 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
     floors = beyond_expansion(values + q_norms[..., None], q_norms.sqrt()[..., None], math.sqrt(r_top), dim, u)
     # (the candidates past the k-th by more than the products' error are not re-measured: +inf)
     squares = select.squared_distances(query, ref, candidates, floors, least=k)
-    outside = floors[..., -1]
-    kth = squares.kthvalue(k, dim=-1).values
-    if not bool((kth * (1 + 8 * u) < outside).all()):
+    # (the first k of each ordered row, contiguous as the operators' fakes declare them)
+    dists, idx = select.order_by_distance(squares.sqrt_(), candidates, keep=k)
+    # The k-th squared distance x from the ordered lists' k-th distance d = sqrt(x) (rounded to
+    # nearest): x (1 + 8u) <= fl(d d) (1 + 16u) after the roundings of d, d d and the product
+    # (no kthvalue over the candidates: its copy and selection were a sixth of a long-list call).
+    kth = dists[..., k - 1]
+    if not bool((kth * kth * (1 + 16 * u) < floors[..., -1]).all()):
         return None
-    dists, idx = select.order_by_distance(squares.sqrt(), candidates)
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
-    # (contiguous, as the operators' fakes declare them: a compiled graph checks the strides)
-    return dists[..., :k].contiguous(), idx[..., :k].contiguous(), torch.empty((batch, rows), dtype=torch.int64)
+    return dists, idx, torch.empty((batch, rows), dtype=torch.int64)
 
 
 def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):

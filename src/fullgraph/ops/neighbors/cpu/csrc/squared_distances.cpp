@@ -340,11 +340,13 @@ at::Tensor squared_distances_bounded(const at::Tensor& q, const at::Tensor& r, c
   return measure(q, r, positions.data_ptr<int64_t>(), positions.size(2), floors.contiguous(), least);
 }
 
-// order_by_distance(distances [B, M, C] >= 0, positions [B, M, C] int64 >= 0, distinct in a row)
-//   -> both ordered by (distance, position) in each row, as pairs.order_by_distance orders
+// order_by_distance(distances [B, M, C] >= 0, positions [B, M, C] int64 >= 0, distinct in a row,
+// keep = -1) -> the first ``keep`` (-1: C) of both ordered by (distance, position) in each row,
+// [B, M, keep], as pairs.order_by_distance orders
 // complete lists: the dense backend's re-measured kNN lists on CPUs (torch's keys, sort and
 // gathers took ~8 operators of tens of microseconds each).
-std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances, const at::Tensor& positions) {
+std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances, const at::Tensor& positions,
+                                                     int64_t keep) {
   TORCH_CHECK(distances.device().is_cpu() && (distances.scalar_type() == at::kFloat ||
                                               distances.scalar_type() == at::kDouble) && distances.dim() == 3,
               "distances: expected a float32 or float64 CPU tensor [B, M, C], got ", distances.scalar_type(),
@@ -353,9 +355,16 @@ std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances
                   positions.sizes() == distances.sizes(),
               "positions: expected int64 of distances' shape ", distances.sizes(), ", got ", positions.scalar_type(),
               " of shape ", positions.sizes());
-  at::Tensor values = distances.contiguous().clone(), order = positions.contiguous().clone();
-  const int64_t take = values.size(2), count = values.size(0) * values.size(1);
+  const int64_t take = distances.size(2), count = distances.size(0) * distances.size(1);
+  if (keep < 0) keep = take;
+  TORCH_CHECK(keep <= take, "keep: expected at most ", take, " (the lists' length), got ", keep);
+  const at::Tensor source = distances.contiguous(), source_at = positions.contiguous();
+  // (the first ``keep`` of each ordered row written to new lists: no copy of the inputs first)
+  at::Tensor values = at::empty({distances.size(0), distances.size(1), keep}, distances.options());
+  at::Tensor order = at::empty({distances.size(0), distances.size(1), keep}, positions.options());
   AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "order_by_distance", [&] {
+    const scalar_t* given = source.data_ptr<scalar_t>();
+    const int64_t* given_at = source_at.data_ptr<int64_t>();
     scalar_t* found = values.data_ptr<scalar_t>();
     int64_t* found_at = order.data_ptr<int64_t>();
     const int64_t grain = std::max<int64_t>(1, kGrainPairs / std::max<int64_t>(take, 1));
@@ -363,26 +372,28 @@ std::tuple<at::Tensor, at::Tensor> order_by_distance(const at::Tensor& distances
       std::vector<uint64_t> words(take + 8);
       std::vector<std::pair<scalar_t, int64_t>> pairs(take);
       for (int64_t row = first; row < last; ++row) {
-        scalar_t* value = found + row * take;
-        int64_t* at = found_at + row * take;
+        const scalar_t* value = given + row * take;
+        const int64_t* at = given_at + row * take;
+        scalar_t* kept = found + row * keep;
+        int64_t* kept_at = found_at + row * keep;
         bool in_words = std::is_same_v<scalar_t, float>;
         for (int64_t j = 0; j < take; ++j) in_words &= at[j] >= 0 && at[j] <= UINT32_MAX;
         if (in_words) {  // distances >= 0: their bits order as they do
           for (int64_t j = 0; j < take; ++j) {
             words[j] = fullgraph_ranking::word(static_cast<float>(value[j]), static_cast<uint32_t>(at[j]));
           }
-          fullgraph_ranking::rank_words(words.data(), take, take, [&](int rank, uint64_t word) {
-            value[rank] = static_cast<scalar_t>(fullgraph_ranking::value_of(word));
-            at[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
+          fullgraph_ranking::rank_words(words.data(), take, keep, [&](int rank, uint64_t word) {
+            kept[rank] = static_cast<scalar_t>(fullgraph_ranking::value_of(word));
+            kept_at[rank] = static_cast<int64_t>(word & 0xFFFFFFFFu);
             return false;
           });
           continue;
         }
         for (int64_t j = 0; j < take; ++j) pairs[j] = {value[j], at[j]};
-        std::sort(pairs.begin(), pairs.end());
-        for (int64_t j = 0; j < take; ++j) {
-          value[j] = pairs[j].first;
-          at[j] = pairs[j].second;
+        std::partial_sort(pairs.begin(), pairs.begin() + keep, pairs.end());
+        for (int64_t j = 0; j < keep; ++j) {
+          kept[j] = pairs[j].first;
+          kept_at[j] = pairs[j].second;
         }
       }
     });
@@ -517,7 +528,7 @@ TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("nearest_small(Tensor query, Tensor ref, int take, float below, float above) -> (Tensor, Tensor, Tensor)");
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
   m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
-  m.def("order_by_distance(Tensor distances, Tensor positions) -> (Tensor, Tensor)");
+  m.def("order_by_distance(Tensor distances, Tensor positions, int keep=-1) -> (Tensor, Tensor)");
   m.def("squared_norms(Tensor x) -> Tensor");
   m.def("squared_distances_bounded(Tensor q, Tensor r, Tensor candidates, Tensor floors, int least) -> Tensor");
 }
