@@ -57,22 +57,16 @@ def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
         return None
     shape, ref_shape = query.shape, ref.shape
     batched = len(shape) == 3
-    if (len(ref_shape) != len(shape) or not (batched or len(shape) == 2) or query.dtype not in _TINY_DTYPES
-            or ref.dtype != query.dtype or query.device.type != "cpu" or ref.device.type != "cpu"):
+    if (len(ref_shape) != len(shape) or not (batched or len(shape) == 2) or ref.dtype != query.dtype
+            or shape[:-2] != ref_shape[:-2] or ref_shape[-1] != shape[-1]
+            or k > max(ref_shape[-2], registration.MAX_PADDED_K)):
         return None
-    columns, dim = ref_shape[-2], shape[-1]
-    if (shape[:-2] != ref_shape[:-2] or ref_shape[-1] != dim or dim < 1
-            or k > max(columns, registration.MAX_PADDED_K)
-            or (shape[0] if batched else 1) * shape[-2] * columns * dim > cpu.TINY_MAX_WORK
-            or not cpu.BACKEND.available("cpu")):
+    query, ref = (query, ref) if batched else (query[None], ref[None])
+    if (not cpu.tiny(query, ref, None, None) or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad))
+            or not _plain_context()):
         return None
-    if (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _plain_context():
-        return None
-    found = cpu.tiny_knn(query if batched else query[None], ref if batched else ref[None], k)
+    found = cpu.tiny_knn(query, ref, k)
     return found if found is None or batched else (found[0][0], found[1][0])
-
-
-_TINY_DTYPES = (torch.float32, torch.float64)
 
 
 def _points(query, ref, query_lengths, ref_lengths):

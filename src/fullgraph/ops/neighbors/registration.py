@@ -192,7 +192,7 @@ def knn_lists(
     """``torch.ops.fullgraph.knn``'s function."""
     _check_search(query, ref, k, query_lengths, ref_lengths, backend, "knn")
     if backend == "auto" and cpu.backend.tiny(query, ref, query_lengths, ref_lengths):
-        found = cpu.backend.tiny_knn(query.contiguous(), ref.contiguous(), k)  # (what "auto" runs there)
+        found = cpu.backend.tiny_knn(query, ref, k)  # (what "auto" runs there)
         if found is not None:
             return found
     chosen = BACKENDS.resolve(backend, "knn", query.device, query.dtype, query.shape[-1], k,

@@ -240,11 +240,7 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     if radius == math.inf and query_lengths is None and ref_lengths is None and query.dtype == acc:
         found = select.nearest_small(query, ref, take)  # (the same, in one call)
         if found is not None:
-            if take == k:
-                return found
-            dists, idx, counts = found
-            return (torch.nn.functional.pad(dists, (0, k - take), value=math.inf),
-                    torch.nn.functional.pad(idx, (0, k - take), value=-1), counts)
+            return (*_padded(*found[:2], k), found[2])
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
     counts = torch.zeros((batch, rows), dtype=torch.int64)
@@ -257,13 +253,22 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     return dists.to(query.dtype), idx, counts
 
 
+def _padded(dists, idx, k):
+    """Lists [B, M, take] widened to k slots with +inf / -1."""
+    take = dists.shape[-1]
+    if take == k:
+        return dists, idx
+    return (torch.nn.functional.pad(dists, (0, k - take), value=math.inf),
+            torch.nn.functional.pad(idx, (0, k - take), value=-1))
+
+
 def tiny(query, ref, query_lengths, ref_lengths) -> bool:
-    """Whether checked clouds query [B, M, D] and ref [B, N, D] make a tiny plain call: CPU
-    float32/float64, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
+    """Whether clouds query [B, M, D] and ref [B, N, D] of one dtype make a tiny plain call:
+    CPU float32/float64, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
     this backend (``tiny_knn`` answers it)."""
     batch, rows, dim = query.shape
     return (query_lengths is None and ref_lengths is None and query.device.type == "cpu"
-            and query.dtype in (torch.float32, torch.float64) and dim >= 1
+            and ref.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and dim >= 1
             and batch * rows * ref.shape[1] * dim <= TINY_MAX_WORK and BACKEND.available("cpu"))
 
 
@@ -273,12 +278,8 @@ def tiny_knn(query, ref, k):
     finds them, by the brute force's one C++ call; None where the extension does not run."""
     if not select.available():
         return None
-    take = min(k, ref.shape[1])
-    dists, idx, _ = select.nearest_small_unchecked(query, ref, take)
-    if take == k:
-        return dists, idx
-    return (torch.nn.functional.pad(dists, (0, k - take), value=math.inf),
-            torch.nn.functional.pad(idx, (0, k - take), value=-1))
+    dists, idx, _ = select.nearest_small_unchecked(query, ref, min(k, ref.shape[1]))
+    return _padded(dists, idx, k)
 
 
 def _pair_blocks(query, ref, radius, query_lengths, ref_lengths):
