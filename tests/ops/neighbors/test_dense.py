@@ -95,6 +95,22 @@ def test_long_lists_on_wide_clouds_match_the_reference(distribution, k, generato
     assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter: the bound's own test)")
+@pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
+@pytest.mark.parametrize("dim", [256, 1024])
+def test_wide_clouds_on_the_stored_minima_match_the_reference(distribution, dim, generator):
+    """Wide points on more references than the fused lists take: float16 first products, the
+    rows they leave unproven again in float16 halves and lows ("fp16x3", from
+    HALF_SECOND_MIN_DIM): the reference's lists, bit for bit, graphed and not."""
+    query, ref = (t.float().cuda() for t in _clouds(distribution, dim, generator, rows=300, columns=20000))
+    assert dense.plan(query[None], ref[None], 10).second == "fp16x3"
+    want_dists, want_idx = fullgraph.knn(query, ref, 10, backend="torch")
+    dists, idx = fullgraph.knn(query, ref, 10, backend="dense")
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+    dists, idx = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, 10, backend="dense"))(query, ref)
+    assert torch.equal(idx, want_idx) and torch.equal(dists, want_dists)
+
+
 @pytest.mark.parametrize("offset", [1e3, 1e5])
 @pytest.mark.parametrize("precision", ["highest", "high"])  # "high": TF32 products on GPUs that have them
 @pytest.mark.interpreted(keep=1)
@@ -779,14 +795,21 @@ def test_half_operands_multiply_within_their_bound(dim, magnitude, generator):
     for name, lo in (("q_lo", lambda x: x), ("r_lo", lambda x: x.amax(-1, keepdim=True))):
         torch.testing.assert_close(got[name], lo(triton_dense.half_operands(got[name[0] + "c"], got["unit"])[1]))
     q_abs = frames.qc.norm(dim=-1)
-    q, r, twice, error = dense._products(frames, slice(None), "fp16", q_abs)
-    minima = triton_dense.chunk_minima(q, r, frames.r_norms, 4, "fp16", twice=twice).cpu().double()
     qc, rc, norms = frames.qc.cpu().double(), frames.rc.cpu().double(), frames.r_norms.cpu().double()
     values = norms[:, None, :] - 2 * qc @ rc.transpose(1, 2)
     want = torch.nn.functional.pad(values, (0, -rc.shape[1] % 4), value=math.inf).unflatten(-1, (-1, 4)).amin(-1)
-    u, q_abs, reach = 2.0**-24, q_abs.cpu().double()[..., None], frames.reach.cpu().double()[..., None]
-    sums = 2 * 3 * dim * u * q_abs * reach + 4 * u * (norms.amax(-1)[:, None, None] + 2 * q_abs * reach)
-    assert ((minima - want).abs() <= 2 * error.cpu().double()[..., None] + sums).all()
+    u, reach = 2.0**-24, frames.reach.cpu().double()[..., None]
+    sums = 2 * 3 * dim * u * q_abs.cpu().double()[..., None] * reach + 4 * u * (
+        norms.amax(-1)[:, None, None] + 2 * q_abs.cpu().double()[..., None] * reach)
+    errors = {}
+    for precision in ("fp16", "fp16x3"):  # (the second products of wide points: halves and lows)
+        q, r, twice, error, lows = dense._products(frames, slice(None), precision, q_abs)
+        assert (lows is None) == (precision == "fp16")
+        minima = triton_dense.chunk_minima(q, r, frames.r_norms, 4, precision, twice=twice, lows=lows).cpu().double()
+        assert ((minima - want).abs() <= 2 * error.cpu().double()[..., None] + sums).all()
+        errors[precision] = error
+    # the lows carry ~11 more bits: their bound is far below the halves' alone
+    assert (errors["fp16x3"] <= errors["fp16"] * 2.0**-8).all()
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -877,22 +900,25 @@ def test_the_fused_lists_finished_in_one_kernel_equal_the_operators(dim, radius,
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("second", ["tf32x3", "fp16x3"])
 @pytest.mark.interpreted(keep=0)
-def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator):
+def test_rows_the_first_products_leave_unproven_go_again(second, monkeypatch, generator):
     """The stored minima's first products of float16 operands: rows whose first bound is made useless
-    (every third query) are proven by the second products, theirs only: the reference's
-    lists, and no row left for the redo."""
+    (every third query) are proven by the second products (three TF32 products, or float16 halves
+    and lows from HALF_SECOND_MIN_DIM), theirs only: the reference's lists, and no row left for
+    the redo."""
     monkeypatch.setattr(dense, "_on_tensor_cores", lambda query: query.dtype != torch.float64)
     monkeypatch.setattr(dense.triton_dense.products, "FUSED_MAX_KEYS", 0)
     monkeypatch.setattr(dense, "HALF_FIRST_MIN_DIM", 16)
     monkeypatch.setattr(dense, "WIDE_SLACK_MIN_DIM", 16)
+    monkeypatch.setattr(dense, "HALF_SECOND_MIN_DIM", 16 if second == "fp16x3" else 2**20)
     products, tiers = dense._products, []
 
     def loose_first(frames, rows, precision, q_abs):
-        q, r, twice, error = products(frames, rows, precision, q_abs)
+        q, r, twice, error, lows = products(frames, rows, precision, q_abs)
         if precision == "fp16":
             error = torch.where(torch.arange(error.shape[-1], device=error.device) % 3 == 0, 1e30, error)
-        return q, r, twice, error
+        return q, r, twice, error, lows
 
     def counted(frames, rows, ref_ok, k, radius, precision, chunk, slack, needed=None):
         tiers.append((precision, None if needed is None else needed.tolist(), slack))
@@ -907,7 +933,7 @@ def test_rows_the_first_products_leave_unproven_go_again(monkeypatch, generator)
     query, ref = (t.float().to(device) for t in _clouds("normal", 16, generator, rows=40, columns=3000))
     dists, idx = fullgraph.knn(query, ref, 7, backend="dense")
     assert [(precision, slack) for precision, _, slack in tiers] == [
-        ("fp16", dense.CHUNK_SLACK), (dense.TENSOR_CORE_PRECISION, dense.triton_dense.selection.WIDE_GROUPS - 1 - 7)]
+        ("fp16", dense.CHUNK_SLACK), (second, dense.triton_dense.selection.WIDE_GROUPS - 1 - 7)]
     assert tiers[1][1] == [[i % 3 == 0 for i in range(40)]]
     assert redone == [0]
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")

@@ -254,6 +254,42 @@ def test_bounded_measures_leave_out_only_candidates_beyond_the_least(dtype, gene
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dim", [3, 16, 200])
+@pytest.mark.parametrize("case", ["normal", "duplicates", "near-ties", "non-finite", "far", "tiny"])
+def test_plain_lists_in_one_call_are_the_references_or_refused(case, dim, dtype, generator):
+    """``plain_nearest`` (the dense backend's small CPU calls in one C++ call): the reference's
+    lists bit for bit where it answers; None where a point is not finite or an item would be
+    scaled (far, tiny), and where a row is left unproven (references a few ulps apart: their
+    distances tie within the products' error)."""
+    if not select.available():
+        pytest.skip("the C++ extension did not build here")
+    query = torch.randn(2, 30, dim, generator=generator, dtype=dtype)
+    ref = torch.randn(2, 60, dim, generator=generator, dtype=dtype)
+    if case == "duplicates":  # (each reference twice: ties within the slack)
+        ref[:, 1::2] = ref[:, 0::2]
+        query[:, 0] = ref[:, 3]
+    elif case == "near-ties":
+        ref = torch.ones_like(ref) + torch.randint(0, 4, (2, 60, 1), generator=generator).to(dtype) * torch.finfo(dtype).eps
+        query = torch.zeros_like(query)
+    elif case == "non-finite":
+        ref[1, 5, 0] = math.nan
+    elif case == "far":
+        query, ref = query * 1e30, ref * 1e30
+    elif case == "tiny":
+        query, ref = query * 1e-35, ref * 1e-35
+    u = 2.0**-53 if dtype == torch.float64 else 2.0**-24
+    for k in (1, 5, 20):
+        found = select.plain_nearest(query, ref, k, k + 8, u)
+        if case in ("non-finite", "far", "tiny", "near-ties"):
+            assert found is None, k
+            continue
+        want = fullgraph.knn(query, ref, k, backend="torch")
+        assert torch.equal(found[0], want[0]) and torch.equal(found[1], want[1]), k
+    with pytest.raises(ValueError, match=r"k, take: expected 1 <= k <= take <= 60 \(the references\), got 5, 61"):
+        select.plain_nearest(query, ref, 5, 61, u)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("dim", [4, 12, 40])  # one coordinate at a time; halving sums
 @pytest.mark.parametrize("case", ["normal", "non-finite", "far", "tiny", "duplicates", "offset", "near-ties",
                                   "no queries"])

@@ -121,6 +121,24 @@ def order_by_distance(d: torch.Tensor, positions: torch.Tensor,
     return (values, order) if keep is None else (values[..., :keep].contiguous(), order[..., :keep].contiguous())
 
 
+def plain_nearest(query: torch.Tensor, ref: torch.Tensor, k: int, take: int,
+                  u: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The dense backend's kNN lists (dists, idx) [B, M, k] of plain points query [B, M, D] and
+    ref [B, N, D] (CPU float32/float64 of one dtype, 1 <= k <= take <= N) in one C++ call: one
+    product, the ``take`` least candidates, their exact re-measure and a certificate for unit
+    roundoff ``u`` (``csrc/squared_distances.cpp``); None where a point is not plain (not finite,
+    or an item would be scaled), a row is left unproven, or the extension does not run."""
+    if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64) or query.dim() != 3
+            or not _built()):
+        return None
+    _check_clouds(query, ref)
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= take <= ref.shape[1]:
+        raise ValueError(f"k, take: expected 1 <= k <= take <= {ref.shape[1]} (the references), got {k}, {take}")
+    dists, idx, proven = torch.ops.fullgraph_cpu.plain_nearest(query, ref, k, take, u, scaling.SCALE_BELOW,
+                                                               scaling.SCALE_ABOVE)
+    return (dists, idx) if bool(proven) else None
+
+
 def squared_norms(x: torch.Tensor) -> torch.Tensor | None:
     """[B, L]: |x|^2 of each row of x [B, L, D] in any order of the sums (one C++ pass, no copy
     of x * x); None where it does not run (not CPU float32/float64, no extension)."""

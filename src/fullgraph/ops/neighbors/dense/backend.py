@@ -65,7 +65,10 @@ q_lo.r + q'.r_lo, at most |q_lo| R + |q'| max |r_lo| by Cauchy-Schwarz with the 
 what the rounding left out (``_products``), ~2^-11 of |q| R where one TF32 product's input
 rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps 1-3 again
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
-chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``).
+chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``); there,
+from D = HALF_SECOND_MIN_DIM, in three float16 products instead: the halves and what they
+left out rounded to float16 again, qh.rh + (qh.rl + ql.rh), the low terms summed apart
+("fp16x3", ``Frames.lows`` bounds what they leave out).
 
 Long lists on GPUs (``Plan.path`` "products", PRODUCTS_MIN_K).
 Steps 1-3 as on CPUs, the products on cuBLAS's tensor cores: each centred operand split into
@@ -374,13 +377,17 @@ def _least_products(qc, frames: Frames, take: int, precision: str = ""):
 
 
 def _operands(frames: Frames, rows: slice, precision: str):
-    """The products' operands in ``precision`` (the queries ``rows``, a view; the references)
-    and the factor of their products per item [B] (None: 2): "fp16", ``Frames.halves``;
+    """The products' operands in ``precision`` (the queries ``rows``, a view; the references),
+    the factor of their products per item [B] (None: 2) and the low operands of "fp16x3"
+    (None elsewhere): "fp16", ``Frames.halves``; "fp16x3", those and ``Frames.lows``;
     otherwise the centred clouds."""
-    if precision == "fp16":
+    if precision in ("fp16", "fp16x3"):
         qh, rh, _, _, twice = frames.halves()
-        return qh[:, rows], rh, twice
-    return frames.qc[:, rows], frames.rc, None
+        if precision == "fp16":
+            return qh[:, rows], rh, twice, None
+        ql, rl, _, _ = frames.lows()
+        return qh[:, rows], rh, twice, (ql[:, rows], rl)
+    return frames.qc[:, rows], frames.rc, None, None
 
 
 def _products(frames: Frames, rows: slice, precision: str, q_abs):
@@ -390,16 +397,17 @@ def _products(frames: Frames, rows: slice, precision: str, q_abs):
     for queries of norm ``q_abs`` [B, m]. "fp16": the operands rounded to float16 beforehand
     (``Frames.halves``), so that every product is exact and q.r - q'.r' = q_lo.r + q'.r_lo
     (Cauchy-Schwarz on the norms left out; a margin of 2^-10 for their float32 sums).
-    Otherwise each product's input rounding, ε |q_d r_d| (``triton_dense.product_error``),
-    summed: ε |q| |r|."""
-    q, r, twice = _operands(frames, rows, precision)
-    if precision == "fp16":
-        _, _, q_lo, r_lo, _ = frames.halves()
+    "fp16x3": the same form, of ``Frames.lows``' bound, and the low operands (q, r): None
+    elsewhere. Otherwise each product's input rounding, ε |q_d r_d|
+    (``triton_dense.product_error``), summed: ε |q| |r|."""
+    q, r, twice, lows = _operands(frames, rows, precision)
+    if precision in ("fp16", "fp16x3"):
+        q_lo, r_lo = frames.halves()[2:4] if precision == "fp16" else frames.lows()[2:]
         q_lo = q_lo[:, rows]
         error = (q_lo * frames.reach + (q_abs + q_lo) * r_lo) * (1 + 2.0**-10)
     else:
         error = triton_dense.product_error(precision) * q_abs * frames.reach
-    return q.contiguous(), r, twice, error
+    return q.contiguous(), r, twice, error, lows
 
 
 def _chosen_chunks(frames: Frames, rows: slice, k, precision: str, chunk: int, slack: int, needed=None):
@@ -415,9 +423,9 @@ def _chosen_chunks(frames: Frames, rows: slice, k, precision: str, chunk: int, s
     n_chosen = min(k + slack, chunks)
     q_norms = frames.q_norms[:, rows]
     q_abs = q_norms.sqrt()
-    q, r, twice, error = _products(frames, rows, precision, q_abs)
+    q, r, twice, error, lows = _products(frames, rows, precision, q_abs)
     values, chosen = triton_dense.least_chunks(q, q_norms, r, frames.r_norms, min(n_chosen + 1, chunks), chunk,
-                                               precision, needed, twice)
+                                               precision, needed, twice, lows)
     if values.shape[-1] == n_chosen:
         return chosen, chunk, torch.full_like(q_abs, math.inf)
     # Every reference of an unchosen chunk has a product value v with fl(v + |q|^2) >= the
@@ -478,6 +486,10 @@ def _proven_lists(frames: Frames, rows: slice, ref_ok, k, radius, precision, chu
 # CHUNK_SLACK chunks left some of them unproven still (near-ties), which the capture sends to the
 # Triton search over every reference.
 WIDE_SLACK_MIN_DIM = 128
+# From this many coordinates the stored minima's second products ("fp16x3": float16 halves and
+# lows, ``Frames.lows``) take float16 tensor cores, at twice TF32's rate, where "tf32x3" took three
+# TF32 products; both carry ~22 bits of q.r, and the main sum's rounding bounds both.
+HALF_SECOND_MIN_DIM = 256
 
 
 # Items of up to SMALL_ITEM_MAX_PAIRS query-reference pairs and SMALL_ITEM_MAX_DIM coordinates
@@ -519,7 +531,8 @@ class Plan:
     members (fused) or candidates (otherwise) re-measured a query; fused, one kernel a query
     measures every member and writes the certified lists; whole, the kernels write every row
     (fused and k <= N: nothing filled first); halved, the fused first pass offers half the
-    list; second_chunk, second_slack: the second pass's chunk and chunks beyond k; width,
+    list; second, second_chunk, second_slack: the second pass's precision, chunk and chunks
+    beyond k; width,
     values a query holds at once (block sizes); triton_frames: the frames built by Triton.
     """
 
@@ -535,6 +548,7 @@ class Plan:
     fused: bool = False
     whole: bool = False
     halved: bool = False
+    second: str = ""
     second_chunk: int = 0
     second_slack: int = 0
     triton_frames: bool = False
@@ -569,12 +583,14 @@ def plan(query, ref, k) -> Plan:
     second_slack = (max(CHUNK_SLACK, triton_dense.selection.WIDE_GROUPS - 1 - k) if dim >= WIDE_SLACK_MIN_DIM
                     else CHUNK_SLACK)
     first = "fp16" if dim >= (HALF_FIRST_MIN_DIM if stored else FUSED_HALF_FIRST_MIN_DIM) else TENSOR_CORE_PRECISION
+    second = "fp16x3" if first == "fp16" and stored and dim >= HALF_SECOND_MIN_DIM else TENSOR_CORE_PRECISION
     return Plan(
         "tensor cores", capture, redo, take=take, width=max(chunks, (k + second_slack) * chunk), first=first,
         chunk=chunk, chunks=chunks, chosen=chosen, fused=fused, whole=fused and k <= columns,
         halved=(fused and triton_dense.products.FUSED_TILE_HALF and chunks > chosen
                 and columns >= triton_dense.products.FUSED_TILE_HALF_MIN_COLUMNS),
-        second_chunk=triton_dense.chunk_size(columns, k + second_slack + 1), second_slack=second_slack,
+        second=second, second_chunk=triton_dense.chunk_size(columns, k + second_slack + 1),
+        second_slack=second_slack,
         triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
 
 
@@ -593,7 +609,7 @@ def _fused_lists(plan: Plan, frames: Frames, rows: slice, query_ok, ref_ok, k, r
     if plan.first != TENSOR_CORE_PRECISION or plan.halved:
         passes.append((TENSOR_CORE_PRECISION, False))
     for again, (precision, floor) in enumerate(passes):
-        q_op, r_op, twice = _operands(frames, rows, precision)
+        q_op, r_op, twice, _ = _operands(frames, rows, precision)
         if precision == "fp16":  # (the kernel bounds the error as ``_products`` does)
             _, _, q_lo, r_lo, _ = frames.halves()
             error = (q_lo[:, rows], r_lo)
@@ -615,15 +631,15 @@ def _block_on_tensor_cores(plan: Plan, frames: Frames, rows: slice, query_ok, re
                            unproven):
     """``_block`` on GPUs, into dists / idx [B, M, k] and unproven [B, M] at ``rows``:
     ``_fused_lists`` where the plan takes them; else products in ``plan.first``, and the
-    valid rows they leave unproven again in TENSOR_CORE_PRECISION (only their tiles
-    multiplied, ``plan.second_slack`` chunks beyond k chosen)."""
+    valid rows they leave unproven again in ``plan.second`` (only their tiles multiplied,
+    ``plan.second_slack`` chunks beyond k chosen)."""
     if plan.fused:
         return _fused_lists(plan, frames, rows, query_ok, ref_ok, k, radius, dists, idx, unproven)
     d, i, still = _proven_lists(frames, rows, ref_ok, k, radius, plan.first, plan.chunk, CHUNK_SLACK)
     if plan.first != TENSOR_CORE_PRECISION:
         again = still & query_ok[:, rows]
-        found_d, found_i, left = _proven_lists(frames, rows, ref_ok, k, radius, TENSOR_CORE_PRECISION,
-                                               plan.second_chunk, plan.second_slack, again)
+        found_d, found_i, left = _proven_lists(frames, rows, ref_ok, k, radius, plan.second, plan.second_chunk,
+                                               plan.second_slack, again)
         redo = again[..., None]
         d, i, still = torch.where(redo, found_d, d), torch.where(redo, found_i, i), again & left
     dists[:, rows, :d.shape[-1]], idx[:, rows, :d.shape[-1]] = d * frames.scale[..., None], i
@@ -815,8 +831,8 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     if batch * rows * ref.shape[1] == 0:
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
-    if not query.is_cuda:
-        found = _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
+    if not query.is_cuda:  # (tensor cores on CPU tensors: Triton's interpreter, the tests')
+        found = None if _on_tensor_cores(query) else _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
         return found if found is not None else _planned(plan(query, ref, k), query, ref, k, radius, query_lengths,
                                                           ref_lengths)
     if _capturing(query):
@@ -840,41 +856,18 @@ PLAIN_CPU_MAX_PAIRS = 2**22
 
 
 def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
-    """``nearest``'s kNN of a small CPU call on plain points in ~20 operators: steps 1-3 of the
-    module docstring without centring (the bound takes the uncentred norms), candidates from
-    ``select.smallest_of_products``, re-measured by ``select.squared_distances``; None where the
-    call is not such or any row is left unproven (the usual path then answers all of it)."""
-    batch, rows, dim = query.shape
-    columns = ref.shape[1]
+    """``nearest``'s kNN of a small CPU call on plain points in one C++ call
+    (``select.plain_nearest``): steps 1-3 of the module docstring without centring (the bound
+    takes the uncentred norms); None where the call is not such or any row is left unproven
+    (the usual path then answers all of it)."""
+    batch, rows, _ = query.shape
     take = k + CANDIDATE_SLACK
-    if (radius != math.inf or query_lengths is not None or ref_lengths is not None or take >= columns
-            or batch * rows * columns > PLAIN_CPU_MAX_PAIRS or not select.available()):
+    if (radius != math.inf or query_lengths is not None or ref_lengths is not None or take >= ref.shape[1]
+            or batch * rows * ref.shape[1] > PLAIN_CPU_MAX_PAIRS):
         return None
-    q_norms, r_norms = select.squared_norms(query), select.squared_norms(ref)
-    if q_norms is None:
-        return None
-    r_tops = r_norms.amax(-1)
-    low, high, r_top = torch.stack((*torch.maximum(q_norms.amax(-1), r_tops).aminmax(), r_tops.amax())).tolist()
-    # Finite norms: finite points. Every item's largest norm within scaling's range, times
-    # sqrt(D) below: no item would be scaled (its largest |coordinate| lies in the range).
-    if not (math.isfinite(high) and low >= dim * scaling.SCALE_BELOW**2 and high <= scaling.SCALE_ABOVE**2):
-        return None
-    products = torch.bmm(query, ref.transpose(1, 2))
-    values, candidates = select.smallest_of_products(products, r_norms, take)
-    u = roundoff(query.dtype)
-    floors = beyond_expansion(values + q_norms[..., None], q_norms.sqrt()[..., None], math.sqrt(r_top), dim, u)
-    # (the candidates past the k-th by more than the products' error are not re-measured: +inf)
-    squares = select.squared_distances(query, ref, candidates, floors, least=k)
-    # (the first k of each ordered row, contiguous as the operators' fakes declare them)
-    dists, idx = select.order_by_distance(squares.sqrt_(), candidates, keep=k)
-    # The k-th squared distance x from the ordered lists' k-th distance d = sqrt(x) (rounded to
-    # nearest): x (1 + 8u) <= fl(d d) (1 + 16u) after the roundings of d, d d and the product
-    # (no kthvalue over the candidates: its copy and selection were a sixth of a long-list call).
-    kth = dists[..., k - 1]
-    if not bool((kth * kth * (1 + 16 * u) < floors[..., -1]).all()):
-        return None
+    found = select.plain_nearest(query, ref, k, take, roundoff(query.dtype))
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
-    return dists, idx, torch.empty((batch, rows), dtype=torch.int64)
+    return None if found is None else (*found, torch.empty((batch, rows), dtype=torch.int64))
 
 
 def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):
@@ -941,9 +934,11 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute force
 # (every pair measured in C++, 16 references at a time in vectors; bit for bit the reference's
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
-# measured count, in ratio).
+# measured count, in ratio). Beyond D = 64 small calls of plain points take one C++ call here
+# (``_plain_on_cpu``), faster than the brute force on 2 threads (ms, dense / brute force: 1 x 64 x
+# 256 D=96 0.19 / 0.26, 1 x 50 x 400 D=200 0.25 / 0.53, 1 x 32 x 128 D=1024 0.30 / 0.61).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15), (256, 5 * 2**12), (1024, 2**12), (2048, 2**11)),
+    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 

@@ -127,6 +127,30 @@ class Frames:
             self.twice = 2 / self.unit**2
         return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
 
+    def lows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The "fp16x3" products' low operands (``triton_dense.low_operands``) ``ql`` [B, M, D],
+        ``rl`` [B, N, D] (float16), and a bound on |q.r - (qh.rh + qh.rl + ql.rh) / unit^2| in
+        ``halves``' form, qx [B, M] and rx [B, 1]: qx R + (|q| + qx) rx (``_products``).
+
+        With q = (qh + ql + q2) / unit and r likewise, what the products leave out is
+        ql.rl + (qh + ql).r2 + q2.r over unit^2, at most |ql| max |rl| + (|q| + |q2|) max |r2| +
+        |q2| R; the low terms, summed apart over 2 D products of at most |qh| |rl| + |ql| |rh|,
+        add 2 D u (|q| max |rl| + |ql| R) and their sum with the main one u |q| R (u = 2^-24).
+        So qx = |q2| + (|ql| max |rl| + 2 D u (|q| max |rl| + |ql| R)) / R + u |q| and rx = max
+        |r2|, each with a margin of 2^-9 for these sums in float32."""
+        if "ql" not in vars(self):
+            qh, rh, _, _, _ = self.halves()
+            self.ql, q_low, q_rest = triton_dense.low_operands(self.qc, qh, self.unit)
+            self.rl, r_low, r_rest = triton_dense.low_operands(self.rc, rh, self.unit)
+            u, dim = 2.0**-24, self.qc.shape[-1]
+            reach = self.reach  # [B, 1]
+            low_most = r_low.amax(-1, keepdim=True) if r_low.numel() else torch.zeros_like(reach)
+            q_abs = self.q_norms.sqrt()
+            share = torch.where(reach > 0, low_most / reach, 0.0)  # (R = 0: every rl is 0)
+            self.qx = (q_rest + q_low * share + 2 * dim * u * (q_abs * share + q_low) + u * q_abs) * (1 + 2.0**-9)
+            self.rx = (r_rest.amax(-1, keepdim=True) if r_rest.numel() else torch.zeros_like(reach)) * (1 + 2.0**-9)
+        return self.ql, self.rl, self.qx, self.rx
+
     def tf32_references(self) -> torch.Tensor:
         """The references' [high | low | high] [B, N, 3 D] (``tf32_split`` of ``rc``): the right
         operands of the products in "tf32x3" (high; low | high), made once."""

@@ -1,8 +1,12 @@
-// The brute force's selection of a row, shared by smallest.cpp (nearest_within) and
-// squared_distances.cpp (nearest_small, which calls it without the dispatcher's round trip).
+// Selections of smallest.cpp that squared_distances.cpp calls without the dispatcher's round trip:
+// the brute force's rows (nearest_within; nearest_small) and the products' candidates
+// (smallest_of_products; plain_nearest).
 #pragma once
 
+#include <ATen/ATen.h>
+
 #include <cstdint>
+#include <tuple>
 
 namespace fullgraph_cpu_rows {
 
@@ -13,5 +17,9 @@ namespace fullgraph_cpu_rows {
 template <typename T>
 void nearest_rows(const T* d, const bool* query_ok, const bool* ref_ok, const T* within, int64_t batch, int64_t rows,
                   int64_t columns, int64_t take, T* values, int64_t* positions, int64_t* counts);
+
+// fullgraph_cpu::smallest_of_products (smallest.cpp), its arguments checked.
+std::tuple<at::Tensor, at::Tensor> smallest_of_products(const at::Tensor& products, const at::Tensor& bias,
+                                                        int64_t take);
 
 }  // namespace fullgraph_cpu_rows

@@ -594,6 +594,11 @@ template void nearest_rows<float>(const float*, const bool*, const bool*, const 
 template void nearest_rows<double>(const double*, const bool*, const bool*, const double*, int64_t, int64_t, int64_t,
                                    int64_t, double*, int64_t*, int64_t*);
 
+std::tuple<at::Tensor, at::Tensor> smallest_of_products(const at::Tensor& products, const at::Tensor& bias,
+                                                        int64_t take) {
+  return ::smallest_of_products(products, bias, take);
+}
+
 }  // namespace fullgraph_cpu_rows
 
 TORCH_LIBRARY(fullgraph_cpu, m) {

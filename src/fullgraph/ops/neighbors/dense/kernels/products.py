@@ -33,29 +33,16 @@ from .ordering import _SHORT_KEY_NONE, _least_descending, _merge_sorted, _ordere
 from .selection import SORT_KEYS, smallest
 
 # Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps, pipeline
-# stages) by precision.
-MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
-
-
-# Tiles of chunk_minima on both clouds (queries, references, coordinates a step, warps, pipeline
-# stages) by precision.
-MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2)}
+# stages) by precision ("fp16x3" keeps two accumulators: half the references of "fp16").
+MINIMA_TILES = {"fp16": (128, 256, 32, 8, 3), "tf32": (128, 256, 32, 8, 3), "tf32x3": (128, 128, 64, 8, 2),
+                "fp16x3": (128, 128, 32, 8, 3)}
 MINIMA_OTHER_TILES = (128, 128, 32, 8, 3)
 
 
 # Up to this many coordinates (padded to a power of two) a program holds its tile of queries and
 # streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in tiles
 # (queries, references, warps, pipeline stages) by the padded D (measured: NOTES.md).
-MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64}  # by precision
-
-
-# Up to this many coordinates (padded to a power of two) a program holds its tile of queries and
-# streams its share of the references, MINIMA_HELD_PROGRAMS_PER_SM programs an SM, in tiles
-# (queries, references, warps, pipeline stages) by the padded D (measured: NOTES.md).
-MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64}  # by precision
-MINIMA_HELD_PROGRAMS_PER_SM = 4
-
-
+MINIMA_HELD_MAX_DIM = {"fp16": 128, "tf32": 64, "tf32x3": 128, "ieee": 64, "fp16x3": 0}  # by precision
 MINIMA_HELD_PROGRAMS_PER_SM = 4
 MINIMA_HELD_TILES = {16: (128, 128, 8, 3), 32: (128, 128, 8, 3), 64: (128, 128, 8, 3), 128: (128, 64, 8, 2)}
 
@@ -113,6 +100,52 @@ def half_operands(x: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, to
     return half, (x - half.to(torch.float32) / unit[:, None, None]).norm(dim=-1)
 
 
+@triton.jit
+def _low_operands_kernel(x_ptr, half_ptr, unit_ptr, low_ptr, low_norms_ptr, rest_norms_ptr, rows, dim,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows of x [B, L, D] (float32) and half [B, L, D] (float16): low = x unit - half rounded to
+    float16, and the norms of low and of x unit - half - low (both differences exact), over
+    unit."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = r < rows
+    unit = tl.load(unit_ptr + tl.program_id(1))
+    base = (tl.program_id(1).to(tl.int64) * rows + r[:, None]) * dim
+    lows = tl.zeros((BLOCK_R,), tl.float32)
+    rests = tl.zeros((BLOCK_R,), tl.float32)
+    for start in range(0, dim, BLOCK_D):
+        d = start + tl.arange(0, BLOCK_D)
+        mask = inside[:, None] & (d[None, :] < dim)
+        left = tl.load(x_ptr + base + d[None, :], mask=mask, other=0.0) * unit - \
+            tl.load(half_ptr + base + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        low = left.to(tl.float16)
+        tl.store(low_ptr + base + d[None, :], low, mask=mask)
+        rest = left - low.to(tl.float32)
+        lows += tl.sum(low.to(tl.float32) * low.to(tl.float32), 1)
+        rests += tl.sum(rest * rest, 1)
+    tl.store(low_norms_ptr + tl.program_id(1) * rows + r, tl.math.div_rn(tl.sqrt(lows), unit), mask=inside)
+    tl.store(rest_norms_ptr + tl.program_id(1) * rows + r, tl.math.div_rn(tl.sqrt(rests), unit), mask=inside)
+
+
+def low_operands(x: torch.Tensor, half: torch.Tensor, unit: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What ``half_operands`` left out of float32 x [B, L, D] (``half`` its float16 operands at
+    ``unit`` [B]), rounded to float16 again: low [B, L, D] (x unit - half, so that qh.rh + qh.rl +
+    ql.rh carries ~22 bits of q.r, "fp16x3"), and in x's units the norms [B, L] of low and of
+    the rest it leaves out (a bound's inputs: ``dense._products``)."""
+    x, half = x.contiguous(), half.contiguous()
+    batch, rows, dim = x.shape
+    low = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    low_norms, rest_norms = (torch.empty((batch, rows), dtype=torch.float32, device=x.device) for _ in range(2))
+    if low.numel():
+        block_d = min(256, triton.next_power_of_2(dim))
+        block_r = max(1, 4096 // block_d)
+        _low_operands_kernel[(triton.cdiv(rows, block_r), batch)](
+            x, half, unit.to(torch.float32).contiguous(), low, low_norms, rest_norms, rows, dim, BLOCK_R=block_r,
+            BLOCK_D=block_d, num_warps=4)
+    else:
+        low_norms.zero_(), rest_norms.zero_()
+    return low, low_norms, rest_norms
+
+
 def _list_width(count: int) -> int:
     """Keys a fused list of ``count`` chunks holds: a power of two, at least 16."""
     return 1 << max(4, (count - 1).bit_length())
@@ -130,8 +163,8 @@ def chunk_size(columns: int, count: int) -> int:
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    """tl.dot in ``PRECISION`` ("fp16": of float16 operands, every product exact)."""
-    if PRECISION == "fp16":
+    """tl.dot in ``PRECISION`` ("fp16", "fp16x3": of float16 operands, every product exact)."""
+    if PRECISION == "fp16" or PRECISION == "fp16x3":
         product = tl.dot(a, b)
     else:
         product = tl.dot(a, b, input_precision=PRECISION)
@@ -142,7 +175,7 @@ def _dot(a, b, PRECISION: tl.constexpr):
 def _twice(twice_ptr, item, PRECISION: tl.constexpr):
     """The factor of the products in ``r_norms - 2 q.r``: 2, or 2 / unit^2 for the item's
     float16 operands (``half_operands``: their products are unit^2 q.r; exact, powers of two)."""
-    if PRECISION == "fp16":
+    if PRECISION == "fp16" or PRECISION == "fp16x3":
         twice = tl.load(twice_ptr + item)
     else:
         twice = 2.0
@@ -150,32 +183,42 @@ def _twice(twice_ptr, item, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _tile_minima(q_base, r_base, r_norms_base, m, n, rows, columns, dim, twice, CHUNK: tl.constexpr,
-                 PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_minima(q_base, r_base, ql_base, rl_base, r_norms_base, m, n, rows, columns, dim, twice,
+                 CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
     """[len(m), len(n) / CHUNK]: per chunk of the references n, the least
-    ``r_norms - twice q.r`` of each query m (+inf past ``columns``)."""
+    ``r_norms - twice q.r`` of each query m (+inf past ``columns``). "fp16x3": q.r is
+    qh.rh + (qh.rl + ql.rh), the float16 halves and lows (``low_operands``; ql_base, rl_base),
+    the low terms summed apart (so the main sum's rounding stays that of D products)."""
     kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
+    low = tl.zeros((m.shape[0], n.shape[0]), dtype=tl.float32)
     for start in range(0, dim, BLOCK_K):
         d = start + kk
         in_d = d[None, :] < dim
-        q = tl.load(q_base + m[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & in_d, other=0.0)
-        r = tl.load(r_base + n[:, None].to(tl.int64) * dim + d[None, :], mask=(n[:, None] < columns) & in_d,
-                    other=0.0)
+        q_at, q_in = m[:, None] * dim + d[None, :], (m[:, None] < rows) & in_d
+        r_at, r_in = n[:, None].to(tl.int64) * dim + d[None, :], (n[:, None] < columns) & in_d
+        q = tl.load(q_base + q_at, mask=q_in, other=0.0)
+        r = tl.load(r_base + r_at, mask=r_in, other=0.0)
         acc += _dot(q, tl.trans(r), PRECISION)
+        if PRECISION == "fp16x3":
+            low = tl.dot(q, tl.trans(tl.load(rl_base + r_at, mask=r_in, other=0.0)), low)
+            low = tl.dot(tl.load(ql_base + q_at, mask=q_in, other=0.0), tl.trans(r), low)
     norms = tl.load(r_norms_base + n, mask=n < columns, other=float("inf"))
+    if PRECISION == "fp16x3":
+        acc += low
     approx = norms[None, :] - twice * acc
     return tl.min(tl.reshape(approx, (m.shape[0], n.shape[0] // CHUNK, CHUNK)), axis=2)
 
 
 @triton.jit
-def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns, dim, chunks,
-                         row_blocks,
+def _chunk_minima_kernel(q_ptr, r_ptr, ql_ptr, rl_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_ptr, rows, columns,
+                         dim, chunks, row_blocks,
                          CHUNK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NEEDED: tl.constexpr):
     """out [B, M, chunks]: the chunk minima of a tile of queries against a tile of
     references a program, consecutive programs one tile of references against successive
-    tiles of queries. NEEDED: a tile none of whose queries needed marks stores nothing."""
+    tiles of queries. NEEDED: a tile none of whose queries needed marks stores nothing; ql_ptr,
+    rl_ptr: the low operands of "fp16x3" (``_tile_minima``)."""
     item = tl.program_id(1).to(tl.int64)
     row_block, column_block = tl.program_id(0) % row_blocks, tl.program_id(0) // row_blocks
     m = row_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -186,8 +229,9 @@ def _chunk_minima_kernel(q_ptr, r_ptr, r_norms_ptr, twice_ptr, needed_ptr, out_p
     if NEEDED:
         if tl.max(tl.load(needed_ptr + item * rows + m, mask=m < rows, other=0).to(tl.int32)) == 0:
             return
-    minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, r_norms_ptr + item * columns,
-                          m, n, rows, columns, dim, _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
+    minima = _tile_minima(q_ptr + item * rows * dim, r_ptr + item * columns * dim, ql_ptr + item * rows * dim,
+                          rl_ptr + item * columns * dim, r_norms_ptr + item * columns, m, n, rows, columns, dim,
+                          _twice(twice_ptr, item, PRECISION), CHUNK, PRECISION, BLOCK_K)
     tl.store(where, minima, mask=inside)
 
 
@@ -266,8 +310,8 @@ def _chunk_candidates_kernel(q_ptr, q_norms_ptr, r_ptr, r_norms_ptr, twice_ptr, 
     first = part * share
     for start in range(first, tl.minimum(first + share, columns), BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        minima = _tile_minima(q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns, dim, twice, CHUNK,
-                              PRECISION, BLOCK_K)
+        minima = _tile_minima(q_base, r_base, q_base, r_base, r_norms_ptr + item * columns, m, n, rows, columns,
+                              dim, twice, CHUNK, PRECISION, BLOCK_K)
         c = start // CHUNK + tl.arange(0, BLOCK_N // CHUNK)
         keys = tl.where((c < chunks)[None, :], _short_keys(minima + q_norms[:, None], c[None, :], POSITION_BITS),
                         _SHORT_KEY_NONE)
@@ -314,21 +358,26 @@ def _merge_parts_kernel(lists_ptr, floors_ptr, out_ptr, total_rows, parts, count
 
 
 def _factors(precision: str, twice: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """The kernels' per-item factor of the products [B] (only "fp16" reads it)."""
-    if precision == "fp16" and (twice is None or twice.dtype != torch.float32):
+    """The kernels' per-item factor of the products [B] (only "fp16" and "fp16x3" read it)."""
+    if precision in ("fp16", "fp16x3") and (twice is None or twice.dtype != torch.float32):
         raise ValueError(f"fp16 products need twice: float32 [B] 2 / unit^2 per item, got {twice!r}")
     return like if twice is None else twice.contiguous()
 
 
 def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk: int, precision: str,
-                 needed: torch.Tensor | None = None, twice: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, M, D], r [B, N, D] (float32, contiguous; float16 for "fp16"), r_norms [B, N]
-    (|r|^2, +inf where invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least
+                 needed: torch.Tensor | None = None, twice: torch.Tensor | None = None,
+                 lows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B, M, D], r [B, N, D] (float32, contiguous; float16 for "fp16" and "fp16x3"), r_norms
+    [B, N] (|r|^2, +inf where invalid) -> [B, M, ceil(N / chunk)]: per chunk, the least
     ``r_norms - 2 q.r`` ("fp16": ``r_norms - twice[b] q.r``, ``half_operands`` with
-    twice = 2 / unit^2). With ``needed`` [B, M] (bool) only tiles of queries holding a needed
-    one are multiplied: the others' minima are unspecified (not written: storing +inf there
-    cost ~3 ms at 10^4 x 10^6)."""
+    twice = 2 / unit^2; "fp16x3" adds the products of ``lows``, (ql [B, M, D], rl [B, N, D])
+    float16, ``low_operands``: qh.rh + qh.rl + ql.rh). With ``needed`` [B, M] (bool) only tiles
+    of queries holding a needed one are multiplied: the others' minima are unspecified (not
+    written: storing +inf there cost ~3 ms at 10^4 x 10^6)."""
     q, r, r_norms, twice = q.contiguous(), r.contiguous(), r_norms.contiguous(), _factors(precision, twice, r_norms)
+    if (precision == "fp16x3") != (lows is not None):
+        raise ValueError(f"lows: the low operands of fp16x3 products only, got {type(lows).__name__} for {precision}")
+    ql, rl = (t.contiguous() for t in lows) if lows is not None else (q, r)
     batch, rows, dim = q.shape
     columns = r.shape[1]
     chunks = triton.cdiv(columns, chunk)
@@ -352,7 +401,7 @@ def chunk_minima(q: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, chunk:
         block_n = max(block_n, chunk)
         row_blocks, column_blocks = triton.cdiv(rows, block_m), triton.cdiv(columns, block_n)
         _chunk_minima_kernel[(row_blocks * column_blocks, batch)](
-            q, r, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks,
+            q, r, ql, rl, r_norms, twice, needed if needed is not None else r_norms, out, rows, columns, dim, chunks,
             row_blocks,
             CHUNK=chunk, PRECISION=precision, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=min(block_k, held),
             NEEDED=needed is not None, num_warps=warps, num_stages=stages)
@@ -416,7 +465,8 @@ def least_chunk_keys(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_
 
 def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norms: torch.Tensor, count: int,
                  chunk: int, precision: str, needed: torch.Tensor | None = None,
-                 twice: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 twice: torch.Tensor | None = None,
+                 lows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, M, D], q_norms [B, M] (|q|^2), r [B, N, D] (float32; float16 for "fp16",
     ``chunk_minima``), r_norms [B, N] (|r|^2, +inf where invalid) -> per query the ``count``
     chunks of ``chunk`` references (``chunk_size``) with the least ``r_norms - 2 q.r``
@@ -426,9 +476,11 @@ def least_chunks(q: torch.Tensor, q_norms: torch.Tensor, r: torch.Tensor, r_norm
     number of chunks. On the fused path (``least_chunk_keys``) the sums (and the order) are
     rounded down to 32 - log2(chunks) bits, at least 20 (relative 2^-11): lower bounds, which
     is all the certificate in ``backend.py`` needs of them. ``needed`` [B, M] (bool): the other
-    rows' lists are unspecified (only tiles of queries holding a needed one are multiplied)."""
-    if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK:
-        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice), count, needed=needed)
+    rows' lists are unspecified (only tiles of queries holding a needed one are multiplied).
+    "fp16x3" (with ``lows``, ``chunk_minima``) on the stored minima only."""
+    if count > FUSED_MAX_KEYS or chunk != FUSED_CHUNK or precision == "fp16x3":
+        values, chosen = smallest(chunk_minima(q, r, r_norms, chunk, precision, needed, twice, lows), count,
+                                  needed=needed)
         return values + q_norms[..., None], chosen
     out, position_bits = least_chunk_keys(q, q_norms, r, r_norms, count, precision, twice, needed)
     return _ordered_floats(out & -(1 << position_bits)), (out & ((1 << position_bits) - 1)).to(torch.int64)
