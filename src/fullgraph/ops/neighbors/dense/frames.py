@@ -33,6 +33,11 @@ def _squared_norms(x: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(-1)
 
 
+def _item_largest(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B, 1]: the largest of each item's row values x [B, L] (0 where L = 0), ``like``'s shape."""
+    return x.amax(-1, keepdim=True) if x.numel() else torch.zeros_like(like)
+
+
 class Frames:
     """Both clouds of every item in the item's units (a power of two, ``scale`` [B, 1]): as
     the reference measures them (``q``, ``r``), and centred on the mean valid reference with
@@ -123,7 +128,7 @@ class Frames:
             self.unit = triton_dense.half_unit(self.largest)
             self.qh, self.q_lo = triton_dense.half_operands(self.qc, self.unit)
             self.rh, r_lo = triton_dense.half_operands(self.rc, self.unit)
-            self.r_lo = r_lo.amax(-1, keepdim=True) if r_lo.numel() else torch.zeros_like(self.reach)
+            self.r_lo = _item_largest(r_lo, self.reach)
             self.twice = 2 / self.unit**2
         return self.qh, self.rh, self.q_lo, self.r_lo, self.twice
 
@@ -143,12 +148,10 @@ class Frames:
             self.ql, q_low, q_rest = triton_dense.low_operands(self.qc, qh, self.unit)
             self.rl, r_low, r_rest = triton_dense.low_operands(self.rc, rh, self.unit)
             u, dim = 2.0**-24, self.qc.shape[-1]
-            reach = self.reach  # [B, 1]
-            low_most = r_low.amax(-1, keepdim=True) if r_low.numel() else torch.zeros_like(reach)
-            q_abs = self.q_norms.sqrt()
-            share = torch.where(reach > 0, low_most / reach, 0.0)  # (R = 0: every rl is 0)
+            reach, q_abs = self.reach, self.q_norms.sqrt()  # [B, 1], [B, M]
+            share = torch.where(reach > 0, _item_largest(r_low, reach) / reach, 0.0)  # (R = 0: every rl is 0)
             self.qx = (q_rest + q_low * share + 2 * dim * u * (q_abs * share + q_low) + u * q_abs) * (1 + 2.0**-9)
-            self.rx = (r_rest.amax(-1, keepdim=True) if r_rest.numel() else torch.zeros_like(reach)) * (1 + 2.0**-9)
+            self.rx = _item_largest(r_rest, reach) * (1 + 2.0**-9)
         return self.ql, self.rl, self.qx, self.rx
 
     def tf32_references(self) -> torch.Tensor:

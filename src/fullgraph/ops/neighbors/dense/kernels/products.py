@@ -134,15 +134,15 @@ def low_operands(x: torch.Tensor, half: torch.Tensor, unit: torch.Tensor) -> tup
     x, half = x.contiguous(), half.contiguous()
     batch, rows, dim = x.shape
     low = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-    low_norms, rest_norms = (torch.empty((batch, rows), dtype=torch.float32, device=x.device) for _ in range(2))
+    # (zeros for rows of no coordinates, D = 0, which no program visits)
+    low_norms, rest_norms = ((torch.empty if dim else torch.zeros)((batch, rows), dtype=torch.float32, device=x.device)
+                             for _ in range(2))
     if low.numel():
         block_d = min(256, triton.next_power_of_2(dim))
         block_r = max(1, 4096 // block_d)
         _low_operands_kernel[(triton.cdiv(rows, block_r), batch)](
             x, half, unit.to(torch.float32).contiguous(), low, low_norms, rest_norms, rows, dim, BLOCK_R=block_r,
             BLOCK_D=block_d, num_warps=4)
-    else:
-        low_norms.zero_(), rest_norms.zero_()
     return low, low_norms, rest_norms
 
 
