@@ -426,8 +426,21 @@ def test_unproven_rows_go_again_in_float32_with_no_host_read(monkeypatch, genera
     assert (idx[~redone] == -1).all()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("redo", ["brute force", "search"])
+@pytest.mark.parametrize("distribution", ["far", "normal"])
+def test_float64_redo_proves_only_the_reference_lists(distribution, generator):
+    """The float64 pass that redoes unproven rows multiplies the float32 centred clouds: on far
+    clouds (centred norms ~10^4 their distances) the centring's rounding, not the float64
+    products', decides near-ties, and a row it proves is the reference's."""
+    proven_rows = 0
+    for _ in range(4):
+        query, ref = (t.float() for t in _clouds(distribution, 64, generator, rows=60, columns=350))
+        frames = dense.Frames(query[None], ref[None], None, None, torch.float32)
+        d, i, still = dense._block(frames, slice(None), frames.ref_ok, 9, math.inf, 17, "float64")
+        want_d, want_i = fullgraph.knn(query, ref, 9, backend="torch")
+        proven = ~still[0]
+        assert torch.equal(i[0][proven], want_i[proven]) and torch.equal(d[0][proven], want_d[proven])
+        proven_rows += int(proven.sum())
+    assert proven_rows > 0
 @pytest.mark.parametrize("distribution", ["normal", "duplicates"])
 def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, redo, monkeypatch, generator):
     """Graphed, wide points take the tensor cores as eagerly; their unproven rows (ties wider

@@ -307,8 +307,14 @@ def _floor(value, q_abs, reach, dim: int, precision: str):
         value = value - 2 * triton_dense.product_error("tf32x3") * q_abs * reach
         return beyond_expansion(value, q_abs, reach, dim, 2.0**-24)
     if precision == "float64":
+        # The float64 expansion is exact to ~2^-53, but of the float32 centred clouds, each
+        # coordinate q - centre rounded once: qc - rc lies within 2^-24 (|qc| + |rc|) of q - r,
+        # which the float32 bounds' factor 2 covers and this one must take apart (a far
+        # cloud's centred norms ~10^4 its distances: ~10^-3 of a squared distance).
+        apart = beyond_expansion(value, q_abs, reach, dim, 2.0**-53).clamp(min=0).sqrt()
+        apart = (apart - 2.0**-23 * (q_abs + reach)).clamp(min=0)
         # (back in float32: its rounding, 2^-24 at most, within the factor 2 of the reference's)
-        return (beyond_expansion(value, q_abs, reach, dim, 2.0**-53) * (1 - 2 * (dim + 2) * 2.0**-24)).float()
+        return (apart * apart * (1 - 2 * (dim + 2) * 2.0**-24)).float()
     u = 2.0**-24 if precision == "ieee" and value.dtype == torch.float32 else roundoff(value.dtype)
     return beyond_expansion(value, q_abs, reach, dim, u)
 
