@@ -441,6 +441,10 @@ def test_float64_redo_proves_only_the_reference_lists(distribution, generator):
         assert torch.equal(i[0][proven], want_i[proven]) and torch.equal(d[0][proven], want_d[proven])
         proven_rows += int(proven.sum())
     assert proven_rows > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("redo", ["brute force", "search"])
 @pytest.mark.parametrize("distribution", ["normal", "duplicates"])
 def test_wide_points_in_a_capture_redo_failed_rows_without_a_host_read(distribution, redo, monkeypatch, generator):
     """Graphed, wide points take the tensor cores as eagerly; their unproven rows (ties wider
