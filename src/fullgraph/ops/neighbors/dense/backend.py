@@ -20,14 +20,15 @@ of queries, for every batch item at once:
 
 Error bound. With unit roundoff u (2^-24 in float32, 2^-53 in float64), a dot product of length
 D in any summation order is within ``D u |q| |r| / (1 - D u)`` of the true value, and the two
-norms and two additions add a few u of ``|q|^2 + |r|^2``, so ``|a_ij - d_ij^2| <= e_i = 2 (D +
-4) u (|q_i| + R)^2`` with R the largest |r_j| of the item (factor 2 as headroom, which also
-holds the centring's rounding: each centred coordinate rounded once moves a distance by u
-(|q_i| + R) at most; float64 products of float32 clouds take it apart, ``_floor``). Every
-non-candidate j has ``a_ij >= t_i`` (the last candidate's value), so its true squared distance
-is at least ``t_i - e_i``, and its distance as the reference computes it (within ``(D + 2) u``
-relatively) at least ``(t_i - e_i)(1 - 2(D + 2) u)``. When the k-th exact candidate distance
-squared ``s_i`` is below that, the list is exactly the reference's. Near-ties and duplicates
+norms and two additions add a few u of ``|q|^2 + |r|^2``, so
+``|a_ij - d_ij^2| <= e_i = 2 (D + 4) u (|q_i| + R)^2`` with R the largest |r_j| of the item
+(factor 2 as headroom, which also holds the centring's rounding: each centred coordinate rounded
+once moves a distance by u (|q_i| + R) at most; float64 products of float32 clouds take it
+apart, ``_floor``). Every non-candidate j has ``a_ij >= t_i`` (the last candidate's value), so
+its true squared distance is at least ``t_i - e_i``, and its distance as the reference computes
+it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1 - 2(D + 2) u)``. When the k-th
+exact candidate distance squared ``s_i`` is below that, the list is exactly the reference's.
+Near-ties and duplicates
 wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), small items of few coordinates outside a CUDA graph
