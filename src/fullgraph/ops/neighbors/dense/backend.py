@@ -28,8 +28,7 @@ apart, ``_floor``). Every non-candidate j has ``a_ij >= t_i`` (the last candidat
 its true squared distance is at least ``t_i - e_i``, and its distance as the reference computes
 it (within ``(D + 2) u`` relatively) at least ``(t_i - e_i)(1 - 2(D + 2) u)``. When the k-th
 exact candidate distance squared ``s_i`` is below that, the list is exactly the reference's.
-Near-ties and duplicates
-wider than the slack fail the check.
+Near-ties and duplicates wider than the slack fail the check.
 
 On GPUs (float16/bfloat16/float32), small items of few coordinates outside a CUDA graph
 capture (``Plan.path`` "every pair") skip all of this: one kernel measures every pair in the
