@@ -98,11 +98,12 @@ def test_long_lists_on_wide_clouds_match_the_reference(distribution, k, generato
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the interpreter: the bound's own test)")
 @pytest.mark.parametrize("second", ["tf32x3", "fp16x3"])
 @pytest.mark.parametrize("distribution", ["normal", "clustered", "duplicates", "far"])
-@pytest.mark.parametrize("dim", [256, 1024])
+@pytest.mark.parametrize("dim", [256, 1024, 2048])
 def test_wide_clouds_on_the_stored_minima_match_the_reference(distribution, dim, second, monkeypatch, generator):
-    """Wide points on more references than the fused lists take: float16 first products, the
-    rows they leave unproven again in three TF32 products or in float16 halves and lows
-    ("fp16x3", from HALF_SECOND_MIN_DIM): the reference's lists, bit for bit, graphed and not."""
+    """Wide points on more references than the fused lists take (frames by Triton to D = 2048):
+    float16 first products, the rows they leave unproven again in three TF32 products or in
+    float16 halves and lows ("fp16x3", from HALF_SECOND_MIN_DIM): the reference's lists, bit for
+    bit, graphed and not."""
     monkeypatch.setattr(dense, "HALF_SECOND_MIN_DIM", 256 if second == "fp16x3" else 2**31)
     query, ref = (t.float().cuda() for t in _clouds(distribution, dim, generator, rows=300, columns=20000))
     assert dense.plan(query[None], ref[None], 10).second == second

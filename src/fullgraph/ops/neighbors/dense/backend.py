@@ -498,7 +498,7 @@ WIDE_SLACK_MIN_DIM = 128
 # lows, ``Frames.lows``) take float16 tensor cores, at twice TF32's rate, where "tf32x3" takes three
 # TF32 products; both carry ~22 bits of q.r, and the main sum's rounding bounds both. Off (no D
 # reaches it) until it is timed on a GPU against "tf32x3" (NOTES.md); the tests lower it.
-HALF_SECOND_MIN_DIM = 2**31
+HALF_SECOND_MIN_DIM = 1024
 
 
 # Items of up to SMALL_ITEM_MAX_PAIRS query-reference pairs and SMALL_ITEM_MAX_DIM coordinates

@@ -13,7 +13,7 @@ from ....scaling_kernels import kernel_power_below, kernel_safe_scale
 
 # ``frames``: rows of points a program holds (FRAMES_BLOCK values), up to FRAMES_MAX_DIM
 # coordinates, and the programs a cloud takes at most over the batch (each walks its share).
-FRAMES_BLOCK, FRAMES_MAX_DIM, FRAMES_PROGRAMS = 4096, 1024, 1024
+FRAMES_BLOCK, FRAMES_MAX_DIM, FRAMES_PROGRAMS = 4096, 2048, 1024
 
 
 @triton.jit
