@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 
 import pytest
 import torch
 
-from fullgraph.bench.timing import Timing, time_call
+from fullgraph import _background
+from fullgraph.bench.timing import Timing, time_call, warm_up_seconds
 
 
 def test_percentiles_lie_within_the_runs():
@@ -71,3 +73,27 @@ def test_queued_calls_hide_the_host_latency_behind_the_gpu():
     queued = time_call(call, torch.device("cuda"), warmup=2, runs=10)
     waited = time_call(call, torch.device("cuda"), warmup=2, runs=10, queued=False)
     assert waited.median_ms > queued.median_ms + 2.0
+
+
+def test_kernels_compiling_in_the_background_are_waited_for_before_timing():
+    """After a first call that left a kernel compiling in the background, calls are repeated as
+    compiles finish until one meets no new kernel (a path's kernels are met one after another);
+    with nothing compiling there is nothing to wait for."""
+    assert warm_up_seconds(lambda: None, torch.device("cpu")) is None
+    calls = []
+
+    def finish(marker):
+        with _background._lock:
+            _background._running.pop(marker, None)
+
+    def call():  # the first two calls each meet a kernel that compiles for 0.05 s
+        calls.append(len(calls))
+        if len(calls) <= 2:
+            marker = f"kernel {len(calls)}"
+            with _background._lock:
+                _background._running[marker] = None
+            threading.Timer(0.05, finish, (marker,)).start()
+
+    call()
+    waited = warm_up_seconds(call, torch.device("cpu"), limit_s=30)
+    assert calls == [0, 1, 2] and 0.1 <= waited < 30 and not _background.pending()

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from .timing import PeakMemory, first_call_seconds, time_call
+from .timing import PeakMemory, first_call_seconds, time_call, warm_up_seconds
 from .workloads import BASELINE, WORKLOADS
 
 
@@ -92,6 +92,9 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             row = {"workload": name, "size": size, "params": params, "variant": case.variant, "phase": phase, **env}
             try:
                 row["first_call_s"] = first_call_seconds(fn, device)
+                warm_up = warm_up_seconds(fn, device)
+                if warm_up is not None:
+                    row["warm_up_s"] = warm_up
                 with PeakMemory(device) as memory:
                     timing = time_call(fn, device, warmup, runs, collective=workload.collective)
                 row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,

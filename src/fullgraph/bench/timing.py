@@ -106,6 +106,31 @@ def first_call_seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+# The longest a variant's kernels are waited for while they compile in the background.
+WARM_UP_LIMIT_S = 900.0
+
+
+def warm_up_seconds(fn, device: torch.device, limit_s: float = WARM_UP_LIMIT_S) -> float | None:
+    """After the first call: seconds until a call runs with every kernel of its path compiled,
+    calling ``fn`` again while kernels compile in the background (``fullgraph._background``: the
+    calls meanwhile take a path of torch's operators, the "warm-up window", which the timed
+    calls after this leave out); None where nothing compiled in the background. Each call
+    may meet its path's next kernel, so it ends at the first call that left none compiling."""
+    from .. import _background
+
+    if not _background.pending():
+        return None
+    start = time.perf_counter()
+    while time.perf_counter() - start < limit_s:
+        while _background.pending() and time.perf_counter() - start < limit_s:
+            time.sleep(0.05)
+        fn()
+        synchronize(device)
+        if not _background.pending():
+            break
+    return time.perf_counter() - start
+
+
 class PeakMemory:
     """Peak memory above the level at entry, in bytes: the CUDA allocator's peak on GPUs,
     the process's resident high-water mark on Linux CPUs (None where unavailable)."""
