@@ -13,6 +13,8 @@ from ....scaling_kernels import kernel_power_below, kernel_safe_scale
 
 # ``frames``: rows of points a program holds (FRAMES_BLOCK values), up to FRAMES_MAX_DIM
 # coordinates, and the programs a cloud takes at most over the batch (each walks its share).
+# Beyond, torch builds the frames (H100, 2,000 x 50,000 D=2048 k=10: 10.6 -> 7.7 ms a call by
+# Triton's frames to 2048).
 FRAMES_BLOCK, FRAMES_MAX_DIM, FRAMES_PROGRAMS = 4096, 2048, 1024
 
 
