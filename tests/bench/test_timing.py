@@ -97,3 +97,14 @@ def test_kernels_compiling_in_the_background_are_waited_for_before_timing():
     call()
     waited = warm_up_seconds(call, torch.device("cpu"), limit_s=30)
     assert calls == [0, 1, 2] and 0.1 <= waited < 30 and not _background.pending()
+
+
+def test_the_warm_up_wait_is_a_column_where_rows_have_one():
+    from fullgraph.bench import report
+
+    row = {"workload": "w", "size": "s", "params": {}, "variant": "v", "phase": "forward", "device": "d",
+           "torch": "t", "triton": None, "commit": "c", "median_ms": 1.0, "p10_ms": 1.0, "p90_ms": 1.0,
+           "speedup_vs_eager": None, "peak_memory_bytes": None, "first_call_s": 0.5}
+    text = report.markdown([row, {**row, "variant": "u", "warm_up_s": 12.5}])
+    assert "warm-up s |" in text and "| 12.50 |" in text
+    assert "warm-up" not in report.markdown([row])

@@ -10,9 +10,10 @@ def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
-# Memory measured by some workloads' checks, shown as extra columns (MiB) when present.
+# Memory measured by some workloads' checks, graph counts, and the wait for kernels compiling in
+# the background after a first call (``timing.warm_up_seconds``), shown as extra columns when present.
 EXTRA_COLUMNS = {"outside_torch_pool_bytes": "outside pool MiB", "library_pool_bytes": "library pool MiB",
-                 "graphs": "graphs", "graph_breaks": "breaks"}
+                 "graphs": "graphs", "graph_breaks": "breaks", "warm_up_s": "warm-up s"}
 
 
 def _extras(rows: list[dict]) -> list[str]:
@@ -20,9 +21,11 @@ def _extras(rows: list[dict]) -> list[str]:
 
 
 def _extra(row: dict, key: str) -> str:
-    """An extra column's cell: bytes as MiB, counts as they are."""
+    """An extra column's cell: bytes as MiB, seconds to two places, counts as they are."""
     if key.endswith("_bytes"):
         return _fmt(None if row.get(key) is None else row[key] / 2**20, "{:.0f}")
+    if key.endswith("_s"):
+        return _fmt(row.get(key), "{:.2f}")
     return _fmt(row.get(key), "{}")
 
 
