@@ -68,7 +68,7 @@ what the rounding left out (``_products``), ~2^-11 of |q| R where one TF32 produ
 rounding bounds 2^-9. The valid rows that bound leaves unproven go through steps 1-3 again
 in three TF32 products, only the tiles of queries holding one multiplied, with more chunks
 chosen from D = WIDE_SLACK_MIN_DIM on the stored minima (``_block_on_tensor_cores``); there,
-from D = HALF_SECOND_MIN_DIM (off for now), in three float16 products instead: the halves and
+from D = HALF_SECOND_MIN_DIM, in three float16 products instead: the halves and
 what they left out rounded to float16 again, qh.rh + (qh.rl + ql.rh), the low terms summed
 apart ("fp16x3", ``Frames.lows`` bounds what they leave out).
 
@@ -107,7 +107,6 @@ import threading
 import torch
 
 from .... import _background, _triton
-from ... import scaling
 from ...._triton import lazy
 from ....backends import FLOATING, Backend
 from .. import pairs, reference

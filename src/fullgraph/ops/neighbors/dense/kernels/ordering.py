@@ -12,9 +12,6 @@ import triton.language as tl
 from ...pairs import PER_COORDINATE_MAX_DIM
 
 _SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
-
-
-_SHORT_KEY_NONE = tl.constexpr(0x7FFFFFFF)  # above every ``_short_keys`` key (NaN has none)
 _PER_COORDINATE = tl.constexpr(PER_COORDINATE_MAX_DIM)
 
 
