@@ -1018,6 +1018,41 @@ def test_nearest_members_re_measure_the_first_measures_least(dim, chunk, n_chose
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+@pytest.mark.parametrize("dim, take", [(40, 264), (300, 264), (40, 1032), (3, 1032), (300, 520), (300, 512)])
+@pytest.mark.interpreted(keep=2)
+def test_nearest_members_order_long_candidate_lists(dim, take, generator):
+    """The products path's candidate lists on GPUs (``nearest_members`` with chunk 1: every
+    candidate re-measured, a warp a CANDIDATES_PER_WARP of them): the reference's distances
+    in (distance, index) order, with duplicate points, invalid references and missing
+    candidates (-1) among them."""
+    from fullgraph.ops.neighbors import pairs
+    from fullgraph.ops.neighbors.dense import kernels as triton_dense
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, rows, columns = 2, 3, 1500
+    if not triton_dense.orders_candidates(take, dim):  # (wide points: fewer; torch re-measures longer lists)
+        assert dim >= triton_dense.members.WIDE_MIN_DIM and take > triton_dense.members.CANDIDATES_WIDE_MAX
+        return
+    q = torch.randn(batch, rows, dim, generator=generator)
+    r = torch.randn(batch, columns, dim, generator=generator)
+    r[:, 11] = r[:, 5]
+    r[:, 12] = r[:, 5]
+    ok = torch.rand(batch, columns, generator=generator) > 0.1
+    candidates = torch.stack([torch.randperm(columns, generator=generator)[:take] for _ in range(batch * rows)])
+    candidates = candidates.reshape(batch, rows, take)
+    candidates[..., :3] = torch.tensor([12, 5, 11])
+    candidates[0, 1, -5:] = -1
+    d, i, _ = triton_dense.nearest_members(q.to(device), r.to(device), ok.to(device), candidates.to(device), 1, take,
+                                           take)
+    d, i = d.cpu(), i.cpu()
+    real = (candidates >= 0) & ok.gather(1, candidates.clamp(min=0).reshape(batch, -1)).reshape(candidates.shape)
+    gathered = torch.stack([r[b][candidates[b].clamp(min=0)] for b in range(batch)])
+    exact = torch.from_numpy(np.sqrt(pairs.squared_difference(q[:, :, None], gathered).numpy()))
+    want_d, want_i = pairs.order_by_distance(exact.masked_fill(~real, math.inf), candidates.masked_fill(~real, -1))
+    assert torch.equal(d, want_d) and torch.equal(i, want_i)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("dim", [5, 64, 128, 129, 300, 1024, 4096])
 @pytest.mark.interpreted(keep=5)  # (the stepped sum at 129 and 300 here; 1024 and 4096 on the GPU)
 def test_squared_distances_have_the_references_bits(dim, generator):

@@ -244,7 +244,7 @@ def _exact_lists(q, frames: Frames, candidates, ref_ok, radius, inside=None, nee
     [B, m] leaves out (unspecified then). On CPUs, candidates whose ``floors`` [B, m, c] lie
     above a row's first ``least`` distances may be left out (``_remeasure``)."""
     take, dim = candidates.shape[-1], q.shape[-1]
-    if q.is_cuda and q.dtype == torch.float32 and not _torch_only() and triton_dense.ranks_members(take, take, dim):
+    if q.is_cuda and q.dtype == torch.float32 and not _torch_only() and triton_dense.orders_candidates(take, dim):
         chosen = candidates if inside is None else candidates.masked_fill(~inside, -1)
         d, i, _ = triton_dense.nearest_members(q, frames.r, ref_ok, chosen, 1, take, take, needed)
         return _within(d, i, frames.scale, radius)
@@ -285,17 +285,19 @@ def _block(frames: Frames, rows, ref_ok, k, radius, take, precision: str = ""):
     q_abs = q_norms.sqrt()
     if precision == "float64":
         q_norms = qc.double().square().sum(-1)
-    if qc.is_cuda:
+    if qc.is_cuda:  # (the candidates in no order: ``_least_products``)
+        last = values.amax(-1)
         d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius)
-        outside = _floor(values[..., -1] + q_norms, q_abs, frames.reach, dim, precision)
+        outside = _floor(last + q_norms, q_abs, frames.reach, dim, precision)
     else:  # the candidates past the k-th by more than the products' error are not re-measured
+        last = values[..., -1]
         floors = _floor(values + q_norms[..., None], q_abs[..., None], frames.reach[..., None], dim, precision)
         d, candidates = _exact_lists(frames.q[:, rows], frames, candidates, ref_ok, radius, floors=floors, least=k)
         outside = floors[..., -1]
     if take == columns:
         return d[..., :k] * frames.scale[..., None], candidates[..., :k], torch.zeros_like(d[..., 0], dtype=torch.bool)
     # A last candidate at +inf: every valid reference is a candidate already.
-    certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(values[..., -1])
+    certified = (d[..., k - 1] ** 2 < outside) | torch.isinf(last)
     return d[..., :k] * frames.scale[..., None], candidates[..., :k], ~certified
 
 
@@ -347,9 +349,9 @@ def _workspace(count: int, dtype: torch.dtype) -> torch.Tensor:
 def _least_products(qc, frames: Frames, take: int, precision: str = ""):
     """(values, positions) [B, m, take]: the take least of |r|^2 - 2 q.r (|q|^2 is constant
     along a row: the order needs no more) over the references of ``frames`` for the queries
-    qc [B, m, D], ascending (NaN last). ``precision`` "tf32x3": each operand's two TF32 parts
-    multiplied (``frames.tf32_split``; on cuBLAS's tensor cores), "float64": in float64, the
-    norms too. On CPUs the take least of all references are the take least of the tiles'."""
+    qc [B, m, D], ascending (NaN last) on CPUs, in no order on GPUs (``_least``). ``precision``
+    "tf32x3": each operand's two TF32 parts multiplied (``frames.tf32_split``; on cuBLAS's
+    tensor cores), "float64": in float64, the norms too. On CPUs the take least of all references are the take least of the tiles'."""
     rc, r_norms = frames.rc, frames.r_norms
     columns = rc.shape[1]
     if precision == "tf32x3":
@@ -361,13 +363,13 @@ def _least_products(qc, frames: Frames, take: int, precision: str = ""):
             products = torch.baddbmm(r_norms[:, None, :], torch.cat([high, low], -1),
                                      parts[..., dim:].transpose(1, 2), alpha=-2)
             products.baddbmm_(high, parts[..., :dim].transpose(1, 2), alpha=-2)
-        return select.smallest(products, take)
+        return _least(products, take)
     if precision == "float64":
         qc, rc = qc.double(), rc.double()
         r_norms = rc.square().sum(-1).masked_fill_(torch.isinf(r_norms), math.inf)
-        return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
+        return _least(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
     if qc.is_cuda:
-        return select.smallest(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
+        return _least(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
     batch, rows, _ = qc.shape
     if columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM:
         products = _workspace(batch * rows * columns, qc.dtype).view(batch, rows, columns)
@@ -381,6 +383,15 @@ def _least_products(qc, frames: Frames, take: int, precision: str = ""):
         least = (select.smallest(tile, min(take, stop)) if least is None
                  else select.smallest_after(tile, min(take, stop), least, start))
     return least
+
+
+def _least(values, take: int):
+    """``_least_products``' (values, positions) of the take least of each row of values; on GPUs
+    in no order (torch.topk unsorted; the lists are ordered once re-measured: 12,000 rows of
+    3,000, take 264, H200: 1.03 -> 0.75 ms)."""
+    if values.is_cuda:
+        return torch.topk(values, take, dim=-1, largest=False, sorted=False)
+    return select.smallest(values, take)
 
 
 def _operands(frames: Frames, rows: slice, precision: str):
@@ -509,7 +520,7 @@ SMALL_ITEM_MAX_PAIRS, SMALL_ITEM_MAX_DIM = 2**16, 64
 # pairs (PRODUCTS_CAPTURE_MAX_PAIRS inside a capture) take the products path on cuBLAS's tensor
 # cores in "tf32x3" (``_least_products``) and torch.topk: the chosen chunks' members grow with k
 # (H100, ms as called with no replay / graphed, 4 x 3000^2 D=64 k=256: chunks 6.5 / 6.7, products
-# 3.3 / 4.2). Beyond those pairs torch.topk over every pair costs more than the chunks (2,000 x
+# 2.4 / 2.3; at k = 64 and 96 even: NOTES.md). Beyond those pairs torch.topk over every pair costs more than the chunks (2,000 x
 # 50,000 D=128 k=256 graphed: 4.7 against 2.7). Wide points stay on the chunks: "tf32x3" products
 # cost more there than the float16 first products save (D=1024 k=50: 8.7 against 6.7). One
 # float32 product ("ieee") was 5 % faster at D <= 300 and 13 % slower at D = 1024.
@@ -726,9 +737,9 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
         precision = "float64" if plan.path == "products" else ""
         budget = max(1, BLOCK_BYTES["cuda"] // (columns * 8))
         while True:
-            for b, rows in enumerate(failed):
-                rows = rows.nonzero()[:, 0]
-                for start in range(0, rows.numel(), budget):
+            counts, rows_of = _failed_rows(failed)
+            for b, rows in enumerate(rows_of):
+                for start in range(0, counts[b], budget):
                     some = rows[start:start + budget]
                     d, i, still = _block(frames.items(slice(b, b + 1)), some, frames.ref_ok[b:b + 1], k, radius,
                                          take, precision)
@@ -738,12 +749,19 @@ def _redo(plan: Plan, query, ref, frames, k, radius, query_lengths, ref_lengths,
             take, precision = min(take * REDO_GROWTH, columns), "float64"
     if plan.redo == "search":
         return _by_search(query, ref, frames, k, radius, query_lengths, ref_lengths, failed, dists, idx)
-    for b, rows in enumerate(failed):
-        rows = rows.nonzero()[:, 0]
-        if rows.numel():
+    counts, rows_of = _failed_rows(failed)
+    for b, rows in enumerate(rows_of):
+        if counts[b]:
             lengths = None if ref_lengths is None else ref_lengths[b:b + 1]
             d, i, _ = reference.nearest(query[b:b + 1, rows], ref[b:b + 1], k, radius, None, lengths)
             dists[b, rows], idx[b, rows] = d[0].to(dists.dtype), i[0]
+
+
+def _failed_rows(failed):
+    """(counts, rows) of failed [B, M]: each item's count of failed rows (a list) and their
+    positions [count] (two host reads for all items, not one an item)."""
+    counts = failed.sum(1).tolist()
+    return counts, failed.nonzero()[:, 1].split(counts)
 
 
 # Inside a capture, from this many coordinates the rows the tensor cores leave unproven on items

@@ -14,12 +14,13 @@ backend loads this package on first use):
 from . import clouds, every_pair, members, ordering, products, selection
 from .clouds import frames
 from .every_pair import brute_force, brute_force_takes
-from .members import certified_lists, measures, member_distances, nearest_members, ranks_members, squared_distances
+from .members import (certified_lists, measures, member_distances, nearest_members, orders_candidates, ranks_members,
+                      squared_distances)
 from .products import (chunk_minima, chunk_size, half_operands, half_unit, least_chunk_keys, least_chunks,
                        low_operands, product_error)
 from .selection import smallest
 
 __all__ = ["brute_force", "brute_force_takes", "certified_lists", "chunk_minima", "chunk_size", "clouds", "every_pair",
            "frames", "half_operands", "half_unit", "least_chunk_keys", "least_chunks", "low_operands", "measures",
-           "member_distances", "members", "nearest_members", "ordering", "product_error", "products", "ranks_members",
-           "selection", "smallest", "squared_distances"]
+           "member_distances", "members", "nearest_members", "orders_candidates", "ordering", "product_error", "products",
+           "ranks_members", "selection", "smallest", "squared_distances"]

@@ -466,12 +466,28 @@ def ranks_members(members: int, take: int, dim: int) -> bool:
     return triton is not None and members <= MEMBERS_MAX and take <= MEMBERS_TAKE_MAX and dim <= MEASURE_MAX_DIM
 
 
+# ``nearest_members`` of candidate lists (every member re-measured, none measured first: chunk 1,
+# take = members): up to CANDIDATES_MAX a query (CANDIDATES_WIDE_MAX from WIDE_MIN_DIM coordinates,
+# whose 32 unrolled steps a program compile for minutes at 2,048 keys), a warp a
+# CANDIDATES_PER_WARP of them (their keys sorted in registers), where torch's gather, re-measure and
+# sort of [B, M, take] took ~1.5 ms more a call (4 x 3000^2 D=64 k=256: NOTES.md).
+CANDIDATES_MAX, CANDIDATES_WIDE_MAX, CANDIDATES_PER_WARP = 2048, 512, 256
+
+
+def orders_candidates(take: int, dim: int) -> bool:
+    """Whether ``nearest_members`` re-measures and orders lists of ``take`` candidates (chunk
+    1, every member re-measured) of D = dim (float32 points; the caller checks)."""
+    most = CANDIDATES_MAX if dim < WIDE_MIN_DIM else CANDIDATES_WIDE_MAX
+    return triton is not None and take <= most and dim <= MEASURE_MAX_DIM
+
+
 def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_MIN_DIM) -> dict:
     """``_measured_members``' settings for ``members`` members a query, ``take`` re-measured,
     of D = dim."""
     width = triton.next_power_of_2(max(members, 2))
     selected = min(triton.next_power_of_2(max(take, 2)), width)
-    tile = 1024 * MEMBERS_WARPS  # values a program holds at once: 32 a thread
+    warps = MEMBERS_WARPS if members <= MEMBERS_MAX else max(MEMBERS_WARPS, width // CANDIDATES_PER_WARP)
+    tile = 1024 * warps  # values a program holds at once: 32 a thread
     wide = dim >= wide_from
     if wide:  # (WIDE_STEP coordinates at a time: ``_stepped_squares``)
         padded, by_quad, block_c = 1, False, min(selected, tile // (4 * WIDE_STEP))
@@ -482,7 +498,7 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
     return dict(dim=dim, log_steps=_log_steps(dim), DIM=0 if wide else dim, LOG_DP=padded.bit_length() - 1,
                 WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
-                num_warps=MEMBERS_WARPS, enable_fp_fusion=False)
+                num_warps=warps, enable_fp_fusion=False)
 
 
 def nearest_members(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, chosen: torch.Tensor, chunk: int,
