@@ -960,11 +960,10 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # Items of up to these query-reference pairs, by D, are left to the "cpu" backend's brute force
 # (every pair measured in C++, 16 references at a time in vectors; bit for bit the reference's
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
-# measured count, in ratio). Beyond D = 64 small calls of plain points take one C++ call here
-# (``_plain_on_cpu``), faster than the brute force on 2 threads (ms, dense / brute force: 1 x 64 x
-# 256 D=96 0.19 / 0.26, 1 x 50 x 400 D=200 0.25 / 0.53, 1 x 32 x 128 D=1024 0.30 / 0.61).
+# measured count, in ratio). Beyond D = 32 on 2 threads small calls of plain points take one C++
+# call here (``_plain_on_cpu``), faster than the brute force (1.1-1.8x at D = 48-64: NOTES.md).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**19), (16, 2**18), (32, 2**16), (64, 2**15)),
+    2: ((8, 2**19), (16, 2**18), (32, 2**16)),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 
