@@ -108,3 +108,38 @@ def test_the_warm_up_wait_is_a_column_where_rows_have_one():
     text = report.markdown([row, {**row, "variant": "u", "warm_up_s": 12.5}])
     assert "warm-up s |" in text and "| 12.50 |" in text
     assert "warm-up" not in report.markdown([row])
+
+
+def test_calls_side_by_side_are_timed_in_turns_and_keep_their_own_times():
+    from fullgraph.bench import timing as timing_module
+
+    order = []
+    fast = lambda: order.append("fast")  # noqa: E731
+    slow = lambda: (order.append("slow"), time.sleep(0.002))  # noqa: E731
+    found = timing_module.time_side_by_side([fast, slow], warmup=1, runs=6, threads=1)
+    assert min(t.runs for t in found) >= 6 and found[1].median_ms > 1.5 > found[0].median_ms
+    # each round times a block of every call before the next round starts
+    switches = sum(a != b for a, b in zip(order, order[1:]))
+    assert switches >= 2 * timing_module.SIDE_BY_SIDE_ROUNDS - 1
+
+
+def test_a_cpu_group_gets_one_row_a_variant_in_its_order():
+    from fullgraph.bench import runner
+    from fullgraph.bench.workloads import base
+
+    calls = {"a": 0, "b": 0}
+
+    def counted(name):
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    cases = [base.Case("baseline", counted("a")), base.Case("g: one", counted("a"), group="g"),
+             base.Case("g: two", counted("b"), group="g")]
+    base.register(base.Workload("side-by-side-test", "grouped cases", {"tiny": {}}, lambda params, device: cases,
+                                baseline="baseline"))
+    try:
+        rows = runner.run_workload("side-by-side-test", "tiny", torch.device("cpu"), warmup=1, runs=5)
+    finally:
+        del base.WORKLOADS["side-by-side-test"]
+    assert [r["variant"] for r in rows] == ["baseline", "g: one", "g: two"]
+    assert all(r["runs"] >= 5 and r["median_ms"] > 0 and "error" not in r for r in rows)
+    assert calls["b"] > 5

@@ -9,7 +9,7 @@ import subprocess
 
 import torch
 
-from .timing import PeakMemory, first_call_seconds, time_call, warm_up_seconds
+from .timing import PeakMemory, first_call_seconds, time_call, time_side_by_side, warm_up_seconds
 from .workloads import BASELINE, WORKLOADS
 
 
@@ -77,13 +77,15 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
     if variants and not any(selected(n, variants, "") for n in names):  # before anything runs
         raise ValueError(f"--variants: no variant contains {' or '.join(map(repr, variants))}; "
                          f"its variants are {', '.join(map(repr, names))}")
-    for case in cases:
-        if not selected(case.variant, variants, workload.baseline):
-            continue
+    chosen = [case for case in cases if selected(case.variant, variants, workload.baseline)]
+    pending = []  # (row, forward) of the CPU group being gathered, timed side by side when it ends
+    for i, case in enumerate(chosen):
+        grouped = device.type == "cpu" and case.group is not None
         # torch.compile caches per code object: variants that run the same model code
         # (an implementation switch) would otherwise reuse, or be guarded out of, the
-        # previous variant's graphs. Each variant compiles from scratch.
-        torch._dynamo.reset()
+        # previous variant's graphs. Each variant compiles from scratch (a group's once).
+        if not (grouped and i and chosen[i - 1].group == case.group):
+            torch._dynamo.reset()
         for phase, fn in (("forward", case.forward), ("train", case.train_step)):
             if fn is None:
                 continue
@@ -95,25 +97,68 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
                 warm_up = warm_up_seconds(fn, device)
                 if warm_up is not None:
                     row["warm_up_s"] = warm_up
+                if grouped and phase == "forward":
+                    with PeakMemory(device) as memory:
+                        for _ in range(max(1, warmup)):
+                            fn()
+                    row["peak_memory_bytes"] = memory.bytes
+                    pending.append((row, fn, case))
+                    continue
                 with PeakMemory(device) as memory:
                     timing = time_call(fn, device, warmup, runs, collective=workload.collective)
-                row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms,
-                           runs=timing.runs, noisy=timing.noisy, peak_memory_bytes=memory.bytes)
-                if timing.threads is not None:
-                    row["threads"] = timing.threads
-                if phase == "forward" and case.check is not None:
-                    row.update(case.check())
-                if phase == "forward" and explain and case.explain is not None:
-                    row.update(_graph_counts(case))
+                _timed(row, timing, memory.bytes)
+                _checked(row, case, phase, explain)
             except Exception as error:  # a failing variant is reported, not fatal
-                row["error"] = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+                row["error"] = _error(error)
             rows.append(row)
             if on_row:
                 on_row(row)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if pending and (i + 1 == len(chosen) or chosen[i + 1].group != case.group):
+            _side_by_side(pending, warmup, runs, explain, rows, on_step, on_row)
+            pending = []
     _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
+
+
+def _timed(row: dict, timing, peak_memory_bytes) -> None:
+    row.update(median_ms=timing.median_ms, p10_ms=timing.p10_ms, p90_ms=timing.p90_ms, runs=timing.runs,
+               noisy=timing.noisy, peak_memory_bytes=peak_memory_bytes)
+    if timing.threads is not None:
+        row["threads"] = timing.threads
+
+
+def _checked(row: dict, case, phase: str, explain: bool) -> None:
+    if phase == "forward" and case.check is not None:
+        row.update(case.check())
+    if phase == "forward" and explain and case.explain is not None:
+        row.update(_graph_counts(case))
+
+
+def _error(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
+def _side_by_side(pending, warmup: int, runs: int, explain: bool, rows: list, on_step, on_row) -> None:
+    """Time a CPU group's forward calls in turns (``time_side_by_side``) and finish their rows."""
+    if on_step:
+        on_step(f"{len(pending)} variants side by side")
+    try:
+        timings = time_side_by_side([fn for _, fn, _ in pending], warmup, runs, torch.get_num_threads())
+    except Exception as error:
+        timings = [error] * len(pending)
+    for (row, _, case), timing in zip(pending, timings):
+        try:
+            if isinstance(timing, Exception):
+                raise timing
+            _timed(row, timing, row.pop("peak_memory_bytes"))
+            _checked(row, case, "forward", explain)
+        except Exception as error:  # a failing variant is reported, not fatal
+            row["error"] = _error(error)
+        rows.append(row)
+        if on_row:
+            on_row(row)
 
 
 def selected(variant: str, words: tuple[str, ...], baseline: str) -> bool:

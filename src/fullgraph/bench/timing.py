@@ -93,6 +93,36 @@ def time_call(fn, device: torch.device, warmup: int, runs: int, collective: bool
         times = _cuda_times(fn, runs, queued)
     else:
         times = _wall_times(fn, runs) if collective else _cpu_times(fn, runs, threads)
+    return _timing(times, threads)
+
+
+# Side by side (``time_side_by_side``): the calls of a group timed in this many rounds, each a
+# block of every call in turn, so that a busy spell of the machine falls on all of them alike.
+SIDE_BY_SIDE_ROUNDS = 5
+
+
+def time_side_by_side(fns: list, warmup: int, runs: int, threads: int) -> list[Timing]:
+    """``time_call``'s CPU timings of several calls taken in turns: each call's block size is
+    found once (``torch.utils.benchmark``), then SIDE_BY_SIDE_ROUNDS rounds time a block of each
+    call in order until every call has ``runs`` blocks. On a shared 2-core machine the ratios
+    of calls timed minutes apart varied by 1.5x; taken in turns they move together."""
+    from torch.utils import benchmark
+
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    timers = [benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads) for fn in fns]
+    numbers = [timer.blocked_autorange(min_run_time=CPU_MIN_RUN_S / SIDE_BY_SIDE_ROUNDS).number_per_run
+               for timer in timers]
+    times: list[list[float]] = [[] for _ in fns]
+    per_round = max(1, -(-runs // SIDE_BY_SIDE_ROUNDS))
+    for _ in range(SIDE_BY_SIDE_ROUNDS):
+        for timer, number, found in zip(timers, numbers, times):
+            found += [timer.timeit(number).times[0] * 1e3 for _ in range(per_round)]
+    return [_timing(found, threads) for found in times]
+
+
+def _timing(times: list[float], threads: int | None) -> Timing:
     deciles = statistics.quantiles(times, n=10, method="inclusive") if len(times) > 1 else times * 9
     return Timing(statistics.median(times), deciles[0], deciles[-1], len(times), threads)
 

@@ -132,10 +132,11 @@ def _knn_sweep(params, device):
         for impl, fn in (("cdist + topk", plain), ("fullgraph auto", ours)):
             for mode, call in _calls(fn, query, ref, device).items():
                 extra = check if (impl, mode) == ("fullgraph auto", "as called") else None
-                cases.append(Case(f"{label}: {impl}, {mode}", call, check=extra))
+                cases.append(Case(f"{label}: {impl}, {mode}", call, check=extra, group=label))
         peer = exact_peer(device, cell[5])
         if peer is not None:  # (no compiled or graphed mode: FAISS runs outside torch)
-            cases.append(Case(f"{label}: faiss exact, as called", lambda q=query, r=ref, k=k: peer(q, r, k)))
+            cases.append(Case(f"{label}: faiss exact, as called", lambda q=query, r=ref, k=k: peer(q, r, k),
+                              group=label))
     return cases
 
 
