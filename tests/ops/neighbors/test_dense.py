@@ -1197,7 +1197,7 @@ def test_the_torch_path_equals_the_reference(distribution, dim, k, generator):
 
 
 @pytest.mark.parametrize("case", ["normal", "far", "ties", "wide ties", "non-finite", "huge", "one tiny item",
-                                  "float64"])
+                                  "float64", "float16", "bfloat16"])
 def test_small_plain_cpu_calls_by_one_uncentred_product(case):
     """dense._plain_on_cpu (small CPU calls on plain points): the reference's lists bit for bit
     where it proves every row; None, so the usual path answers, where it cannot (far from the
@@ -1206,9 +1206,9 @@ def test_small_plain_cpu_calls_by_one_uncentred_product(case):
     if not dense.select.available():
         pytest.skip("the C++ extension did not build here")
     generator = torch.Generator().manual_seed(5)
-    dtype = torch.float64 if case == "float64" else torch.float32
-    query = torch.randn(2, 30, 96, generator=generator, dtype=dtype)
-    ref = torch.randn(2, 200, 96, generator=generator, dtype=dtype)
+    dtype = getattr(torch, case) if case.startswith(("float", "bfloat")) else torch.float32
+    query = torch.randn(2, 30, 96, generator=generator).to(dtype)
+    ref = torch.randn(2, 200, 96, generator=generator).to(dtype)
     if case == "far":
         query, ref = query + 1e5, ref + 1e5
     elif case in ("ties", "wide ties"):

@@ -352,7 +352,7 @@ def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator)
             assert torch.equal(a, b) if a.dtype == torch.int64 else close
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(None, 10, 10, 64, 4), (4, 32, 32, 12, 4), (2, 7, 3, 5, 6), (None, 0, 5, 3, 2),
                                    (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16)])
 def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
@@ -381,6 +381,35 @@ def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
     assert taken == [k]
     for a, b in zip(got, want):
         assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 64, 300, 16, 4), (1, 64, 256, 64, 8), (3, 40, 500, 40, 12)])
+def test_small_half_precision_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
+    """float16 / bfloat16 CPU calls beyond the tiny ones (the brute force of small items, the
+    plain products path) measure in float32 as the reference does, in their one C++ call: the
+    reference's lists bit for bit, duplicates, a non-finite point and k beyond a short item
+    included."""
+    from fullgraph.ops.neighbors.cpu import native
+
+    if not native.available():
+        pytest.skip("the C++ extension did not build here")
+    calls = []
+    for name in ("nearest_small", "plain_nearest"):
+        original = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _f=original, **kw: calls.append(a[0].dtype) or _f(*a, **kw))
+    batch, rows, columns, dim, k = shape
+    generator = torch.Generator().manual_seed(rows + dim)
+    query = torch.randn(batch, rows, dim, generator=generator).to(dtype)
+    ref = torch.randn(batch, columns, dim, generator=generator).to(dtype)
+    ref[:, 5] = ref[:, 4]  # a duplicate
+    query[:, 2] = ref[:, 4]  # at distance 0 from both
+    ref[0, 7, 1] = math.nan
+    for got, want in ((fullgraph.knn(query, ref, k), fullgraph.knn(query, ref, k, backend="torch")),
+                      (fullgraph.knn(query, ref[:, :k - 1], k), fullgraph.knn(query, ref[:, :k - 1], k, backend="torch"))):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    assert calls and set(calls) == {torch.float32}
 
 
 def test_compiled_tiny_cpu_calls_take_the_brute_force_in_the_operator(monkeypatch):

@@ -237,10 +237,12 @@ def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     acc = pairs.accumulation_dtype(query.dtype)
     (batch, rows, _), columns = query.shape, ref.shape[1]
     take = min(k, columns)
-    if radius == math.inf and query_lengths is None and ref_lengths is None and query.dtype == acc:
-        found = select.nearest_small(query, ref, take)  # (the same, in one call)
+    if radius == math.inf and query_lengths is None and ref_lengths is None:
+        # (the same in one call; float16 / bfloat16 measured in float32, as the reference measures them)
+        found = select.nearest_small(query.to(acc), ref.to(acc), take)
         if found is not None:
-            return (*_padded(*found[:2], k), found[2])
+            dists, idx = _padded(*found[:2], k)
+            return dists.to(query.dtype), idx, found[2]
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
     counts = torch.zeros((batch, rows), dtype=torch.int64)
@@ -264,22 +266,28 @@ def _padded(dists, idx, k):
 
 def tiny(query, ref, query_lengths, ref_lengths) -> bool:
     """Whether clouds query [B, M, D] and ref [B, N, D] of one dtype make a tiny plain call:
-    CPU float32/float64, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
+    CPU floating, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
     this backend (``tiny_knn`` answers it)."""
     batch, rows, dim = query.shape
     return (query_lengths is None and ref_lengths is None and query.device.type == "cpu"
-            and ref.device.type == "cpu" and query.dtype in (torch.float32, torch.float64) and dim >= 1
+            and ref.device.type == "cpu" and query.dtype in _TINY_DTYPES and dim >= 1
             and batch * rows * ref.shape[1] * dim <= TINY_MAX_WORK and BACKEND.available("cpu"))
 
 
+_TINY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def tiny_knn(query, ref, k):
-    """(dists, idx) [B, M, k] of plain clouds query [B, M, D] and ref [B, N, D] (CPU float32 or
-    float64 of one dtype, D >= 1, no lengths, 1 <= k; the caller checked them) as ``nearest``
-    finds them, by the brute force's one C++ call; None where the extension does not run."""
+    """(dists, idx) [B, M, k] of plain clouds query [B, M, D] and ref [B, N, D] (CPU floating
+    of one dtype, D >= 1, no lengths, 1 <= k; the caller checked them) as ``nearest`` finds
+    them, by the brute force's one C++ call (float16 / bfloat16 measured in float32); None where
+    the extension does not run."""
     if not select.available():
         return None
-    dists, idx, _ = select.nearest_small_unchecked(query, ref, min(k, ref.shape[1]))
-    return _padded(dists, idx, k)
+    acc = pairs.accumulation_dtype(query.dtype)
+    dists, idx, _ = select.nearest_small_unchecked(query.to(acc), ref.to(acc), min(k, ref.shape[1]))
+    dists, idx = _padded(dists, idx, k)
+    return dists.to(query.dtype), idx
 
 
 def _pair_blocks(query, ref, radius, query_lengths, ref_lengths):

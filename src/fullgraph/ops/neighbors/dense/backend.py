@@ -891,9 +891,12 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
     if (radius != math.inf or query_lengths is not None or ref_lengths is not None or take >= ref.shape[1]
             or batch * rows * ref.shape[1] > PLAIN_CPU_MAX_PAIRS):
         return None
-    found = select.plain_nearest(query, ref, k, take, roundoff(query.dtype))
+    # (float16 / bfloat16 in float32, as the usual path's frames hold them)
+    acc = pairs.accumulation_dtype(query.dtype)
+    found = select.plain_nearest(query.to(acc), ref.to(acc), k, take, roundoff(acc))
     # (plain kNN's callers read no counts: ``pairs.Kernels.nearest``)
-    return None if found is None else (*found, torch.empty((batch, rows), dtype=torch.int64))
+    return None if found is None else (found[0].to(query.dtype), found[1],
+                                       torch.empty((batch, rows), dtype=torch.int64))
 
 
 def _in_torch(query, ref, k, radius, query_lengths, ref_lengths):
