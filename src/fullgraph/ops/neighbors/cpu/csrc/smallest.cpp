@@ -38,10 +38,14 @@ std::vector<U>& scratch(int64_t count) {
   return elements;
 }
 
-template <typename T>
-bool before(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) {
-  return a.first < b.first || (a.first == b.first && a.second < b.second);
-}
+// (value, position) pairs by value, ties to the smaller position: an object, so that the sorts
+// inline it (as a function pointer each comparison was a call).
+struct Before {
+  template <typename T>
+  bool operator()(const std::pair<T, int64_t>& a, const std::pair<T, int64_t>& b) const {
+    return a.first < b.first || (a.first == b.first && a.second < b.second);
+  }
+};
 
 template <typename T>
 void write(const std::vector<std::pair<T, int64_t>>& found, int64_t take, T* values, int64_t* indices) {
@@ -342,9 +346,12 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
     }
   }
   if (numbers >= take) {
-    std::partial_sort(found.begin(), found.begin() + take, found.end(), before<T>);
+    // (the take least first, then only those sorted, where a heap's partial sort took longer:
+    // float64, 4,096 rows of 256, 24 kept, one thread, 8.2 -> 7.6 ms with the comparator inlined)
+    if (numbers > take) std::nth_element(found.begin(), found.begin() + (take - 1), found.end(), Before{});
+    std::sort(found.begin(), found.begin() + take, Before{});
   } else {
-    std::sort(found.begin(), found.end(), before<T>);
+    std::sort(found.begin(), found.end(), Before{});
     for (int64_t k = 0; k < size && static_cast<int64_t>(found.size()) < take; ++k) {
       if (std::isnan(row[k])) found.emplace_back(row[k], k);
     }
@@ -461,9 +468,9 @@ void merge_row(const T* row, int64_t size, const T* kept_values, const int64_t* 
     if (full ? row[i] < bound : row[i] <= bound) found.emplace_back(row[i], offset + i);
   }
   if (static_cast<int64_t>(found.size()) >= take) {
-    std::partial_sort(found.begin(), found.begin() + take, found.end(), before<T>);
+    std::partial_sort(found.begin(), found.begin() + take, found.end(), Before{});
   } else {  // fewer numbers than take: NaN entries by position after them, the kept ones first
-    std::sort(found.begin(), found.end(), before<T>);
+    std::sort(found.begin(), found.end(), Before{});
     for (int64_t j = 0; j < kept && static_cast<int64_t>(found.size()) < take; ++j) {
       if (std::isnan(kept_values[j])) found.emplace_back(kept_values[j], kept_positions[j]);
     }
