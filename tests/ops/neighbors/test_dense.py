@@ -301,7 +301,7 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     if not select.available():
         pytest.skip("the C++ extension did not build here")
     brute, products = [], []
-    monkeypatch.setattr(cpu, "_brute_force", lambda *a, f=cpu._brute_force: brute.append(a[0].shape[-1]) or f(*a))
+    monkeypatch.setattr(cpu, "brute_force", lambda *a, f=cpu.brute_force: brute.append(a[0].shape[-1]) or f(*a))
     kernels = dense.BACKEND.implementation
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
@@ -1194,6 +1194,30 @@ def test_the_torch_path_equals_the_reference(distribution, dim, k, generator):
         got = dense._in_torch(query, ref, k, radius, query_lengths, ref_lengths)
         want = fullgraph.ops.neighbors.reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0].to(got[0].dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [False, True])
+def test_cpu_lists_of_nearly_every_reference_are_measured_pair_by_pair(dtype, lengths, monkeypatch):
+    """k + CANDIDATE_SLACK >= N on CPUs: every pair is measured anyway, so dense answers by the
+    "cpu" backend's brute force (products would select nothing): the reference's lists bit for
+    bit, with duplicates, a non-finite point, lengths and k beyond N."""
+    if not dense.select.available():
+        pytest.skip("the C++ extension did not build here")
+    taken = []
+    original = dense.cpu_backend.brute_force
+    monkeypatch.setattr(dense.cpu_backend, "brute_force", lambda *a: taken.append(a[2]) or original(*a))
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(3, 40, 70, generator=generator).to(dtype)
+    ref = torch.randn(3, 20, 70, generator=generator).to(dtype)
+    ref[:, 3] = ref[:, 2]
+    ref[1, 5, 9] = math.nan
+    extra = dict(query_lengths=torch.tensor([40, 17, 0]), ref_lengths=torch.tensor([20, 12, 5])) if lengths else {}
+    for k in (14, 20, 26):
+        got = fullgraph.knn(query, ref, k, backend="dense", **extra)
+        want = fullgraph.knn(query, ref, k, backend="torch", **extra)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+    assert taken == [14, 20, 26]
 
 
 @pytest.mark.parametrize("case", ["normal", "far", "ties", "wide ties", "non-finite", "huge", "one tiny item",

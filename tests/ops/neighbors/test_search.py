@@ -245,8 +245,8 @@ def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
     from fullgraph.ops.neighbors.cpu import backend as cpu
 
     calls = []
-    original = cpu._brute_force
-    monkeypatch.setattr(cpu, "_brute_force", lambda *a: calls.append(a[1].shape[1]) or original(*a))
+    original = cpu.brute_force
+    monkeypatch.setattr(cpu, "brute_force", lambda *a: calls.append(a[1].shape[1]) or original(*a))
     monkeypatch.setattr(cpu, "BRUTE_FORCE_MAX_PAIRS", 5 * 9)
     generator = torch.Generator().manual_seed(3)
     for columns in (9, 10):
@@ -260,7 +260,7 @@ def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
 @pytest.mark.parametrize("dim", [1, 3, 4, 5, 16, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
-    """cpu._brute_force (every pair measured in C++) against reference.nearest: lists,
+    """cpu.brute_force (every pair measured in C++) against reference.nearest: lists,
     distances and counts equal bit for bit on ragged batches with duplicates (ties to the
     smaller index), non-finite points, an item of huge coordinates (its scale), pairs exactly
     at the radius, k beyond the cloud, and kNN (no radius)."""
@@ -277,7 +277,7 @@ def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
     query[2], ref[2] = query[2] * 1e30, ref[2] * 1e30  # scaled item
     query_lengths, ref_lengths = torch.tensor([40, 17, 0]), torch.tensor([50, 3, 50])
     for k, radius in ((4, 0.5), (8, 0.25 * dim**0.5), (60, math.inf), (6, math.inf)):
-        got = cpu._brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+        got = cpu.brute_force(query, ref, k, radius, query_lengths, ref_lengths)
         want = reference.nearest(query, ref, k, radius, query_lengths, ref_lengths)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
         if math.isfinite(radius):
@@ -285,7 +285,7 @@ def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
     # every point valid (items 1 and 2; item 0 has a NaN reference): kNN selects in place
     full_q, full_r = torch.tensor([40, 40, 40]), torch.tensor([50, 50, 50])
     for k in (4, 50):
-        got = cpu._brute_force(query, ref, k, math.inf, full_q, full_r)
+        got = cpu.brute_force(query, ref, k, math.inf, full_q, full_r)
         want = reference.nearest(query, ref, k, math.inf, full_q, full_r)
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
 

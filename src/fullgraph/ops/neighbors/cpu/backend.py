@@ -78,7 +78,7 @@ def _workers(points: np.ndarray) -> int:
 
 
 # Batch items of up to this many query-reference pairs are searched by brute force, where the trees'
-# per-item work costs more: every pair measured in C++ (``_brute_force``).
+# per-item work costs more: every pair measured in C++ (``brute_force``).
 BRUTE_FORCE_MAX_PAIRS = 2**22
 # ... and radius_pairs (the aggregations) takes the reference's pairs up to this many.
 PAIRS_BRUTE_FORCE_MAX_PAIRS = 2**18
@@ -172,7 +172,7 @@ def _exact_distances(query_b, ref_b, query_ids, candidates):
 def nearest(query, ref, k, radius, query_lengths, ref_lengths):
     """``pairs.Kernels.nearest`` on CPU tensors: small items by brute force, else the trees."""
     if _small(query, ref, BRUTE_FORCE_MAX_PAIRS):
-        found = _brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+        found = brute_force(query, ref, k, radius, query_lengths, ref_lengths)
         if found is not None:
             return found
     batch, rows, _ = query.shape
@@ -231,7 +231,7 @@ def _measured(query, ref, radius, query_lengths, ref_lengths):
         yield items, chunk, squares.sqrt_(), query_ok[items, chunk], ref_ok[items], within[items], scale[items]
 
 
-def _brute_force(query, ref, k, radius, query_lengths, ref_lengths):
+def brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     """``nearest`` by measuring every pair (``_measured``), then masking, counting and
     selection by ``select.nearest_within``; None without the extension."""
     acc = pairs.accumulation_dtype(query.dtype)

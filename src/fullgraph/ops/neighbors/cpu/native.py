@@ -186,7 +186,7 @@ def nearest_small(query: torch.Tensor, ref: torch.Tensor, take: int):
     """Plain kNN of small items, every pair measured, in one call (``csrc/squared_distances.cpp``):
     (dists, positions [B, M, take], counts [B, M]) of query [B, M, D] and ref [B, N, D]
     (CPU float32/float64, D >= 1), as the CPU backend's brute force gives them (its
-    ``_brute_force`` with no lengths and no radius); None where the extension does not run."""
+    ``brute_force`` with no lengths and no radius); None where the extension does not run."""
     if (query.device.type != "cpu" or query.dtype not in (torch.float32, torch.float64) or query.shape[-1] == 0
             or not _built()):
         return None

@@ -443,7 +443,7 @@ at::Tensor squared_norms(const at::Tensor& x) {
 }
 
 // squared_distances_all(q [B, M, D], r [B, N, D]) -> [B, M, N]: every pair of each item, in the
-// same order: the CPU backend's brute force of small items (cpu._brute_force) measures with
+// same order: the CPU backend's brute force of small items (cpu.brute_force) measures with
 // this, one pass, where torch took ~10 operators.
 at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
   check_clouds(q, r);
@@ -452,7 +452,7 @@ at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
 
 // nearest_small(query [B, M, D], ref [B, N, D], take, below, above) -> (dists [B, M, take],
 // positions [B, M, take] int64, counts [B, M] int64): plain kNN of small items, every pair
-// measured, as the CPU backend's brute force computes it (cpu._brute_force) in one call: a
+// measured, as the CPU backend's brute force computes it (cpu.brute_force) in one call: a
 // point is valid where every coordinate is finite, each item divided by the power of two of
 // its largest valid |coordinate| where that lies outside [below, above] (scaling.safe_scale),
 // the pairs measured (squared_distances_all) and rooted, masked, counted and selected by
