@@ -172,7 +172,8 @@ register(Workload(
         # what a CPU runs in minutes
         "small": {"cells": _grid(((16, 256, 256), (2, 1024, 1024), (1, 2000, 20_000)), (8, 64, 256), (16,))
                   + [[16, 256, 256, 64, 64, "float32"], [16, 256, 256, 256, 64, "float32"],
-                     [4, 512, 512, 64, 256, "float32"]],
+                     [4, 512, 512, 64, 256, "float32"], [16, 256, 256, 64, 16, "bfloat16"],
+                     [16, 256, 256, 64, 16, "float16"], [2, 64, 300, 16, 4, "bfloat16"]],
                   "first": [[1, 2000, 20_000, 256, 16, "float32"]]},
         # single large clouds on a CPU, where FAISS's exact index is the peer (minutes on 2 cores)
         "peers": {"cells": [[1, 2000, 100_000, 128, 10, "float32"], [1, 2048, 16_384, 64, 20, "float32"],
