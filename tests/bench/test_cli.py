@@ -348,3 +348,14 @@ def test_the_sweep_s_exact_peer_finds_the_references_lists(generator):
     want_dists, want_idx = fullgraph.knn(query, ref, 7, backend="torch")
     assert torch.equal(idx, want_idx)
     torch.testing.assert_close(dists, want_dists, rtol=1e-4, atol=1e-4)
+
+
+def test_each_sweep_cell_keeps_its_own_peer():
+    """A float32 cell's FAISS variant runs FAISS on its own clouds even when a later cell of the
+    grid (half precision) has no peer."""
+    pytest.importorskip("faiss")
+    from fullgraph.bench.workloads import WORKLOADS
+
+    params = {"cells": [[1, 8, 40, 6, 3, "float32"], [1, 8, 40, 6, 3, "bfloat16"]]}
+    cases = [c for c in WORKLOADS["knn-sweep"].build(params, torch.device("cpu")) if "faiss" in c.variant]
+    assert len(cases) == 1 and cases[0].forward()[1].shape == (1, 8, 3)

@@ -135,8 +135,8 @@ def _knn_sweep(params, device):
                 cases.append(Case(f"{label}: {impl}, {mode}", call, check=extra, group=label))
         peer = exact_peer(device, cell[5])
         if peer is not None:  # (no compiled or graphed mode: FAISS runs outside torch)
-            cases.append(Case(f"{label}: faiss exact, as called", lambda q=query, r=ref, k=k: peer(q, r, k),
-                              group=label))
+            cases.append(Case(f"{label}: faiss exact, as called",
+                              lambda q=query, r=ref, k=k, peer=peer: peer(q, r, k), group=label))
     return cases
 
 
