@@ -29,6 +29,13 @@ constexpr int64_t kGrainValues = 1 << 15;  // values a task reads before rows ar
 // 32 kept: 1.5 -> 2.0, so not there), and from kCountedSelectMinTake selected by it
 // (``counted_select``; 2,048 rows of 512, 264 kept: 10.9 -> 5.6-6.2 ms; 64 of 256: 2.8 -> 4.4).
 constexpr int64_t kCountedShare = 5, kCountedMinSize = 64, kCountedSelectMinTake = 112;
+// float64 rows have no ranking in vectors: they are placed by counting (``counted_select_pairs``)
+// from 1 / kCountedShareDouble of a row (squared distances, 2 threads, ms group minima / counted:
+// 4,096 rows of 256, 12 kept 2.1 / 1.6, 24 kept 3.8 / 1.9; 2,048 of 512, 30 kept 2.6 / 1.6;
+// 1,024 of 1,024, 24 kept 1.1 / 1.3, so not there), in rows of up to kCountedDoubleMaxSize: the
+// expansions of the products (both signs: coarse ranges) in 2,048-wide tiles, 108 kept, went
+// 11.7 -> 20.7 ms so.
+constexpr int64_t kCountedShareDouble = 24, kCountedDoubleMaxSize = 512;
 
 // Per-thread scratch of select_row: ``count`` elements of U.
 template <typename U>
@@ -279,8 +286,7 @@ inline bool counted_select(const float* row, int64_t size, int64_t take, float* 
   return true;
 }
 
-// counted_select for float64 (whose key and position do not fit one word), at any take the
-// counted branch sees: the numbers of the ranges up to the take-th placed by range as (key,
+// counted_select for float64 (whose key and position do not fit one word): the numbers of the ranges up to the take-th placed by range as (key,
 // position) pairs, each range's few ordered by insertion (positions ascend within a range as
 // placed), the first take written out. Rows of squared distances, 2 threads, ms before / after /
 // torch.topk: 4,096 rows of 256, 72 kept 6.6 / 3.4 / 9.9; 2,048 of 512, 264 kept 13.0 / 5.8 / 15.4.
@@ -296,7 +302,9 @@ inline bool counted_select_pairs(const double* row, int64_t size, int64_t take, 
     widest = std::max(widest, ranges.counts[range]);
     last = range;
   }
-  if (total < take) return false;
+  // (fewer than take numbers; or ranges too coarse to place them, as where a row holds numbers
+  // of both signs, whose keys lie far apart: the caller bounds the row instead)
+  if (total < take || total > 2 * take + 16) return false;
   std::vector<std::pair<uint64_t, int64_t>>& placed = scratch<std::pair<uint64_t, int64_t>>(total);
   for (int64_t i = 0; i < size; ++i) {
     if (keys[i] != kNoKey<double> && ranges.range(keys[i]) <= static_cast<uint32_t>(last)) {
@@ -337,6 +345,12 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   int64_t sets = (2 * take + V::size() - 1) / V::size();
   if (4 * sets * V::size() > size) sets = (take + V::size() - 1) / V::size();
   const int64_t groups = sets * V::size();
+  if constexpr (!std::is_same_v<T, float>) {
+    const bool counted = kCountedShare * take >= size || (kCountedShareDouble * take >= size && size <= kCountedDoubleMaxSize);
+    if (counted && size >= kCountedMinSize && counted_select_pairs(row, size, take, values, indices)) {
+      return;
+    }
+  }
   if (kCountedShare * take >= size && size >= kCountedMinSize) {
     if constexpr (std::is_same_v<T, float>) {
       // (survivors past kRankedMax are sorted: placing them by range first is faster)
@@ -344,8 +358,6 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
           counted_select(row, size, take, values, indices)) {
         return;
       }
-    } else if (counted_select_pairs(row, size, take, values, indices)) {
-      return;
     }
     bound = counted_bound(row, size, take);
   } else if (4 * groups <= size) {  // else every number is a candidate
