@@ -62,17 +62,8 @@ void write(const std::vector<std::pair<T, int64_t>>& found, int64_t take, T* val
   }
 }
 
-// The entries of ``row`` the first ``take`` of ``words`` name (their positions in the low half),
-// written out in that order.
-inline void write_words(const uint64_t* words, int64_t take, const float* row, float* values, int64_t* indices) {
-  for (int64_t j = 0; j < take; ++j) {
-    indices[j] = static_cast<int64_t>(words[j] & 0xFFFFFFFFu);
-    values[j] = row[indices[j]];
-  }
-}
-
-// ... of the take least of ``count`` distinct words (room for count + 8), each at its rank
-// (fullgraph_ranking::rank_words).
+// The entries of ``row`` that the take least of ``count`` distinct words (room for count + 8;
+// positions in their low half) name, each at its rank (fullgraph_ranking::rank_words).
 inline void write_ranked(uint64_t* words, int64_t count, int64_t take, const float* row, float* values,
                          int64_t* indices) {
   fullgraph_ranking::rank_words(words, count, take, [&](int64_t rank, uint64_t word) {
@@ -246,86 +237,85 @@ T counted_bound(const T* row, int64_t size, int64_t take) {
   return std::numeric_limits<T>::infinity();
 }
 
-// Long lists of short float32 rows in one go: the numbers of the ranges up to the take-th
-// (``count_keys``) placed by range (a counting sort) as 64-bit words (fullgraph_ranking::word),
-// each range's few then ordered by insertion (by std::sort where a range holds more than
-// kCountedRunMax), the first take written out. False (nothing written) where fewer than take
-// numbers. (Its keys and words are scratch of two types: uint32_t and uint64_t.)
-constexpr int32_t kCountedRunMax = 16;
+constexpr int32_t kCountedRunMax = 16;  // (see place_counted)
 
-inline bool counted_select(const float* row, int64_t size, int64_t take, float* values, int64_t* indices) {
-  uint32_t* keys = scratch<uint32_t>(size).data();
-  const KeyRanges<float> ranges = count_keys(row, size, keys);
+// Where a counting sort of a row's ranges (``count_keys``) up to the take-th number puts them:
+// each range's first slot, the numbers up to the last range (total: >= take unless the row
+// holds fewer), that range and the most numbers a range holds.
+struct CountedPlacement {
   int32_t starts[256];
   int64_t total = 0;
   int last = -1, widest = 0;
-  for (int range = 0; range < 256 && total < take && !ranges.empty(); ++range) {
-    starts[range] = static_cast<int32_t>(total);
-    total += ranges.counts[range];
-    widest = std::max(widest, ranges.counts[range]);
-    last = range;
+};
+
+template <typename T>
+CountedPlacement counted_placement(const KeyRanges<T>& ranges, int64_t take) {
+  CountedPlacement placement;
+  for (int range = 0; range < 256 && placement.total < take && !ranges.empty(); ++range) {
+    placement.starts[range] = static_cast<int32_t>(placement.total);
+    placement.total += ranges.counts[range];
+    placement.widest = std::max(placement.widest, ranges.counts[range]);
+    placement.last = range;
   }
-  if (total < take) return false;
-  uint64_t* words = scratch<uint64_t>(total).data();
-  for (int64_t i = 0; i < size; ++i) {
-    if (keys[i] != kNoKey<float> && ranges.range(keys[i]) <= static_cast<uint32_t>(last)) {
-      words[starts[ranges.range(keys[i])]++] = (static_cast<uint64_t>(keys[i]) << 32) | static_cast<uint64_t>(i);
-    }
-  }
-  if (widest > kCountedRunMax) {
-    std::sort(words, words + total);
-  } else {  // in order but within a range
-    for (int64_t j = 1; j < total; ++j) {
-      const uint64_t word = words[j];
-      int64_t at = j;
-      for (; at > 0 && words[at - 1] > word; --at) words[at] = words[at - 1];
-      words[at] = word;
-    }
-  }
-  write_words(words, take, row, values, indices);
-  return true;
+  return placement;
 }
 
-// counted_select for float64 (whose key and position do not fit one word): the numbers of the ranges up to the take-th placed by range as (key,
-// position) pairs, each range's few ordered by insertion (positions ascend within a range as
-// placed), the first take written out. Rows of squared distances, 2 threads, ms before / after /
-// torch.topk: 4,096 rows of 256, 72 kept 6.6 / 3.4 / 9.9; 2,048 of 512, 264 kept 13.0 / 5.8 / 15.4.
-inline bool counted_select_pairs(const double* row, int64_t size, int64_t take, double* values, int64_t* indices) {
-  uint64_t* keys = scratch<uint64_t>(size).data();
-  const KeyRanges<double> ranges = count_keys(row, size, keys);
-  int32_t starts[256];
-  int64_t total = 0;
-  int last = -1, widest = 0;
-  for (int range = 0; range < 256 && total < take && !ranges.empty(); ++range) {
-    starts[range] = static_cast<int32_t>(total);
-    total += ranges.counts[range];
-    widest = std::max(widest, ranges.counts[range]);
-    last = range;
-  }
-  // (fewer than take numbers; or ranges too coarse to place them, as where a row holds numbers
-  // of both signs, whose keys lie far apart: the caller bounds the row instead)
-  if (total < take || total > 2 * take + 16) return false;
-  std::vector<std::pair<uint64_t, int64_t>>& placed = scratch<std::pair<uint64_t, int64_t>>(total);
+// The placement of both: a number's item (its key with its position, ordered as (key, position))
+// put at its range's next slot, the ranges' few ordered by insertion (by std::sort where a range
+// holds more than kCountedRunMax), the first take written out; false where the ranges up to the
+// take-th hold fewer than take numbers or more than ``most``.
+template <typename T, typename Item, typename Make, typename Position>
+bool place_counted(const T* row, int64_t size, int64_t take, int64_t most, Make item_of, Position position_of,
+                   T* values, int64_t* indices) {
+  Key<T>* keys = scratch<Key<T>>(size).data();
+  const KeyRanges<T> ranges = count_keys(row, size, keys);
+  CountedPlacement placement = counted_placement(ranges, take);
+  const int64_t total = placement.total;
+  if (total < take || total > most) return false;
+  Item* items = scratch<Item>(total).data();
   for (int64_t i = 0; i < size; ++i) {
-    if (keys[i] != kNoKey<double> && ranges.range(keys[i]) <= static_cast<uint32_t>(last)) {
-      placed[starts[ranges.range(keys[i])]++] = {keys[i], i};
+    if (keys[i] != kNoKey<T> && ranges.range(keys[i]) <= static_cast<uint32_t>(placement.last)) {
+      items[placement.starts[ranges.range(keys[i])]++] = item_of(keys[i], i);
     }
   }
-  if (widest > kCountedRunMax) {
-    std::sort(placed.begin(), placed.begin() + total);
-  } else {  // in order but within a range, where positions already ascend
+  if (placement.widest > kCountedRunMax) {
+    std::sort(items, items + total);
+  } else {  // in order but within a range
     for (int64_t j = 1; j < total; ++j) {
-      const auto item = placed[j];
+      const Item item = items[j];
       int64_t at = j;
-      for (; at > 0 && placed[at - 1].first > item.first; --at) placed[at] = placed[at - 1];
-      placed[at] = item;
+      for (; at > 0 && items[at - 1] > item; --at) items[at] = items[at - 1];
+      items[at] = item;
     }
   }
   for (int64_t j = 0; j < take; ++j) {
-    indices[j] = placed[j].second;
+    indices[j] = position_of(items[j]);
     values[j] = row[indices[j]];
   }
   return true;
+}
+
+// Long lists of short float32 rows in one go: the numbers of the ranges up to the take-th
+// (``count_keys``) placed by range (a counting sort) as 64-bit words (fullgraph_ranking::word),
+// the first take written out. False (nothing written) where fewer than take numbers. (Its keys
+// and words are scratch of two types: uint32_t and uint64_t.)
+inline bool counted_select(const float* row, int64_t size, int64_t take, float* values, int64_t* indices) {
+  return place_counted<float, uint64_t>(
+      row, size, take, std::numeric_limits<int64_t>::max(),
+      [](uint32_t key, int64_t i) { return (static_cast<uint64_t>(key) << 32) | static_cast<uint64_t>(i); },
+      [](uint64_t word) { return static_cast<int64_t>(word & 0xFFFFFFFFu); }, values, indices);
+}
+
+// counted_select for float64 (whose key and position do not fit one word): (key, position)
+// pairs. Rows of squared distances, 2 threads, ms before / after / torch.topk: 4,096 rows of 256,
+// 72 kept 6.6 / 3.4 / 9.9; 2,048 of 512, 264 kept 13.0 / 5.8 / 15.4. False also where the ranges
+// are too coarse to place the numbers (more than 2 take + 16 up to the take-th), as in a row of
+// both signs, whose keys lie far apart: the caller bounds the row instead.
+inline bool counted_select_pairs(const double* row, int64_t size, int64_t take, double* values, int64_t* indices) {
+  using Item = std::pair<uint64_t, int64_t>;
+  return place_counted<double, Item>(
+      row, size, take, 2 * take + 16, [](uint64_t key, int64_t i) { return Item{key, i}; },
+      [](const Item& item) { return item.second; }, values, indices);
 }
 
 // One row: an upper bound of its take-th smallest value first (the take-th smallest of the
