@@ -116,7 +116,7 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if pending and (i + 1 == len(chosen) or chosen[i + 1].group != case.group):
-            _side_by_side(pending, warmup, runs, explain, rows, on_step, on_row)
+            _side_by_side(pending, runs, explain, rows, on_step, on_row)
             pending = []
     _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
@@ -140,12 +140,13 @@ def _error(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
-def _side_by_side(pending, warmup: int, runs: int, explain: bool, rows: list, on_step, on_row) -> None:
+def _side_by_side(pending, runs: int, explain: bool, rows: list, on_step, on_row) -> None:
     """Time a CPU group's forward calls in turns (``time_side_by_side``) and finish their rows."""
     if on_step:
         on_step(f"{len(pending)} variants side by side")
     try:
-        timings = time_side_by_side([fn for _, fn, _ in pending], warmup, runs, torch.get_num_threads())
+        # (each call warmed up as its row was gathered)
+        timings = time_side_by_side([fn for _, fn, _ in pending], 0, runs, torch.get_num_threads())
     except Exception as error:
         timings = [error] * len(pending)
     for (row, _, case), timing in zip(pending, timings):

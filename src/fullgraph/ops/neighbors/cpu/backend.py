@@ -238,11 +238,9 @@ def brute_force(query, ref, k, radius, query_lengths, ref_lengths):
     (batch, rows, _), columns = query.shape, ref.shape[1]
     take = min(k, columns)
     if radius == math.inf and query_lengths is None and ref_lengths is None:
-        # (the same in one call; float16 / bfloat16 measured in float32, as the reference measures them)
-        found = select.nearest_small(query.to(acc), ref.to(acc), take)
+        found = _in_one_call(select.nearest_small, query, ref, k)  # (the same)
         if found is not None:
-            dists, idx = _padded(*found[:2], k)
-            return dists.to(query.dtype), idx, found[2]
+            return found
     dists = torch.full((batch, rows, k), math.inf, dtype=acc)
     idx = torch.full((batch, rows, k), -1, dtype=torch.int64)
     counts = torch.zeros((batch, rows), dtype=torch.int64)
@@ -264,6 +262,9 @@ def _padded(dists, idx, k):
             torch.nn.functional.pad(idx, (0, k - take), value=-1))
 
 
+_TINY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def tiny(query, ref, query_lengths, ref_lengths) -> bool:
     """Whether clouds query [B, M, D] and ref [B, N, D] of one dtype make a tiny plain call:
     CPU floating, no lengths, at most TINY_MAX_WORK pair-coordinates, where "auto" takes
@@ -274,9 +275,6 @@ def tiny(query, ref, query_lengths, ref_lengths) -> bool:
             and batch * rows * ref.shape[1] * dim <= TINY_MAX_WORK and BACKEND.available("cpu"))
 
 
-_TINY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
 def tiny_knn(query, ref, k):
     """(dists, idx) [B, M, k] of plain clouds query [B, M, D] and ref [B, N, D] (CPU floating
     of one dtype, D >= 1, no lengths, 1 <= k; the caller checked them) as ``nearest`` finds
@@ -284,10 +282,19 @@ def tiny_knn(query, ref, k):
     the extension does not run."""
     if not select.available():
         return None
+    return _in_one_call(select.nearest_small_unchecked, query, ref, k)[:2]
+
+
+def _in_one_call(nearest_small, query, ref, k):
+    """(dists, idx [B, M, k], counts [B, M]) of plain clouds by the brute force's one C++ call
+    ``nearest_small`` (checked or not), float16 / bfloat16 measured in float32 as the reference
+    measures them; None where it does not run."""
     acc = pairs.accumulation_dtype(query.dtype)
-    dists, idx, _ = select.nearest_small_unchecked(query.to(acc), ref.to(acc), min(k, ref.shape[1]))
-    dists, idx = _padded(dists, idx, k)
-    return dists.to(query.dtype), idx
+    found = nearest_small(query.to(acc), ref.to(acc), min(k, ref.shape[1]))
+    if found is None:
+        return None
+    dists, idx = _padded(*found[:2], k)
+    return dists.to(query.dtype), idx, found[2]
 
 
 def _pair_blocks(query, ref, radius, query_lengths, ref_lengths):

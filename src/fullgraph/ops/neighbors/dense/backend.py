@@ -858,13 +858,15 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         return (torch.full(shape, math.inf, dtype=query.dtype, device=device), torch.full(shape, -1, device=device),
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
     if not query.is_cuda:  # (tensor cores on CPU tensors: Triton's interpreter, the tests')
-        found = None if _on_tensor_cores(query) else _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
-        if found is None and not _on_tensor_cores(query) and k + CANDIDATE_SLACK >= ref.shape[1]:
-            # Lists of (nearly) every reference: each pair is measured exactly anyway, the products
-            # select nothing (16 x 128 x 16 D=64 k=16, 2 threads: 1.76 -> ~0.3 ms; cdist + topk 0.88).
-            found = cpu_backend.brute_force(query, ref, k, radius, query_lengths, ref_lengths)
-        return found if found is not None else _planned(plan(query, ref, k), query, ref, k, radius, query_lengths,
-                                                          ref_lengths)
+        if not _on_tensor_cores(query):
+            found = _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
+            if found is None and k + CANDIDATE_SLACK >= ref.shape[1]:
+                # Lists of (nearly) every reference: each pair is measured exactly anyway, the
+                # products select nothing (16 x 128 x 16 D=64 k=16, 2 threads: 1.65 -> 0.57 ms).
+                found = cpu_backend.brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+            if found is not None:
+                return found
+        return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     if _capturing(query):
         return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     if _on_tensor_cores(query) and _capturable("knn", query.dtype, query.shape[-1], k) and not _background.pending():

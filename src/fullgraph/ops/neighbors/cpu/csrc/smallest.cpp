@@ -336,7 +336,8 @@ void select_row(const T* row, int64_t size, int64_t take, std::vector<std::pair<
   if (4 * sets * V::size() > size) sets = (take + V::size() - 1) / V::size();
   const int64_t groups = sets * V::size();
   if constexpr (!std::is_same_v<T, float>) {
-    const bool counted = kCountedShare * take >= size || (kCountedShareDouble * take >= size && size <= kCountedDoubleMaxSize);
+    const bool counted =
+        kCountedShare * take >= size || (kCountedShareDouble * take >= size && size <= kCountedDoubleMaxSize);
     if (counted && size >= kCountedMinSize && counted_select_pairs(row, size, take, values, indices)) {
       return;
     }
