@@ -143,3 +143,14 @@ def test_a_cpu_group_gets_one_row_a_variant_in_its_order():
     assert [r["variant"] for r in rows] == ["baseline", "g: one", "g: two"]
     assert all(r["runs"] >= 5 and r["median_ms"] > 0 and "error" not in r for r in rows)
     assert calls["b"] > 5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_calls_side_by_side_keep_their_own_times():
+    from fullgraph.bench import timing as timing_module
+
+    short = lambda: torch.cuda._sleep(1_000_000)  # noqa: E731
+    long = lambda: torch.cuda._sleep(10_000_000)  # noqa: E731
+    found = timing_module.time_side_by_side([short, long], warmup=1, runs=10, threads=None,
+                                            device=torch.device("cuda"))
+    assert min(t.runs for t in found) >= 10 and found[1].median_ms > 5 * found[0].median_ms

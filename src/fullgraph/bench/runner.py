@@ -78,9 +78,9 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
         raise ValueError(f"--variants: no variant contains {' or '.join(map(repr, variants))}; "
                          f"its variants are {', '.join(map(repr, names))}")
     chosen = [case for case in cases if selected(case.variant, variants, workload.baseline)]
-    pending = []  # (row, forward) of the CPU group being gathered, timed side by side when it ends
+    pending = []  # (row, forward, case) of the group being gathered, timed side by side when it ends
     for i, case in enumerate(chosen):
-        grouped = device.type == "cpu" and case.group is not None
+        grouped = case.group is not None and not workload.collective
         # torch.compile caches per code object: variants that run the same model code
         # (an implementation switch) would otherwise reuse, or be guarded out of, the
         # previous variant's graphs. Each variant compiles from scratch (a group's once).
@@ -116,7 +116,7 @@ def run_workload(name: str, size: str, device: torch.device, warmup: int, runs: 
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         if pending and (i + 1 == len(chosen) or chosen[i + 1].group != case.group):
-            _side_by_side(pending, runs, explain, rows, on_step, on_row)
+            _side_by_side(pending, device, runs, explain, rows, on_step, on_row)
             pending = []
     _add_ratios(rows, WORKLOADS[name].baseline)
     return rows
@@ -140,13 +140,14 @@ def _error(error: Exception) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
-def _side_by_side(pending, runs: int, explain: bool, rows: list, on_step, on_row) -> None:
-    """Time a CPU group's forward calls in turns (``time_side_by_side``) and finish their rows."""
+def _side_by_side(pending, device, runs: int, explain: bool, rows: list, on_step, on_row) -> None:
+    """Time a group's forward calls in turns (``time_side_by_side``) and finish their rows."""
     if on_step:
         on_step(f"{len(pending)} variants side by side")
     try:
         # (each call warmed up as its row was gathered)
-        timings = time_side_by_side([fn for _, fn, _ in pending], 0, runs, torch.get_num_threads())
+        threads = torch.get_num_threads() if device.type == "cpu" else None
+        timings = time_side_by_side([fn for _, fn, _ in pending], 0, runs, threads, device)
     except Exception as error:
         timings = [error] * len(pending)
     for (row, _, case), timing in zip(pending, timings):

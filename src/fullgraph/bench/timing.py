@@ -101,21 +101,30 @@ def time_call(fn, device: torch.device, warmup: int, runs: int, collective: bool
 SIDE_BY_SIDE_ROUNDS = 5
 
 
-def time_side_by_side(fns: list, warmup: int, runs: int, threads: int) -> list[Timing]:
-    """``time_call``'s CPU timings of several calls taken in turns: each call's block size is
-    found once (``torch.utils.benchmark``), then SIDE_BY_SIDE_ROUNDS rounds time a block of each
-    call in order until every call has ``runs`` blocks. On a shared 2-core machine the ratios
-    of calls timed minutes apart varied by 1.5x; taken in turns they move together."""
-    from torch.utils import benchmark
-
+def time_side_by_side(fns: list, warmup: int, runs: int, threads: int | None,
+                      device: torch.device = torch.device("cpu")) -> list[Timing]:
+    """``time_call``'s timings of several calls taken in turns: SIDE_BY_SIDE_ROUNDS rounds
+    time a block of each call in order until every call has ``runs`` samples. On CPUs each
+    call's block size is found once (``torch.utils.benchmark``) and a sample is a block's mean;
+    on GPUs a sample is one call between CUDA events, queued. On a shared 2-core machine the
+    ratios of calls timed minutes apart varied by 1.5x; taken in turns they move together (as
+    host-bound GPU calls do when the host is busy)."""
     for fn in fns:
         for _ in range(warmup):
             fn()
+    synchronize(device)
+    per_round = max(1, -(-runs // SIDE_BY_SIDE_ROUNDS))
+    times: list[list[float]] = [[] for _ in fns]
+    if device.type == "cuda":
+        for _ in range(SIDE_BY_SIDE_ROUNDS):
+            for fn, found in zip(fns, times):
+                found += _cuda_times(fn, per_round, queued=True)
+        return [_timing(found, None) for found in times]
+    from torch.utils import benchmark
+
     timers = [benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads) for fn in fns]
     numbers = [timer.blocked_autorange(min_run_time=CPU_MIN_RUN_S / SIDE_BY_SIDE_ROUNDS).number_per_run
                for timer in timers]
-    times: list[list[float]] = [[] for _ in fns]
-    per_round = max(1, -(-runs // SIDE_BY_SIDE_ROUNDS))
     for _ in range(SIDE_BY_SIDE_ROUNDS):
         for timer, number, found in zip(timers, numbers, times):
             found += [timer.timeit(number).times[0] * 1e3 for _ in range(per_round)]

@@ -23,7 +23,7 @@ class Case:
     train_step: Callable[[], object] | None = None
     check: Callable[[], dict] | None = None  # extra fields for the forward row (e.g. error vs eager)
     explain: tuple | None = None  # (callable, args): what `fullgraph explain` compiles for this variant
-    group: str | None = None  # consecutive cases of one group are timed side by side on CPUs (in turns)
+    group: str | None = None  # consecutive cases of one group are timed side by side (in turns)
 
 
 @dataclass
