@@ -27,9 +27,12 @@ def environment(device: torch.device) -> dict:
     ranks = {}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         ranks = {"ranks": torch.distributed.get_world_size()}
+    # (first_call_s then counts the kernels' compilation, which a user's first call leaves to the background)
+    foreground = {"background_compile": False} if os.environ.get("FULLGRAPH_BACKGROUND_COMPILE") == "0" else {}
     return {
         "device": name,
         **ranks,
+        **foreground,
         "torch": torch.__version__,
         "triton": triton,
         "cuda": torch.version.cuda,
