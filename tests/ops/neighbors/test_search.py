@@ -354,16 +354,20 @@ def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(None, 10, 10, 64, 4), (4, 32, 32, 12, 4), (2, 7, 3, 5, 6), (None, 0, 5, 3, 2),
-                                   (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16)])
+                                   (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16), (2, 64, 300, 16, 4),
+                                   (None, 256, 64, 16, 1)])
 def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
-    """Tiny eager CPU calls ("auto", at most cpu.TINY_MAX_WORK pair-coordinates) go past the
-    operator layers to the brute force's one C++ call: the reference's lists bit for bit, with
-    duplicates (ties to the smaller index), a non-finite point, k beyond N (padding), huge
-    coordinates (the item's scale), empty clouds and unbatched inputs."""
+    """Small eager CPU calls that "auto" gives the brute force (at most cpu.TINY_MAX_WORK
+    pair-coordinates, or items within its limits) go past the operator layers to its one C++
+    call: the reference's lists bit for bit, with duplicates (ties to the smaller index), a
+    non-finite point, k beyond N (padding), huge coordinates (the item's scale), empty clouds
+    and unbatched inputs."""
+    from fullgraph.ops.neighbors import registration
     from fullgraph.ops.neighbors.cpu import backend as cpu
 
     batch, rows, columns, dim, k = shape
-    assert (batch or 1) * rows * columns * dim <= cpu.TINY_MAX_WORK
+    chosen = registration.BACKENDS.resolve("auto", "knn", torch.device("cpu"), dtype, dim, k, size=rows * columns)
+    assert (batch or 1) * rows * columns * dim <= cpu.TINY_MAX_WORK or chosen.name == "cpu"
     taken = []
     original = cpu.tiny_knn
     monkeypatch.setattr(cpu, "tiny_knn", lambda *a: taken.append(a[2]) or original(*a))
@@ -395,7 +399,7 @@ def test_small_half_precision_cpu_calls_answer_as_the_reference(shape, dtype, mo
     if not native.available():
         pytest.skip("the C++ extension did not build here")
     calls = []
-    for name in ("nearest_small", "plain_nearest"):
+    for name in ("nearest_small", "nearest_small_unchecked", "plain_nearest"):
         original = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _f=original, **kw: calls.append(a[0].dtype) or _f(*a, **kw))
     batch, rows, columns, dim, k = shape

@@ -46,12 +46,13 @@ def _plain_context() -> bool:
 
 
 def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
-    """``knn``'s lists of a tiny eager CPU call: "auto" on plain float32/float64 clouds, no
-    lengths, at most ``cpu.TINY_MAX_WORK`` pair-coordinates, k within the limit; what "auto"
-    picks there (the CPU brute force) in its one C++ call, past the checks and operator
-    layers. None where the call is not such (the usual path then checks it, errors included).
-    Written for its host time (a call of 1 x 10 x 10 D=64 is ~0.01 ms of arithmetic). While
-    torch.compile traces: ``_one_call_in_graph``."""
+    """``knn``'s lists of a small eager CPU call: "auto" on plain floating clouds, no lengths,
+    at most ``cpu.TINY_MAX_WORK`` pair-coordinates or items "auto" leaves to the brute force
+    (``dense.left_to_brute_force``), k within the limit; what "auto" picks there (the CPU brute
+    force) in its one C++ call, past the checks and operator layers (~0.025 ms: 2 x 64 x 300
+    D=16 k=4 0.115 -> 0.091 ms, cdist + topk 0.113, 2-core CPU). None where the call is not such
+    (the usual path then checks it, errors included). Written for its host time (a call of 1 x 10
+    x 10 D=64 is ~0.01 ms of arithmetic). While torch.compile traces: ``_one_call_in_graph``."""
     if torch.compiler.is_compiling():
         return _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths)
     if (backend != "auto" or query_lengths is not None or ref_lengths is not None or type(query) is not torch.Tensor
@@ -64,11 +65,25 @@ def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
             or k > max(ref_shape[-2], registration.MAX_PADDED_K)):
         return None
     query, ref = (query, ref) if batched else (query[None], ref[None])
-    if (not cpu.tiny(query, ref, None, None) or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad))
-            or not _plain_context()):
+    tiny = cpu.tiny(query, ref, None, None)
+    if (not (tiny or _brute_force_call(query, ref, k))
+            or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _plain_context()):
         return None
-    found = cpu.tiny_knn(query, ref, k)
+    if tiny:  # (too short to judge the cores: ``threads``)
+        found = cpu.tiny_knn(query, ref, k)
+    else:
+        with registration.threads.fitted(query):
+            found = cpu.tiny_knn(query, ref, k)
     return found if found is None or batched else (found[0][0], found[1][0])
+
+
+def _brute_force_call(query, ref, k) -> bool:
+    """Whether "auto" answers the plain clouds query [B, M, D] and ref [B, N, D] (one dtype) by
+    the CPU brute force's one call (beyond ``cpu.tiny``'s)."""
+    dim = query.shape[-1]
+    return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
+            and dense.left_to_brute_force(dim, k, query.shape[1] * ref.shape[1], dense.brute_force_limits())
+            and cpu.BACKEND.available("cpu"))
 
 
 def _constant_to_compile(fn):
@@ -95,7 +110,7 @@ def _tree_backend_runs() -> bool:
 def _brute_force_limits() -> tuple:
     """The CPU_BRUTE_FORCE row of the threads torch uses; a constant to torch.compile (a graph
     keeps the row of the threads it was compiled with)."""
-    return dense._brute_force_limits()
+    return dense.brute_force_limits()
 
 
 def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):

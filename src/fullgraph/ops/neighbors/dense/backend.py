@@ -1012,7 +1012,7 @@ CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
 CPU_LONG_LISTS_K, CPU_LONG_LISTS_MAX_PAIRS, CPU_LONG_LISTS_MAX_DIM = 48, 2**18, 64
 
 
-def _brute_force_limits() -> tuple[tuple[int, int], ...]:
+def brute_force_limits() -> tuple[tuple[int, int], ...]:
     """CPU_BRUTE_FORCE's row for the measured thread count nearest (in ratio) to torch's."""
     threads = max(1, torch.get_num_threads())
     return CPU_BRUTE_FORCE[min(CPU_BRUTE_FORCE, key=lambda measured: abs(math.log(threads / measured)))]
@@ -1032,7 +1032,7 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         outside = dtype != torch.float64 and _triton.available() and not capturing
         return wanted and (_capturable("knn", dtype, dim, k) or outside)
-    if size is not None and left_to_brute_force(dim, k, size, _brute_force_limits()):
+    if size is not None and left_to_brute_force(dim, k, size, brute_force_limits()):
         return not select.available()
     return products_on_cpu(dim, size)
 
@@ -1047,7 +1047,7 @@ def products_on_cpu(dim, size) -> bool:
 def left_to_brute_force(dim, k, size, limits) -> bool:
     """Whether "auto" leaves a CPU call of D = ``dim``, lists of ``k`` (None: unknown) and
     ``size`` query-reference pairs per item to the "cpu" backend's brute force where the C++
-    extension runs, by the CPU_BRUTE_FORCE row ``limits`` (``_brute_force_limits``). (The
+    extension runs, by the CPU_BRUTE_FORCE row ``limits`` (``brute_force_limits``). (The
     rows first: a compiled graph guards on each comparison made, and a model's D is fixed.)"""
     for most_dim, most in limits:
         if dim <= most_dim and size <= most:
