@@ -344,17 +344,18 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="the GPU path needs Triton")
-def test_auto_on_cuda_takes_it_at_every_width_and_beyond_the_capture_limits_outside_a_capture(monkeypatch):
-    """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D, graphed or not; beyond
-    REDO_MAX_K only outside a capture (there the capturable Triton search gives the same lists)."""
+def test_auto_on_cuda_takes_it_at_every_width_and_list_length_graphed_or_not(monkeypatch):
+    """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D and k, graphed or not
+    (lists beyond REDO_MAX_K too: a capture takes the products path for them)."""
     longer = dense.REDO_MAX_K + 1
-    for dim in (dense.CUDA_AUTO_MIN_DIM, 64, 129, 2048):
-        assert dense._auto("cuda", torch.float32, dim, 10) and dense._auto("cuda", torch.float32, dim, longer)
-    assert not dense._auto("cuda", torch.float64, 300, 10)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert not dense._auto("cuda", torch.float32, 64, longer)
-    assert dense._auto("cuda", torch.float32, 64, 10) and dense._auto("cuda", torch.float32, 2048, 10)
+    for capturing in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+        for dim in (dense.CUDA_AUTO_MIN_DIM, 64, 129, 2048):
+            for k in (1, 10, longer, 1024):
+                assert dense._auto("cuda", torch.float32, dim, k)
+        assert not dense._auto("cuda", torch.float64, 300, 10)
+        assert not dense._auto("cuda", torch.float32, dense.CUDA_AUTO_MIN_DIM - 1, 10)
 
 
 @pytest.mark.parametrize("case", ["usual", "offset", "nan", "far out", "tiny", "ragged"])
@@ -515,6 +516,7 @@ def test_gpu_plans_take_the_products_for_long_lists(monkeypatch):
     monkeypatch.setattr(dense, "_capturing", lambda query: True)
     assert path(4, 3000, 3000, 64, 256) == "products tf32x3"
     assert path(1, 2000, 50000, 128, 256) == "tensor cores"
+    assert path(1, 2000, 50000, 128, 1024) == path(1, 10**4, 10**6, 128, dense.REDO_MAX_K + 1) == "products tf32x3"
     assert path(4, 3000, 3000, 64, 64) == path(1, 2000, 50000, 1024, 10) == "tensor cores"
     assert path(1, 10**4, 2 * 10**5, 256, 128) == path(1, 10**4, 10**5, 1024, 50) == "tensor cores"
 
@@ -541,15 +543,15 @@ def test_tf32_parts_multiply_within_their_bound(generator):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("distribution", ["normal", "duplicates"])
-@pytest.mark.parametrize("dim, k", [(24, 130), (1030, 40), (2050, 5)])
+@pytest.mark.parametrize("dim, k", [(24, 130), (1030, 40), (2050, 5), (24, 300), (200, 1024)])
 def test_products_in_a_capture_redo_failed_rows_without_a_host_read(distribution, dim, k, generator):
     """Graphed, the products path's unproven rows go again in float64 and then to the Triton
-    search: the reference's lists, replayed on new points."""
-    if distribution == "duplicates":
-        query, ref = _tied(generator, "cuda", dim=dim)
+    search (lists beyond REDO_MAX_K too): the reference's lists, replayed on new points."""
+    if distribution == "duplicates":  # (more tied rows than the float64 pass takes: the search gets some)
+        query, ref = _tied(generator, "cuda", rows=200, columns=max(600, k + 100), dim=dim)
     else:
-        query, ref = (t.float().cuda() for t in _clouds("normal", dim, generator, rows=64, columns=700))
-    graphed = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, k, backend="dense"))
+        query, ref = (t.float().cuda() for t in _clouds("normal", dim, generator, rows=64, columns=1200))
+    graphed = fullgraph.graphs.graphed(lambda q, r: fullgraph.knn(q, r, k))
     for scale in (1.0, 3.0):
         got = graphed(query * scale, ref * scale)
         want = fullgraph.knn(query * scale, ref * scale, k, backend="torch")

@@ -87,12 +87,12 @@ float32 products and torch.topk (``_first_failed_again``): the Triton search tha
 is left is a scalar brute force, whose cost grows with D. Small eager calls on GPUs whose signature
 comes back replay the capture path from a CUDA graph (``replays``).
 
-Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= REDO_MAX_K)
-the rows not proven take the brute force restricted to them on small
-items (``Plan.redo``), else the Triton search restricted to them, for k + CANDIDATE_SLACK
-neighbours re-measured in the reference's arithmetic (the programs of either without such a
-row return at once; ``_lists_in_capture``, and the products path's ``_in_blocks``), and no
-host read. Otherwise one host read: on GPUs the stored products of steps 1-3 redo them
+Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32; lists longer than
+REDO_MAX_K on the products path at any size) the rows not proven take the brute force
+restricted to them on small items (``Plan.redo``), else the Triton search restricted to
+them, for k + CANDIDATE_SLACK neighbours re-measured in the reference's arithmetic (the
+programs of either without such a row return at once; ``_lists_in_capture``, and the
+products path's ``_in_blocks``, float64 products first), and no host read. Otherwise one host read: on GPUs the stored products of steps 1-3 redo them
 first, then the Triton search (CUDA) or the reference (CPUs, float64) what still fails.
 """
 
@@ -148,8 +148,10 @@ CPU_GROUP_BYTES = 16 * 2**20
 # Candidate rows gathered at a time for the exact re-measure on CPUs: cache-sized pieces, the
 # same bits as one gather and several times faster (NOTES.md).
 CPU_REMEASURE_BYTES = 2 * 2**20
-# The longest lists the Triton search redoes failed rows for (it keeps them in registers;
-# beyond its own MAX_K for speed, not correctness: only failed rows take it).
+# The longest lists the Triton search's redo gets CANDIDATE_SLACK more for, whose small eager
+# calls are replayed from CUDA graphs (``replays``), and up to which a capture keeps the pair limit
+# PRODUCTS_CAPTURE_MAX_PAIRS; beyond, a capture takes the products path at any size (``plan``),
+# whose float64 pass leaves the search few rows (it keeps a row's list in registers).
 REDO_MAX_K = 256
 # Outside a capture, unproven rows on GPUs are redone with this many times the candidates a pass
 # (``_redo``): the scalar search they went to instead took ~0.1-1 ms a row at D >= 256 (2,000 x
@@ -590,7 +592,7 @@ def plan(query, ref, k) -> Plan:
         return Plan("every pair", False, redo, take=k, width=columns,
                     triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
     most_pairs = PRODUCTS_CAPTURE_MAX_PAIRS if capturing else PRODUCTS_MAX_PAIRS
-    if k >= PRODUCTS_MIN_K and query.shape[0] * rows * columns <= most_pairs:
+    if k >= PRODUCTS_MIN_K and (query.shape[0] * rows * columns <= most_pairs or (capture and k > REDO_MAX_K)):
         return Plan("products", capture, redo, take=min(k + CANDIDATE_SLACK, columns), width=columns,
                     first=PRODUCTS_PRECISION, triton_frames=dim <= triton_dense.clouds.FRAMES_MAX_DIM)
     chunk = triton_dense.chunk_size(columns, k + CHUNK_SLACK + 1)
@@ -869,7 +871,7 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
         return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     if _capturing(query):
         return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
-    if _on_tensor_cores(query) and _capturable("knn", query.dtype, query.shape[-1], k) and not _background.pending():
+    if _on_tensor_cores(query) and k <= REDO_MAX_K and not _background.pending():
         replayed = _REPLAYS(query, ref, k, radius, query_lengths, ref_lengths)
         if replayed is not None:
             return replayed
@@ -923,7 +925,7 @@ def _planned(chosen: Plan, query, ref, k, radius, query_lengths, ref_lengths):
     batch, rows, _ = query.shape
     acc = pairs.accumulation_dtype(query.dtype)
     shape, device = (batch, rows, k), query.device
-    if query.is_cuda and not _capturing(query) and query.shape[-1] >= CAPTURE_AGAIN_MIN_DIM:
+    if query.is_cuda and not _capturing(query) and (query.shape[-1] >= CAPTURE_AGAIN_MIN_DIM or k >= PRODUCTS_MIN_K):
         # A capture of this call takes cuBLAS, whose handle cannot be created while capturing:
         # made here, in the eager calls that warm a capture up.
         torch.cuda.current_blas_handle()
@@ -996,13 +998,7 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
     if dim is None:
         return False
     if device_type == "cuda":
-        wanted = dim >= CUDA_AUTO_MIN_DIM
-        # Beyond REDO_MAX_K only outside a capture (failed rows are then redone by the stored
-        # products, a host read): the Triton search there is a scalar brute force, and the op
-        # resolves "auto" when it runs, so a capture of the same call takes the capturable backend.
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        outside = dtype != torch.float64 and _triton.available() and not capturing
-        return wanted and (_capturable("knn", dtype, dim, k) or outside)
+        return dim >= CUDA_AUTO_MIN_DIM and _capturable("knn", dtype, dim, k)
     if size is not None and (size * dim <= cpu_backend.TINY_MAX_WORK
                              or any(dim <= most_dim and size <= most for most_dim, most in _brute_force_limits())):
         return not select.available()
@@ -1014,9 +1010,9 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
 
 
 def _capturable(op, dtype, dim, k) -> bool:
-    """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 up to
-    REDO_MAX_K (see the module docstring)."""
-    return dtype != torch.float64 and k <= REDO_MAX_K and _triton.available()
+    """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 (see the
+    module docstring)."""
+    return dtype != torch.float64 and _triton.available()
 
 
 BACKEND = Backend(
