@@ -302,6 +302,8 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
         pytest.skip("the C++ extension did not build here")
     brute, products = [], []
     monkeypatch.setattr(cpu, "brute_force", lambda *a, f=cpu.brute_force: brute.append(a[0].shape[-1]) or f(*a))
+    # (eager calls the brute force takes go straight to its one C++ call: api._tiny_knn)
+    monkeypatch.setattr(cpu, "tiny_knn", lambda *a, f=cpu.tiny_knn: brute.append(a[0].shape[-1]) or f(*a))
     kernels = dense.BACKEND.implementation
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
@@ -314,7 +316,7 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     assert brute == [3, 8, 16, 64] and products == [16, 65]
     monkeypatch.setattr(torch, "get_num_threads", lambda: 32)  # nearer 64: its table, no brute force
-    assert not dense._brute_force_limits() and dense._auto("cpu", torch.float32, 3, 4, 6 * 30)
+    assert not dense.brute_force_limits() and dense._auto("cpu", torch.float32, 3, 4, 6 * 30)
 
 
 def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch, generator):

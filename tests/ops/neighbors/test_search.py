@@ -354,16 +354,20 @@ def test_the_cpu_trees_equal_the_reference(monkeypatch, distribution, generator)
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(None, 10, 10, 64, 4), (4, 32, 32, 12, 4), (2, 7, 3, 5, 6), (None, 0, 5, 3, 2),
-                                   (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16)])
+                                   (3, 6, 0, 2, 3), (None, 1, 1, 1, 1), (2, 8, 16, 256, 16), (2, 64, 300, 16, 4),
+                                   (None, 256, 64, 16, 1)])
 def test_tiny_cpu_calls_answer_as_the_reference(shape, dtype, monkeypatch):
-    """Tiny eager CPU calls ("auto", at most cpu.TINY_MAX_WORK pair-coordinates) go past the
-    operator layers to the brute force's one C++ call: the reference's lists bit for bit, with
-    duplicates (ties to the smaller index), a non-finite point, k beyond N (padding), huge
-    coordinates (the item's scale), empty clouds and unbatched inputs."""
+    """Small eager CPU calls that "auto" gives the brute force (at most cpu.TINY_MAX_WORK
+    pair-coordinates, or items within its limits) go past the operator layers to its one C++
+    call: the reference's lists bit for bit, with duplicates (ties to the smaller index), a
+    non-finite point, k beyond N (padding), huge coordinates (the item's scale), empty clouds
+    and unbatched inputs."""
+    from fullgraph.ops.neighbors import registration
     from fullgraph.ops.neighbors.cpu import backend as cpu
 
     batch, rows, columns, dim, k = shape
-    assert (batch or 1) * rows * columns * dim <= cpu.TINY_MAX_WORK
+    chosen = registration.BACKENDS.resolve("auto", "knn", torch.device("cpu"), dtype, dim, k, size=rows * columns)
+    assert (batch or 1) * rows * columns * dim <= cpu.TINY_MAX_WORK or chosen.name == "cpu"
     taken = []
     original = cpu.tiny_knn
     monkeypatch.setattr(cpu, "tiny_knn", lambda *a: taken.append(a[2]) or original(*a))
@@ -395,7 +399,7 @@ def test_small_half_precision_cpu_calls_answer_as_the_reference(shape, dtype, mo
     if not native.available():
         pytest.skip("the C++ extension did not build here")
     calls = []
-    for name in ("nearest_small", "plain_nearest"):
+    for name in ("nearest_small", "nearest_small_unchecked", "plain_nearest"):
         original = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, _f=original, **kw: calls.append(a[0].dtype) or _f(*a, **kw))
     batch, rows, columns, dim, k = shape
@@ -412,24 +416,117 @@ def test_small_half_precision_cpu_calls_answer_as_the_reference(shape, dtype, mo
     assert calls and set(calls) == {torch.float32}
 
 
-def test_compiled_tiny_cpu_calls_take_the_brute_force_in_the_operator(monkeypatch):
-    """Compiled, a tiny "auto" call runs the operator, whose function answers it by the same
-    C++ call (``cpu.tiny_knn``): the reference's lists, padding beyond N included."""
-    from fullgraph.ops.neighbors.cpu import backend as cpu
+def _graph_ops(fn, *args):
+    """(result, the operators of the graphs torch.compile(fullgraph=True, dynamic=True) made of fn)."""
+    ops = []
 
-    taken = []
-    original = cpu.tiny_knn
-    monkeypatch.setattr(cpu, "tiny_knn", lambda *a: taken.append(a[2]) or original(*a))
-    generator = torch.Generator().manual_seed(5)
-    query = torch.randn(2, 9, 16, generator=generator)
-    ref = torch.randn(2, 10, 16, generator=generator)
-    ref[:, 1] = ref[:, 0]  # a duplicate
-    ref[1, 4, 3] = math.inf
-    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 12), fullgraph=True, dynamic=True)
-    got, want = compiled(query, ref), fullgraph.knn(query, ref, 12, backend="torch")
-    assert taken and set(taken) == {12}
+    def backend(gm, example_inputs):
+        ops.extend(str(node.target).removesuffix(".default") for node in gm.graph.nodes
+                   if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)(*args), ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 9, 10, 16, 12), (2, 64, 300, 16, 4), (None, 30, 40, 8, 5), (4, 512, 512, 64, 256)])
+def test_compiled_cpu_brute_force_calls_hold_its_operator(shape, dtype):
+    """Compiled, a CPU call that "auto" answers by the brute force's one C++ call holds that
+    operator in the graph instead of the public one (whose layers cost most of such a call):
+    the reference's lists, with duplicates, a non-finite point, a far point and k beyond N."""
+    from fullgraph.ops.neighbors import registration
+    from fullgraph.ops.neighbors.cpu import native
+
+    if not native.available():
+        pytest.skip("the C++ extension did not build here")
+    batch, rows, columns, dim, k = shape
+    generator = torch.Generator().manual_seed(rows + columns)
+    lead = () if batch is None else (batch,)
+    query = torch.randn(*lead, rows, dim, generator=generator).to(dtype)
+    ref = torch.randn(*lead, columns, dim, generator=generator).to(dtype)
+    ref[..., 1, :] = ref[..., 0, :]  # a duplicate
+    ref[..., 4, 3] = math.inf
+    query[..., -1, :] *= 1e30
+    assert registration.BACKENDS.resolve("auto", "knn", query.device, dtype, dim, k, size=rows * columns).name == "cpu"
+    got, ops = _graph_ops(lambda q, r: fullgraph.knn(q, r, k), query, ref)
+    assert "fullgraph_cpu.nearest_small" in ops and "fullgraph.knn" not in ops
+    want = fullgraph.knn(query, ref, k, backend="torch")
     for a, b in zip(got, want):
-        assert a.shape == b.shape and torch.equal(a, b)
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+@pytest.mark.parametrize("shape", [(1, 50, 400, 200, 8, "small_nearest"), (2, 30, 40, 96, 3, "small_nearest"),
+                                   (None, 64, 70, 128, 64, "nearest_small")])
+def test_compiled_small_dense_calls_hold_their_one_cpp_call(shape, plain):
+    """Compiled, a small CPU call that "auto" gives the products answers by their one C++ call
+    in the graph (``dense.plain_in_graph``), which measures every pair where the products'
+    call refuses (a non-finite or a far point), lists of nearly every reference by the brute
+    force's call: the reference's lists in every case."""
+    from fullgraph.ops.neighbors.cpu import native
+
+    if not native.available():
+        pytest.skip("the C++ extension did not build here")
+    batch, rows, columns, dim, k, call = shape
+    generator = torch.Generator().manual_seed(rows + dim)
+    lead = () if batch is None else (batch,)
+    query = torch.randn(*lead, rows, dim, generator=generator)
+    ref = torch.randn(*lead, columns, dim, generator=generator)
+    ref[..., 1, :] = ref[..., 0, :]  # a duplicate
+    if not plain:
+        ref[..., 4, 3] = math.nan
+        query[..., -1, :] *= 1e30
+    got, ops = _graph_ops(lambda q, r: fullgraph.knn(q, r, k), query, ref)
+    assert f"fullgraph_cpu.{call}" in ops and "fullgraph.knn" not in ops
+    want = fullgraph.knn(query, ref, k, backend="torch")
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, k), fullgraph=True, dynamic=True)
+    for a, b in zip(compiled(query, ref), want):
+        assert torch.equal(a, b)
+
+
+def test_constants_to_compile_carry_torchs_own_mark():
+    """``api._constant_to_compile`` sets what torch.compiler.assume_constant_result sets."""
+    from fullgraph.ops.neighbors import api
+
+    marked, plain = api._constant_to_compile(lambda: 1), lambda: 1
+    torch.compiler.assume_constant_result(plain)
+    assert {n for n in vars(plain) if "dynamo" in n} == {n for n in vars(marked) if "dynamo" in n} != set()
+
+
+def test_compiled_calls_beyond_the_brute_force_hold_the_public_operator():
+    """Where "auto" takes another path (here the products of many pairs), with gradients,
+    lengths or an explicit backend, and under torch.export, the graph holds the public
+    operator; a compiled function called past the one-call sizes compiles again (guarded on
+    them), right."""
+    from fullgraph.ops.neighbors.cpu import native
+
+    if not native.available():
+        pytest.skip("the C++ extension did not build here")
+    generator = torch.Generator().manual_seed(3)
+    small = torch.randn(2, 9, 16, generator=generator), torch.randn(2, 10, 16, generator=generator)
+    large = torch.randn(1, 1500, 200, generator=generator), torch.randn(1, 3000, 200, generator=generator)
+    for fn, args in ((lambda q, r: fullgraph.knn(q, r, 3), large),
+                     (lambda q, r: fullgraph.knn(q, r, 3, backend="cpu"), small),
+                     (lambda q, r: fullgraph.knn(q, r, 3, ref_lengths=torch.tensor([10, 7])), small),
+                     (lambda q, r: fullgraph.knn(q, r, 3), (small[0].clone().requires_grad_(), small[1]))):
+        _, ops = _graph_ops(fn, *args)
+        assert "fullgraph.knn" in ops and "fullgraph_cpu.nearest_small" not in ops
+
+    class Search(torch.nn.Module):
+        def forward(self, q, r):
+            return fullgraph.knn(q, r, 3)
+
+    exported = torch.export.export(Search(), small)
+    assert any(node.target is torch.ops.fullgraph.knn.default for node in exported.graph.nodes)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, 3), fullgraph=True, dynamic=True)
+    for q, r in (small, large, small):
+        for a, b in zip(compiled(q, r), fullgraph.knn(q, r, 3, backend="torch")):
+            assert torch.equal(a, b)
 
 
 def test_tiny_cpu_calls_keep_the_usual_path_where_it_must_run():

@@ -15,6 +15,7 @@ from ... import _contract, _validate
 from .batching import Padded, check_batch
 from . import registration
 from .cpu import backend as cpu
+from .dense import backend as dense
 from .registration import check_clouds, check_features, check_scalar_tensor, check_sigma, pairs_per_item
 
 
@@ -45,13 +46,15 @@ def _plain_context() -> bool:
 
 
 def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
-    """``knn``'s lists of a tiny eager CPU call: "auto" on plain float32/float64 clouds, no
-    lengths, at most ``cpu.TINY_MAX_WORK`` pair-coordinates, k within the limit; what "auto"
-    picks there (the CPU brute force) in its one C++ call, past the checks and operator
-    layers. None where the call is not such (the usual path then checks it, errors included).
-    Written for its host time (a call of 1 x 10 x 10 D=64 is ~0.01 ms of arithmetic)."""
-    if torch.compiler.is_compiling():  # (first: no guard on the sizes)
-        return None
+    """``knn``'s lists of a small eager CPU call: "auto" on plain floating clouds, no lengths,
+    at most ``cpu.TINY_MAX_WORK`` pair-coordinates or items "auto" leaves to the brute force
+    (``dense.left_to_brute_force``), k within the limit; what "auto" picks there (the CPU brute
+    force) in its one C++ call, past the checks and operator layers (~0.025 ms: 2 x 64 x 300
+    D=16 k=4 0.115 -> 0.091 ms, cdist + topk 0.113, 2-core CPU). None where the call is not such
+    (the usual path then checks it, errors included). Written for its host time (a call of 1 x 10
+    x 10 D=64 is ~0.01 ms of arithmetic). While torch.compile traces: ``_one_call_in_graph``."""
+    if torch.compiler.is_compiling():
+        return _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths)
     if (backend != "auto" or query_lengths is not None or ref_lengths is not None or type(query) is not torch.Tensor
             or type(ref) is not torch.Tensor or type(k) is not int or k < 1):
         return None
@@ -62,10 +65,85 @@ def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
             or k > max(ref_shape[-2], registration.MAX_PADDED_K)):
         return None
     query, ref = (query, ref) if batched else (query[None], ref[None])
-    if (not cpu.tiny(query, ref, None, None) or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad))
-            or not _plain_context()):
+    tiny = cpu.tiny(query, ref, None, None)
+    if (not (tiny or _brute_force_call(query, ref, k))
+            or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _plain_context()):
         return None
-    found = cpu.tiny_knn(query, ref, k)
+    if tiny:  # (too short to judge the cores: ``threads``)
+        found = cpu.tiny_knn(query, ref, k)
+    else:
+        with registration.threads.fitted(query):
+            found = cpu.tiny_knn(query, ref, k)
+    return found if found is None or batched else (found[0][0], found[1][0])
+
+
+def _brute_force_call(query, ref, k) -> bool:
+    """Whether "auto" answers the plain clouds query [B, M, D] and ref [B, N, D] (one dtype) by
+    the CPU brute force's one call (beyond ``cpu.tiny``'s)."""
+    dim = query.shape[-1]
+    return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
+            and dense.left_to_brute_force(dim, k, query.shape[1] * ref.shape[1], dense.brute_force_limits())
+            and cpu.BACKEND.available("cpu"))
+
+
+def _constant_to_compile(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without importing torch._dynamo (seconds on
+    a small CPU, which eager calls never need): the mark it sets (tests check it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant_to_compile
+def _extension_runs() -> bool:
+    """Whether the CPU C++ extension runs here (loaded, its operators' shapes registered for
+    tracing); a constant to torch.compile."""
+    return cpu.select.available()
+
+
+@_constant_to_compile
+def _tree_backend_runs() -> bool:
+    """Whether the "cpu" backend runs here (scipy); a constant to torch.compile."""
+    return cpu.BACKEND.available("cpu")
+
+
+@_constant_to_compile
+def _brute_force_limits() -> tuple:
+    """The CPU_BRUTE_FORCE row of the threads torch uses; a constant to torch.compile (a graph
+    keeps the row of the threads it was compiled with)."""
+    return dense.brute_force_limits()
+
+
+def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):
+    """``knn``'s lists while torch.compile traces (not torch.export: exported graphs hold the
+    public operator), where "auto" answers a CPU call in one C++ call: that operator itself in
+    the graph, the brute force's (``cpu.tiny_lists``) or the products' (``dense.plain_in_graph``),
+    the sizes guarded (a call past them compiles again, to the public operator); None
+    elsewhere. In a compiled graph the public operator's layers cost ~0.07 ms, most of a small
+    call (2-core CPU, 2 x 64 x 300 D=16 k=4: 0.185 -> 0.118 ms; cdist + topk compiled 0.115)."""
+    if (torch.compiler.is_exporting() or backend != "auto" or query_lengths is not None or ref_lengths is not None
+            or type(query) is not torch.Tensor or type(ref) is not torch.Tensor
+            or isinstance(k, bool) or not isinstance(k, (int, torch.SymInt))):
+        return None
+    batched = query.dim() == 3
+    if (query.dim() != ref.dim() or not (batched or query.dim() == 2) or ref.dtype != query.dtype
+            or query.device.type != "cpu" or ref.device.type != "cpu" or query.dtype not in cpu.TINY_DTYPES):
+        return None
+    rows, columns, dim = query.shape[-2], ref.shape[-2], query.shape[-1]
+    if query.shape[:-2] != ref.shape[:-2] or ref.shape[-1] != dim or dim < 1 or rows < 1 or columns < 1:
+        return None
+    if k < 1 or k > max(columns, registration.MAX_PADDED_K):
+        return None
+    if (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _extension_runs():
+        return None
+    pairs = rows * columns
+    query, ref = (query, ref) if batched else (query[None], ref[None])
+    if dense.left_to_brute_force(dim, k, pairs, _brute_force_limits()):
+        # (within cpu.BRUTE_FORCE_MAX_PAIRS: the brute force in one call)
+        found = cpu.tiny_lists(query, ref, k) if _tree_backend_runs() else None
+    elif dense.products_on_cpu(dim, pairs):
+        found = dense.plain_in_graph(query, ref, k)
+    else:
+        found = None
     return found if found is None or batched else (found[0][0], found[1][0])
 
 

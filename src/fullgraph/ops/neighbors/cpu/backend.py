@@ -262,7 +262,7 @@ def _padded(dists, idx, k):
             torch.nn.functional.pad(idx, (0, k - take), value=-1))
 
 
-_TINY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+TINY_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 def tiny(query, ref, query_lengths, ref_lengths) -> bool:
@@ -271,7 +271,7 @@ def tiny(query, ref, query_lengths, ref_lengths) -> bool:
     this backend (``tiny_knn`` answers it)."""
     batch, rows, dim = query.shape
     return (query_lengths is None and ref_lengths is None and query.device.type == "cpu"
-            and ref.device.type == "cpu" and query.dtype in _TINY_DTYPES and dim >= 1
+            and ref.device.type == "cpu" and query.dtype in TINY_DTYPES and dim >= 1
             and batch * rows * ref.shape[1] * dim <= TINY_MAX_WORK and BACKEND.available("cpu"))
 
 
@@ -282,6 +282,12 @@ def tiny_knn(query, ref, k):
     the extension does not run."""
     if not select.available():
         return None
+    return tiny_lists(query, ref, k)
+
+
+def tiny_lists(query, ref, k):
+    """``tiny_knn`` where the extension is known to run: torch operators and the brute force's
+    C++ operator alone, which torch.compile traces into a graph."""
     return _in_one_call(select.nearest_small_unchecked, query, ref, k)[:2]
 
 

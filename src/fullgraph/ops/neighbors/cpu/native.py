@@ -22,6 +22,7 @@ import torch
 
 from ...._extension import ExtensionBuildError, build
 from ... import scaling
+from . import threads
 
 NAME = "fullgraph_cpu"
 # -ffp-contract=off: every product and sum rounded on its own, as torch's element-wise kernels
@@ -41,7 +42,25 @@ def _built() -> bool:
     except ExtensionBuildError as error:
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
         return False
+    _register_fakes()
+    # (csrc/cores.h judges shared cores for the operators a compiled graph calls, by threads.py's rule)
+    torch.ops.fullgraph_cpu.judge_cores_by(threads.JUDGED_MIN_SECONDS, threads.CONTENDED_SHARE, threads.FREE_SHARE,
+                                           threads.FREE_CALLS)
     return True
+
+
+def _register_fakes() -> None:
+    """Shapes of the operators that a compiled graph calls itself (``api``: tiny calls)."""
+    @torch.library.register_fake(f"{NAME}::nearest_small")
+    def _(query, ref, take, below, above):
+        batch, rows, _ = query.shape
+        return (query.new_empty((batch, rows, take)), query.new_empty((batch, rows, take), dtype=torch.int64),
+                query.new_empty((batch, rows), dtype=torch.int64))
+
+    @torch.library.register_fake(f"{NAME}::small_nearest")
+    def _(query, ref, k, take, u, below, above):
+        batch, rows, _ = query.shape
+        return query.new_empty((batch, rows, k)), query.new_empty((batch, rows, k), dtype=torch.int64)
 
 
 def available() -> bool:
@@ -137,6 +156,14 @@ def plain_nearest(query: torch.Tensor, ref: torch.Tensor, k: int, take: int,
     dists, idx, proven = torch.ops.fullgraph_cpu.plain_nearest(query, ref, k, take, u, scaling.SCALE_BELOW,
                                                                scaling.SCALE_ABOVE)
     return (dists, idx) if bool(proven) else None
+
+
+def small_nearest_unchecked(query: torch.Tensor, ref: torch.Tensor, k: int, take: int):
+    """(dists, idx) [B, M, k]: ``plain_nearest``'s lists of arguments its caller checked (the
+    extension built), and where it refuses ``nearest_small``'s (every pair measured: the same
+    lists); one C++ call of fixed output shapes, for a compiled graph. The product's unit
+    roundoff is that of torch's float32 matmul precision when it runs (``certificate.roundoff``)."""
+    return torch.ops.fullgraph_cpu.small_nearest(query, ref, k, take, 0.0, scaling.SCALE_BELOW, scaling.SCALE_ABOVE)
 
 
 def squared_norms(x: torch.Tensor) -> torch.Tensor | None:

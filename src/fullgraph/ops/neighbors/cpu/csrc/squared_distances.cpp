@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "cores.h"
 #include "ranking.h"
 #include "rows.h"
 
@@ -461,6 +462,7 @@ at::Tensor squared_distances_all(const at::Tensor& q, const at::Tensor& r) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& query, const at::Tensor& ref,
                                                              int64_t take, double below, double above) {
   check_clouds(query, ref);
+  const fullgraph_cpu_cores::Fitted call;
   const int64_t batch = query.size(0), rows = query.size(1), columns = ref.size(1), dim = query.size(2);
   TORCH_CHECK(take >= 0 && take <= columns, "take: expected 0 to ", columns, " (the rows' length), got ", take);
   const at::Tensor q = query.contiguous(), r = ref.contiguous();
@@ -529,20 +531,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> nearest_small(const at::Tensor& q
   return {values, positions, counts};
 }
 
+// The product's unit roundoff as torch is set now (certificate.roundoff's, for a compiled graph,
+// which cannot ask torch's setting where it runs): float32 products may run in TF32 or bf16 where
+// the user allowed it; settings that disagree read as the loosest.
+double product_roundoff(at::ScalarType dtype) {
+  if (dtype == at::kDouble) return std::ldexp(1.0, -53);
+  try {
+    switch (at::globalContext().float32MatmulPrecision()) {
+      case at::Float32MatmulPrecision::HIGHEST: return std::ldexp(1.0, -24);
+      case at::Float32MatmulPrecision::HIGH: return std::ldexp(1.0, -11);
+      default: return std::ldexp(1.0, -8);
+    }
+  } catch (const c10::Error&) {
+    return std::ldexp(1.0, -8);
+  }
+}
+
 // plain_nearest(query [B, M, D], ref [B, N, D], k, take, u, below, above) -> (dists [B, M, k],
 // positions [B, M, k] int64, proven): the dense backend's kNN of a small call on plain points
 // (dense._plain_on_cpu) in one call: |q|^2 and |r|^2; where every norm is finite and each item's
 // largest lies in [D below^2, above^2] (no item would be scaled), one product q r^T, per query
 // the ``take`` least |r|^2 - 2 q.r (smallest_of_products), a floor under the squared distance of
-// every reference not among them (the expansion's error bound, u the product's unit roundoff:
-// dense/certificate.py), the candidates re-measured in the reference's arithmetic up to the
-// first whose floor lies past the k-th (measure), rooted and ordered (order_by_distance).
+// every reference not among them (the expansion's error bound, u the product's unit roundoff, 0:
+// as torch is set, product_roundoff: dense/certificate.py), the candidates re-measured in the
+// reference's arithmetic up to the first whose floor lies past the k-th (measure), rooted and
+// ordered (order_by_distance).
 // proven (a 0-d bool) is false where the call is not such, or a row's k-th squared distance is
 // not below its floor: the lists are then empty and the caller takes the usual path. A small
 // call spent ~0.15 ms in the ~20 torch operators this replaces.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> plain_nearest(const at::Tensor& query, const at::Tensor& ref, int64_t k,
                                                              int64_t take, double u, double below, double above) {
   check_clouds(query, ref);
+  if (u <= 0) u = product_roundoff(query.scalar_type());
   const int64_t batch = query.size(0), rows = query.size(1), columns = ref.size(1), dim = query.size(2);
   TORCH_CHECK(k >= 1 && k <= take && take <= columns, "take: expected k <= take <= ", columns,
               " (the references), k >= 1, got k = ", k, ", take = ", take);
@@ -611,9 +631,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> plain_nearest(const at::Tensor& q
   return std::make_tuple(dists, positions, at::ones({}, q.options().dtype(at::kBool)));
 }
 
+// small_nearest(query, ref, k, take, u, below, above) -> (dists, positions [B, M, k]):
+// plain_nearest's lists, and where it refuses nearest_small's (every pair measured; the same
+// lists): one operator of fixed output shapes, for a compiled graph (dense.plain_in_graph).
+std::tuple<at::Tensor, at::Tensor> small_nearest(const at::Tensor& query, const at::Tensor& ref, int64_t k,
+                                                 int64_t take, double u, double below, double above) {
+  const fullgraph_cpu_cores::Fitted call;
+  auto [dists, positions, proven] = plain_nearest(query, ref, k, take, u, below, above);
+  if (proven.item<bool>()) return std::make_tuple(dists, positions);
+  auto [values, order, counts] = nearest_small(query, ref, k, below, above);
+  return std::make_tuple(values, order);
+}
+
+// judge_cores_by(min_seconds, contended, free, free_calls): threads.py's constants for cores.h.
+void judge_cores_by(double min_seconds, double contended, double free, int64_t free_calls) {
+  fullgraph_cpu_cores::Judge& j = fullgraph_cpu_cores::judge();
+  std::lock_guard<std::mutex> guard(j.lock);
+  j.min_seconds = min_seconds, j.contended = contended, j.free = free, j.free_calls = free_calls;
+}
+
+// cores_shared(wall, cpu, threads) -> whether cores.h judges the cores shared, after a sample of
+// a call of ``wall`` and ``cpu`` seconds on ``threads`` (none where wall is 0).
+bool cores_shared(double wall, double cpu, int64_t threads) {
+  return fullgraph_cpu_cores::sample(wall, cpu, threads == 1, threads);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
+  m.def("judge_cores_by(float min_seconds, float contended, float free, int free_calls) -> ()");
+  m.def("cores_shared(float wall, float cpu, int threads) -> bool");
   m.def("nearest_small(Tensor query, Tensor ref, int take, float below, float above) -> (Tensor, Tensor, Tensor)");
   m.def("squared_distances(Tensor q, Tensor r, Tensor candidates) -> Tensor");
   m.def("squared_distances_all(Tensor q, Tensor r) -> Tensor");
@@ -621,6 +668,12 @@ TORCH_LIBRARY_FRAGMENT(fullgraph_cpu, m) {
   m.def("squared_norms(Tensor x) -> Tensor");
   m.def("squared_distances_bounded(Tensor q, Tensor r, Tensor candidates, Tensor floors, int least) -> Tensor");
   m.def("plain_nearest(Tensor query, Tensor ref, int k, int take, float u, float below, float above) -> (Tensor, Tensor, Tensor)");
+  m.def("small_nearest(Tensor query, Tensor ref, int k, int take, float u, float below, float above) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fullgraph_cpu, CompositeExplicitAutograd, m) {
+  m.impl("judge_cores_by", &judge_cores_by);
+  m.impl("cores_shared", &cores_shared);
 }
 
 TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
@@ -631,4 +684,5 @@ TORCH_LIBRARY_IMPL(fullgraph_cpu, CPU, m) {
   m.impl("squared_norms", &squared_norms);
   m.impl("squared_distances_bounded", &squared_distances_bounded);
   m.impl("plain_nearest", &plain_nearest);
+  m.impl("small_nearest", &small_nearest);
 }
