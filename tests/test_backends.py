@@ -76,13 +76,13 @@ def test_neighbour_backends_are_declared_once():
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 64, 4).name == "dense"
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 64, 4).name == "torch"  # dense would sync
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"  # beyond Triton's k
-        # Beyond its capture limits only outside a capture (the op resolves "auto" when it runs).
-        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 257).name == "dense"
+        # Inside a capture too, at every k (the op resolves "auto" when it runs).
+        assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 1024).name == "dense"
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.cuda, "is_available", lambda: True)
             patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-            assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 257).name == "torch"
-            assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"
+            assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 1024).name == "dense"
+            assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 16, 256).name == "torch"
 
 
 def test_a_size_rule_on_sizes_export_keeps_dynamic_adds_no_guard():
