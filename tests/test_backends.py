@@ -76,12 +76,13 @@ def test_neighbour_backends_are_declared_once():
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 64, 4).name == "dense"
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 64, 4).name == "torch"  # dense would sync
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 256).name == "dense"  # beyond Triton's k
-        # Inside a capture too, at every k (the op resolves "auto" when it runs).
+        # Inside a capture too, up to dense.CAPTURE_MAX_K (the op resolves "auto" when it runs).
         assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 1024).name == "dense"
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.cuda, "is_available", lambda: True)
             patch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
             assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 1024).name == "dense"
+            assert BACKENDS.resolve("auto", "knn", cuda, torch.float32, 16, 1025).name == "torch"
             assert BACKENDS.resolve("auto", "knn", cuda, torch.float64, 16, 256).name == "torch"
 
 

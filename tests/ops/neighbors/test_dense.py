@@ -348,7 +348,8 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
 @pytest.mark.skipif(not HAVE_TRITON, reason="the GPU path needs Triton")
 def test_auto_on_cuda_takes_it_at_every_width_and_list_length_graphed_or_not(monkeypatch):
     """"auto" takes dense on CUDA from CUDA_AUTO_MIN_DIM at every D and k, graphed or not
-    (lists beyond REDO_MAX_K too: a capture takes the products path for them)."""
+    (lists beyond REDO_MAX_K too: a capture takes the products path for them), but for lists
+    beyond CAPTURE_MAX_K inside a capture."""
     longer = dense.REDO_MAX_K + 1
     for capturing in (False, True):
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -358,6 +359,7 @@ def test_auto_on_cuda_takes_it_at_every_width_and_list_length_graphed_or_not(mon
                 assert dense._auto("cuda", torch.float32, dim, k)
         assert not dense._auto("cuda", torch.float64, 300, 10)
         assert not dense._auto("cuda", torch.float32, dense.CUDA_AUTO_MIN_DIM - 1, 10)
+        assert dense._auto("cuda", torch.float32, 64, dense.CAPTURE_MAX_K + 1) == (not capturing)
 
 
 @pytest.mark.parametrize("case", ["usual", "offset", "nan", "far out", "tiny", "ragged"])

@@ -87,8 +87,8 @@ float32 products and torch.topk (``_first_failed_again``): the Triton search tha
 is left is a scalar brute force, whose cost grows with D. Small eager calls on GPUs whose signature
 comes back replay the capture path from a CUDA graph (``replays``).
 
-Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32; lists longer than
-REDO_MAX_K on the products path at any size) the rows not proven take the brute force
+Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= CAPTURE_MAX_K;
+lists longer than REDO_MAX_K on the products path at any size) the rows not proven take the brute force
 restricted to them on small items (``Plan.redo``), else the Triton search restricted to
 them, for k + CANDIDATE_SLACK neighbours re-measured in the reference's arithmetic (the
 programs of either without such a row return at once; ``_lists_in_capture``, and the
@@ -1027,7 +1027,10 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
     if dim is None:
         return False
     if device_type == "cuda":
-        return dim >= CUDA_AUTO_MIN_DIM and _capturable("knn", dtype, dim, k)
+        # (beyond CAPTURE_MAX_K only outside a capture: the op resolves "auto" when it runs)
+        outside = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        return dim >= CUDA_AUTO_MIN_DIM and (_capturable("knn", dtype, dim, k) or (
+            outside and dtype != torch.float64 and _triton.available()))
     if size is not None and left_to_brute_force(dim, k, size, brute_force_limits()):
         return not select.available()
     return products_on_cpu(dim, size)
@@ -1054,10 +1057,16 @@ def left_to_brute_force(dim, k, size, limits) -> bool:
             and dim <= CPU_LONG_LISTS_MAX_DIM)
 
 
+# The longest lists a capture takes (beyond, "auto" takes another backend while a capture runs):
+# the Triton search that redoes what the float64 pass leaves keeps a row's list in registers
+# (measured up to k = 1,024 on the H100; such a list needs N >= k beyond registration.MAX_PADDED_K).
+CAPTURE_MAX_K = 1024
+
+
 def _capturable(op, dtype, dim, k) -> bool:
-    """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32 (see the
-    module docstring)."""
-    return dtype != torch.float64 and _triton.available()
+    """Failed rows are redone without a host read on CUDA in float16/bfloat16/float32, lists of
+    up to CAPTURE_MAX_K (see the module docstring)."""
+    return dtype != torch.float64 and k <= CAPTURE_MAX_K and _triton.available()
 
 
 BACKEND = Backend(
