@@ -461,7 +461,7 @@ def test_compiled_cpu_brute_force_calls_hold_its_operator(shape, dtype):
                                    (None, 64, 70, 128, 64, "nearest_small")])
 def test_compiled_small_dense_calls_hold_their_one_cpp_call(shape, plain):
     """Compiled, a small CPU call that "auto" gives the products answers by their one C++ call
-    in the graph (``dense.plain_in_graph``), which measures every pair where the products'
+    in the graph (``dense.plain_in_one_call``), which measures every pair where the products'
     call refuses (a non-finite or a far point), lists of nearly every reference by the brute
     force's call: the reference's lists in every case."""
     from fullgraph.ops.neighbors.cpu import native
@@ -486,6 +486,31 @@ def test_compiled_small_dense_calls_hold_their_one_cpp_call(shape, plain):
     compiled = torch.compile(lambda q, r: fullgraph.knn(q, r, k), fullgraph=True, dynamic=True)
     for a, b in zip(compiled(query, ref), want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("plain", [True, False])
+def test_small_eager_dense_calls_take_their_one_cpp_call(plain, monkeypatch):
+    """Eagerly too, a small CPU call that "auto" gives the products goes straight to their one
+    C++ call (``dense.plain_in_one_call``, past the operator's layers); bad arguments still get
+    the usual errors, and the lists are the reference's."""
+    from fullgraph.ops.neighbors.cpu import native
+    from fullgraph.ops.neighbors.dense import backend as dense
+
+    if not native.available():
+        pytest.skip("the C++ extension did not build here")
+    taken = []
+    monkeypatch.setattr(dense, "plain_in_one_call", lambda *a, f=dense.plain_in_one_call: taken.append(1) or f(*a))
+    generator = torch.Generator().manual_seed(3)
+    query, ref = torch.randn(256, 48, generator=generator), torch.randn(64, 48, generator=generator)
+    if not plain:
+        ref[4, 3] = math.nan
+        query[-1] *= 1e30
+    got, want = fullgraph.knn(query, ref, 1), fullgraph.knn(query, ref, 1, backend="torch")
+    assert taken == [1] and all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="ref"):
+        fullgraph.knn(query, ref[:, :47], 1)
+    with pytest.raises(ValueError, match="k"):
+        fullgraph.knn(query, ref, 0)
 
 
 def test_constants_to_compile_carry_torchs_own_mark():

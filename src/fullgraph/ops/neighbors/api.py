@@ -45,14 +45,15 @@ def _plain_context() -> bool:
                 or torch._C._is_torch_function_mode_enabled() or _python_dispatch._get_current_dispatch_mode())
 
 
-def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
+def _in_one_call(query, ref, k, backend, query_lengths, ref_lengths):
     """``knn``'s lists of a small eager CPU call: "auto" on plain floating clouds, no lengths,
-    at most ``cpu.TINY_MAX_WORK`` pair-coordinates or items "auto" leaves to the brute force
-    (``dense.left_to_brute_force``), k within the limit; what "auto" picks there (the CPU brute
-    force) in its one C++ call, past the checks and operator layers (~0.025 ms: 2 x 64 x 300
-    D=16 k=4 0.115 -> 0.091 ms, cdist + topk 0.113, 2-core CPU). None where the call is not such
-    (the usual path then checks it, errors included). Written for its host time (a call of 1 x 10
-    x 10 D=64 is ~0.01 ms of arithmetic). While torch.compile traces: ``_one_call_in_graph``."""
+    k within the limit, where "auto" answers in one C++ call: at most ``cpu.TINY_MAX_WORK``
+    pair-coordinates or items it leaves to the brute force (``dense.left_to_brute_force``), or
+    dense's products of a small call (``_plain_call``); that call, past the checks and operator
+    layers (~0.025-0.05 ms: 2 x 64 x 300 D=16 k=4 0.115 -> 0.091 ms, cdist + topk 0.113, 2-core
+    CPU). None where the call is not such (the usual path then checks it, errors included).
+    Written for its host time (a call of 1 x 10 x 10 D=64 is ~0.01 ms of arithmetic). While
+    torch.compile traces: ``_one_call_in_graph``."""
     if torch.compiler.is_compiling():
         return _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths)
     if (backend != "auto" or query_lengths is not None or ref_lengths is not None or type(query) is not torch.Tensor
@@ -66,14 +67,15 @@ def _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths):
         return None
     query, ref = (query, ref) if batched else (query[None], ref[None])
     tiny = cpu.tiny(query, ref, None, None)
-    if (not (tiny or _brute_force_call(query, ref, k))
+    brute_force = not tiny and _brute_force_call(query, ref, k)
+    if (not (tiny or brute_force or _plain_call(query, ref, k))
             or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _plain_context()):
         return None
     if tiny:  # (too short to judge the cores: ``threads``)
         found = cpu.tiny_knn(query, ref, k)
     else:
         with registration.threads.fitted(query):
-            found = cpu.tiny_knn(query, ref, k)
+            found = cpu.tiny_knn(query, ref, k) if brute_force else dense.plain_in_one_call(query, ref, k)
     return found if found is None or batched else (found[0][0], found[1][0])
 
 
@@ -84,6 +86,16 @@ def _brute_force_call(query, ref, k) -> bool:
     return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
             and dense.left_to_brute_force(dim, k, query.shape[1] * ref.shape[1], dense.brute_force_limits())
             and cpu.BACKEND.available("cpu"))
+
+
+def _plain_call(query, ref, k) -> bool:
+    """Whether "auto" answers the plain clouds query [B, M, D] and ref [B, N, D] (one dtype) by
+    dense's products in one C++ call (``dense.plain_in_one_call``; CPU, the extension built)."""
+    batch, rows, dim = query.shape
+    pairs = rows * ref.shape[1]
+    return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
+            and dense.products_on_cpu(dim, pairs) and batch * pairs * dim <= dense.PLAIN_ONE_CALL_MAX_WORK
+            and cpu.select.available())
 
 
 def _constant_to_compile(fn):
@@ -116,7 +128,7 @@ def _brute_force_limits() -> tuple:
 def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):
     """``knn``'s lists while torch.compile traces (not torch.export: exported graphs hold the
     public operator), where "auto" answers a CPU call in one C++ call: that operator itself in
-    the graph, the brute force's (``cpu.tiny_lists``) or the products' (``dense.plain_in_graph``),
+    the graph, the brute force's (``cpu.tiny_lists``) or the products' (``dense.plain_in_one_call``),
     the sizes guarded (a call past them compiles again, to the public operator); None
     elsewhere. In a compiled graph the public operator's layers cost ~0.07 ms, most of a small
     call (2-core CPU, 2 x 64 x 300 D=16 k=4: 0.185 -> 0.118 ms; cdist + topk compiled 0.115)."""
@@ -141,7 +153,7 @@ def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):
         # (within cpu.BRUTE_FORCE_MAX_PAIRS: the brute force in one call)
         found = cpu.tiny_lists(query, ref, k) if _tree_backend_runs() else None
     elif dense.products_on_cpu(dim, pairs):
-        found = dense.plain_in_graph(query, ref, k)
+        found = dense.plain_in_one_call(query, ref, k)
     else:
         found = None
     return found if found is None or batched else (found[0][0], found[1][0])
@@ -289,7 +301,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
     if batch_query is not None or batch_ref is not None:
         _flat_inputs(query, ref, query_lengths, ref_lengths)
         return torch.ops.fullgraph.knn_flat(query, ref, _integer("k", k), batch_query, batch_ref, backend)
-    found = _tiny_knn(query, ref, k, backend, query_lengths, ref_lengths)
+    found = _in_one_call(query, ref, k, backend, query_lengths, ref_lengths)
     if found is not None:
         return found
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)

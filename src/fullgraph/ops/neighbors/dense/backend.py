@@ -907,21 +907,22 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
                                        torch.empty((batch, rows), dtype=torch.int64))
 
 
-# Compiled graphs hold ``plain_in_graph``'s one C++ call up to this many pair-coordinates
+# Eager calls and compiled graphs take ``plain_in_one_call`` up to this many pair-coordinates
 # (B M N D): where it refuses (points not plain, a row unproven) it measures every pair, a few
-# ms at most on 2 cores; beyond, the public operator's ~0.07 ms is a small part of a call.
-PLAIN_IN_GRAPH_MAX_WORK = 2**22
+# ms at most on 2 cores; beyond, the public operator's ~0.05-0.07 ms is a small part of a call.
+PLAIN_ONE_CALL_MAX_WORK = 2**22
 
 
-def plain_in_graph(query, ref, k):
+def plain_in_one_call(query, ref, k):
     """``nearest``'s plain kNN lists (dists, idx) [B, M, k] of CPU clouds query [B, M, D] and ref
-    [B, N, D] (no lengths, no radius, the arguments checked) as torch.compile traces them, where
-    ``nearest`` answers in one C++ call: lists of nearly every reference by the brute force's,
-    small calls by ``_plain_on_cpu``'s, every pair measured in the same call where that one
-    refuses (``select.small_nearest_unchecked``). None where ``nearest`` takes another path or
-    the call is larger. In a compiled graph the public operator's layers cost ~0.07 ms, a third
-    of such a call (2-core CPU, 1 x 50 x 400 D=200 k=8: 0.26 -> 0.2 ms; cdist + topk compiled
-    0.21)."""
+    [B, N, D] (no lengths, no radius, the arguments checked) in one C++ call past the public
+    operator (``api``: small eager calls, and the graphs torch.compile traces), where
+    ``nearest`` answers in one: lists of nearly every reference by the brute force's, small
+    calls by ``_plain_on_cpu``'s, every pair measured in the same call where that one refuses
+    (``select.small_nearest_unchecked``, one output shape). None where ``nearest`` takes another
+    path or the call is larger. The operator's layers cost ~0.05 ms eagerly and ~0.07 ms in a
+    compiled graph, a third of such a call (2-core CPU, compiled 1 x 50 x 400 D=200 k=8: 0.26 ->
+    0.2 ms; cdist + topk compiled 0.21)."""
     if _on_tensor_cores(query):
         return None
     batch, rows, dim = query.shape
@@ -929,7 +930,7 @@ def plain_in_graph(query, ref, k):
     take = k + CANDIDATE_SLACK
     if take >= columns:
         return cpu_backend.tiny_lists(query, ref, k)
-    if batch * rows * columns * dim > PLAIN_IN_GRAPH_MAX_WORK:
+    if batch * rows * columns * dim > PLAIN_ONE_CALL_MAX_WORK:
         return None
     acc = pairs.accumulation_dtype(query.dtype)
     dists, idx = select.small_nearest_unchecked(query.to(acc), ref.to(acc), k, take)

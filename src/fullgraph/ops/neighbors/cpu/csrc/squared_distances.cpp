@@ -633,7 +633,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> plain_nearest(const at::Tensor& q
 
 // small_nearest(query, ref, k, take, u, below, above) -> (dists, positions [B, M, k]):
 // plain_nearest's lists, and where it refuses nearest_small's (every pair measured; the same
-// lists): one operator of fixed output shapes, for a compiled graph (dense.plain_in_graph).
+// lists): one operator of fixed output shapes, for a compiled graph (dense.plain_in_one_call).
 std::tuple<at::Tensor, at::Tensor> small_nearest(const at::Tensor& query, const at::Tensor& ref, int64_t k,
                                                  int64_t take, double u, double below, double above) {
   const fullgraph_cpu_cores::Fitted call;
