@@ -366,18 +366,18 @@ def test_calls_on_shared_cores_run_on_one_thread(monkeypatch, generator):
 
 def test_operators_of_compiled_graphs_judge_shared_cores_themselves(generator):
     """The C++ operators a compiled graph calls directly (outside ``threads.fitted``) judge the
-    cores by its rule and constants (``csrc/cores.h``): runs of calls of JUDGED_MIN_SECONDS
+    cores by its rule and constants (``csrc/cores.h``): runs of calls of JUDGED_RUN_SECONDS
     together; below CONTENDED_SHARE of a core per thread the following calls run on one thread
     (torch's count restored after each), until FREE_CALLS runs got a whole core."""
     from fullgraph.ops.neighbors.cpu import threads
 
     if not select.available():
         pytest.skip("needs the C++ extension")
-    judge, least = torch.ops.fullgraph_cpu.cores_shared, threads.JUDGED_MIN_SECONDS
+    judge, least = torch.ops.fullgraph_cpu.cores_shared, threads.JUDGED_RUN_SECONDS
     for _ in range(threads.FREE_CALLS):  # (whatever earlier calls left: free)
         judge(least, least, 1)
     assert not judge(0.0, 0.0, 2)
-    for _ in range(3):  # a run shorter than JUDGED_MIN_SECONDS is not judged
+    for _ in range(3):  # a run shorter than JUDGED_RUN_SECONDS is not judged
         assert not judge(least / 4, least / 4 * 0.6, 2)
     assert judge(least / 4, least / 4 * 0.6, 2)  # 0.3 of a core a thread
     query, ref = torch.randn(2, 30, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)

@@ -44,7 +44,7 @@ def _built() -> bool:
         return False
     _register_fakes()
     # (csrc/cores.h judges shared cores for the operators a compiled graph calls, by threads.py's rule)
-    torch.ops.fullgraph_cpu.judge_cores_by(threads.JUDGED_MIN_SECONDS, threads.CONTENDED_SHARE, threads.FREE_SHARE,
+    torch.ops.fullgraph_cpu.judge_cores_by(threads.JUDGED_RUN_SECONDS, threads.CONTENDED_SHARE, threads.FREE_SHARE,
                                            threads.FREE_CALLS)
     return True
 

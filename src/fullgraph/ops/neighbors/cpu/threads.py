@@ -18,6 +18,10 @@ import torch
 
 # Calls this short are not judged (timer resolution, and single-threaded anyway).
 JUDGED_MIN_SECONDS = 2e-3
+# ... and the runs of calls the C++ operators judge together (``csrc/cores.h``): the process's CPU
+# time counts another thread's share only at scheduler ticks (~4 ms), so runs of 2 ms of calls
+# of ~0.1-1 ms on quiet cores read ~1 core on 2 threads and were judged shared.
+JUDGED_RUN_SECONDS = 2e-2
 # Cores per thread below which the cores are shared (quiet 2-core CPU: 0.9-1.4 per thread on 2
 # threads; three busy processes beside: 0.3-0.4), and above which one thread had its core.
 CONTENDED_SHARE, FREE_SHARE, FREE_CALLS = 0.5, 0.9, 3

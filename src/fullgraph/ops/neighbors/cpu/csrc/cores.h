@@ -1,7 +1,8 @@
 // The cores a call gets when other processes share them, judged in C++ for the operators a
 // compiled graph calls directly (nearest_small, small_nearest): threads.py's rule, its constants
 // set from Python (native.py, judge_cores_by), over runs of calls of at least min_seconds of
-// wall time together (a small call is ~0.1 ms). While the cores are judged shared a call runs
+// wall time together (JUDGED_RUN_SECONDS: a small call is ~0.1 ms, and the process's CPU time
+// counts other threads' share only at scheduler ticks). While the cores are judged shared a call runs
 // on one thread: torch's threads meet at the end of every parallel region, and one of them
 // descheduled there costs the others its wait (2-core CPU, three busy processes beside:
 // 2 x 64 x 300 D=16 k=4 in a compiled graph 1.55 ms on two threads).
@@ -17,7 +18,7 @@ namespace fullgraph_cpu_cores {
 
 struct Judge {
   std::mutex lock;
-  double min_seconds = 2e-3, contended = 0.5, free = 0.9;  // threads.py's, until set
+  double min_seconds = 2e-2, contended = 0.5, free = 0.9;  // threads.py's, until set
   int64_t free_calls = 3;
   bool shared = false;
   int64_t free_runs = 0;
