@@ -1002,9 +1002,10 @@ CPU_AUTO_WIDE_DIM, CPU_AUTO_WIDE_MAX_PAIRS = 6, 2**26
 # (every pair measured in C++, 16 references at a time in vectors; bit for bit the reference's
 # lists), where the C++ extension built; by the threads torch uses (the table of the nearest
 # measured count, in ratio). Beyond D = 32 on 2 threads small calls of plain points take one C++
-# call here (``_plain_on_cpu``), faster than the brute force (1.1-1.8x at D = 48-64: NOTES.md).
+# call here (``_plain_on_cpu``), faster than the brute force (1.1-1.8x at D = 48-64), and so do
+# items of more than 2^16 pairs at D = 4-16 (1.2-1.8x: NOTES.md).
 CPU_BRUTE_FORCE = {  # threads: ((largest D, largest pairs per item), ...)
-    2: ((8, 2**19), (16, 2**18), (32, 2**16)),
+    2: ((32, 2**16),),
     16: ((32, 2**22), (64, 2**21), (128, 2**20)),
 }
 
