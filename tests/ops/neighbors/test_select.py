@@ -374,19 +374,25 @@ def test_operators_of_compiled_graphs_judge_shared_cores_themselves(generator):
     if not select.available():
         pytest.skip("needs the C++ extension")
     judge, least = torch.ops.fullgraph_cpu.cores_shared, threads.JUDGED_RUN_SECONDS
-    for _ in range(threads.FREE_CALLS):  # (whatever earlier calls left: free)
-        judge(least, least, 1)
+    for _ in range(2 * threads.FREE_CALLS):  # (whatever earlier calls left, a busy host's among them: free)
+        if not judge(least, least, 1):
+            break
     assert not judge(0.0, 0.0, 2)
     for _ in range(3):  # a run shorter than JUDGED_RUN_SECONDS is not judged
         assert not judge(least / 4, least / 4 * 0.6, 2)
     assert judge(least / 4, least / 4 * 0.6, 2)  # 0.3 of a core a thread
+    for _ in range(threads.FREE_CALLS - 1):
+        assert judge(least, least * 0.95, 1)
+    assert not judge(least, least * 0.95, 1)
+    assert not judge(least, least * 1.5, 2)
+    # A real call while shared (its own sample joins the next run: not counted here)
+    assert judge(least, least * 0.6, 2)
     query, ref = torch.randn(2, 30, 8, generator=generator), torch.randn(2, 40, 8, generator=generator)
     before = torch.get_num_threads()
     got = select.nearest_small(query, ref, 5)
     assert torch.get_num_threads() == before and judge(0.0, 0.0, 2)
     want = fullgraph.knn(query, ref, 5, backend="torch")
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    for _ in range(threads.FREE_CALLS - 1):
-        assert judge(least, least * 0.95, 1)
-    assert not judge(least, least * 0.95, 1)
-    assert not judge(least, least * 1.5, 2)
+    for _ in range(2 * threads.FREE_CALLS):  # (the later tests' calls: free again)
+        if not judge(least, least, 1):
+            break
