@@ -302,11 +302,11 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
         pytest.skip("the C++ extension did not build here")
     brute, products = [], []
     monkeypatch.setattr(cpu, "brute_force", lambda *a, f=cpu.brute_force: brute.append(a[0].shape[-1]) or f(*a))
-    # (eager calls the brute force takes go straight to its one C++ call: api._in_one_call)
+    # (eager calls the brute force takes go straight to its one C++ call: api._knn_in_one_call)
     monkeypatch.setattr(cpu, "tiny_knn", lambda *a, f=cpu.tiny_knn: brute.append(a[0].shape[-1]) or f(*a))
     kernels = dense.BACKEND.implementation
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
-    # (and small eager calls of the products, in their one C++ call: api._in_one_call)
+    # (and small eager calls of the products, in their one C++ call: api._knn_in_one_call)
     monkeypatch.setattr(dense, "plain_in_one_call",
                         lambda *a, f=dense.plain_in_one_call: products.append(a[0].shape[-1]) or f(*a))
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
@@ -329,7 +329,7 @@ def test_auto_takes_it_in_feature_space_and_for_small_items_on_cpus(monkeypatch,
     kernels = dense.BACKEND.implementation
     original = kernels.nearest
     monkeypatch.setattr(kernels, "nearest", lambda *a: calls.append((a[0].shape[-1], a[1].shape[1])) or original(*a))
-    # (small eager calls of the products, in their one C++ call: api._in_one_call)
+    # (small eager calls of the products, in their one C++ call: api._knn_in_one_call)
     monkeypatch.setattr(dense, "plain_in_one_call",
                         lambda *a, f=dense.plain_in_one_call: calls.append((a[0].shape[-1], a[1].shape[1])) or f(*a))
     monkeypatch.setattr(dense, "CPU_AUTO_MAX_PAIRS", 5 * 20)

@@ -45,11 +45,11 @@ def _plain_context() -> bool:
                 or torch._C._is_torch_function_mode_enabled() or _python_dispatch._get_current_dispatch_mode())
 
 
-def _in_one_call(query, ref, k, backend, query_lengths, ref_lengths):
+def _knn_in_one_call(query, ref, k, backend, query_lengths, ref_lengths):
     """``knn``'s lists of a small eager CPU call: "auto" on plain floating clouds, no lengths,
     k within the limit, where "auto" answers in one C++ call: at most ``cpu.TINY_MAX_WORK``
     pair-coordinates or items it leaves to the brute force (``dense.left_to_brute_force``), or
-    dense's products of a small call (``_plain_call``); that call, past the checks and operator
+    dense's products of a small call (``_one_call``); that call, past the checks and operator
     layers (~0.025-0.05 ms: 2 x 64 x 300 D=16 k=4 0.115 -> 0.091 ms, cdist + topk 0.113, 2-core
     CPU). None where the call is not such (the usual path then checks it, errors included).
     Written for its host time (a call of 1 x 10 x 10 D=64 is ~0.01 ms of arithmetic). While
@@ -66,36 +66,30 @@ def _in_one_call(query, ref, k, backend, query_lengths, ref_lengths):
             or k > max(ref_shape[-2], registration.MAX_PADDED_K)):
         return None
     query, ref = (query, ref) if batched else (query[None], ref[None])
-    tiny = cpu.tiny(query, ref, None, None)
-    brute_force = not tiny and _brute_force_call(query, ref, k)
-    if (not (tiny or brute_force or _plain_call(query, ref, k))
-            or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _plain_context()):
+    if (query.device.type != "cpu" or ref.device.type != "cpu" or query.dtype not in cpu.TINY_DTYPES
+            or shape[-1] < 1 or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad))
+            or not _extension_runs() or not _plain_context()):
         return None
-    if tiny:  # (too short to judge the cores: ``threads``)
+    if cpu.tiny(query, ref, None, None):  # (too short to judge the cores: ``threads``)
         found = cpu.tiny_knn(query, ref, k)
     else:
         with registration.threads.fitted(query):
-            found = cpu.tiny_knn(query, ref, k) if brute_force else dense.plain_in_one_call(query, ref, k)
+            found = _one_call(query, ref, k, dense.brute_force_limits())
     return found if found is None or batched else (found[0][0], found[1][0])
 
 
-def _brute_force_call(query, ref, k) -> bool:
-    """Whether "auto" answers the plain clouds query [B, M, D] and ref [B, N, D] (one dtype) by
-    the CPU brute force's one call (beyond ``cpu.tiny``'s)."""
-    dim = query.shape[-1]
-    return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
-            and dense.left_to_brute_force(dim, k, query.shape[1] * ref.shape[1], dense.brute_force_limits())
-            and cpu.BACKEND.available("cpu"))
-
-
-def _plain_call(query, ref, k) -> bool:
-    """Whether "auto" answers the plain clouds query [B, M, D] and ref [B, N, D] (one dtype) by
-    dense's products in one C++ call (``dense.plain_in_one_call``; CPU, the extension built)."""
-    batch, rows, dim = query.shape
-    pairs = rows * ref.shape[1]
-    return (query.device.type == "cpu" and ref.device.type == "cpu" and query.dtype in cpu.TINY_DTYPES and dim >= 1
-            and dense.products_on_cpu(dim, pairs) and batch * pairs * dim <= dense.PLAIN_ONE_CALL_MAX_WORK
-            and cpu.select.available())
+def _one_call(query, ref, k, brute_force_limits):
+    """(dists, idx) [B, M, k] of plain CPU clouds query [B, M, D] and ref [B, N, D] (one
+    floating dtype, k checked, the extension built) by the one C++ call "auto" answers them
+    with (``dense.left_to_brute_force`` by ``brute_force_limits``: the brute force's, else
+    dense's products of a small call); None where it answers otherwise."""
+    dim, pairs = query.shape[-1], query.shape[1] * ref.shape[1]
+    if dense.left_to_brute_force(dim, k, pairs, brute_force_limits):
+        # (within cpu.BRUTE_FORCE_MAX_PAIRS: the brute force in one call)
+        return cpu.tiny_lists(query, ref, k) if _tree_backend_runs() else None
+    if dense.products_on_cpu(dim, pairs):
+        return dense.plain_in_one_call(query, ref, k)
+    return None
 
 
 def _constant_to_compile(fn):
@@ -147,15 +141,8 @@ def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):
         return None
     if (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _extension_runs():
         return None
-    pairs = rows * columns
     query, ref = (query, ref) if batched else (query[None], ref[None])
-    if dense.left_to_brute_force(dim, k, pairs, _brute_force_limits()):
-        # (within cpu.BRUTE_FORCE_MAX_PAIRS: the brute force in one call)
-        found = cpu.tiny_lists(query, ref, k) if _tree_backend_runs() else None
-    elif dense.products_on_cpu(dim, pairs):
-        found = dense.plain_in_one_call(query, ref, k)
-    else:
-        found = None
+    found = _one_call(query, ref, k, _brute_force_limits())
     return found if found is None or batched else (found[0][0], found[1][0])
 
 
@@ -301,7 +288,7 @@ def knn(query, ref, k, *, query_lengths=None, ref_lengths=None, batch_query=None
     if batch_query is not None or batch_ref is not None:
         _flat_inputs(query, ref, query_lengths, ref_lengths)
         return torch.ops.fullgraph.knn_flat(query, ref, _integer("k", k), batch_query, batch_ref, backend)
-    found = _in_one_call(query, ref, k, backend, query_lengths, ref_lengths)
+    found = _knn_in_one_call(query, ref, k, backend, query_lengths, ref_lengths)
     if found is not None:
         return found
     query, ref, unbatched = _points(query, ref, query_lengths, ref_lengths)

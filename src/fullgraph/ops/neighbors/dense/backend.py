@@ -88,11 +88,12 @@ is left is a scalar brute force, whose cost grows with D. Small eager calls on G
 comes back replay the capture path from a CUDA graph (``replays``).
 
 Failed rows. Inside a CUDA graph capture (float16/bfloat16/float32, k <= CAPTURE_MAX_K;
-lists longer than REDO_MAX_K on the products path at any size) the rows not proven take the brute force
-restricted to them on small items (``Plan.redo``), else the Triton search restricted to
-them, for k + CANDIDATE_SLACK neighbours re-measured in the reference's arithmetic (the
-programs of either without such a row return at once; ``_lists_in_capture``, and the
-products path's ``_in_blocks``, float64 products first), and no host read. Otherwise one host read: on GPUs the stored products of steps 1-3 redo them
+lists longer than REDO_MAX_K on the products path at any size) the rows not proven take
+the brute force restricted to them on small items (``Plan.redo``), else the Triton search
+restricted to them, for k + CANDIDATE_SLACK neighbours re-measured in the reference's
+arithmetic (the programs of either without such a row return at once;
+``_lists_in_capture``, and the products path's ``_in_blocks``, float64 products first),
+and no host read. Otherwise one host read: on GPUs the stored products of steps 1-3 redo them
 first, then the Triton search (CUDA) or the reference (CPUs, float64) what still fails.
 """
 
@@ -1030,9 +1031,8 @@ def _auto(device_type, dtype, dim, k, size=None) -> bool:
         return False
     if device_type == "cuda":
         # (beyond CAPTURE_MAX_K only outside a capture: the op resolves "auto" when it runs)
-        outside = not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-        return dim >= CUDA_AUTO_MIN_DIM and (_capturable("knn", dtype, dim, k) or (
-            outside and dtype != torch.float64 and _triton.available()))
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return dim >= CUDA_AUTO_MIN_DIM and _capturable("knn", dtype, dim, k if capturing else min(k, CAPTURE_MAX_K))
     if size is not None and left_to_brute_force(dim, k, size, brute_force_limits()):
         return not select.available()
     return products_on_cpu(dim, size)
