@@ -303,7 +303,7 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     brute, products = [], []
     monkeypatch.setattr(cpu, "brute_force", lambda *a, f=cpu.brute_force: brute.append(a[0].shape[-1]) or f(*a))
     # (eager calls the brute force takes go straight to its one C++ call: api._knn_in_one_call)
-    monkeypatch.setattr(cpu, "tiny_knn", lambda *a, f=cpu.tiny_knn: brute.append(a[0].shape[-1]) or f(*a))
+    monkeypatch.setattr(cpu, "tiny_lists", lambda *a, f=cpu.tiny_lists: brute.append(a[0].shape[-1]) or f(*a))
     kernels = dense.BACKEND.implementation
     monkeypatch.setattr(kernels, "nearest", lambda *a, f=kernels.nearest: products.append(a[0].shape[-1]) or f(*a))
     # (and small eager calls of the products, in their one C++ call: api._knn_in_one_call)
