@@ -43,16 +43,22 @@ inline float value_of(uint64_t word) {
 template <typename Emit>
 void rank_words(uint64_t* words, int64_t count, int64_t take, Emit emit) {
 #ifdef FULLGRAPH_RANKS_IN_VECTORS
-  if (count <= kRankedMax) {
+  if (count <= kRankedMax) {  // eight words' ranks at a time, a masked add a word against them
     const int64_t padded = (count + 7) & ~int64_t{7};
     for (int64_t j = count; j < padded; ++j) words[j] = UINT64_MAX;  // above every word
-    for (int64_t i = 0; i < count; ++i) {
-      const __m512i each = _mm512_set1_epi64(static_cast<long long>(words[i]));
-      int rank = 0;
-      for (int64_t j = 0; j < padded; j += 8) {
-        rank += __builtin_popcount(_mm512_cmplt_epu64_mask(_mm512_loadu_si512(words + j), each));
+    const __m512i one = _mm512_set1_epi64(1);
+    alignas(64) int64_t ranks[8];
+    for (int64_t i = 0; i < count; i += 8) {
+      const __m512i mine = _mm512_loadu_si512(words + i);
+      __m512i rank = _mm512_setzero_si512();
+      for (int64_t j = 0; j < count; ++j) {
+        const __mmask8 above = _mm512_cmpgt_epu64_mask(mine, _mm512_set1_epi64(static_cast<long long>(words[j])));
+        rank = _mm512_mask_add_epi64(rank, above, rank, one);
       }
-      if (rank < take && emit(rank, words[i])) return;
+      _mm512_store_si512(ranks, rank);
+      for (int64_t lane = 0; lane < 8 && i + lane < count; ++lane) {
+        if (ranks[lane] < take && emit(static_cast<int>(ranks[lane]), words[i + lane])) return;
+      }
     }
     return;
   }
