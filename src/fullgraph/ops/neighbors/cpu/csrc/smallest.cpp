@@ -194,15 +194,25 @@ T value_of_key(Key<T> key) {
   return value;
 }
 
-// A row's numbers counted in 256 equal ranges of their keys, from the least to the greatest.
+// A row's numbers counted in 256 equal ranges of their keys, from the least to the greatest, or,
+// where the row holds numbers of both signs, of their values (``linear``): the keys of both signs
+// lie far apart (|r|^2 - 2 q.r at small D), so that one or two key ranges held most of the row
+// (2-core CPU, 1,000 rows of 1,000, 264 kept: 13 against 4.6 ms for the same row made positive).
+// Either way a greater key never falls in a lower range.
 template <typename T>
 struct KeyRanges {
   Key<T> least = kNoKey<T>, most = 0;
   int shift = 0;
+  bool linear = false;
+  T low = 0, scale = 0;  // (linear: range = (value - low) scale, below 256)
   int32_t counts[256] = {};
 
   bool empty() const { return least > most; }
-  uint32_t range(Key<T> key) const { return static_cast<uint32_t>((key - least) >> shift); }
+  uint32_t range(Key<T> key) const {
+    if (!linear) return static_cast<uint32_t>((key - least) >> shift);
+    const T spot = (value_of_key<T>(key) - low) * scale;
+    return spot < T(255) ? static_cast<uint32_t>(spot) : 255u;
+  }
 };
 
 // The keys of ``row`` (-0 as +0, NaN kNoKey) into ``keys`` [size], counted.
@@ -218,7 +228,14 @@ KeyRanges<T> count_keys(const T* row, int64_t size, Key<T>* keys) {
     }
   }
   if (ranges.empty()) return ranges;
-  while (((ranges.most - ranges.least) >> ranges.shift) >= 256) ++ranges.shift;
+  const T low = value_of_key<T>(ranges.least), high = value_of_key<T>(ranges.most);
+  if (low < 0 && high > 0 && std::isfinite(low) && std::isfinite(high) && std::isfinite(high - low)) {
+    ranges.linear = true;
+    ranges.low = low;
+    ranges.scale = T(256) / (high - low);
+  } else {
+    while (((ranges.most - ranges.least) >> ranges.shift) >= 256) ++ranges.shift;
+  }
   for (int64_t i = 0; i < size; ++i) {
     if (keys[i] != kNoKey<T>) ++ranges.counts[ranges.range(keys[i])];
   }
@@ -231,12 +248,22 @@ KeyRanges<T> count_keys(const T* row, int64_t size, Key<T>* keys) {
 // of 256: ~150).
 template <typename T>
 T counted_bound(const T* row, int64_t size, int64_t take) {
-  const KeyRanges<T> ranges = count_keys(row, size, scratch<Key<T>>(size).data());
+  Key<T>* keys = scratch<Key<T>>(size).data();
+  const KeyRanges<T> ranges = count_keys(row, size, keys);
   if (ranges.empty()) return std::numeric_limits<T>::infinity();
   int64_t total = 0;
   for (int range = 0; range < 256; ++range) {
     total += ranges.counts[range];
     if (total >= take) {
+      if (ranges.linear) {  // the greatest key of those ranges (a value range's end is not a key's)
+        Key<T> top = 0;
+        for (int64_t i = 0; i < size; ++i) {
+          if (keys[i] != kNoKey<T> && ranges.range(keys[i]) <= static_cast<uint32_t>(range)) {
+            top = std::max(top, keys[i]);
+          }
+        }
+        return value_of_key<T>(top);
+      }
       const Key<T> span = ((Key<T>(range) + 1) << ranges.shift) - 1;  // to the range's last key
       return value_of_key<T>(ranges.most - ranges.least <= span ? ranges.most : ranges.least + span);
     }
