@@ -181,6 +181,10 @@ register(Workload(
         # single large clouds on a CPU, where FAISS's exact index is the peer (minutes on 2 cores)
         "peers": {"cells": [[1, 2000, 100_000, 128, 10, "float32"], [1, 2048, 16_384, 64, 20, "float32"],
                             [1, 1000, 200_000, 768, 10, "float32"], [1, 5000, 50_000, 16, 10, "float32"]]},
+        # long lists on mid-size clouds and lists of nearly every reference, on a CPU (a minute)
+        "lists": {"cells": _grid(((1, 1000, 1000),), (8, 32, 512), (256,))
+                  + [[4, 1000, 1000, 32, 256, "float32"], [4, 300, 300, 512, 256, "float32"],
+                     [2, 64, 70, 128, 64, "float32"], [1, 64, 64, 512, 64, "float32"]]},
         "tiny": {"cells": [[2, 64, 300, 16, 4, "float32"], [1, 50, 400, 200, 8, "float32"]],
                  "first": [[1, 50, 400, 200, 8, "float32"]]},
         "full": {"cells": _REPORTED + _grid(_FULL_SHAPES, _FULL_DIMS, (1, 4, 16, 64, 256, 1024),
