@@ -312,12 +312,18 @@ def test_auto_leaves_small_items_to_the_cpu_brute_force(monkeypatch, generator):
     monkeypatch.setattr(dense, "CPU_BRUTE_FORCE", {1: ((8, 6 * 30), (64, 6 * 20)), 64: ()})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # nearer 1 than 64
     monkeypatch.setattr(dense.cpu_backend, "TINY_MAX_WORK", 0)  # (tiny calls: tests/ops/neighbors/test_search.py)
-    for dim, columns in ((3, 30), (8, 30), (16, 20), (16, 30), (64, 20), (65, 20)):
+    for dim, columns in ((3, 30), (8, 30), (16, 20), (16, 30), (64, 20), (65, 30)):
         query, ref = (t.float() for t in _clouds("normal", dim, generator, rows=6, columns=columns))
         got = fullgraph.knn(query, ref, 4)
         want = fullgraph.knn(query, ref, 4, backend="torch")
         assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     assert brute == [3, 8, 16, 64] and products == [16, 65]
+    # lists of half the references or more (k + CANDIDATE_SLACK): the products' path measures every
+    # pair in the brute force's call (dense.lists_of_most)
+    brute.clear()
+    query, ref = (t.float() for t in _clouds("normal", 65, generator, rows=6, columns=2 * (4 + dense.CANDIDATE_SLACK)))
+    got, want = fullgraph.knn(query, ref, 4), fullgraph.knn(query, ref, 4, backend="torch")
+    assert brute == [65] and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 32)  # nearer 64: its table, no brute force
     assert not dense.brute_force_limits() and dense._auto("cpu", torch.float32, 3, 4, 6 * 30)
 

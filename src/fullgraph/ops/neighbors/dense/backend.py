@@ -870,11 +870,11 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
                 torch.zeros((batch, rows), dtype=torch.int64, device=device))
     if not query.is_cuda:  # (tensor cores on CPU tensors: Triton's interpreter, the tests')
         if not _on_tensor_cores(query):
-            found = _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
-            if found is None and k + CANDIDATE_SLACK >= ref.shape[1]:
-                # Lists of (nearly) every reference: each pair is measured exactly anyway, the
-                # products select nothing (16 x 128 x 16 D=64 k=16, 2 threads: 1.65 -> 0.57 ms).
+            found = None
+            if lists_of_most(k, ref.shape[1]):
                 found = cpu_backend.brute_force(query, ref, k, radius, query_lengths, ref_lengths)
+            if found is None:
+                found = _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths)
             if found is not None:
                 return found
         return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
@@ -889,6 +889,21 @@ def nearest(query, ref, k, radius, query_lengths, ref_lengths):
             return _planned(plan(query, ref, k), query, ref, k, radius, query_lengths, ref_lengths)
     except _background.Compiling:
         return _in_torch(query, ref, k, radius, query_lengths, ref_lengths)
+
+
+# On CPUs lists of at least 1 / CPU_MOST_SHARE of the references (k + CANDIDATE_SLACK) are the brute
+# force's (every pair measured exactly): the products select little there and their candidates
+# are measured exactly anyway (2 cores, ms brute force / products / cdist + topk: 16 x 128 x 16 D=64
+# k=16 0.57 / 1.65; 1 x 300^2 D=512 k=256 3.1 / 5.4 / 3.1, k=150 2.9 / 3.3 / 2.4; 1 x 128^2 D=256
+# k=100 0.34 / 0.58 / 0.71; 1 x 1000^2 D=128 k=800 23 / 39 / 31, D=512 k=600 38 / 58 / 32). At a
+# third the products hold at wide points (1 x 300^2 D=512 k=100 2.8 / 2.7; 4 x 64^2 D=512 k=16
+# 0.79 / 0.33-0.49).
+CPU_MOST_SHARE = 2
+
+
+def lists_of_most(k, columns) -> bool:
+    """Whether CPU lists of ``k`` of ``columns`` references go to the brute force (CPU_MOST_SHARE)."""
+    return CPU_MOST_SHARE * (k + CANDIDATE_SLACK) >= columns
 
 
 # CPU calls of at most this many query-reference pairs (all items) whose points are plain (finite,
@@ -926,7 +941,7 @@ def plain_in_one_call(query, ref, k):
     """``nearest``'s plain kNN lists (dists, idx) [B, M, k] of CPU clouds query [B, M, D] and ref
     [B, N, D] (no lengths, no radius, the arguments checked) in one C++ call past the public
     operator (``api``: small eager calls, and the graphs torch.compile traces), where
-    ``nearest`` answers in one: lists of nearly every reference by the brute force's, small
+    ``nearest`` answers in one: lists of most references (``lists_of_most``) by the brute force's, small
     calls by ``_plain_on_cpu``'s, every pair measured in the same call where that one refuses
     (``select.small_nearest_unchecked``, one output shape). None where ``nearest`` takes another
     path or the call is larger. The operator's layers cost ~0.05 ms eagerly and ~0.07 ms in a
@@ -937,7 +952,7 @@ def plain_in_one_call(query, ref, k):
     batch, rows, dim = query.shape
     columns = ref.shape[1]
     take = k + CANDIDATE_SLACK
-    if take >= columns:
+    if lists_of_most(k, columns):
         return cpu_backend.tiny_lists(query, ref, k)
     if batch * rows * columns * dim > PLAIN_ONE_CALL_MAX_WORK:
         return None
