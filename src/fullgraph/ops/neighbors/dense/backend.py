@@ -327,8 +327,11 @@ def _floor(value, q_abs, reach, dim: int, precision: str):
 
 # On CPUs the products of a block of queries are made a tile of this many references at a time
 # in one reused buffer (a few MiB: its values stay in the caches), each tile's entries below the
-# least so far merged with them (``select.smallest_after``).
-CPU_REFERENCE_TILE = 2048
+# least so far merged with them (``select.smallest_after``), for lists of up to CPU_TILE_MAX_TAKE
+# candidates: each merge re-selects the list, which costs more than whole rows' products beyond
+# (2 cores, ms tiles / whole rows: 1 x 2000 x 20000 D=64 k=16 44 / 94, k=100 106 / 128, k=256 192 /
+# 117; 3 x 500 x 5000 D=64 k=56 26 / 27, k=100 26 / 22, k=256 55 / 34, k=1024 201 / 68).
+CPU_REFERENCE_TILE, CPU_TILE_MAX_TAKE = 2048, 128
 
 
 _WORKSPACE = threading.local()
@@ -374,7 +377,7 @@ def _least_products(qc, frames: Frames, take: int, precision: str = ""):
     if qc.is_cuda:
         return _least(torch.baddbmm(r_norms[:, None, :], qc, rc.transpose(1, 2), alpha=-2), take)
     batch, rows, _ = qc.shape
-    if columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM:
+    if columns <= 2 * CPU_REFERENCE_TILE or qc.shape[-1] < CPU_WIDE_DIM or take > CPU_TILE_MAX_TAKE:
         products = _workspace(batch * rows * columns, qc.dtype).view(batch, rows, columns)
         return select.smallest_of_products(torch.bmm(qc, rc.transpose(1, 2), out=products), r_norms, take)
     buffer = _workspace(batch * rows * CPU_REFERENCE_TILE, qc.dtype)
@@ -911,6 +914,17 @@ def lists_of_most(k, columns) -> bool:
 # (``_plain_on_cpu``): the frames' centring and scaling are ~60 of the ~100 torch operators a
 # call takes, most of a small call (1 x 64 x 256 D=1024 k=8, 2-core CPU: NOTES.md).
 PLAIN_CPU_MAX_PAIRS = 2**22
+# ... with k + CANDIDATE_SLACK candidates a query, and k / PLAIN_SLACK_SHARE from k = 128: one row
+# whose k-th distance lies within the products' error of the last candidate's refuses the whole
+# call to the usual path, and long lists of wide points crowd (1 x 500 x 2000 D=768 k=256: refused
+# at k + 8, proven at k + 16; 1 x 500 x 5000 D=256 k=1024 refused in one draw of two, ~36 ms
+# against ~100 by the usual path); the re-measure stops at the k-th's floor, so more cost little.
+PLAIN_SLACK_SHARE = 16
+
+
+def _plain_take(k) -> int:
+    """The plain path's candidates a query for lists of ``k``."""
+    return k + max(CANDIDATE_SLACK, k // PLAIN_SLACK_SHARE)
 
 
 def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
@@ -919,7 +933,7 @@ def _plain_on_cpu(query, ref, k, radius, query_lengths, ref_lengths):
     takes the uncentred norms); None where the call is not such or any row is left unproven
     (the usual path then answers all of it)."""
     batch, rows, _ = query.shape
-    take = k + CANDIDATE_SLACK
+    take = _plain_take(k)
     if (radius != math.inf or query_lengths is not None or ref_lengths is not None or take >= ref.shape[1]
             or batch * rows * ref.shape[1] > PLAIN_CPU_MAX_PAIRS):
         return None
@@ -951,7 +965,7 @@ def plain_in_one_call(query, ref, k):
         return None
     batch, rows, dim = query.shape
     columns = ref.shape[1]
-    take = k + CANDIDATE_SLACK
+    take = _plain_take(k)
     if lists_of_most(k, columns):
         return cpu_backend.tiny_lists(query, ref, k)
     if batch * rows * columns * dim > PLAIN_ONE_CALL_MAX_WORK:
