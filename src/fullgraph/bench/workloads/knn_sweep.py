@@ -184,6 +184,7 @@ register(Workload(
         # long lists on mid-size clouds and lists of nearly every reference, on a CPU (a minute)
         "lists": {"cells": _grid(((1, 1000, 1000),), (8, 32, 512), (256,))
                   + [[4, 1000, 1000, 32, 256, "float32"], [4, 300, 300, 512, 256, "float32"],
+                     [3, 500, 5000, 64, 1024, "float32"], [1, 500, 5000, 256, 1024, "float32"],
                      [2, 64, 70, 128, 64, "float32"], [1, 64, 64, 512, 64, "float32"]]},
         "tiny": {"cells": [[2, 64, 300, 16, 4, "float32"], [1, 50, 400, 200, 8, "float32"]],
                  "first": [[1, 50, 400, 200, 8, "float32"]]},
