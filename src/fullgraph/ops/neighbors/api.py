@@ -56,26 +56,36 @@ def _knn_in_one_call(query, ref, k, backend, query_lengths, ref_lengths):
     torch.compile traces: ``_one_call_in_graph``."""
     if torch.compiler.is_compiling():
         return _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths)
-    if (backend != "auto" or query_lengths is not None or ref_lengths is not None or type(query) is not torch.Tensor
-            or type(ref) is not torch.Tensor or type(k) is not int or k < 1):
+    plain = _plain_cpu_call(query, ref, k, backend, query_lengths, ref_lengths)
+    if plain is None or not _plain_context():
         return None
-    shape, ref_shape = query.shape, ref.shape
-    batched = len(shape) == 3
-    if (len(ref_shape) != len(shape) or not (batched or len(shape) == 2) or ref.dtype != query.dtype
-            or shape[:-2] != ref_shape[:-2] or ref_shape[-1] != shape[-1]
-            or k > max(ref_shape[-2], registration.MAX_PADDED_K)):
-        return None
-    query, ref = (query, ref) if batched else (query[None], ref[None])
-    if (query.device.type != "cpu" or ref.device.type != "cpu" or query.dtype not in cpu.TINY_DTYPES
-            or shape[-1] < 1 or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad))
-            or not _extension_runs() or not _plain_context()):
-        return None
+    (query, ref), batched = plain
     if cpu.tiny(query, ref, None, None):  # (too short to judge the cores: ``threads``)
         found = cpu.tiny_knn(query, ref, k)
     else:
         with registration.threads.fitted(query):
             found = _one_call(query, ref, k, dense.brute_force_limits())
     return found if found is None or batched else (found[0][0], found[1][0])
+
+
+def _plain_cpu_call(query, ref, k, backend, query_lengths, ref_lengths):
+    """For ``knn``'s arguments of a call "auto" may answer in one C++ call (plain CPU clouds
+    [B, M, D] / [B, N, D] or [M, D] / [N, D] of one dtype of ``cpu.TINY_DTYPES``, D >= 1, no
+    lengths, no gradient, k from 1 to the limit, the extension built): ((query, ref) batched,
+    whether they were); None otherwise. Its cheap checks first: eager calls spend host time here."""
+    if (backend != "auto" or query_lengths is not None or ref_lengths is not None or type(query) is not torch.Tensor
+            or type(ref) is not torch.Tensor or isinstance(k, bool) or not isinstance(k, (int, torch.SymInt))
+            or k < 1):
+        return None
+    shape, ref_shape = query.shape, ref.shape
+    batched = len(shape) == 3
+    if (len(ref_shape) != len(shape) or not (batched or len(shape) == 2) or ref.dtype != query.dtype
+            or shape[:-2] != ref_shape[:-2] or ref_shape[-1] != shape[-1] or shape[-1] < 1
+            or k > max(ref_shape[-2], registration.MAX_PADDED_K)
+            or query.device.type != "cpu" or ref.device.type != "cpu" or query.dtype not in cpu.TINY_DTYPES
+            or (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _extension_runs()):
+        return None
+    return ((query, ref) if batched else (query[None], ref[None])), batched
 
 
 def _one_call(query, ref, k, brute_force_limits):
@@ -126,22 +136,11 @@ def _one_call_in_graph(query, ref, k, backend, query_lengths, ref_lengths):
     the sizes guarded (a call past them compiles again, to the public operator); None
     elsewhere. In a compiled graph the public operator's layers cost ~0.07 ms, most of a small
     call (2-core CPU, 2 x 64 x 300 D=16 k=4: 0.185 -> 0.118 ms; cdist + topk compiled 0.115)."""
-    if (torch.compiler.is_exporting() or backend != "auto" or query_lengths is not None or ref_lengths is not None
-            or type(query) is not torch.Tensor or type(ref) is not torch.Tensor
-            or isinstance(k, bool) or not isinstance(k, (int, torch.SymInt))):
+    plain = None if torch.compiler.is_exporting() else _plain_cpu_call(query, ref, k, backend, query_lengths,
+                                                                           ref_lengths)
+    if plain is None or query.shape[-2] < 1 or ref.shape[-2] < 1:
         return None
-    batched = query.dim() == 3
-    if (query.dim() != ref.dim() or not (batched or query.dim() == 2) or ref.dtype != query.dtype
-            or query.device.type != "cpu" or ref.device.type != "cpu" or query.dtype not in cpu.TINY_DTYPES):
-        return None
-    rows, columns, dim = query.shape[-2], ref.shape[-2], query.shape[-1]
-    if query.shape[:-2] != ref.shape[:-2] or ref.shape[-1] != dim or dim < 1 or rows < 1 or columns < 1:
-        return None
-    if k < 1 or k > max(columns, registration.MAX_PADDED_K):
-        return None
-    if (torch.is_grad_enabled() and (query.requires_grad or ref.requires_grad)) or not _extension_runs():
-        return None
-    query, ref = (query, ref) if batched else (query[None], ref[None])
+    (query, ref), batched = plain
     found = _one_call(query, ref, k, _brute_force_limits())
     return found if found is None or batched else (found[0][0], found[1][0])
 
