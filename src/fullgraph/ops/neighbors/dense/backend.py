@@ -965,13 +965,12 @@ def plain_in_one_call(query, ref, k):
         return None
     batch, rows, dim = query.shape
     columns = ref.shape[1]
-    take = _plain_take(k)
     if lists_of_most(k, columns):
         return cpu_backend.tiny_lists(query, ref, k)
     if batch * rows * columns * dim > PLAIN_ONE_CALL_MAX_WORK:
         return None
     acc = pairs.accumulation_dtype(query.dtype)
-    dists, idx = select.small_nearest_unchecked(query.to(acc), ref.to(acc), k, take)
+    dists, idx = select.small_nearest_unchecked(query.to(acc), ref.to(acc), k, _plain_take(k))
     return dists.to(query.dtype), idx
 
 
