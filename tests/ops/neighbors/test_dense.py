@@ -656,37 +656,6 @@ def test_wide_smallest_orders_ties_by_position(count, monkeypatch, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("held", [True, False])
-@pytest.mark.interpreted(keep=2)
-def test_least_unordered_holds_a_stable_sorts_first_members(held, monkeypatch, generator):
-    """The radix select of the products' candidates (``least_unordered``, in no order): the
-    members of a stable sort's first ``count`` (ties to the smaller position) on normal rows,
-    rows of few distinct values, one value repeated, -0.0 beside 0.0, negatives, -inf and
-    +inf, and counts from one to the whole row; rows held in registers or read in blocks."""
-    from fullgraph.ops.neighbors.dense import kernels as triton_dense
-
-    if not held:
-        monkeypatch.setattr(triton_dense.selection, "RADIX_HELD", 64)
-        monkeypatch.setattr(triton_dense.selection, "RADIX_BLOCK", 128)  # several blocks a row
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    width = 300
-    values = torch.randn(7, width, generator=generator)
-    values[1] = torch.round(values[1] * 2)  # few distinct values
-    values[2] = 3.0
-    values[3, ::2] = -0.0
-    values[3, 1::2] = 0.0
-    values[4, ::3] = math.inf
-    values[5, ::5] = -math.inf
-    values[6, -70:] = -5.0  # the least at the end, tied
-    values = values.to(device)
-    want, want_position = torch.sort(values, dim=-1, stable=True)
-    for count in (1, 17, 150, width - 1, width):
-        found, position = triton_dense.least_unordered(values, count)
-        assert torch.equal(torch.sort(position, -1).values, torch.sort(want_position[..., :count], -1).values)
-        assert torch.equal(found, values.gather(-1, position)), count
-
-
-@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 @pytest.mark.parametrize("rows, columns, count", [(5, 37, 9), (70, 2100, 25), (3, 9, 3), (40, 5000, 40)])
 @pytest.mark.interpreted(keep=1)
 def test_least_chunks_in_one_kernel_equal_the_stored_minima_sorted(rows, columns, count, monkeypatch, generator):

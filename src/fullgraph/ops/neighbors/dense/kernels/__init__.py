@@ -7,7 +7,7 @@ backend loads this package on first use):
   arithmetic, and the certified lists (``nearest_members``, ``certified_lists``);
 - ``every_pair``: small items measured pair by pair (``brute_force``);
 - ``clouds``: the frames (``frames``): scales, centres, both clouds centred;
-- ``selection``: the least values of each row (``smallest``; in no order, ``least_unordered``);
+- ``selection``: the least values of each row (``smallest``);
 - ``ordering``: packed keys and sorting networks the others share.
 """
 
@@ -18,10 +18,9 @@ from .members import (certified_lists, measures, member_distances, nearest_membe
                       squared_distances)
 from .products import (chunk_minima, chunk_size, half_operands, half_unit, least_chunk_keys, least_chunks,
                        low_operands, product_error)
-from .selection import least_unordered, smallest
+from .selection import smallest
 
-__all__ = ["brute_force", "brute_force_takes", "certified_lists", "chunk_minima", "chunk_size", "clouds",
-           "every_pair", "frames", "half_operands", "half_unit", "least_chunk_keys", "least_chunks",
-           "least_unordered", "low_operands", "measures", "member_distances", "members", "nearest_members",
-           "orders_candidates", "ordering", "product_error", "products", "ranks_members", "selection", "smallest",
-           "squared_distances"]
+__all__ = ["brute_force", "brute_force_takes", "certified_lists", "chunk_minima", "chunk_size", "clouds", "every_pair",
+           "frames", "half_operands", "half_unit", "least_chunk_keys", "least_chunks", "low_operands", "measures",
+           "member_distances", "members", "nearest_members", "orders_candidates", "ordering", "product_error", "products",
+           "ranks_members", "selection", "smallest", "squared_distances"]

@@ -1,7 +1,6 @@
 """``smallest``: the least values of each row with their positions, ties to the smaller
 position (a sort of packed keys in registers; beyond SORT_MAX columns a threshold from the
-minima of classes of positions, ``_wide_smallest_kernel``, or ``torch.topk``);
-``least_unordered``: the same members in no order (a radix select, ``_radix_least_kernel``).
+minima of classes of positions, ``_wide_smallest_kernel``, or ``torch.topk``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ...keys import KEY_NONE
-from .ordering import _key_values, _keys_out, _least_descending, _ordered_bits, _ordered_keys
+from .ordering import _key_values, _keys_out, _least_descending, _ordered_keys
 
 # The widest rows ``smallest`` sorts in registers, and the keys one program sorts.
 SORT_MAX, SORT_KEYS = 2048, 4096
@@ -121,87 +120,6 @@ def _wide_smallest(values: torch.Tensor, count: int, needed: torch.Tensor | None
             values.contiguous(), needed.contiguous() if needed is not None else values, scratch, out_values, out_index,
             width, count, GROUPS=WIDE_GROUPS, BLOCK=WIDE_BLOCK, CAP=WIDE_CAP,
             KEYS=max(16, triton.next_power_of_2(count)), NEEDED=needed is not None, num_warps=WIDE_WARPS)
-    return out_values, out_index
-
-
-# ``least_unordered``: rows of up to RADIX_HELD values are held in registers (one read of the
-# row), wider ones read in blocks of RADIX_BLOCK once a digit (four reads and the gathering one).
-RADIX_HELD, RADIX_BLOCK = 4096, 4096
-
-
-@triton.jit
-def _radix_digits(values, prefix, SHIFT: tl.constexpr, inside):
-    """The 8-bit digits at SHIFT of the unsigned order keys of values (float32, no NaN) whose
-    higher digits equal prefix's, in bins 0-255 of a histogram of 512; the others in bin 256."""
-    keys = _ordered_bits(values).to(tl.int64) + 2**31
-    match = inside & ((keys >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))
-    return tl.histogram(tl.where(match, ((keys >> SHIFT) & 255).to(tl.int32), 256), 512)
-
-
-@triton.jit
-def _radix_least_kernel(values_ptr, out_values_ptr, out_index_ptr, width, count, BLOCK: tl.constexpr,
-                        HELD: tl.constexpr):
-    """``least_unordered`` of one row a program: the count-th least order key found a digit
-    of 8 bits at a time (four histograms of the keys that share the digits above), then the
-    keys below it and the first of those equal to it (by position) gathered, in row order.
-    HELD: the row (width <= BLOCK) stays in registers; otherwise it is read in blocks."""
-    row = tl.program_id(0).to(tl.int64)
-    base = values_ptr + row * width
-    lanes = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 512)
-    need = count + 0  # keys equal to the count-th still to take
-    prefix = row * 0  # the count-th key's digits found so far
-    if HELD:
-        held = tl.load(base + lanes, mask=lanes < width, other=float("inf"))
-    for digit in tl.static_range(4):
-        SHIFT: tl.constexpr = 24 - 8 * digit
-        if HELD:
-            counts = _radix_digits(held, prefix, SHIFT, lanes < width)
-        else:
-            counts = tl.zeros((512,), tl.int32)
-            for start in range(0, width, BLOCK):
-                x = tl.load(base + start + lanes, mask=start + lanes < width, other=float("inf"))
-                counts += _radix_digits(x, prefix, SHIFT, start + lanes < width)
-        chosen = tl.sum((tl.cumsum(counts, 0) < need).to(tl.int32), 0)
-        need -= tl.sum(tl.where(bins < chosen, counts, 0), 0)
-        prefix = prefix | (chosen.to(tl.int64) << SHIFT)
-    out = out_values_ptr + row * count, out_index_ptr + row * count
-    if HELD:
-        _radix_gathered(held, lanes, lanes < width, prefix, need, 0, out)
-    else:
-        taken = need * 0
-        for start in range(0, width, BLOCK):
-            inside = start + lanes < width
-            x = tl.load(base + start + lanes, mask=inside, other=float("inf"))
-            need, taken = _radix_gathered(x, start + lanes, inside, prefix, need, taken, out)
-
-
-@triton.jit
-def _radix_gathered(values, positions, inside, prefix, need, taken, out):
-    """Stores the values whose order key is below prefix, and the first ``need`` equal to it,
-    with their positions, at out (values, positions) + taken on -> (need, taken) after them."""
-    keys = _ordered_bits(values).to(tl.int64) + 2**31
-    tie = inside & (keys == prefix)
-    take = (inside & (keys < prefix)) | (tie & (tl.cumsum(tie.to(tl.int32), 0) <= need))
-    at = taken + tl.cumsum(take.to(tl.int32), 0) - 1
-    tl.store(out[0] + at, values, mask=take)
-    tl.store(out[1] + at, positions.to(tl.int64), mask=take)
-    return need - tl.sum(tie.to(tl.int32), 0), taken + tl.sum(take.to(tl.int32), 0)
-
-
-def least_unordered(values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [..., W] float32 (no NaN; on GPUs, or Triton's interpreter) -> the ``count``
-    (<= W) least of each row and their positions (int64), in no order, ties to the smaller
-    position: ``torch.topk(largest=False, sorted=False)``'s members with a defined tie order."""
-    width = values.shape[-1]
-    rows = values.numel() // max(width, 1)
-    out_values = torch.empty((*values.shape[:-1], count), dtype=torch.float32, device=values.device)
-    out_index = torch.empty((*values.shape[:-1], count), dtype=torch.int64, device=values.device)
-    if rows and count:
-        held = width <= RADIX_HELD
-        block = triton.next_power_of_2(width) if held else RADIX_BLOCK
-        _radix_least_kernel[(rows,)](values.contiguous(), out_values, out_index, width, count, BLOCK=block,
-                                     HELD=held, num_warps=4 if block <= 2048 else 8)
     return out_values, out_index
 
 
