@@ -1146,7 +1146,7 @@ def test_frames_in_triton_equal_torchs(dtype, dim, generator):
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-@pytest.mark.parametrize("dim", [5, 64, 200])
+@pytest.mark.parametrize("dim", [5, 64, 200, 700])
 @pytest.mark.parametrize("k", [1, 7, 40])
 def test_brute_force_measures_every_pair_as_the_reference(dim, k, generator):
     """``triton_dense.brute_force``: the k nearest valid references by the reference's

@@ -533,9 +533,16 @@ SMALL_ITEM_MAX_PAIRS, SMALL_ITEM_MAX_DIM = 2**16, 64
 PRODUCTS_MIN_K, PRODUCTS_MAX_PAIRS, PRODUCTS_CAPTURE_MAX_PAIRS = 128, 2**28, 2**26
 PRODUCTS_PRECISION = "tf32x3"
 # Rows unproven inside a capture are redone by the brute force on items of up to this many
-# references (programs without such a row return at once), by the Triton search on larger ones
-# (per row the brute force's scalar sums cost more there).
+# references (of D <= 256; wider points: as many coordinates summed a row, fewer references;
+# programs without such a row return at once), by the Triton search on larger ones (per row the
+# brute force's scalar sums cost more there).
 BRUTE_FORCE_REDO_MAX_COLUMNS = 2**13
+
+
+def _redone_by_every_pair(dim: int, k: int, columns: int) -> bool:
+    """Whether a capture redoes its unproven rows by the brute force (BRUTE_FORCE_REDO_MAX_COLUMNS)."""
+    padded = max(256, 1 << max(0, dim - 1).bit_length())
+    return triton_dense.brute_force_takes(dim, k) and columns * padded <= BRUTE_FORCE_REDO_MAX_COLUMNS * 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,8 +592,7 @@ def plan(query, ref, k) -> Plan:
     capturing, tensor_cores = _capturing(query), _on_tensor_cores(query)
     capture = tensor_cores and capturing and _capturable("knn", query.dtype, dim, k)
     if capture:
-        redo = "every pair" if triton_dense.brute_force_takes(dim, k) and columns <= BRUTE_FORCE_REDO_MAX_COLUMNS \
-            else "search"
+        redo = "every pair" if _redone_by_every_pair(dim, k, columns) else "search"
     else:
         redo = "search" if query.is_cuda and _capturable("knn", query.dtype, dim, k) else "reference"
     if not tensor_cores:

@@ -17,7 +17,7 @@ from .members import _bit_reversed
 
 @triton.jit
 def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius,
-                        DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                        dim, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
                         KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
                         SORT_FROM: tl.constexpr, NEEDED: tl.constexpr, SCALED: tl.constexpr):
     """The k nearest valid references of GROUPS blocks of BLOCK_M queries of item b,
@@ -34,18 +34,18 @@ def _brute_force_kernel(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist,
             go = go & (tl.max(tl.load(needed_ptr + b * rows + m, mask=m < rows, other=0).to(tl.int32)) != 0)
         if go:
             _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns,
-                              radius, b, m, DIM, DP, LOG_DP, K, KP, BLOCK_N, SORT_FROM, NEEDED, SCALED)
+                              radius, b, m, dim, DP, LOG_DP, K, KP, BLOCK_N, SORT_FROM, NEEDED, SCALED)
 
 
 @triton.jit
 def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, out_idx, rows, columns, radius, b,
-                      m, DIM: tl.constexpr, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
+                      m, dim, DP: tl.constexpr, LOG_DP: tl.constexpr, K: tl.constexpr,
                       KP: tl.constexpr, BLOCK_N: tl.constexpr, SORT_FROM: tl.constexpr, NEEDED: tl.constexpr,
                       SCALED: tl.constexpr):
     """``_brute_force_kernel``'s lists of the queries m of item b."""
     BLOCK_M: tl.constexpr = m.shape[0]
     d = _bit_reversed(LOG_DP)  # (D > PER_COORDINATE_MAX_DIM here: halved)
-    q = tl.load(q_ptr + (b * rows + m)[:, None] * DIM + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < DIM),
+    q = tl.load(q_ptr + (b * rows + m)[:, None] * dim + d[None, :], mask=(m[:, None] < rows) & (d[None, :] < dim),
                 other=0.0)
     slots = tl.arange(0, KP)
     best = tl.where(slots[None, :] < K, tl.full((BLOCK_M, KP), KEY_NONE, tl.int64),
@@ -54,8 +54,8 @@ def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, o
     for start in range(0, columns, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         inside = n < columns
-        r = tl.load(r_ptr + (b * columns + n)[:, None] * DIM + d[None, :],
-                    mask=inside[:, None] & (d[None, :] < DIM), other=0.0)
+        r = tl.load(r_ptr + (b * columns + n)[:, None] * dim + d[None, :],
+                    mask=inside[:, None] & (d[None, :] < dim), other=0.0)
         diff = q[:, None, :] - r[None, :, :]
         x = diff * diff
         for level in tl.static_range(LOG_DP):  # (d, d + half) side by side: see _bit_reversed
@@ -79,14 +79,10 @@ def _brute_force_rows(q_ptr, r_ptr, r_ok_ptr, needed_ptr, scale_ptr, out_dist, o
     tl.store(out_idx + where, tl.where(found, best & 0xFFFFFFFF, -1), mask=keep)
 
 
-# Brute force (every pair measured as the reference measures it): the widest points it takes,
-# the k it keeps in registers, and its tiles (queries, and references per DP / 64).
-BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
-
-
-# Brute force (every pair measured as the reference measures it): the widest points it takes,
-# the k it keeps in registers, and its tiles (queries, and references per DP / 64).
-BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 256, 64
+# Brute force (every pair measured as the reference measures it): the widest points it takes (a
+# variant a power of two: D a runtime argument), the k it keeps in registers, and its tiles
+# (queries, and references per DP / 64).
+BRUTE_FORCE_MAX_DIM, BRUTE_FORCE_MAX_K = 2048, 64
 BRUTE_FORCE_BLOCK_M, BRUTE_FORCE_TILE, BRUTE_FORCE_WARPS = 4, 8192, 4
 
 
@@ -128,7 +124,7 @@ def brute_force(q: torch.Tensor, r: torch.Tensor, ref_ok: torch.Tensor, k: int, 
         _brute_force_kernel[(triton.cdiv(rows, BRUTE_FORCE_BLOCK_M * groups), batch)](
             q.contiguous(), r.contiguous(), ref_ok.contiguous().view(torch.uint8),
             needed if needed is not None else ref_ok,
-            scale.contiguous() if scale is not None else q, dists, idx, rows, columns, radius, DIM=dim, DP=padded,
+            scale.contiguous() if scale is not None else q, dists, idx, rows, columns, radius, dim, DP=padded,
             LOG_DP=padded.bit_length() - 1, K=k, KP=triton.next_power_of_2(k), BLOCK_M=BRUTE_FORCE_BLOCK_M,
             BLOCK_N=block_n, GROUPS=groups, SORT_FROM=sort_from, NEEDED=needed is not None, SCALED=scale is not None,
             num_warps=BRUTE_FORCE_WARPS, enable_fp_fusion=False)

@@ -114,10 +114,11 @@ def _bit_reversed(LOG_DP: tl.constexpr):
 
 
 @triton.jit
-def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
+def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr = False):
     """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
     summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
-    one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
+    one after another, else halved LOG_DP times (``pairs.halving_sum``; REVERSED: q and r
+    loaded in ``_bit_reversed`` order, each halving a sum of neighbours). Kernels using it
     are launched without contraction into fused multiply-adds."""
     C: tl.constexpr = r.shape[0]
     DP: tl.constexpr = r.shape[1]
@@ -128,6 +129,10 @@ def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
         total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
         for c in tl.static_range(1, DIM):
             total += tl.sum(tl.where(d == c, x, 0.0), 1)
+    elif REVERSED:
+        for level in tl.static_range(LOG_DP):
+            x = tl.sum(tl.reshape(x, (C, DP >> (level + 1), 2)), 2)
+        total = tl.reshape(x, (C,))
     else:
         for level in tl.static_range(LOG_DP):
             x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
@@ -266,11 +271,12 @@ def _key_ceiling(key, bound, q_abs, reach, dim, POSITION_BITS: tl.constexpr):
 def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, dim, log_steps, DIM: tl.constexpr,
                       LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                      BY_QUAD: tl.constexpr):
+                      BY_QUAD: tl.constexpr, REVERSED: tl.constexpr):
     """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
     summed differences, the ``take`` least (by (value, member)) measured again in the
     reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each; DIM 0: any
-    D = dim, ``_stepped_squares``) -> their
+    D = dim, ``_stepped_squares``; REVERSED: tiles of coordinates in ``_bit_reversed`` order)
+    -> their
     (distance, index) keys, ascending [SEL or WP] (none: ``KEY_NONE``), and the take-th
     least first measure (+inf where every member was)."""
     members = n_chosen * CHUNK
@@ -293,7 +299,7 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
     else:
         last = tl.full((), float("inf"), tl.float32)
         slot = j
-    dp = tl.arange(0, 1 << LOG_DP)
+    dp = _bit_reversed(LOG_DP) if REVERSED else tl.arange(0, 1 << LOG_DP)
     if DIM > 0:
         q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
     BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
@@ -307,7 +313,7 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
         else:
             r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
                         other=0.0)
-            d2 = _reference_squares(q, r, DIM, LOG_DP)
+            d2 = _reference_squares(q, r, DIM, LOG_DP, REVERSED)
         valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
         found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
         found = tl.where(valid & (d2 == d2), found, KEY_NONE)
@@ -319,7 +325,7 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
 def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                             n_chosen, take, count, dim, log_steps, DIM: tl.constexpr, LOG_DP: tl.constexpr,
                             CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                            BY_QUAD: tl.constexpr, NEEDED: tl.constexpr):
+                            BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, NEEDED: tl.constexpr):
     """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
     ``count`` nearest stored by (distance, index), and the take-th least first measure
     -> out_last."""
@@ -331,7 +337,7 @@ def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d,
     width = DIM if DIM > 0 else dim
     keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width, ok_ptr + item * columns,
                                    chosen_ptr + row * n_chosen, columns, n_chosen, take, width, log_steps, DIM,
-                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD)
+                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD, REVERSED)
     tl.store(out_last + row, last)
     at = tl.arange(0, keys.shape[0])
     hit = keys != KEY_NONE
@@ -345,7 +351,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
                             n_chosen, n_keys, take, count, error, radius, n_rows, dim, log_steps, DIM: tl.constexpr,
                             LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
-                            POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+                            REVERSED: tl.constexpr, POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
                             NEEDED: tl.constexpr):
     """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
     members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
@@ -386,7 +392,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
             keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width,
                                            ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
                                            take, width, log_steps, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                           BY_QUAD)
+                                           BY_QUAD, REVERSED)
             # Every reference of an unmeasured chunk lies at or above the next key's floor.
             top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
             beyond = _key_floor(top, bound, q_abs, reach, width, POSITION_BITS)
@@ -458,6 +464,9 @@ MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # through shared memory). A member a thread (16-byte loads from 32 rows at once) was as fast as the
 # tiles.
 MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
+# Wider members (a variant a width) are loaded in ``_bit_reversed`` order from this many coordinates,
+# each halving then a sum of neighbours.
+MEMBERS_REVERSED_MIN_DIM = 10**9
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -498,6 +507,7 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
     return dict(dim=dim, log_steps=_log_steps(dim), DIM=0 if wide else dim, LOG_DP=padded.bit_length() - 1,
                 WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
+                REVERSED=not wide and not by_quad and dim >= max(MEMBERS_REVERSED_MIN_DIM, PER_COORDINATE_MAX_DIM + 1),
                 num_warps=warps, enable_fp_fusion=False)
 
 
