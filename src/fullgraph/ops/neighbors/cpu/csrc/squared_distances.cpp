@@ -98,42 +98,58 @@ T squared_distance_in_steps(const T* q, const T* r, int64_t dim, T* squares) {
 // beyond dim skipped (a partial one read masked), then the last vector halved by lane shuffles:
 // the same roundings as the steps through memory, 1.5-3.5x faster at P <= kTreeMaxBytes, and from
 // D = 5 (2-core CPU, 264 candidates of 1,000 queries: D=8 3.1 -> 1.1 ms, D=32 4.5 -> 1.4).
-template <typename T, int64_t C>
+template <typename T, int64_t C, int R>
 struct SquaresTree {
   typedef T vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T))));
   static constexpr int64_t kWidth = kVectorBytes / sizeof(T);
-  // The halving's sum of the squares of the vectors first, first + stride, ... (C of them).
-  static inline vec sum(const T* q, const T* r, int64_t first, int64_t stride, int64_t dim) {
+  // out[i]: the halving's sum of the squares of the vectors first, first + stride, ... (C of them)
+  // of q - r[i], for R rows at once (each vector of q loaded once for all R).
+  __attribute__((always_inline)) static inline void sum(const T* q, const T* const* r, int64_t first,
+                                                        int64_t stride, int64_t dim, vec* out) {
     if constexpr (C == 1) {
       const int64_t d = first * kWidth;
       if (d + kWidth <= dim) {
-        const vec diff = *reinterpret_cast<const vec*>(q + d) - *reinterpret_cast<const vec*>(r + d);
-        return diff * diff;
+        const vec near = *reinterpret_cast<const vec*>(q + d);
+        for (int i = 0; i < R; ++i) {
+          const vec diff = near - *reinterpret_cast<const vec*>(r[i] + d);
+          out[i] = diff * diff;
+        }
+        return;
       }
 #ifdef __AVX512F__
       if constexpr (kVectorBytes == 64) {  // the lanes past dim read as 0: 0 - 0, squared 0
         const __mmask16 inside = static_cast<__mmask16>((1u << (dim - d)) - 1);
-        vec diff;
         if constexpr (std::is_same_v<T, float>) {
-          diff = reinterpret_cast<vec>(_mm512_maskz_loadu_ps(inside, q + d)) -
-                 reinterpret_cast<vec>(_mm512_maskz_loadu_ps(inside, r + d));
+          const vec near = reinterpret_cast<vec>(_mm512_maskz_loadu_ps(inside, q + d));
+          for (int i = 0; i < R; ++i) {
+            const vec diff = near - reinterpret_cast<vec>(_mm512_maskz_loadu_ps(inside, r[i] + d));
+            out[i] = diff * diff;
+          }
         } else {
-          diff = reinterpret_cast<vec>(_mm512_maskz_loadu_pd(static_cast<__mmask8>(inside), q + d)) -
-                 reinterpret_cast<vec>(_mm512_maskz_loadu_pd(static_cast<__mmask8>(inside), r + d));
+          const __mmask8 lanes = static_cast<__mmask8>(inside);
+          const vec near = reinterpret_cast<vec>(_mm512_maskz_loadu_pd(lanes, q + d));
+          for (int i = 0; i < R; ++i) {
+            const vec diff = near - reinterpret_cast<vec>(_mm512_maskz_loadu_pd(lanes, r[i] + d));
+            out[i] = diff * diff;
+          }
         }
-        return diff * diff;
+        return;
       }
 #endif
-      vec tail = {};
-      for (int64_t j = 0; d + j < dim; ++j) {
-        const T diff = q[d + j] - r[d + j];
-        tail[j] = diff * diff;
+      for (int i = 0; i < R; ++i) {
+        vec tail = {};
+        for (int64_t j = 0; d + j < dim; ++j) {
+          const T diff = q[d + j] - r[i][d + j];
+          tail[j] = diff * diff;
+        }
+        out[i] = tail;
       }
-      return tail;
     } else {
-      const vec even = SquaresTree<T, C / 2>::sum(q, r, first, 2 * stride, dim);
-      if ((first + stride) * kWidth >= dim) return even;  // the rest: padding
-      return even + SquaresTree<T, C / 2>::sum(q, r, first + stride, 2 * stride, dim);
+      SquaresTree<T, C / 2, R>::sum(q, r, first, 2 * stride, dim, out);
+      if ((first + stride) * kWidth >= dim) return;  // the rest: padding
+      vec odd[R];
+      SquaresTree<T, C / 2, R>::sum(q, r, first + stride, 2 * stride, dim, odd);
+      for (int i = 0; i < R; ++i) out[i] += odd[i];
     }
   }
 };
@@ -150,30 +166,49 @@ inline V fold_lanes(V v, std::index_sequence<I...>) {
 #endif
 }
 
-constexpr int64_t kTreeMaxBytes = 2048;  // beyond, candidate rows stream from memory: no gain measured
+constexpr int64_t kTreeMaxBytes = 2048;
+constexpr int kRowsAtOnce = 2;  // (4 spilled registers: 2-core CPU, D=512 41 -> 67 ns a pair; 1 -> 2: 55 -> 37-41)  // beyond, candidate rows stream from memory: no gain measured
+
+// Whether squared_distance sums D = dim in SquaresTree's registers (vectors of them), or 0.
+template <typename T>
+int64_t tree_vectors(int64_t dim) {
+  int64_t padded = 1;
+  while (padded < dim) padded *= 2;
+  if (dim <= kPerCoordinateMaxDim || padded * int64_t(sizeof(T)) > kTreeMaxBytes) return 0;
+  return std::max<int64_t>(padded / int64_t(kVectorBytes / sizeof(T)), 1);
+}
+
+// out[i] = the squared distance from q to r[i] for R rows, in SquaresTree (``vectors``: tree_vectors).
+template <typename T, int R>
+void squared_distances_in_tree(const T* q, const T* const* r, int64_t dim, int64_t vectors, T* out) {
+  typedef T vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T))));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(T);
+  vec v[R];
+  switch (vectors) {
+    case 1: SquaresTree<T, 1, R>::sum(q, r, 0, 1, dim, v); break;
+    case 2: SquaresTree<T, 2, R>::sum(q, r, 0, 1, dim, v); break;
+    case 4: SquaresTree<T, 4, R>::sum(q, r, 0, 1, dim, v); break;
+    case 8: SquaresTree<T, 8, R>::sum(q, r, 0, 1, dim, v); break;
+    case 16: SquaresTree<T, 16, R>::sum(q, r, 0, 1, dim, v); break;
+    case 32: SquaresTree<T, 32, R>::sum(q, r, 0, 1, dim, v); break;
+    default: SquaresTree<T, 64, R>::sum(q, r, 0, 1, dim, v); break;
+  }
+  for (int i = 0; i < R; ++i) {
+    vec x = v[i];
+    if constexpr (kWidth == 16) x = fold_lanes<T, vec, 16, 8>(x, std::make_index_sequence<16>{});
+    if constexpr (kWidth >= 8) x = fold_lanes<T, vec, kWidth, 4>(x, std::make_index_sequence<kWidth>{});
+    x = fold_lanes<T, vec, kWidth, 2>(x, std::make_index_sequence<kWidth>{});
+    out[i] = x[0] + x[1];
+  }
+}
 
 template <typename T>
 T squared_distance(const T* q, const T* r, int64_t dim, T* squares) {
-  typedef T vec __attribute__((vector_size(kVectorBytes), aligned(sizeof(T))));
-  constexpr int64_t kWidth = kVectorBytes / sizeof(T);
-  int64_t padded = 1;
-  while (padded < dim) padded *= 2;
-  vec v;
-  const int64_t vectors = std::max<int64_t>(padded / kWidth, 1);
-  switch (dim <= kPerCoordinateMaxDim || padded * int64_t(sizeof(T)) > kTreeMaxBytes ? 0 : vectors) {
-    case 1: v = SquaresTree<T, 1>::sum(q, r, 0, 1, dim); break;
-    case 2: v = SquaresTree<T, 2>::sum(q, r, 0, 1, dim); break;
-    case 4: v = SquaresTree<T, 4>::sum(q, r, 0, 1, dim); break;
-    case 8: v = SquaresTree<T, 8>::sum(q, r, 0, 1, dim); break;
-    case 16: v = SquaresTree<T, 16>::sum(q, r, 0, 1, dim); break;
-    case 32: v = SquaresTree<T, 32>::sum(q, r, 0, 1, dim); break;
-    case 64: v = SquaresTree<T, 64>::sum(q, r, 0, 1, dim); break;
-    default: return squared_distance_in_steps(q, r, dim, squares);
-  }
-  if constexpr (kWidth == 16) v = fold_lanes<T, vec, 16, 8>(v, std::make_index_sequence<16>{});
-  if constexpr (kWidth >= 8) v = fold_lanes<T, vec, kWidth, 4>(v, std::make_index_sequence<kWidth>{});
-  v = fold_lanes<T, vec, kWidth, 2>(v, std::make_index_sequence<kWidth>{});
-  return v[0] + v[1];
+  const int64_t vectors = tree_vectors<T>(dim);
+  if (vectors == 0) return squared_distance_in_steps(q, r, dim, squares);
+  T out;
+  squared_distances_in_tree<T, 1>(q, &r, dim, vectors, &out);
+  return out;
 }
 
 void check_clouds(const at::Tensor& q, const at::Tensor& r) {
@@ -207,19 +242,40 @@ at::Tensor measure(const at::Tensor& q, const at::Tensor& r, const int64_t* posi
     scalar_t* target = out.data_ptr<scalar_t>();
     const scalar_t* floor = floors.defined() ? floors.data_ptr<scalar_t>() : nullptr;
     const int64_t grain = pair_grain(take, dim);
+    const int64_t vectors = tree_vectors<scalar_t>(dim);
     at::parallel_for(0, batch * rows, grain, [&](int64_t first, int64_t last) {
       std::vector<scalar_t> squares(dim);
       for (int64_t row = first; row < last; ++row) {
         const scalar_t* item = ref + (row / rows) * columns * dim;
+        const scalar_t* near = query + row * dim;
+        const int64_t* at = position + row * take;
         scalar_t* found = target + row * take;
         scalar_t largest = 0;  // of the first ``least``
-        for (int64_t j = 0; j < take; ++j) {
-          if (floor != nullptr && j >= least && floor[row * take + j] > largest * scalar_t(1 + kFloorMargin)) {
+        const auto outside = [&](int64_t j) {
+          return floor != nullptr && j >= least && floor[row * take + j] > largest * scalar_t(1 + kFloorMargin);
+        };
+        for (int64_t j = 0; j < take;) {
+          if (outside(j)) {
             std::fill(found + j, found + take, std::numeric_limits<scalar_t>::infinity());
             break;
           }
-          found[j] = squared_distance(query + row * dim, item + position[row * take + j] * dim, dim, squares.data());
-          if (j < least) largest = j == 0 || found[j] > largest || found[j] != found[j] ? found[j] : largest;
+          // kRowsAtOnce rows at once (q's loads shared) where no floor waits for another's distance
+          // (floors ascend: the last one's decides)
+          const auto together = [&](int64_t count) {
+            return vectors > 0 && j + count <= take && (j + count <= least || (j >= least && !outside(j + count - 1)));
+          };
+          int64_t count = 1;
+          if (together(kRowsAtOnce)) {
+            const scalar_t* some[kRowsAtOnce];
+            for (int i = 0; i < kRowsAtOnce; ++i) some[i] = item + at[j + i] * dim;
+            squared_distances_in_tree<scalar_t, kRowsAtOnce>(near, some, dim, vectors, found + j);
+            count = kRowsAtOnce;
+          } else {
+            found[j] = squared_distance(near, item + at[j] * dim, dim, squares.data());
+          }
+          for (const int64_t next = j + count; j < next; ++j) {
+            if (j < least) largest = j == 0 || found[j] > largest || found[j] != found[j] ? found[j] : largest;
+          }
         }
       }
     });
