@@ -268,15 +268,36 @@ def _key_ceiling(key, bound, q_abs, reach, dim, POSITION_BITS: tl.constexpr):
 
 
 @triton.jit
+def _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps, dp,
+                    DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                    POSITION_BITS: tl.constexpr, BY_QUAD: tl.constexpr, REVERSED: tl.constexpr):
+    """``_measured_members``' keys [BLOCKS, BLOCK_C] with block b of the slots measured in the
+    reference's arithmetic."""
+    BLOCKS: tl.constexpr = keys.shape[0]
+    ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
+    if DIM == 0:
+        d2 = _stepped_squares(q_row, r_base + ref * dim, inside, dim, log_steps, _WIDE_LOG_STEP, _WIDE_LEVELS)
+    elif BY_QUAD:
+        d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
+    else:
+        r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM), other=0.0)
+        d2 = _reference_squares(q, r, DIM, LOG_DP, REVERSED)
+    valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
+    found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
+    found = tl.where(valid & (d2 == d2), found, KEY_NONE)
+    return tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
+
+
+@triton.jit
 def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, dim, log_steps, DIM: tl.constexpr,
                       LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                      BY_QUAD: tl.constexpr, REVERSED: tl.constexpr):
+                      BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, LOOPED: tl.constexpr):
     """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
     summed differences, the ``take`` least (by (value, member)) measured again in the
     reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each; DIM 0: any
-    D = dim, ``_stepped_squares``; REVERSED: tiles of coordinates in ``_bit_reversed`` order)
-    -> their
+    D = dim, ``_stepped_squares``; REVERSED: tiles of coordinates in ``_bit_reversed`` order;
+    LOOPED: BLOCK_C members at a time in a loop over the slots in use, not unrolled) -> their
     (distance, index) keys, ascending [SEL or WP] (none: ``KEY_NONE``), and the take-th
     least first measure (+inf where every member was)."""
     members = n_chosen * CHUNK
@@ -302,22 +323,19 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
     dp = _bit_reversed(LOG_DP) if REVERSED else tl.arange(0, 1 << LOG_DP)
     if DIM > 0:
         q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
+    else:
+        q = dp.to(tl.float32)  # (unused: ``_stepped_squares`` loads its steps)
     BLOCKS: tl.constexpr = slot.shape[0] // BLOCK_C
     keys = tl.full((BLOCKS, BLOCK_C), KEY_NONE, tl.int64)
-    for b in tl.static_range(BLOCKS):
-        ref, inside = _member_refs(chosen, members, columns, _row_of(slot, b, BLOCK_C), CHUNK, POSITION_BITS)
-        if DIM == 0:
-            d2 = _stepped_squares(q_row, r_base + ref * dim, inside, dim, log_steps, _WIDE_LOG_STEP, _WIDE_LEVELS)
-        elif BY_QUAD:
-            d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
-        else:
-            r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM),
-                        other=0.0)
-            d2 = _reference_squares(q, r, DIM, LOG_DP, REVERSED)
-        valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
-        found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
-        found = tl.where(valid & (d2 == d2), found, KEY_NONE)
-        keys = tl.where((tl.arange(0, BLOCKS) == b)[:, None], found[None, :], keys)
+    if LOOPED:  # only the blocks of slots in use
+        used = tl.minimum(take, SEL) if SEL < WP else members
+        for b in range(0, tl.cdiv(used, BLOCK_C)):
+            keys = _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps,
+                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD, REVERSED)
+    else:
+        for b in tl.static_range(BLOCKS):
+            keys = _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps,
+                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD, REVERSED)
     return tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0), last
 
 
@@ -325,7 +343,8 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
 def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                             n_chosen, take, count, dim, log_steps, DIM: tl.constexpr, LOG_DP: tl.constexpr,
                             CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                            BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, NEEDED: tl.constexpr):
+                            BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, LOOPED: tl.constexpr,
+                            NEEDED: tl.constexpr):
     """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
     ``count`` nearest stored by (distance, index), and the take-th least first measure
     -> out_last."""
@@ -337,7 +356,7 @@ def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d,
     width = DIM if DIM > 0 else dim
     keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width, ok_ptr + item * columns,
                                    chosen_ptr + row * n_chosen, columns, n_chosen, take, width, log_steps, DIM,
-                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD, REVERSED)
+                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD, REVERSED, LOOPED)
     tl.store(out_last + row, last)
     at = tl.arange(0, keys.shape[0])
     hit = keys != KEY_NONE
@@ -351,7 +370,8 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
                             n_chosen, n_keys, take, count, error, radius, n_rows, dim, log_steps, DIM: tl.constexpr,
                             LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
-                            REVERSED: tl.constexpr, POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
+                            REVERSED: tl.constexpr, LOOPED: tl.constexpr, POSITION_BITS: tl.constexpr,
+                            ROWS: tl.constexpr, HALF: tl.constexpr,
                             NEEDED: tl.constexpr):
     """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
     members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
@@ -392,7 +412,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
             keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width,
                                            ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
                                            take, width, log_steps, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                           BY_QUAD, REVERSED)
+                                           BY_QUAD, REVERSED, LOOPED)
             # Every reference of an unmeasured chunk lies at or above the next key's floor.
             top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
             beyond = _key_floor(top, bound, q_abs, reach, width, POSITION_BITS)
@@ -467,6 +487,9 @@ MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
 # Wider members (a variant a width) are loaded in ``_bit_reversed`` order from this many coordinates,
 # each halving then a sum of neighbours.
 MEMBERS_REVERSED_MIN_DIM = 10**9
+# From this many coordinates the members are re-measured in a loop over the blocks of slots in use,
+# not every block unrolled (a 1024-wide tile a member, 64 slots: ~160 s to compile at D = 768).
+MEMBERS_LOOPED_MIN_DIM = MEMBERS_BY_QUAD_MAX_DIM + 1
 
 
 def ranks_members(members: int, take: int, dim: int) -> bool:
@@ -508,6 +531,7 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
                 WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
                 REVERSED=not wide and not by_quad and dim >= max(MEMBERS_REVERSED_MIN_DIM, PER_COORDINATE_MAX_DIM + 1),
+                LOOPED=dim >= MEMBERS_LOOPED_MIN_DIM,
                 num_warps=warps, enable_fp_fusion=False)
 
 
