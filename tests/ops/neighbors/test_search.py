@@ -257,7 +257,7 @@ def test_auto_radius_on_cpu_searches_small_items_by_brute_force(monkeypatch):
     assert calls == [9]
 
 
-@pytest.mark.parametrize("dim", [1, 3, 4, 5, 16, 64, 300])
+@pytest.mark.parametrize("dim", [1, 3, 4, 5, 16, 64, 300, 512])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_cpu_brute_force_equals_the_reference_bit_for_bit(dim, dtype):
     """cpu.brute_force (every pair measured in C++) against reference.nearest: lists,
