@@ -25,7 +25,7 @@ WORKLOADS = {
     "knn-graph": ("seed", "small", "tiny"),
     "kmeans-fit": ("seed", "small", "wide", "tiny"),
     "knn-projector": ("seed", "small", "tiny"),
-    "knn-sweep": ("quick", "wide", "small", "peers", "lists", "tiny", "full"),
+    "knn-sweep": ("quick", "wide", "batched", "small", "peers", "lists", "tiny", "full"),
     "knn-sharded": ("seed", "weak", "weak-h100", "medium", "small", "tiny"),
     "lltm": ("seed", "small", "tiny", "batch256", "batch2048"),
     "neighbor-ops": ("seed", "large", "feature", "feature-small", "small", "crossover"),

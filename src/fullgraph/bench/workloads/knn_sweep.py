@@ -172,6 +172,9 @@ register(Workload(
                  + _grid(((16, 256, 256), (4, 3000, 3000), (1, 10_000, 200_000)), (256, 768), (16,))
                  + [[4, 3000, 3000, 2048, 16, "float32"], [4, 3000, 3000, 256, 16, "bfloat16"]],
                  "first": _FIRST},
+        # batches of small clouds across widths (on a GPU a few launches a call: where host time
+        # and the re-measure of wide members weigh most)
+        "batched": {"cells": _grid(((16, 256, 256),), (96, 128, 192, 300, 512, 768, 1024, 1536, 2048), (16, 64))},
         # what a CPU runs in minutes
         "small": {"cells": _grid(((16, 256, 256), (2, 1024, 1024), (1, 2000, 20_000)), (8, 64, 256), (16,))
                   + [[16, 256, 256, 64, 64, "float32"], [16, 256, 256, 256, 64, "float32"],
