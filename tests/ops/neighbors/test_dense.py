@@ -517,6 +517,19 @@ def test_products_in_tf32x3_equal_the_reference(distribution, dim, k, monkeypatc
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_captures_redo_small_items_of_any_width_by_the_brute_force():
+    """Inside a capture, unproven rows of items whose references times padded width stay within
+    BRUTE_FORCE_REDO_MAX_COLUMNS x 256 go to the brute force (up to its widest points and
+    longest lists), larger items to the Triton search."""
+    most = dense.BRUTE_FORCE_REDO_MAX_COLUMNS
+    assert dense._redone_by_every_pair(64, 16, most) and not dense._redone_by_every_pair(64, 16, most + 1)
+    assert dense._redone_by_every_pair(768, 16, 256) and dense._redone_by_every_pair(768, 64, most // 4)
+    assert not dense._redone_by_every_pair(768, 16, most // 4 + 1)
+    assert dense._redone_by_every_pair(2048, 16, most // 8) and not dense._redone_by_every_pair(2049, 16, 16)
+    assert not dense._redone_by_every_pair(768, 65, 256) and not dense._redone_by_every_pair(4, 16, 256)
+
+
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
 def test_gpu_plans_take_the_products_for_long_lists(monkeypatch):
     """Where the chosen chunks lose (long lists) GPUs take the products in "tf32x3", up to
     PRODUCTS_MAX_PAIRS (fewer inside a capture); elsewhere the tensor cores' chunks."""
