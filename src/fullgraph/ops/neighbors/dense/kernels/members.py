@@ -95,7 +95,7 @@ def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, log_st
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
-        squares = _reference_squares(q, r, DP, LOG_DP)  # (D > 4: halved)
+        squares = _reference_squares(q, r, DP, LOG_DP, False)  # (D > 4: halved)
     tl.store(out_ptr + i * take + c, squares, mask=c < take)
 
 
@@ -114,7 +114,7 @@ def _bit_reversed(LOG_DP: tl.constexpr):
 
 
 @triton.jit
-def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr = False):
+def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr):
     """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
     summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
     one after another, else halved LOG_DP times (``pairs.halving_sum``; REVERSED: q and r
@@ -487,8 +487,9 @@ MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
 # Wider members (a variant a width) are loaded in ``_bit_reversed`` order from this many coordinates,
 # each halving then a sum of neighbours.
 MEMBERS_REVERSED_MIN_DIM = 10**9
-# From this many coordinates the members are re-measured in a loop over the blocks of slots in use,
-# not every block unrolled (a 1024-wide tile a member, 64 slots: ~160 s to compile at D = 768).
+# From this many coordinates the members of a variant a width are re-measured in a loop over the
+# blocks of slots in use, not every block unrolled (a 1024-wide tile a member, 64 slots at D = 768:
+# 85 s to compile for sm_90 on one core, 4 s looped). (``_stepped_squares``' few blocks stay unrolled.)
 MEMBERS_LOOPED_MIN_DIM = MEMBERS_BY_QUAD_MAX_DIM + 1
 
 
@@ -531,7 +532,7 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
                 WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
                 REVERSED=not wide and not by_quad and dim >= max(MEMBERS_REVERSED_MIN_DIM, PER_COORDINATE_MAX_DIM + 1),
-                LOOPED=dim >= MEMBERS_LOOPED_MIN_DIM,
+                LOOPED=not wide and not by_quad and dim >= MEMBERS_LOOPED_MIN_DIM,
                 num_warps=warps, enable_fp_fusion=False)
 
 
