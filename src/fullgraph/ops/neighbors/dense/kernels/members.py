@@ -95,7 +95,7 @@ def _squared_distances_kernel(q_ptr, r_ptr, refs_ptr, out_ptr, take, dim, log_st
         q = tl.load(q_ptr + i * dim + d, mask=d < dim, other=0.0)
         r = tl.load(r_ptr + refs[:, None] * dim + d[None, :], mask=(c[:, None] < take) & (d[None, :] < dim),
                     other=0.0)
-        squares = _reference_squares(q, r, DP, LOG_DP, False)  # (D > 4: halved)
+        squares = _reference_squares(q, r, DP, LOG_DP)  # (D > 4: halved)
     tl.store(out_ptr + i * take + c, squares, mask=c < take)
 
 
@@ -114,11 +114,10 @@ def _bit_reversed(LOG_DP: tl.constexpr):
 
 
 @triton.jit
-def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: tl.constexpr):
+def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr):
     """[C]: sum_d (q - r_c)_d^2 of q [DP] against the rows of r [C, DP] (zero past DIM),
     summed as ``pairs.squared_difference`` sums: up to PER_COORDINATE_MAX_DIM coordinates
-    one after another, else halved LOG_DP times (``pairs.halving_sum``; REVERSED: q and r
-    loaded in ``_bit_reversed`` order, each halving a sum of neighbours). Kernels using it
+    one after another, else halved LOG_DP times (``pairs.halving_sum``). Kernels using it
     are launched without contraction into fused multiply-adds."""
     C: tl.constexpr = r.shape[0]
     DP: tl.constexpr = r.shape[1]
@@ -129,10 +128,6 @@ def _reference_squares(q, r, DIM: tl.constexpr, LOG_DP: tl.constexpr, REVERSED: 
         total = tl.sum(tl.where(d == 0, x, 0.0), 1)  # (one square and zeros: exact)
         for c in tl.static_range(1, DIM):
             total += tl.sum(tl.where(d == c, x, 0.0), 1)
-    elif REVERSED:
-        for level in tl.static_range(LOG_DP):
-            x = tl.sum(tl.reshape(x, (C, DP >> (level + 1), 2)), 2)
-        total = tl.reshape(x, (C,))
     else:
         for level in tl.static_range(LOG_DP):
             x = tl.sum(tl.reshape(x, (C, 2, DP >> (level + 1))), 1)
@@ -270,7 +265,7 @@ def _key_ceiling(key, bound, q_abs, reach, dim, POSITION_BITS: tl.constexpr):
 @triton.jit
 def _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps, dp,
                     DIM: tl.constexpr, LOG_DP: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                    POSITION_BITS: tl.constexpr, BY_QUAD: tl.constexpr, REVERSED: tl.constexpr):
+                    POSITION_BITS: tl.constexpr, BY_QUAD: tl.constexpr):
     """``_measured_members``' keys [BLOCKS, BLOCK_C] with block b of the slots measured in the
     reference's arithmetic."""
     BLOCKS: tl.constexpr = keys.shape[0]
@@ -281,7 +276,7 @@ def _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, c
         d2 = _quad_squares(q_row, r_base + ref * DIM, inside, DIM, LOG_DP)
     else:
         r = tl.load(r_base + ref[:, None] * DIM + dp[None, :], mask=inside[:, None] & (dp[None, :] < DIM), other=0.0)
-        d2 = _reference_squares(q, r, DIM, LOG_DP, REVERSED)
+        d2 = _reference_squares(q, r, DIM, LOG_DP)
     valid = inside & (tl.load(ok_base + ref, mask=inside, other=0) != 0)
     found = (tl.sqrt_rn(d2).to(tl.int32, bitcast=True).to(tl.int64) << 32) | ref.to(tl.int64)
     found = tl.where(valid & (d2 == d2), found, KEY_NONE)
@@ -292,12 +287,12 @@ def _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, c
 def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, dim, log_steps, DIM: tl.constexpr,
                       LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                       BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, POSITION_BITS: tl.constexpr,
-                      BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, LOOPED: tl.constexpr):
+                      BY_QUAD: tl.constexpr, LOOPED: tl.constexpr):
     """One query (its row of q at ``q_row``): its members (``_member_refs``) measured by
     summed differences, the ``take`` least (by (value, member)) measured again in the
     reference's arithmetic (BY_QUAD: ``_quad_squares``, BLOCK_C four threads each; DIM 0: any
-    D = dim, ``_stepped_squares``; REVERSED: tiles of coordinates in ``_bit_reversed`` order;
-    LOOPED: BLOCK_C members at a time in a loop over the slots in use, not unrolled) -> their
+    D = dim, ``_stepped_squares``; LOOPED: BLOCK_C members at a time in a loop over the slots
+    in use, not unrolled) -> their
     (distance, index) keys, ascending [SEL or WP] (none: ``KEY_NONE``), and the take-th
     least first measure (+inf where every member was)."""
     members = n_chosen * CHUNK
@@ -320,7 +315,7 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
     else:
         last = tl.full((), float("inf"), tl.float32)
         slot = j
-    dp = _bit_reversed(LOG_DP) if REVERSED else tl.arange(0, 1 << LOG_DP)
+    dp = tl.arange(0, 1 << LOG_DP)
     if DIM > 0:
         q = tl.load(q_row + dp, mask=dp < DIM, other=0.0)
     else:
@@ -331,11 +326,11 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
         used = tl.minimum(take, SEL) if SEL < WP else members
         for b in range(0, tl.cdiv(used, BLOCK_C)):
             keys = _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps,
-                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD, REVERSED)
+                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD)
     else:
         for b in tl.static_range(BLOCKS):
             keys = _measured_block(keys, b, slot, q, q_row, r_base, ok_base, chosen, members, columns, dim, log_steps,
-                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD, REVERSED)
+                                   dp, DIM, LOG_DP, CHUNK, BLOCK_C, POSITION_BITS, BY_QUAD)
     return tl.sort(tl.reshape(keys, (BLOCKS * BLOCK_C,)), 0), last
 
 
@@ -343,8 +338,7 @@ def _measured_members(q_row, r_base, ok_base, chosen, columns, n_chosen, take, d
 def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d, out_i, out_last, rows, columns,
                             n_chosen, take, count, dim, log_steps, DIM: tl.constexpr, LOG_DP: tl.constexpr,
                             CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                            BY_QUAD: tl.constexpr, REVERSED: tl.constexpr, LOOPED: tl.constexpr,
-                            NEEDED: tl.constexpr):
+                            BY_QUAD: tl.constexpr, LOOPED: tl.constexpr, NEEDED: tl.constexpr):
     """One query: ``_measured_members`` of its chosen chunks (chosen < 0: none), the
     ``count`` nearest stored by (distance, index), and the take-th least first measure
     -> out_last."""
@@ -356,7 +350,7 @@ def _nearest_members_kernel(q_ptr, r_ptr, ok_ptr, chosen_ptr, needed_ptr, out_d,
     width = DIM if DIM > 0 else dim
     keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width, ok_ptr + item * columns,
                                    chosen_ptr + row * n_chosen, columns, n_chosen, take, width, log_steps, DIM,
-                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD, REVERSED, LOOPED)
+                                   LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, 0, BY_QUAD, LOOPED)
     tl.store(out_last + row, last)
     at = tl.arange(0, keys.shape[0])
     hit = keys != KEY_NONE
@@ -370,8 +364,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
                             n_chosen, n_keys, take, count, error, radius, n_rows, dim, log_steps, DIM: tl.constexpr,
                             LOG_DP: tl.constexpr, CHUNK: tl.constexpr, WP: tl.constexpr, SEL: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr, BY_QUAD: tl.constexpr,
-                            REVERSED: tl.constexpr, LOOPED: tl.constexpr, POSITION_BITS: tl.constexpr,
-                            ROWS: tl.constexpr, HALF: tl.constexpr,
+                            LOOPED: tl.constexpr, POSITION_BITS: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr,
                             NEEDED: tl.constexpr):
     """ROWS queries (of n_rows) of a block of ``rows`` (row ``first_row`` on of ``total_rows``), each: the
     members of its first n_chosen ``least_chunk_keys`` (of n_keys) measured
@@ -412,7 +405,7 @@ def _certified_lists_kernel(q_ptr, r_ptr, ok_ptr, query_ok_ptr, keys_ptr, q_norm
             keys, last = _measured_members(q_ptr + row * width, r_ptr + item * columns * width,
                                            ok_ptr + item * columns, keys_ptr + row * n_keys, columns, measured,
                                            take, width, log_steps, DIM, LOG_DP, CHUNK, WP, SEL, BLOCK_K, BLOCK_C, POSITION_BITS,
-                                           BY_QUAD, REVERSED, LOOPED)
+                                           BY_QUAD, LOOPED)
             # Every reference of an unmeasured chunk lies at or above the next key's floor.
             top = tl.load(keys_ptr + row * n_keys + measured, mask=n_keys > measured, other=0)
             beyond = _key_floor(top, bound, q_abs, reach, width, POSITION_BITS)
@@ -484,9 +477,6 @@ MEMBERS_MAX, MEMBERS_TAKE_MAX, MEMBERS_WARPS = 256, 64, 1
 # through shared memory). A member a thread (16-byte loads from 32 rows at once) was as fast as the
 # tiles.
 MEMBERS_BY_QUAD, MEMBERS_BY_QUAD_MAX_DIM = True, 128
-# Wider members (a variant a width) are loaded in ``_bit_reversed`` order from this many coordinates,
-# each halving then a sum of neighbours.
-MEMBERS_REVERSED_MIN_DIM = 10**9
 # From this many coordinates the members of a variant a width are re-measured in a loop over the
 # blocks of slots in use, not every block unrolled (a 1024-wide tile a member, 64 slots at D = 768:
 # 85 s to compile for sm_90 on one core, 4 s looped). (``_stepped_squares``' few blocks stay unrolled.)
@@ -531,7 +521,6 @@ def _members_settings(members: int, take: int, dim: int, wide_from: int = WIDE_M
     return dict(dim=dim, log_steps=_log_steps(dim), DIM=0 if wide else dim, LOG_DP=padded.bit_length() - 1,
                 WP=width, SEL=selected,
                 BLOCK_K=max(1, min(32, tile // width)), BLOCK_C=block_c, BY_QUAD=by_quad,
-                REVERSED=not wide and not by_quad and dim >= max(MEMBERS_REVERSED_MIN_DIM, PER_COORDINATE_MAX_DIM + 1),
                 LOOPED=not wide and not by_quad and dim >= MEMBERS_LOOPED_MIN_DIM,
                 num_warps=warps, enable_fp_fusion=False)
 
