@@ -34,7 +34,7 @@ WIDE_STEP = 1 << WIDE_LOG_STEP
 _WIDE_LOG_STEP, _WIDE_LEVELS = tl.constexpr(WIDE_LOG_STEP), tl.constexpr(WIDE_LEVELS)
 # ... and ``certified_lists`` from this many: its stepped kernel took twice the time of a call at
 # D = 300 (4 x 3000^2 k=24, H200: 2.16 against 1.17 ms, cdist + topk 1.43), so up to there it keeps
-# a variant a width (50 s to compile at D = 300).
+# a variant a width (50 s to compile at D = 300 unrolled, ~1.5 s looped: MEMBERS_LOOPED_MIN_DIM).
 CERTIFIED_WIDE_MIN_DIM = 1025
 
 
