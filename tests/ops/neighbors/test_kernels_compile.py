@@ -14,7 +14,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-# A fresh process: the test session's kernels are interpreted (TRITON_INTERPRET, conftest).
+# A fresh process: this process's kernels are interpreted (TRITON_INTERPRET, conftest).
 _COMPILE = textwrap.dedent("""
     import sys, time
     import triton
