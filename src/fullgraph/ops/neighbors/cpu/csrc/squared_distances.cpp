@@ -166,8 +166,10 @@ inline V fold_lanes(V v, std::index_sequence<I...>) {
 #endif
 }
 
-constexpr int64_t kTreeMaxBytes = 2048;
-constexpr int kRowsAtOnce = 2;  // (4 spilled registers: 2-core CPU, D=512 41 -> 67 ns a pair; 1 -> 2: 55 -> 37-41)  // beyond, candidate rows stream from memory: no gain measured
+constexpr int64_t kTreeMaxBytes = 2048;  // beyond, candidate rows stream from memory: no gain measured
+// Rows a query goes through the tree with at once, its vectors loaded once for all (1 thread, ns a
+// pair at D=512: one 55, two 37-41, four 67: spilled registers).
+constexpr int kRowsAtOnce = 2;
 
 // Whether squared_distance sums D = dim in SquaresTree's registers (vectors of them), or 0.
 template <typename T>
@@ -337,8 +339,8 @@ void squared_distances_of_block(const T* __restrict__ q, const T* __restrict__ b
   for (int64_t v = 0; v < kVectors; ++v) result[v] = width == 2 ? sums[v] + sums[kVectors + v] : sums[v];
 }
 
-// From this many coordinates (and up to the tree's kTreeMaxBytes) every pair is measured two
-// references at a time in SquaresTree's registers, not kLanes at a time through the lanes' squares
+// From this many coordinates (and up to the tree's kTreeMaxBytes) every pair is measured
+// kRowsAtOnce references at a time in SquaresTree's registers, not kLanes at a time through the lanes' squares
 // in memory (1 thread, 300^2 pairs, ns a pair lanes / tree: D=128 7.2 / 9.4, 256 16.7 / 16.3,
 // 512 31.5 / 25.6).
 constexpr int64_t kTreeAllMinDim = 257;
@@ -359,13 +361,14 @@ at::Tensor measure_all(const at::Tensor& q, const at::Tensor& r) {
           const scalar_t* item = ref + (row / rows) * columns * dim;
           scalar_t* found = target + row * columns;
           int64_t j = 0;
-          for (; j + 2 <= columns; j += 2) {
-            const scalar_t* pair[2] = {item + j * dim, item + (j + 1) * dim};
-            squared_distances_in_tree<scalar_t, 2>(query + row * dim, pair, dim, vectors, found + j);
+          for (; j + kRowsAtOnce <= columns; j += kRowsAtOnce) {
+            const scalar_t* some[kRowsAtOnce];
+            for (int i = 0; i < kRowsAtOnce; ++i) some[i] = item + (j + i) * dim;
+            squared_distances_in_tree<scalar_t, kRowsAtOnce>(query + row * dim, some, dim, vectors, found + j);
           }
-          if (j < columns) {
-            const scalar_t* one[1] = {item + j * dim};
-            squared_distances_in_tree<scalar_t, 1>(query + row * dim, one, dim, vectors, found + j);
+          for (; j < columns; ++j) {
+            const scalar_t* one = item + j * dim;
+            squared_distances_in_tree<scalar_t, 1>(query + row * dim, &one, dim, vectors, found + j);
           }
         }
       });
